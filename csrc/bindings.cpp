@@ -1,0 +1,60 @@
+// Every eecore op schema, in one place. The CPU and CUDA kernels register implementations in
+// csrc/<op>/<op>_{cpu,cuda}.cpp; fake (meta) implementations live in python/eecore/ops.py and the
+// pure-PyTorch oracles in python/eecore/reference.py. Shapes use these letters:
+//   T  tokens in a step          B  sequences (or rows)         L  decoder layers
+//   Hq query heads               Hkv KV heads (Hq % Hkv == 0)    D  head dim
+//   NB cache blocks              BS tokens per block             d  hidden size     V vocab
+// Activations are fp32, bf16 or fp16; reductions and softmax accumulate in fp32.
+#include <torch/library.h>
+
+TORCH_LIBRARY(eecore, m) {
+  // key, value [T, Hkv, D] -> k_cache, v_cache [NB, BS, Hkv, D] at slot_mapping[t] (int64 [T]);
+  // slot = block * BS + offset, -1 skips the token.
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+
+  // out, query [Tq, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
+  // seq_lens int32 [B]: cached tokens of each sequence, its new ones included;
+  // query_start_loc int32 [B+1]: sequence b owns query rows qsl[b]:qsl[b+1], which are its last
+  // tokens (causal mask aligned bottom-right). position_bias fp32 [Hq, max_distance] is added to
+  // the score at distance q_pos - k_pos (clamped to [0, max_distance - 1]).
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, float scale, bool causal, "
+        "Tensor? position_bias) -> ()");
+
+  // out, input [..., d]; weight [d]: out = input * rsqrt(mean(input^2) + eps) * weight
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
+
+  // input, residual [..., d]: residual += input; input = rms_norm(residual) * weight
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+
+  // positions int64 [T]; query [T, Hq, D]; key [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] =
+  // cat(cos, sin) along the last dim. Rotates the first rot_dim dims of every head, in place.
+  // is_neox: rotate the two halves (Llama/NeoX); else rotate interleaved pairs (GPT-J).
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
+        "bool is_neox) -> ()");
+
+  // logits [B, V] -> (gap fp32 [B] = p1 - p2 of softmax(logits), top1 int64 [B])
+  m.def("softmax_top2_gap(Tensor logits) -> (Tensor, Tensor)");
+
+  // hidden [B, d], weight [V, d] -> the same for logits = hidden @ weight.T, never materialized
+  m.def("lm_head_top2_gap(Tensor hidden, Tensor weight) -> (Tensor, Tensor)");
+
+  // prev, cur [B, d] -> fp32 [B] cosine similarity of each row
+  m.def("hidden_cosine(Tensor prev, Tensor cur) -> Tensor");
+
+  // hidden [B, d]; w1 [m, d]; b1 [m]; w2 [m]; b2 [1] -> fp32 [B] sigmoid(w2 . relu(w1 h + b1) + b2)
+  m.def("mlp_confidence(Tensor hidden, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor");
+
+  // status bool [B] |= (confidence fp32 [B] > threshold fp32 [] or [B]) & active bool [B].
+  // Returns int32 []: the active rows still not confident (0: the batch may exit).
+  m.def("accept_update(Tensor(a!) status, Tensor confidence, Tensor threshold, Tensor active) -> Tensor");
+
+  // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
+  // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;
+  // cos_sin_cache [max_pos, rot_dim]? (RoPE on K); positions int64 [T]; slot_mapping int64 [T];
+  // start_layer int32 [T]. For every t and l >= start_layer[t]: [K; V] = W_l rms(hidden[t]) + b_l,
+  // written at slot_mapping[t] of layer l.
+  m.def("kv_fill(Tensor(a!) kv_cache, Tensor hidden, Tensor weight, Tensor? bias, Tensor? cos_sin_cache, "
+        "Tensor positions, Tensor slot_mapping, Tensor start_layer, float eps, bool is_neox) -> ()");
+}

@@ -1,0 +1,141 @@
+"""Typed wrappers of the `torch.ops.eecore.*` ops, and their fake (meta) implementations.
+
+The ops are the public, engine-neutral contract (see csrc/bindings.cpp for every schema). The
+wrappers add nothing but names, defaults and return values: every check lives in the C++ op, so
+other engines calling `torch.ops.eecore.<name>` directly get the same errors.
+
+The fake implementations let `torch.compile` and `torch.library.opcheck` trace the ops without
+running them; the ops that only mutate their arguments need none beyond returning nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from eecore import _C  # noqa: F401  (loading the library registers torch.ops.eecore)
+
+_ops = torch.ops.eecore
+
+__all__ = [
+    "reshape_and_cache",
+    "paged_attention",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "softmax_top2_gap",
+    "lm_head_top2_gap",
+    "hidden_cosine",
+    "mlp_confidence",
+    "accept_update",
+    "kv_fill",
+]
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value `[T, Hkv, D]` into the paged caches `[NB, BS, Hkv, D]` at `slot_mapping` (int64, -1 skips)."""
+    _ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    max_query_len: int, scale: float, causal: bool = True,
+                    position_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Varlen attention of `query [Tq, Hq, D]` over the paged KV; writes and returns `out`."""
+    _ops.paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                         int(max_query_len), float(scale), bool(causal), position_bias)
+    return out
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`out = input * rsqrt(mean(input**2) + eps) * weight`; returns `out`."""
+    _ops.rms_norm(out, input, weight, float(eps))
+    return out
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: `residual += input`, then `input = rms_norm(residual) * weight`."""
+    _ops.fused_add_rms_norm(input, residual, weight, float(eps))
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool = True) -> None:
+    """Rotate `query [T, Hq, D]` and `key [T, Hkv, D]` in place at `positions` (int64 `[T]`)."""
+    _ops.rotary_embedding(positions, query, key, cos_sin_cache, bool(is_neox))
+
+
+def softmax_top2_gap(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(gap, top1)`: fp32 `p1 - p2` of `softmax(logits [B, V])` and the int64 argmax, per row."""
+    return _ops.softmax_top2_gap(logits)
+
+
+def lm_head_top2_gap(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax_top2_gap(hidden @ weight.T)` without materializing the `[B, V]` logits."""
+    return _ops.lm_head_top2_gap(hidden, weight)
+
+
+def hidden_cosine(prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """fp32 `[B]` cosine similarity of the rows of `prev` and `cur` `[B, d]`."""
+    return _ops.hidden_cosine(prev, cur)
+
+
+def mlp_confidence(hidden: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                   b2: torch.Tensor) -> torch.Tensor:
+    """fp32 `[B]` `sigmoid(w2 . relu(w1 @ h + b1) + b2)`: CALM's dedicated exit classifier."""
+    return _ops.mlp_confidence(hidden, w1, b1, w2, b2)
+
+
+def accept_update(status: torch.Tensor, confidence: torch.Tensor, threshold: torch.Tensor,
+                  active: torch.Tensor) -> torch.Tensor:
+    """`status |= (confidence > threshold) & active`; returns int32 `[]`: active rows not yet confident."""
+    return _ops.accept_update(status, confidence, threshold, active)
+
+
+def kv_fill(kv_cache: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            cos_sin_cache: Optional[torch.Tensor], positions: torch.Tensor, slot_mapping: torch.Tensor,
+            start_layer: torch.Tensor, eps: float, is_neox: bool = True) -> None:
+    """Fill the K/V of layers `>= start_layer[t]` for every token from its exit hidden state."""
+    _ops.kv_fill(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mapping, start_layer,
+                 float(eps), bool(is_neox))
+
+
+# --------------------------------------------------------------------------------------------
+# Fake implementations: shapes and dtypes only. The ops that return nothing need no fake.
+# --------------------------------------------------------------------------------------------
+
+def _register_fake(name: str):
+    return torch.library.register_fake(f"eecore::{name}")
+
+
+@_register_fake("softmax_top2_gap")
+def _softmax_top2_gap_fake(logits):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=torch.int64)
+
+
+@_register_fake("lm_head_top2_gap")
+def _lm_head_top2_gap_fake(hidden, weight):
+    rows = hidden.shape[0]
+    return hidden.new_empty(rows, dtype=torch.float32), hidden.new_empty(rows, dtype=torch.int64)
+
+
+@_register_fake("hidden_cosine")
+def _hidden_cosine_fake(prev, cur):
+    return prev.new_empty(prev.shape[0], dtype=torch.float32)
+
+
+@_register_fake("mlp_confidence")
+def _mlp_confidence_fake(hidden, w1, b1, w2, b2):
+    return hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+
+
+@_register_fake("accept_update")
+def _accept_update_fake(status, confidence, threshold, active):
+    return status.new_empty((), dtype=torch.int32)
+
+
+for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+              "kv_fill"):
+    torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
+del _name

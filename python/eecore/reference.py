@@ -1,0 +1,148 @@
+"""Pure-PyTorch oracles of every eecore op.
+
+Each function takes exactly the arguments of the op in `eecore.ops`, mutates the same arguments
+and returns the same values, so a test can run both on cloned inputs and compare everything.
+They are written for clarity, not speed: Python loops over sequences are fine here. All math
+runs in fp32; results are cast to the dtype of the tensor they are stored in.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = key[t].to(k_cache.dtype)
+        v_cache[block, offset] = value[t].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence, `[seq_len, Hkv, D]`, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table_row[:num_blocks].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                    scale, causal=True, position_bias: Optional[torch.Tensor] = None) -> None:
+    num_q_heads = query.shape[1]
+    group = num_q_heads // k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_begin, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_table[b], seq_len).float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = gather_kv(v_cache, block_table[b], seq_len).float().repeat_interleave(group, dim=1)
+        q = query[q_begin:q_end].float()  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        distance = q_pos[:, None] - k_pos[None, :]  # [q_len, S]
+        if position_bias is not None:
+            column = distance.clamp(0, position_bias.shape[1] - 1)
+            scores = scores + position_bias.float()[:, column]
+        if causal:
+            scores = scores.masked_fill(distance[None] < 0, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def rms_norm(out, input, weight, eps) -> None:
+    out.copy_((_rms(input, eps) * weight.float()).to(out.dtype))
+
+
+def fused_add_rms_norm(input, residual, weight, eps) -> None:
+    residual.copy_((residual.float() + input.float()).to(residual.dtype))
+    input.copy_((_rms(residual, eps) * weight.float()).to(input.dtype))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """Rotate the first 2 * cos.shape[-1] dims of x `[T, H, D]`; cos/sin `[T, rot_dim / 2]`."""
+    rot_dim = 2 * cos.shape[-1]
+    x = x.float()
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if is_neox:
+        x1, x2 = rot.chunk(2, dim=-1)
+        rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([rot, rest], dim=-1)
+
+
+def _cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor):
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
+    return cos, sin
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True) -> None:
+    cos, sin = _cos_sin(cos_sin_cache, positions)
+    query.copy_(_rotate(query, cos, sin, is_neox).to(query.dtype))
+    key.copy_(_rotate(key, cos, sin, is_neox).to(key.dtype))
+
+
+def _top2_gap_of_logits(logits: torch.Tensor):
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    top2 = probs.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).contiguous(), logits.argmax(dim=-1)
+
+
+def softmax_top2_gap(logits):
+    return _top2_gap_of_logits(logits)
+
+
+def lm_head_top2_gap(hidden, weight):
+    return _top2_gap_of_logits(hidden.float() @ weight.float().T)
+
+
+def hidden_cosine(prev, cur):
+    return F.cosine_similarity(prev.float(), cur.float(), dim=-1, eps=1e-8)
+
+
+def mlp_confidence(hidden, w1, b1, w2, b2):
+    h = torch.relu(hidden.float() @ w1.float().T + b1.float())
+    return torch.sigmoid(h @ w2.float() + b2.float())
+
+
+def accept_update(status, confidence, threshold, active):
+    status |= (confidence > threshold) & active
+    return (active & ~status).sum().to(torch.int32)
+
+
+def kv_fill(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mapping, start_layer, eps,
+            is_neox=True) -> None:
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    normed = _rms(hidden, eps)  # no gain: it is folded into weight
+    kv_width = num_kv_heads * head_dim
+    for layer in range(num_layers):
+        kv = normed @ weight[layer].float().T
+        if bias is not None:
+            kv = kv + bias[layer].float()
+        k = kv[:, :kv_width].reshape(-1, num_kv_heads, head_dim)
+        v = kv[:, kv_width:].reshape(-1, num_kv_heads, head_dim)
+        if cos_sin_cache is not None:
+            cos, sin = _cos_sin(cos_sin_cache, positions)
+            k = _rotate(k, cos, sin, is_neox)
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot < 0 or layer < int(start_layer[t]):
+                continue
+            block, offset = divmod(slot, block_size)
+            kv_cache[layer, 0, block, offset] = k[t].to(kv_cache.dtype)
+            kv_cache[layer, 1, block, offset] = v[t].to(kv_cache.dtype)
