@@ -53,6 +53,10 @@ def _expose_host_torch() -> None:
         ) from exc
 
 
+# setuptools runs setup.py (which imports torch) in every hook, metadata ones included.
+_expose_host_torch()
+
+
 def get_requires_for_build_wheel(config_settings=None):
     return _setuptools.get_requires_for_build_wheel(config_settings)
 
@@ -70,12 +74,10 @@ def prepare_metadata_for_build_editable(metadata_directory, config_settings=None
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    _expose_host_torch()
     return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    _expose_host_torch()
     return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
 
 
