@@ -1,0 +1,169 @@
+"""The `eecore` command: `eecore generate "prompt"` streams a completion, `eecore bench` measures
+throughput. Both take the model, dtype and decoding-strategy flags."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
+    g.add_argument("--block-size", type=int, default=16)
+
+    e = p.add_argument_group("early exit")
+    e.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
+    e.add_argument("--threshold", type=float, nargs="+", default=[0.9],
+                   help="one value, or one per layer")
+    e.add_argument("--exit-layer", type=int, default=None, help="static exit layer, or the speculation draft depth")
+    e.add_argument("--min-exit-layer", type=int, default=1)
+    e.add_argument("--check-every", type=int, default=1)
+    e.add_argument("--decay", type=float, default=None, help="CALM's decaying-threshold tau")
+    e.add_argument("--batch-rule", choices=["all", "compact"], default="all")
+    e.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
+
+    s = p.add_argument_group("self-speculation (LayerSkip)")
+    s.add_argument("--speculate", action="store_true")
+    s.add_argument("--num-speculations", type=int, default=4)
+    s.add_argument("--draft-threshold", type=float, default=None)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_llm(args):
+    import eecore
+
+    early_exit = speculative = None
+    if args.early_exit and args.speculate:
+        raise SystemExit("eecore: choose --early-exit or --speculate, not both")
+    if args.early_exit:
+        threshold = args.threshold[0] if len(args.threshold) == 1 else args.threshold
+        early_exit = eecore.EarlyExitConfig(
+            measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
+            min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
+            batch_rule=args.batch_rule, classifier_path=args.classifier)
+    if args.speculate:
+        if args.exit_layer is None:
+            raise SystemExit("eecore: --speculate needs --exit-layer E")
+        speculative = eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
+                                                   draft_threshold=args.draft_threshold)
+    return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
+                      speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                      block_size=args.block_size)
+
+
+def _sampling(args):
+    import eecore
+
+    return eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _prompt_text(llm, prompt: str, chat: str) -> str:
+    use_chat = chat == "on" or (chat == "auto" and llm.tokenizer is not None and llm.tokenizer.has_chat_template)
+    if not use_chat:
+        return prompt
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
+def _summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) -> str:
+    mean = sum(layers) / max(len(layers), 1)
+    return (f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / max(elapsed, 1e-9):.1f} tok/s), "
+            f"mean layers/token {mean:.2f} of {num_layers}")
+
+
+def cmd_generate(args) -> int:
+    llm = build_llm(args)
+    prompts = [_prompt_text(llm, p, args.chat) for p in args.prompt]
+    texts = [""] * len(prompts)
+    layers: list[int] = []
+    start = time.perf_counter()
+    for delta in llm.generate_stream(prompts, _sampling(args)):
+        texts[delta.index] += delta.text
+        layers += delta.exit_layers
+        if len(prompts) == 1:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    if len(prompts) == 1:
+        sys.stdout.write("\n")
+    else:
+        for i, text in enumerate(texts):
+            print(f"[{i}] {text}")
+    print(_summary(len(layers), layers, elapsed, llm.model.num_layers), file=sys.stderr)
+    return 0
+
+
+BENCH_PROMPTS = [
+    "Explain how a paged KV cache works in an LLM inference engine.",
+    "Write a short poem about the sea.",
+    "What are the main differences between Python and C++?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "Give three tips for writing readable code.",
+    "Why is the sky blue?",
+    "Describe the water cycle.",
+    "How do vaccines work?",
+]
+
+
+def cmd_bench(args) -> int:
+    from tqdm.auto import tqdm
+
+    import eecore
+
+    llm = build_llm(args)
+    params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                   top_k=args.top_k, seed=args.seed, ignore_eos=True)
+    prompts = [_prompt_text(llm, BENCH_PROMPTS[i % len(BENCH_PROMPTS)], args.chat) for i in range(args.num_prompts)]
+    llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))  # warm-up
+    layers: list[int] = []
+    start = time.perf_counter()
+    with tqdm(total=args.num_prompts * args.max_tokens, desc="tokens", unit="tok") as bar:
+        for delta in llm.generate_stream(prompts, params):
+            bar.update(len(delta.token_ids))
+            layers += delta.exit_layers
+    elapsed = time.perf_counter() - start
+    print(f"{args.num_prompts} requests, batch <= {args.max_num_seqs}: "
+          + _summary(len(layers), layers, elapsed, llm.model.num_layers))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eecore", description="Early-exit LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate (streamed) completions of one or more prompts")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                   help="wrap the prompt in the model's chat template (auto: when it has one)")
+    _add_model_flags(g)
+    _add_sampling_flags(g, max_tokens=128)
+    g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="measure decode throughput")
+    b.add_argument("--num-prompts", type=int, default=8)
+    b.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
+    _add_model_flags(b)
+    _add_sampling_flags(b, max_tokens=128)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

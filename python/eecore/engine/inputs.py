@@ -1,0 +1,103 @@
+"""Turns the rows of a step (which sequence, from which position, which tokens) into the tensors
+the model reads: token ids, positions, slots, block tables, sequence lengths, query offsets.
+
+The tensors live in buffers allocated once; each step fills a prefix of them from host arrays,
+so stepping allocates no device memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eecore.engine.sequence import Sequence
+from eecore.models.llama import AttentionInputs
+
+
+@dataclass
+class Row:
+    """`tokens` of `seq` at positions start, start+1, ... (their K/V get written this step)."""
+    seq: Sequence
+    start: int
+    tokens: list[int]
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor       # int64 [T]
+    attn: AttentionInputs
+    last_rows: torch.Tensor       # int64 [B]: the row of each sequence's last token
+    row_lens: list[int]           # host copy of the per-sequence token counts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+class InputBuilder:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.max_blocks = max_blocks_per_seq
+        pin = device.type == "cuda"
+
+        def host(n, dtype):
+            return torch.empty(n, dtype=dtype, pin_memory=pin)
+
+        self._h_tokens = host(max_tokens, torch.int64)
+        self._h_positions = host(max_tokens, torch.int64)
+        self._h_slots = host(max_tokens, torch.int64)
+        self._h_seq_lens = host(max_seqs, torch.int32)
+        self._h_qsl = host(max_seqs + 1, torch.int32)
+        self._h_last = host(max_seqs, torch.int64)
+        self._h_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
+        self.device = device
+        if device.type == "cpu":
+            self._d = None
+        else:
+            self._d = {name: torch.empty_like(t, device=device) for name, t in self._host_buffers().items()}
+
+    def _host_buffers(self) -> dict[str, torch.Tensor]:
+        return dict(tokens=self._h_tokens, positions=self._h_positions, slots=self._h_slots,
+                    seq_lens=self._h_seq_lens, qsl=self._h_qsl, last=self._h_last, tables=self._h_tables)
+
+    def build(self, rows: list[Row]) -> StepInputs:
+        B = len(rows)
+        lens = [len(r.tokens) for r in rows]
+        T = sum(lens)
+        if B > self.max_seqs or T > self.max_tokens:
+            raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
+                               f"{self.max_seqs} / {self.max_tokens}")
+        tokens = self._h_tokens.numpy()
+        positions = self._h_positions.numpy()
+        slots = self._h_slots.numpy()
+        qsl = self._h_qsl.numpy()
+        seq_lens = self._h_seq_lens.numpy()
+        width = max((len(r.seq.block_table) for r in rows), default=1) or 1
+        tables = self._h_tables.numpy()[: B * width].reshape(B, width)
+        tables.fill(-1)
+        qsl[0] = 0
+        bs = self.block_size
+        for b, row in enumerate(rows):
+            lo, n = int(qsl[b]), lens[b]
+            qsl[b + 1] = lo + n
+            table = np.asarray(row.seq.block_table, dtype=np.int64)
+            tables[b, : len(table)] = table
+            pos = np.arange(row.start, row.start + n, dtype=np.int64)
+            positions[lo: lo + n] = pos
+            tokens[lo: lo + n] = row.tokens
+            slots[lo: lo + n] = table[pos // bs] * bs + pos % bs
+            seq_lens[b] = row.start + n
+        last = self._h_last.numpy()
+        last[:B] = qsl[1: B + 1] - 1
+        views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
+                     seq_lens=self._h_seq_lens[:B], qsl=self._h_qsl[: B + 1], last=self._h_last[:B],
+                     tables=self._h_tables[: B * width].view(B, width))
+        if self._d is not None:
+            views = {k: self._d[k][: v.numel()].view(v.shape).copy_(v, non_blocking=True) for k, v in views.items()}
+        attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
+                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens))
+        return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"], row_lens=lens)

@@ -1,0 +1,72 @@
+"""The paged KV cache: one tensor for every layer, allocated once, with per-layer views.
+
+    kv = empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache(l), v_cache(l) = kv[l, 0], kv[l, 1]          # [NB, BS, Hkv, D], NHD inside a block
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return _available_host_memory()
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                                  device=device)
+        self._k = [self.tensor[layer, 0] for layer in range(num_layers)]
+        self._v = [self.tensor[layer, 1] for layer in range(num_layers)]
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self._k[layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def plan_num_blocks(cls, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, device: torch.device, memory_fraction: float,
+                        max_useful_tokens: int, num_blocks: Optional[int] = None) -> int:
+        """Blocks for a memory budget: a fraction of what is free now, never more than the
+        engine can use (every sequence slot at full length), unless `num_blocks` is explicit."""
+        if num_blocks is not None:
+            if num_blocks <= 0:
+                raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+            return int(num_blocks)
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
+        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        budget = int(available_memory(device) * memory_fraction) // per_block
+        useful = -(-max_useful_tokens // block_size)
+        blocks = min(budget, useful)
+        if blocks <= 0:
+            raise RuntimeError(f"not enough free memory for even one KV block of {per_block} bytes")
+        return blocks

@@ -1,0 +1,184 @@
+"""The step loop: schedule, run prefill or a decode strategy, append tokens, stop, free.
+
+`LLMEngine` is the request-level API (add_request / step) that `eecore.LLM` and the CLI drive;
+it holds no tensor code of its own beyond handing rows to the runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+
+from eecore.engine.block_manager import BlockManager
+from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
+from eecore.engine.inputs import Row
+from eecore.engine.kv_cache import KVCache
+from eecore.engine.runner import ModelRunner
+from eecore.engine.sampler import Sampler
+from eecore.engine.scheduler import Scheduler
+from eecore.engine.sequence import Sequence
+from eecore.engine.stopping import StopChecker
+from eecore.models.llama import LlamaModel
+from eecore.outputs import RequestOutput
+from eecore.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: Optional[int] = None            # explicit KV size; else from the memory budget
+    kv_cache_memory_fraction: float = 0.3       # of the memory free at start-up
+    max_num_seqs: int = 32                      # running sequences per step
+    max_num_batched_tokens: int = 1024          # tokens per prefill step (longer prompts are chunked)
+    max_model_len: Optional[int] = None         # prompt + output; defaults to the model's context
+    seed: int = 0                               # for sampled requests without their own seed
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"'{name}' must be a positive int, got {value!r}")
+
+
+StrategyBuilder = Callable[[ModelRunner, Sampler], DecodeStrategy]
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
+                 strategy: StrategyBuilder = FullDepthDecoder, lookahead: int = 1):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        mc = model.config
+        max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_blocks = KVCache.plan_num_blocks(
+            num_layers=mc.num_layers, block_size=config.block_size, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, dtype=model.dtype, device=model.device,
+            memory_fraction=config.kv_cache_memory_fraction,
+            max_useful_tokens=config.max_num_seqs * (max_len + lookahead), num_blocks=config.num_blocks)
+        # A lone sequence must always fit, or preemption could not make progress.
+        self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
+        if self.max_model_len < 2:
+            raise ValueError(f"a KV cache of {num_blocks} blocks of {config.block_size} tokens is too small")
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                model.dtype, model.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead)
+        self.runner = ModelRunner(
+            model, self.kv_cache,
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs * lookahead),
+            max_seqs=config.max_num_seqs, max_logit_rows=config.max_num_seqs * lookahead,
+            max_blocks_per_seq=-(-(self.max_model_len + lookahead) // config.block_size),
+            max_model_len=self.max_model_len)
+        self.sampler = Sampler(model.device, config.seed)
+        self.strategy = strategy(self.runner, self.sampler)
+        eos = tuple(mc.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.stopper = StopChecker(tokenizer, eos, self.max_model_len)
+
+    # ---- requests --------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Union[str, list[int]], index: int = 0) -> list[int]:
+        """Token ids of a prompt, validated: non-empty, in the vocabulary, shorter than the context."""
+        where = f"prompt {index}"
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: this model has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"{where}: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"{where}: is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{where}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where}: {len(ids)} tokens do not fit the context of {self.max_model_len} tokens "
+                             f"(prompt + at least one generated token)")
+        return ids
+
+    def add_request(self, prompt: Union[str, list[int]], params: SamplingParams, index: int = 0) -> Sequence:
+        """Validates and queues one request (a bad request raises here and leaves the engine as it was)."""
+        return self.enqueue(prompt, self.validate(prompt, params, index), params, index)
+
+    def validate(self, prompt: Union[str, list[int]], params: SamplingParams, index: int = 0) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"prompt {index}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        return self.encode_prompt(prompt, index)
+
+    def enqueue(self, prompt: Union[str, list[int]], token_ids: list[int], params: SamplingParams,
+                index: int) -> Sequence:
+        seq = Sequence(token_ids, params, request_index=index, prompt=prompt if isinstance(prompt, str) else None)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Runs one iteration; returns the sequences that gained tokens or finished."""
+        step = self.scheduler.schedule()
+        if step is None or not step.seqs:
+            return []
+        if step.is_prefill:
+            return self._prefill(step.seqs, step.num_new_tokens)
+        results = self.strategy.decode(step.seqs)
+        for seq, tokens in zip(step.seqs, results):
+            self._append(seq, tokens)
+            if not seq.is_finished and self.strategy.lookahead > 1:
+                self.blocks.shrink(seq, seq.num_tokens)  # give back blocks of rejected drafts
+        return step.seqs
+
+    def _prefill(self, seqs: list[Sequence], counts: list[int]) -> list[Sequence]:
+        rows = [Row(s, s.num_computed_tokens, s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n))
+                for s, n in zip(seqs, counts)]
+        inputs, hidden = self.runner.forward(rows)
+        done = [i for i, s in enumerate(seqs) if not s.in_prefill]
+        if not done:
+            return []
+        last = inputs.last_rows if len(done) == len(seqs) else inputs.last_rows[done]
+        finished = [seqs[i] for i in done]
+        tokens, logprobs = self.sampler.sample(self.runner.logits(hidden.index_select(0, last)), finished)
+        for seq, token, lp in zip(finished, tokens, logprobs):
+            self._append(seq, [Token(token, self.model.num_layers, lp)])
+        return finished
+
+    def _append(self, seq: Sequence, tokens: list[Token]) -> None:
+        for token in tokens:
+            seq.append_token(token.token_id, token.exit_layer, token.logprobs)
+            reason = self.stopper.check(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.sampler.release(seq)
+                self.strategy.release(seq)
+                return
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids), text=self.stopper.final_text(seq),
+            token_ids=list(seq.output_token_ids), exit_layers=list(seq.exit_layers),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, metrics=self.metrics(seq))
+
+    def metrics(self, seq: Sequence) -> dict[str, float]:
+        t = seq.times
+        n = seq.num_output_tokens
+        m: dict[str, float] = {"num_prompt_tokens": seq.num_prompt_tokens, "num_output_tokens": n,
+                               "num_preemptions": seq.num_preemptions}
+        if t.first_token is not None and t.first_scheduled is not None:
+            m["ttft_s"] = t.first_token - t.arrival
+            m["prefill_s"] = t.first_token - t.first_scheduled
+        if t.finished is not None and t.first_token is not None:
+            if n > 1:
+                m["time_per_output_token_s"] = (t.finished - t.first_token) / (n - 1)
+            m["tokens_per_s"] = n / max(t.finished - (t.first_scheduled or t.arrival), 1e-9)
+        if seq.exit_layers:
+            L = self.model.num_layers
+            m["mean_layers_per_token"] = sum(seq.exit_layers) / len(seq.exit_layers)
+            m["early_exit_rate"] = sum(1 for e in seq.exit_layers if e < L) / len(seq.exit_layers)
+        m.update(self.strategy.metrics(seq))
+        return m

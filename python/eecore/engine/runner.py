@@ -1,0 +1,68 @@
+"""Runs the model over a step's rows: inputs into preallocated buffers, layers, logits.
+
+The runner owns the buffers (workspace, step inputs, logits) and the KV cache; it knows nothing
+of scheduling. Decoding strategies (full depth, early exit, self-speculation) drive it one layer
+range at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+from eecore.engine.inputs import InputBuilder, Row, StepInputs
+from eecore.engine.kv_cache import KVCache
+from eecore.models.llama import AttentionInputs, LlamaModel, Workspace
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, *, max_tokens: int, max_seqs: int,
+                 max_logit_rows: int, max_blocks_per_seq: int, max_model_len: int):
+        self.model = model
+        self.max_model_len = max_model_len
+        self.kv = kv_cache
+        self.num_layers = model.num_layers
+        self.ws = Workspace(model.config, max_tokens, model.dtype, model.device)
+        self.builder = InputBuilder(max_tokens, max_seqs, max_blocks_per_seq, kv_cache.block_size, model.device)
+        d, vocab = model.config.hidden_size, model.config.vocab_size
+        self._head_in = torch.empty(max_logit_rows, d, dtype=model.dtype, device=model.device)
+        self._logits = torch.empty(max_logit_rows, vocab, dtype=model.dtype, device=model.device)
+        self._logits_f32 = self._logits if model.dtype == torch.float32 else \
+            torch.empty(max_logit_rows, vocab, dtype=torch.float32, device=model.device)
+        # tokens each layer has processed: how tests prove that no work is repeated
+        self.layer_tokens = [0] * model.num_layers
+
+    def prepare(self, rows: list[Row]) -> StepInputs:
+        return self.builder.build(rows)
+
+    def embed(self, inputs: StepInputs) -> torch.Tensor:
+        """The residual stream `[T, d]` of this step, initialized with the token embeddings."""
+        return self.model.embed_tokens(inputs.token_ids, self.ws.hidden[: inputs.num_tokens])
+
+    def run_layers(self, hidden: torch.Tensor, attn: AttentionInputs, start: int, end: int) -> torch.Tensor:
+        """Layers start..end-1 over the rows of `hidden` (in place), writing their K/V."""
+        for i in range(start, end):
+            self.model.layer(i, hidden, attn, self.kv.k(i), self.kv.v(i), self.ws)
+            self.layer_tokens[i] += hidden.shape[0]
+        return hidden
+
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[n, V]` of residual-stream rows `[n, d]` (final norm, then LM head)."""
+        n = hidden_rows.shape[0]
+        normed = self.model.final_norm_(hidden_rows, self._head_in[:n])
+        logits = self.model.lm_head_logits(normed, self._logits[:n])
+        if logits.dtype != torch.float32:
+            logits = self._logits_f32[:n].copy_(logits)
+        return logits
+
+    def forward(self, rows: list[Row]) -> tuple[StepInputs, torch.Tensor]:
+        """All layers over `rows`; returns the inputs and the final residual stream `[T, d]`."""
+        inputs = self.prepare(rows)
+        hidden = self.embed(inputs)
+        self.run_layers(hidden, inputs.attn, 0, self.num_layers)
+        for row in rows:
+            row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + len(row.tokens))
+        return inputs, hidden
+
+    def last_token_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        if inputs.num_tokens == len(inputs.row_lens):  # one token per row: no gather needed
+            return self.logits(hidden)
+        return self.logits(hidden.index_select(0, inputs.last_rows))

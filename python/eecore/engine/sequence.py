@@ -1,0 +1,122 @@
+"""One request's state as it moves through the engine. No tensor code here."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from eecore.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceTimes:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: Optional[float] = None
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, block table and progress of one request.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. Right after admission the
+    sequence is in its prefill phase until `prefill_target` tokens are computed (the prompt, plus
+    any outputs generated before a preemption); after that, every step computes the one pending
+    token (`num_tokens - num_computed_tokens == 1`) or, in self-speculation, a draft run.
+    """
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_index: int = 0,
+                 prompt: Optional[str] = None):
+        self.seq_id = next(_ids)
+        self.request_index = request_index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.prefill_target = 0
+        self.exit_layers: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
+        self.output_text = ""
+        self.times = SequenceTimes()
+        self.num_preemptions = 0
+        self.stats: dict[str, float] = {}  # strategy counters (e.g. drafted / accepted tokens)
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    # ---- phases ----------------------------------------------------------------------------
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def start_prefill(self) -> None:
+        """(Re)admission: everything known so far is computed again from scratch."""
+        self.status = SequenceStatus.RUNNING
+        self.num_computed_tokens = 0
+        self.prefill_target = self.num_tokens
+        if self.times.first_scheduled is None:
+            self.times.first_scheduled = time.perf_counter()
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recomputation: the KV is dropped; outputs so far are kept."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+
+    def append_token(self, token_id: int, exit_layer: int, logprobs: Optional[dict[int, float]] = None) -> None:
+        self.output_token_ids.append(int(token_id))
+        self.exit_layers.append(int(exit_layer))
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.times.first_token is None:
+            self.times.first_token = time.perf_counter()
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.times.finished = time.perf_counter()

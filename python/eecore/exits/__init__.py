@@ -1,0 +1,1 @@
+"""Early exit: configuration, confidence measures, thresholds, and the early-exit decode step."""

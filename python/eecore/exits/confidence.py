@@ -1,0 +1,73 @@
+"""Per-row confidence that the token can be produced at the current layer (seed paper §2.1).
+
+A measure is called at exit layer E with the residual stream after layer E-1 (`hidden [B, d]`)
+and, for the cosine measure, the stream before that layer (`previous`). It returns fp32 `[B]`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from eecore import ops
+from eecore.exits.classifier import ExitClassifier
+from eecore.models.llama import LlamaModel
+
+
+class ConfidenceMeasure:
+    needs_previous_hidden = False
+
+    def available_at(self, exit_layer: int) -> bool:
+        return True
+
+    def __call__(self, exit_layer: int, hidden: torch.Tensor, previous: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _FinalNormed:
+    """The final norm of the hidden rows, into a buffer allocated once."""
+
+    def __init__(self, model: LlamaModel, max_rows: int):
+        self.model = model
+        self._buf = torch.empty(max_rows, model.config.hidden_size, dtype=model.dtype, device=model.device)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.final_norm_(hidden, self._buf[: hidden.shape[0]])
+
+
+class SoftmaxGap(ConfidenceMeasure):
+    """p1 - p2 of the LM head's softmax at this layer, fused (`lm_head_top2_gap`). The top-1 of
+    the last call is kept: when a row exits at this check, it is that row's greedy token."""
+
+    def __init__(self, model: LlamaModel, max_rows: int):
+        self.model = model
+        self.normed = _FinalNormed(model, max_rows)
+        self.top1: Optional[torch.Tensor] = None
+
+    def __call__(self, exit_layer, hidden, previous):
+        gap, self.top1 = ops.lm_head_top2_gap(self.normed(hidden), self.model.lm_head)
+        return gap
+
+
+class HiddenCosine(ConfidenceMeasure):
+    """cos(h_{E-1}, h_E): the layer barely moved the hidden state."""
+
+    needs_previous_hidden = True
+
+    def __call__(self, exit_layer, hidden, previous):
+        return ops.hidden_cosine(previous, hidden)
+
+
+class ClassifierConfidence(ConfidenceMeasure):
+    """CALM's dedicated classifier: an MLP on the final-normed hidden state, per exit layer."""
+
+    def __init__(self, model: LlamaModel, classifier: ExitClassifier, max_rows: int):
+        self.classifier = classifier.to(model.device)
+        self.normed = _FinalNormed(model, max_rows)
+
+    def available_at(self, exit_layer):
+        return self.classifier.covers(exit_layer)
+
+    def __call__(self, exit_layer, hidden, previous):
+        w1, b1, w2, b2 = self.classifier.weights(exit_layer)
+        return ops.mlp_confidence(self.normed(hidden), w1, b1, w2, b2)

@@ -1,0 +1,73 @@
+"""`EarlyExitConfig`: which confidence measure, which thresholds, where exits may happen, and
+how a batch decides to exit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+MEASURES = ("softmax", "cosine", "classifier", "static")
+BATCH_RULES = ("all", "compact")
+
+
+@dataclass
+class EarlyExitConfig:
+    """Engine-wide early-exit settings.
+
+    measure:        "softmax" (top-2 gap of the LM head's softmax at the layer), "cosine" (hidden
+                    state before vs after the layer), "classifier" (CALM's MLP on the hidden
+                    state; weights from `classifier_path`), or "static" (always exit at
+                    `exit_layer`).
+    threshold:      a row exits at a checked layer once its confidence is > threshold. A scalar,
+                    or one value per layer: `threshold[E - 1]` applies to the check at exit layer E.
+    exit_layer:     the static exit layer E (layers 0..E-1 run); only for measure="static".
+    min_exit_layer: the first exit layer at which a check runs (E >= min_exit_layer).
+    check_every:    check only every k-th layer from min_exit_layer on.
+    decay:          CALM's tau: the threshold of token t (0-based) of a request with max_tokens N
+                    becomes clip(0.9 * lambda + 0.1 * exp(-tau * t / N), 0, 1). None: constant.
+    batch_rule:     "all": the seed paper's rule, the batch exits when every row is confident;
+                    "compact": a confident row leaves at its own layer and the rest go on.
+    classifier_path: the classifier file (see eecore.exits.classifier for its format).
+
+    The config is engine-wide: one LLM instance, one early-exit policy. Requests in a batch share
+    the layer loop, so per-request measures would not be well defined under the "all" rule.
+    """
+
+    measure: str = "softmax"
+    threshold: Union[float, Sequence[float]] = 0.9
+    exit_layer: Optional[int] = None
+    min_exit_layer: int = 1
+    check_every: int = 1
+    decay: Optional[float] = None
+    batch_rule: str = "all"
+    classifier_path: Optional[str] = None
+
+    def __post_init__(self):
+        if self.measure not in MEASURES:
+            raise ValueError(f"EarlyExitConfig: 'measure' must be one of {MEASURES}, got {self.measure!r}")
+        if self.batch_rule not in BATCH_RULES:
+            raise ValueError(f"EarlyExitConfig: 'batch_rule' must be one of {BATCH_RULES}, got {self.batch_rule!r}")
+        if self.measure == "static":
+            if not isinstance(self.exit_layer, int) or self.exit_layer < 1:
+                raise ValueError(f"EarlyExitConfig: measure='static' needs 'exit_layer' >= 1, got {self.exit_layer!r}")
+        elif self.exit_layer is not None:
+            raise ValueError("EarlyExitConfig: 'exit_layer' is only for measure='static'")
+        if self.measure == "classifier" and not self.classifier_path:
+            raise ValueError("EarlyExitConfig: measure='classifier' needs 'classifier_path'")
+        thresholds = [self.threshold] if isinstance(self.threshold, (int, float)) else list(self.threshold)
+        if not thresholds or not all(isinstance(t, (int, float)) and 0.0 <= t <= 1.0 for t in thresholds):
+            raise ValueError(f"EarlyExitConfig: 'threshold' must be a number or a list of numbers in [0, 1], "
+                             f"got {self.threshold!r}")
+        if not isinstance(self.min_exit_layer, int) or self.min_exit_layer < 1:
+            raise ValueError(f"EarlyExitConfig: 'min_exit_layer' must be an int >= 1, got {self.min_exit_layer!r}")
+        if not isinstance(self.check_every, int) or self.check_every < 1:
+            raise ValueError(f"EarlyExitConfig: 'check_every' must be an int >= 1, got {self.check_every!r}")
+        if self.decay is not None and self.decay < 0:
+            raise ValueError(f"EarlyExitConfig: 'decay' must be >= 0 or None, got {self.decay!r}")
+
+    def validate_for(self, num_layers: int) -> None:
+        """Checks that depend on the model."""
+        if not isinstance(self.threshold, (int, float)) and len(self.threshold) != num_layers:
+            raise ValueError(f"EarlyExitConfig: a per-layer 'threshold' needs {num_layers} values (one per layer), "
+                             f"got {len(self.threshold)}")
+        if self.measure == "static" and self.exit_layer > num_layers:
+            raise ValueError(f"EarlyExitConfig: 'exit_layer' {self.exit_layer} exceeds the model's {num_layers} layers")

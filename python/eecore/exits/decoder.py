@@ -1,0 +1,201 @@
+"""The early-exit decode iteration: the seed paper's Algorithm 1, batched and paged.
+
+One iteration decodes one token for every running sequence:
+1. embed, then run the layers one at a time, writing each layer's K/V for the rows in flight;
+2. at each checked exit layer E, measure every row's confidence on the residual stream after
+   layer E-1 and fold it into the sticky per-row status with `accept_update` (the single scalar
+   `remaining` is the only host sync of the check);
+3. batch rule "all" (the paper's): when no row remains unconfident, the whole batch exits at E;
+   batch rule "compact": confident rows leave at their own layer and the others go on as a
+   smaller batch;
+4. one `kv_fill` writes the K/V of the skipped layers of every exited row from its exit hidden
+   state (per-row start layers), then the final norm and LM head make the logits.
+
+Exit layers count layers that ran (E means layers 0..E-1; L is full depth).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from eecore import ops
+from eecore.engine.decoding import DecodeStrategy, Token
+from eecore.engine.inputs import Row
+from eecore.engine.runner import ModelRunner
+from eecore.engine.sampler import Sampler
+from eecore.engine.sequence import Sequence
+from eecore.exits.classifier import ExitClassifier
+from eecore.exits.confidence import ClassifierConfidence, ConfidenceMeasure, HiddenCosine, SoftmaxGap
+from eecore.exits.config import EarlyExitConfig
+from eecore.exits.thresholds import ThresholdSchedule
+from eecore.models.llama import AttentionInputs
+
+
+def build_measure(config: EarlyExitConfig, runner: ModelRunner, max_rows: int) -> Optional[ConfidenceMeasure]:
+    model = runner.model
+    if config.measure == "static":
+        return None
+    if config.measure == "softmax":
+        return SoftmaxGap(model, max_rows)
+    if config.measure == "cosine":
+        return HiddenCosine()
+    classifier = ExitClassifier.load(config.classifier_path, model.config.hidden_size, model.num_layers, model.dtype)
+    return ClassifierConfidence(model, classifier, max_rows)
+
+
+def checked_layers(config: EarlyExitConfig, measure: Optional[ConfidenceMeasure], num_layers: int) -> list[int]:
+    """Exit layers E (1..L-1) at which confidence is measured."""
+    if measure is None:
+        return []
+    return [e for e in range(config.min_exit_layer, num_layers, config.check_every) if measure.available_at(e)]
+
+
+class EarlyExitDecoder(DecodeStrategy):
+    def __init__(self, runner: ModelRunner, sampler: Sampler, config: EarlyExitConfig):
+        super().__init__(runner, sampler)
+        model = runner.model
+        rows = runner.builder.max_seqs
+        dev = model.device
+        self.config = config
+        self.measure = build_measure(config, runner, rows)
+        self.checks = frozenset(checked_layers(config, self.measure, self.num_layers))
+        self.thresholds = ThresholdSchedule(config, self.num_layers, rows, dev)
+        d = model.config.hidden_size
+        self._status = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self._active = torch.ones(rows, dtype=torch.bool, device=dev)
+        self._wasted = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._exit_layer = torch.empty(rows, dtype=torch.int32, device=dev)
+        self._exit_hidden = torch.empty(rows, d, dtype=model.dtype, device=dev)
+        self._exit_top1 = torch.empty(rows, dtype=torch.int64, device=dev)
+        self._previous = torch.empty(rows, d, dtype=model.dtype, device=dev) \
+            if self.measure is not None and self.measure.needs_previous_hidden else None
+        self._row_offsets = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+
+    # ---- the iteration ---------------------------------------------------------------------
+    def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
+        B, L = len(seqs), self.num_layers
+        inputs = self.runner.prepare([Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs])
+        hidden = self.runner.embed(inputs)
+        for s in seqs:
+            s.num_computed_tokens += 1
+        exit_layer = self._exit_layer[:B].fill_(L)
+        if self.measure is None:
+            exit_hidden = self._run_static(hidden, inputs.attn, exit_layer)
+        elif self.config.batch_rule == "all":
+            exit_hidden = self._run_all_rule(seqs, hidden, inputs.attn, exit_layer)
+        else:
+            exit_hidden = self._run_compact_rule(seqs, hidden, inputs.attn, exit_layer)
+
+        exit_layers = exit_layer.tolist()
+        if min(exit_layers) < L:  # the skipped layers' K/V, from each row's exit hidden state
+            self.runner.model.fill_kv(self.runner.kv.tensor, exit_hidden, inputs.attn.positions,
+                                      inputs.attn.slot_mapping, exit_layer)
+        tokens, logprobs = self._tokens(seqs, exit_hidden, exit_layers)
+        return [[Token(t, e, lp)] for t, e, lp in zip(tokens, exit_layers, logprobs)]
+
+    def _run_static(self, hidden, attn, exit_layer):
+        E = self.config.exit_layer
+        self.runner.run_layers(hidden, attn, 0, E)
+        exit_layer.fill_(E)
+        return hidden
+
+    def _run_all_rule(self, seqs, hidden, attn, exit_layer):
+        """The seed's rule: rows stay in the batch until every row is confident."""
+        B = len(seqs)
+        status, active, wasted = self._status[:B].zero_(), self._active[:B], self._wasted[:B].zero_()
+        self.thresholds.start_iteration(seqs)
+        self._top1_valid = False
+        for E in range(1, self.num_layers + 1):
+            wasted += status  # rows already confident run this layer for nothing
+            previous = self._remember(hidden, E)
+            self.runner.run_layers(hidden, attn, E - 1, E)
+            if E in self.checks:
+                confidence = self.measure(E, hidden, previous)
+                remaining = ops.accept_update(status, confidence, self.thresholds.at(E), active)
+                if int(remaining) == 0:
+                    exit_layer.fill_(E)
+                    self._keep_top1(torch.arange(B, device=hidden.device), slice(None))
+                    break
+        for seq, w in zip(seqs, wasted.tolist()):
+            seq.stats["ee_wasted_layers"] = seq.stats.get("ee_wasted_layers", 0) + w
+            seq.stats["ee_tokens"] = seq.stats.get("ee_tokens", 0) + 1
+        return hidden
+
+    def _run_compact_rule(self, seqs, hidden, attn, exit_layer):
+        """Confident rows leave at their own layer; the rest continue as a compacted batch."""
+        B = len(seqs)
+        exit_hidden = self._exit_hidden[:B]
+        rows = torch.arange(B, device=hidden.device)  # original index of each row in flight
+        status, active = self._status[:B].zero_(), self._active[:B]
+        self.thresholds.start_iteration(seqs)
+        self._top1_valid = False
+        for E in range(1, self.num_layers + 1):
+            previous = self._remember(hidden, E)
+            self.runner.run_layers(hidden, attn, E - 1, E)
+            if E not in self.checks:
+                continue
+            n = rows.shape[0]
+            confidence = self.measure(E, hidden, previous)
+            remaining = int(ops.accept_update(status[:n], confidence, self.thresholds.at(E), active[:n]))
+            if remaining == n:
+                continue
+            leaving = status[:n].nonzero().squeeze(1)
+            exit_hidden.index_copy_(0, rows[leaving], hidden.index_select(0, leaving))
+            exit_layer.index_fill_(0, rows[leaving], E)
+            self._keep_top1(rows[leaving], leaving)
+            if remaining == 0:
+                return exit_hidden
+            staying = (~status[:n]).nonzero().squeeze(1)
+            rows, hidden, attn = rows[staying], hidden.index_select(0, staying), self._rows_of(attn, staying)
+            self.thresholds.keep_rows(staying)
+            status[:remaining].zero_()
+        exit_hidden.index_copy_(0, rows, hidden)  # rows that ran every layer
+        return exit_hidden
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _remember(self, hidden: torch.Tensor, exit_layer: int) -> Optional[torch.Tensor]:
+        """The stream before layer E-1, for measures that compare it with the one after."""
+        if self._previous is None or exit_layer not in self.checks:
+            return None
+        return self._previous[: hidden.shape[0]].copy_(hidden)
+
+    def _keep_top1(self, rows: torch.Tensor, leaving) -> None:
+        """Remember the softmax check's top-1 of exiting rows: their greedy token, for free."""
+        if isinstance(self.measure, SoftmaxGap):
+            self._exit_top1.index_copy_(0, rows, self.measure.top1[leaving])
+            self._top1_valid = True
+
+    def _rows_of(self, attn: AttentionInputs, keep: torch.Tensor) -> AttentionInputs:
+        """The attention inputs of a subset of decode rows (one query token per row)."""
+        return AttentionInputs(
+            positions=attn.positions.index_select(0, keep), slot_mapping=attn.slot_mapping.index_select(0, keep),
+            block_table=attn.block_table.index_select(0, keep), seq_lens=attn.seq_lens.index_select(0, keep),
+            query_start_loc=self._row_offsets[: keep.shape[0] + 1], max_query_len=1)
+
+    def _tokens(self, seqs, exit_hidden, exit_layers):
+        """Greedy rows that exited at a softmax check reuse its top-1; the others need logits."""
+        L = self.num_layers
+        reuse = [self._top1_valid and e < L and s.params.greedy and s.params.logprobs is None
+                 for s, e in zip(seqs, exit_layers)] if self.measure is not None else [False] * len(seqs)
+        tokens: list = [None] * len(seqs)
+        logprobs: list = [None] * len(seqs)
+        if any(reuse):
+            top1 = self._exit_top1[: len(seqs)].tolist()
+            for i, r in enumerate(reuse):
+                if r:
+                    tokens[i] = top1[i]
+        need = [i for i, r in enumerate(reuse) if not r]
+        if need:
+            rows = exit_hidden if len(need) == len(seqs) else \
+                exit_hidden.index_select(0, torch.tensor(need, device=exit_hidden.device))
+            sampled, lps = self.sampler.sample(self.runner.logits(rows), [seqs[i] for i in need])
+            for i, t, lp in zip(need, sampled, lps):
+                tokens[i], logprobs[i] = t, lp
+        return tokens, logprobs
+
+    def metrics(self, seq: Sequence) -> dict[str, float]:
+        n = seq.stats.get("ee_tokens", 0)
+        if self.config.batch_rule != "all" or not n:
+            return {}
+        return {"layers_wasted_per_token": seq.stats["ee_wasted_layers"] / n}

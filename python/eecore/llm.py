@@ -1,0 +1,199 @@
+"""`eecore.LLM` and `eecore.generate`: the public entry points (names as in DESIGN.md)."""
+from __future__ import annotations
+
+import inspect
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from eecore.engine.llm_engine import EngineConfig, LLMEngine
+from eecore.exits.config import EarlyExitConfig
+from eecore.outputs import RequestDelta, RequestOutput
+from eecore.sampling_params import SamplingParams
+from eecore.speculative import SelfSpeculativeConfig
+
+Prompt = Union[str, list[int]]
+Prompts = Union[str, Sequence[str], Sequence[list[int]]]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"LLM: 'dtype' must be one of float32, bfloat16, float16 (or None), got {dtype!r}")
+
+
+def resolve_device(device) -> torch.device:
+    from eecore import _C
+
+    has_cuda_kernels = bool(_C.build_info().get("cuda"))
+    if device is None:
+        return torch.device("cuda" if has_cuda_kernels and torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not has_cuda_kernels:
+        raise ValueError("LLM: device='cuda' but this eecore was built without CUDA kernels; rebuild with a "
+                         "CUDA build of torch and nvcc (see the README)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM: 'device' must be cpu or cuda, got {device!r}")
+    return dev
+
+
+class LLM:
+    """An early-exit-capable LLM on the paged engine.
+
+    model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or a .gguf file.
+    early_exit / speculative: at most one decoding strategy besides full depth.
+    The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig).
+    """
+
+    def __init__(self, model: Optional[str] = None, dtype=None, device=None,
+                 early_exit: Optional[EarlyExitConfig] = None,
+                 speculative: Optional[SelfSpeculativeConfig] = None, *,
+                 block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
+                 seed: int = 0):
+        from eecore.models.llama import LlamaModel
+        from eecore.models.loader import load_model
+
+        if early_exit is not None and speculative is not None:
+            raise ValueError("LLM: choose either 'early_exit' or 'speculative', not both")
+        if early_exit is not None and not isinstance(early_exit, EarlyExitConfig):
+            raise TypeError(f"LLM: 'early_exit' must be an EarlyExitConfig, got {type(early_exit).__name__}")
+        if speculative is not None and not isinstance(speculative, SelfSpeculativeConfig):
+            raise TypeError(f"LLM: 'speculative' must be a SelfSpeculativeConfig, got {type(speculative).__name__}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        loaded = load_model(model, dtype=self.dtype)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model = LlamaModel(loaded.config, loaded.state_dict, self.dtype, self.device)
+        del loaded
+        strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers)
+        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            seed=seed), strategy=strategy, lookahead=lookahead)
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompts: Prompts, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        seqs = self._add_all(prompts, sampling_params)
+        progress = _progress(len(seqs)) if use_tqdm else None
+        done = 0
+        while self.engine.has_unfinished():
+            self.engine.step()
+            if progress is not None:
+                now = sum(s.is_finished for s in seqs)
+                progress.update(now - done)
+                done = now
+        if progress is not None:
+            progress.close()
+        return [self.engine.output(s) for s in seqs]
+
+    def generate_stream(self, prompts: Prompts,
+                        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+                        ) -> Iterator[RequestDelta]:
+        """Yields each request's new tokens and text as soon as a step produces them."""
+        seqs = self._add_all(prompts, sampling_params)
+        sent_tokens = [0] * len(seqs)
+        sent_text = [""] * len(seqs)
+        while self.engine.has_unfinished():
+            for seq in self.engine.step():
+                i = seq.request_index
+                text = self.engine.stopper.final_text(seq) if seq.is_finished else self._stable_text(seq)
+                if not text.startswith(sent_text[i]):  # a stop string took back text: send none of it again
+                    text = sent_text[i]
+                new_ids = seq.output_token_ids[sent_tokens[i]:]
+                if not new_ids and not seq.is_finished:
+                    continue
+                yield RequestDelta(index=i, token_ids=new_ids, text=text[len(sent_text[i]):],
+                                   exit_layers=seq.exit_layers[sent_tokens[i]:], finished=seq.is_finished,
+                                   finish_reason=seq.finish_reason)
+                sent_tokens[i], sent_text[i] = seq.num_output_tokens, text
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat: this model has no tokenizer / chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _add_all(self, prompts: Prompts, sampling_params):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("LLM.generate: 'prompts' is empty")
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"LLM.generate: {len(params)} sampling params for {len(prompts)} prompts")
+        # Validate every request before any is queued: a bad one fails the call, not the engine.
+        encoded = [self.engine.validate(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        return [self.engine.enqueue(p, ids, sp, i) for i, (p, ids, sp) in enumerate(zip(prompts, encoded, params))]
+
+    def _stable_text(self, seq) -> str:
+        """Text that later tokens cannot change: no half-decoded character, no possible stop-string start."""
+        text = self.engine.stopper.detokenize(seq)
+        text = text.rstrip("\ufffd")
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        return text[: len(text) - hold] if hold > 0 else text
+
+
+def _strategy(early_exit, speculative, num_layers):
+    from eecore.engine.decoding import FullDepthDecoder
+
+    if early_exit is not None:
+        from eecore.exits.decoder import EarlyExitDecoder
+
+        early_exit.validate_for(num_layers)
+        return (lambda runner, sampler: EarlyExitDecoder(runner, sampler, early_exit)), 1
+    if speculative is not None:
+        from eecore.speculative import SelfSpeculativeDecoder
+
+        speculative.validate_for(num_layers)
+        return (lambda runner, sampler: SelfSpeculativeDecoder(runner, sampler, speculative)), \
+            speculative.num_speculations + 1
+    return FullDepthDecoder, 1
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")
+
+
+_LLM_OPTIONS = tuple(p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "model"))
+
+
+def generate(prompts: Prompts, model: Optional[str] = None, **options) -> list[RequestOutput]:
+    """One call: build an LLM from the LLM options, generate with the SamplingParams options.
+
+    >>> eecore.generate("Hello", max_tokens=16, early_exit=eecore.EarlyExitConfig(measure="cosine"))
+    """
+    llm_kwargs = {k: options.pop(k) for k in list(options) if k in _LLM_OPTIONS}
+    sampling_names = SamplingParams.option_names()
+    unknown = [k for k in options if k not in sampling_names and k != "sampling_params"]
+    if unknown:
+        raise TypeError(f"eecore.generate: unknown option(s) {unknown}; LLM options are {list(_LLM_OPTIONS)}, "
+                        f"sampling options are {list(sampling_names)}")
+    params = options.pop("sampling_params", None)
+    if params is not None and options:
+        raise TypeError("eecore.generate: pass either 'sampling_params' or individual sampling options, not both")
+    if params is None:
+        params = SamplingParams(**options)
+    return LLM(model, **llm_kwargs).generate(prompts, params)

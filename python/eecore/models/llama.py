@@ -1,0 +1,161 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) on the eecore ops.
+
+The decoder is exposed one piece at a time (embed, layer i, final norm, LM head) so the decoding
+strategies can stop after any layer, resume, or run a slice of layers. Every method writes into
+caller-provided buffers (see `Workspace`): the decode loop allocates nothing.
+
+The residual stream `hidden [T, d]` is kept explicit between layers (not deferred into the next
+norm as some engines do) because early exit reads it: the exit hidden state is the residual
+stream after layer E-1, and `kv_fill` starts from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from eecore import ops
+from eecore.models.config import ModelConfig
+from eecore.models.rope import cos_sin_cache
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor          # [d]
+    qkv: torch.Tensor                 # [(Hq + 2 Hkv) D, d]: q, k, v projections stacked
+    qkv_bias: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D] (Qwen2)
+    o_proj: torch.Tensor              # [d, Hq D]
+    post_norm: torch.Tensor           # [d]
+    gate_up: torch.Tensor             # [2 I, d]: gate and up projections stacked
+    down: torch.Tensor                # [d, I]
+
+
+@dataclass
+class AttentionInputs:
+    """Where this step's tokens sit in the paged cache (built by engine.inputs.InputBuilder)."""
+    positions: torch.Tensor        # int64 [T]
+    slot_mapping: torch.Tensor     # int64 [T]
+    block_table: torch.Tensor      # int32 [B, W]
+    seq_lens: torch.Tensor         # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    max_query_len: int
+
+
+class Workspace:
+    """Activation buffers for up to `max_tokens` rows, allocated once per engine."""
+
+    def __init__(self, config: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device):
+        c = config
+        q_width = c.num_heads * c.head_dim
+        qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+
+        def buf(width):
+            return torch.empty(max_tokens, width, dtype=dtype, device=device)
+
+        self.max_tokens = max_tokens
+        self.hidden = buf(c.hidden_size)   # the residual stream
+        self.normed = buf(c.hidden_size)
+        self.qkv = buf(qkv_width)
+        self.attn = buf(q_width)
+        self.o = buf(c.hidden_size)
+        self.gate_up = buf(2 * c.intermediate_size)
+        self.act = buf(c.intermediate_size)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_layers = config.num_layers
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim ** -0.5
+        c = config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in state_dict \
+            else take("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.attention_bias else None
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=qkv, qkv_bias=bias,
+                o_proj=take(p + "self_attn.o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+        self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
+                                     device=self.device)
+        self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def embed_tokens(self, token_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.embed, 0, token_ids, out=out)
+
+    def layer(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, ws: Workspace) -> torch.Tensor:
+        """Run decoder layer `i` on `hidden [T, d]` in place, writing this step's K/V."""
+        c, w, T = self.config, self.layers[i], hidden.shape[0]
+        q_end = c.num_heads * c.head_dim
+        k_end = q_end + c.num_kv_heads * c.head_dim
+
+        x = ops.rms_norm(ws.normed[:T], hidden, w.input_norm, self.eps)
+        qkv = ws.qkv[:T]
+        if w.qkv_bias is None:
+            torch.mm(x, w.qkv.t(), out=qkv)
+        else:
+            torch.addmm(w.qkv_bias, x, w.qkv.t(), out=qkv)
+        q = qkv[:, :q_end].view(T, c.num_heads, c.head_dim)
+        k = qkv[:, q_end:k_end].view(T, c.num_kv_heads, c.head_dim)
+        v = qkv[:, k_end:].view(T, c.num_kv_heads, c.head_dim)
+        ops.rotary_embedding(attn.positions, q, k, self.cos_sin, True)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = ws.attn[:T].view(T, c.num_heads, c.head_dim)
+        ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
+                            attn.max_query_len, self.scale, True, None)
+
+        o = torch.mm(out.view(T, -1), w.o_proj.t(), out=ws.o[:T])
+        ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
+        gate_up = torch.mm(o, w.gate_up.t(), out=ws.gate_up[:T])
+        gate, up = gate_up.chunk(2, dim=-1)
+        F.silu(gate, inplace=True)
+        act = torch.mul(gate, up, out=ws.act[:T])
+        return hidden.addmm_(act, w.down.t())  # hidden += mlp
+
+    def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(out, hidden, self.final_norm, self.eps)
+
+    def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.mm(normed, self.lm_head.t(), out=out)
+
+    # ---- early exit support ----------------------------------------------------------------
+    def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every layer's K and V projections stacked `[L, 2 Hkv D, d]`, with that layer's input
+        RMSNorm gain folded in (W_l diag(gamma_l)), plus the stacked biases; for `ops.kv_fill`."""
+        if self._kv_fill_weights is None:
+            c = self.config
+            q_end = c.num_heads * c.head_dim
+            weight = torch.stack([(w.qkv[q_end:].float() * w.input_norm.float()).to(self.dtype)
+                                  for w in self.layers])
+            bias = torch.stack([w.qkv_bias[q_end:] for w in self.layers]) if c.attention_bias else None
+            self._kv_fill_weights = (weight.contiguous(), bias)
+        return self._kv_fill_weights
+
+    def fill_kv(self, kv_cache: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, start_layer: torch.Tensor) -> None:
+        weight, bias = self.kv_fill_weights()
+        ops.kv_fill(kv_cache, hidden, weight, bias, self.cos_sin, positions, slot_mapping, start_layer,
+                    self.eps, True)

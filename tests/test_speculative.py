@@ -1,0 +1,135 @@
+"""Self-speculative decoding (LayerSkip) on the batched paged engine."""
+import copy
+
+import pytest
+import torch
+
+import eecore
+from engine_utils import greedy, random_prompts
+from model_factory import make_tiny_hf_model
+
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def tiny(request, tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=NUM_LAYERS)
+
+
+def _spec(path, E, d, threshold=None, **kw):
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
+                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
+                                                               draft_threshold=threshold), **kw)
+
+
+@pytest.mark.parametrize("E, d", [(1, 1), (1, 3), (2, 2), (3, 4), (2, 16)])
+def test_greedy_self_speculation_is_full_depth_greedy(tiny, E, d):
+    path, hf = tiny
+    for batch in (1, 3, 8):
+        prompts = random_prompts(hf.config.vocab_size, [2 + (7 * i) % 13 for i in range(batch)], seed=batch)
+        params = [greedy(5 + 3 * i) for i in range(batch)]  # d=16 is more than the tokens left
+        full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
+        outs = _spec(path, E, d).generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+        for o in outs:
+            assert 0.0 <= o.metrics["acceptance_rate"] <= 1.0
+            assert 1.0 <= o.metrics["mean_accepted_tokens_per_step"] <= d + 1
+
+
+def test_adaptive_draft_length_keeps_greedy_exact(tiny):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [4, 9, 1, 6], seed=7)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(14))
+    outs = _spec(path, 2, 4, threshold=0.05).generate(prompts, greedy(14))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+
+
+def test_first_layers_are_never_recomputed(tiny):
+    path, hf = tiny
+    E = 2
+    llm = _spec(path, E, 3)
+    llm.generate(random_prompts(hf.config.vocab_size, [5, 8, 3], seed=8), greedy(12))
+    counts = llm.engine.runner.layer_tokens
+    # every position ran through every layer exactly once: drafting covered layers 0..E-1,
+    # verification continued from the exit-query cache through E..L-1
+    assert len(set(counts)) == 1, counts
+
+
+def test_blocks_come_back_with_and_without_preemption(tiny):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3 + (5 * i) % 11 for i in range(12)], seed=9)
+    params = [greedy(4 + i % 7) for i in range(12)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
+    for num_blocks in (200, 14):
+        llm = _spec(path, 2, 3, num_blocks=num_blocks, max_num_seqs=6)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        assert llm.engine.blocks.num_free_blocks == num_blocks
+        if num_blocks == 14:
+            assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_stop_token_in_the_middle_of_a_draft(tiny):
+    path, hf = tiny
+    prompt = random_prompts(hf.config.vocab_size, [6], seed=11)
+    free = eecore.LLM(path, dtype="float32", device="cpu").generate(prompt, greedy(15))[0].token_ids
+    stop = free[6]
+    out = _spec(path, 2, 5).generate(prompt, greedy(15, stop_token_ids=[stop]))[0]
+    assert out.token_ids == free[: free.index(stop) + 1]
+
+
+def _joint_law(hf, prompt, num_layers=None):
+    """p(t1, t2 | prompt) of the (possibly truncated) HF model at temperature 1, `[V, V]`."""
+    model = hf
+    if num_layers is not None:
+        model = copy.deepcopy(hf)
+        model.model.layers = model.model.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
+    V = hf.config.vocab_size
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        ids = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = model(ids).logits[:, -1].softmax(-1)
+    return p1[:, None] * p2
+
+
+def test_speculative_sampling_preserves_the_full_model_law(tmp_path):
+    from scipy.stats import chisquare
+
+    path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=NUM_LAYERS, vocab_size=12)
+    prompt = [3, 7, 1]
+    n = 3000
+    params = [eecore.SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = _spec(path, 1, 3, max_num_seqs=64).generate([prompt] * n, params)
+    counts = torch.zeros(12, 12)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+
+    def p_value(law):
+        expected = (law * n).flatten()
+        keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+        obs = torch.cat([counts.flatten()[keep], counts.flatten()[~keep].sum()[None]])
+        exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+        return chisquare(obs.double().numpy(), exp.double().numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+    full = _joint_law(hf, prompt)
+    assert p_value(full) > 1e-3
+    # the test has power: t2 drawn from the draft's own law (what accepting every draft would
+    # give; t1 always comes from the full model's prefill) is rejected
+    draft = _joint_law(hf, prompt, num_layers=1)
+    assert p_value(full.sum(1, keepdim=True) * draft / draft.sum(1, keepdim=True)) < 1e-3
+
+
+def test_bad_speculative_config():
+    with pytest.raises(ValueError, match="'exit_layer'"):
+        eecore.SelfSpeculativeConfig(exit_layer=0)
+    with pytest.raises(ValueError, match="'num_speculations'"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=0)
+    with pytest.raises(ValueError, match="'draft_threshold'"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, draft_threshold=2.0)
+
+
+def test_exit_layer_must_be_below_the_depth(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="'exit_layer' must be below"):
+        _spec(path, NUM_LAYERS, 2)
