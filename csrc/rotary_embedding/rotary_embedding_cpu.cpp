@@ -1,0 +1,72 @@
+// rotary_embedding on the CPU: every (token, head) row of query and key is rotated in place by
+// the shared eecore/rotary.h math, one parallel task per range of rows, fp32 arithmetic.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "eecore/rotary.h"
+#include "rotary_embedding/rotary_embedding_checks.h"
+
+namespace eecore {
+namespace {
+
+// A [T, H, D] operand seen as raw memory: rows at data + t * token_stride + h * head_stride.
+template <typename scalar_t>
+struct HeadRows {
+  scalar_t* data;
+  int64_t num_heads, token_stride, head_stride;
+
+  static HeadRows of(at::Tensor& x) { return {x.data_ptr<scalar_t>(), x.size(1), x.stride(0), x.stride(1)}; }
+  scalar_t* row(int64_t t, int64_t h) const { return data + t * token_stride + h * head_stride; }
+};
+
+// Rows per parallel task: a few thousand pairs each, so small decode batches run inline.
+inline int64_t head_grain(int64_t half) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(half, 1)); }
+
+template <bool kNeox, typename scalar_t, typename cache_t>
+void rotate_all_heads(const int64_t* positions, int64_t positions_stride, HeadRows<scalar_t> query,
+                      HeadRows<scalar_t> key, const cache_t* cos_sin_cache, int64_t num_tokens, int64_t rot_dim) {
+  const int64_t half = rot_dim / 2;
+  const int64_t heads_per_token = query.num_heads + key.num_heads;
+  // Rows are numbered token-major, query heads before key heads, so one task touches few tokens
+  // (one cos/sin row each) and walks memory forward.
+  at::parallel_for(0, num_tokens * heads_per_token, head_grain(half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / heads_per_token;
+      const int64_t h = r % heads_per_token;
+      const cache_t* cos = cos_sin_cache + positions[t * positions_stride] * rot_dim;
+      scalar_t* x = h < query.num_heads ? query.row(t, h) : key.row(t, h - query.num_heads);
+      rotary::rotate_head<kNeox>(x, x, cos, cos + half, static_cast<int>(half));
+    }
+  });
+}
+
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                          const at::Tensor& cos_sin_cache, bool is_neox) {
+  const RotaryShape shape = check_rotary_embedding_args(positions, query, key, cos_sin_cache);
+  check_positions_in_range("rotary_embedding", positions, shape.max_pos);
+  if (shape.num_tokens == 0) return;
+
+  EECORE_DISPATCH_FLOAT(query.scalar_type(), "eecore::rotary_embedding", [&] {
+    auto run = [&](auto neox, const auto* cache) {
+      rotate_all_heads<decltype(neox)::value>(positions.const_data_ptr<int64_t>(), positions.stride(0),
+                                              HeadRows<scalar_t>::of(query), HeadRows<scalar_t>::of(key), cache,
+                                              shape.num_tokens, shape.rot_dim);
+    };
+    // The cache is fp32 or the activation dtype; both read as fp32.
+    auto run_with_cache = [&](auto neox) {
+      if (cos_sin_cache.scalar_type() == at::kFloat)
+        run(neox, cos_sin_cache.const_data_ptr<float>());
+      else
+        run(neox, cos_sin_cache.const_data_ptr<scalar_t>());
+    };
+    if (is_neox)
+      run_with_cache(std::true_type{});
+    else
+      run_with_cache(std::false_type{});
+  });
+}
+
+}  // namespace
+}  // namespace eecore
+
+TORCH_LIBRARY_IMPL(eecore, CPU, m) { m.impl("rotary_embedding", &eecore::rotary_embedding_cpu); }
