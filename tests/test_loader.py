@@ -490,11 +490,26 @@ def test_smollm2_equals_transformers(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_smollm2_dtypes(smollm2, dtype):
+def test_smollm2_bf16(smollm2):
+    # (fp16 and bf16 of every tensor kind are covered on the tiny GGUFs above)
+    dtype = torch.bfloat16
     model = load_model(None, dtype)
     assert sorted(model.state_dict) == sorted(smollm2.state_dict)
     for name, tensor in model.state_dict.items():
         assert tensor.dtype == dtype
         assert torch.equal(tensor, smollm2.state_dict[name].to(dtype)), name
 
+
+
+def test_loader_never_imports_transformers(tmp_path):
+    # transformers is a test-only dependency: loading either format must not pull it in.
+    import subprocess
+
+    path, hf = make_tiny_hf_model(tmp_path, "qwen2")
+    gguf_path = write_gguf(hf, tmp_path / "tiny.gguf", tokenizer_dir=path)
+    code = ("import sys; from eecore.models import load_model; "
+            f"load_model({path!r}); load_model({gguf_path!r}).tokenizer.apply_chat_template([]); "
+            "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
