@@ -9,7 +9,7 @@ import os
 import pytest
 
 from eecore.models import ChatTemplateError, CorruptCheckpointError, Tokenizer, default_model_path, load_model
-from model_factory import CHATML_TEMPLATE, make_tiny_hf_model, write_gguf
+from model_factory import make_tiny_hf_model, write_gguf
 
 TEXTS = [
     "Hello world",
