@@ -108,6 +108,21 @@ def write_tiny_tokenizer(path, vocab_size: int) -> None:
 # ---- GGUF -------------------------------------------------------------------------------------
 
 
+def hf_model_from_gguf(path):
+    """transformers' own loading of a GGUF file in fp32 (eval mode): the oracle for GGUF models."""
+    from unittest import mock
+
+    import transformers
+    import transformers.modeling_utils as modeling_utils
+
+    dirname, basename = os.path.split(str(path))
+    # transformers refuses GGUF files unless `accelerate` is installed, although its dequantizing
+    # path does not use it; lift the gate so the comparison also runs where accelerate is absent.
+    with mock.patch.object(modeling_utils, "is_accelerate_available", return_value=True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(dirname, gguf_file=basename, dtype=torch.float32)
+    return model.eval()
+
+
 def llamacpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's converter: within each head, row j*D/2 + i (rotate-half layout) goes to row 2*i + j."""
     head_dim = weight.shape[0] // num_heads

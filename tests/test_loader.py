@@ -15,7 +15,7 @@ from eecore.models import (CorruptCheckpointError, DefaultModelNotInstalledError
                            ModelNotFoundError, UnsupportedModelError, default_model_path, load_model)
 from eecore.models.gguf_file import GGUFFile
 from eecore.models.gguf_loader import llama3_rope_factors, unpermute_qk
-from model_factory import llamacpp_permute, make_tiny_hf_model, write_gguf
+from model_factory import hf_model_from_gguf, llamacpp_permute, make_tiny_hf_model, write_gguf
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 256}
@@ -449,18 +449,6 @@ def test_default_model_not_installed():
 # ---- the real default model: SmolLM2-135M-Instruct Q4_1 GGUF ---------------------------------------
 
 
-def _hf_from_gguf(path: str):
-    """transformers' own GGUF loading of the same file (fp32), the oracle for our dequantization."""
-    import transformers
-    import transformers.modeling_utils as modeling_utils
-
-    dirname, basename = os.path.split(path)
-    # transformers refuses GGUF without `accelerate` installed although its dequantizing path does
-    # not use it; lift the gate so the comparison runs where accelerate is absent.
-    with mock.patch.object(modeling_utils, "is_accelerate_available", return_value=True):
-        return transformers.AutoModelForCausalLM.from_pretrained(dirname, gguf_file=basename, dtype=torch.float32)
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     return load_model(None)
@@ -475,7 +463,7 @@ def test_default_model_path_does_not_import_package():
 
 @pytest.mark.slow
 def test_smollm2_equals_transformers(smollm2):
-    hf = _hf_from_gguf(default_model_path())
+    hf = hf_model_from_gguf(default_model_path())
     assert_same_state_dict(smollm2.state_dict, hf)
     c, h = smollm2.config, hf.config
     assert c == ModelConfig(
