@@ -176,8 +176,9 @@ class GGUFFile:
         row_bytes = info.shape[-1] // block_size * type_size if info.shape else info.nbytes
         return data.reshape(*info.shape[:-1], row_bytes)
 
-    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor dequantized to `dtype`, in a fresh (writable, owned) torch tensor."""
+    def load_tensor(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """The tensor dequantized to `dtype` (None: as stored for F32/F16/BF16, else float32), in a
+        fresh (writable, owned) torch tensor."""
         info = self.tensors[name]
         data = self.raw(name)
         if info.ggml_type == GGMLQuantizationType.F32:
@@ -195,4 +196,4 @@ class GGUFFile:
                     f"dequantize ({e})") from e
             tensor = torch.from_numpy(values)
         tensor = tensor.reshape(info.shape)
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)

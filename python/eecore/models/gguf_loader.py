@@ -83,12 +83,13 @@ def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, tor
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise UnsupportedModelError(f"{path}: tensor {name!r} is not part of a Llama-family model")
-        tensor = gguf.load_tensor(name, dtype)
+        tensor = gguf.load_tensor(name, dtype=None)
+        # Reorder before the cast: strided copies are fastest in the stored (usually fp32) type.
         if permuted and ".self_attn.q_proj." in hf_name:
             tensor = unpermute_qk(tensor, config.num_heads)
         elif permuted and ".self_attn.k_proj." in hf_name:
             tensor = unpermute_qk(tensor, config.num_kv_heads)
-        state_dict[hf_name] = tensor
+        state_dict[hf_name] = tensor.to(dtype)
     check_state_dict(state_dict, config, path)
     return config, state_dict, tokenizer_from_gguf(gguf.metadata, path)
 
@@ -161,10 +162,10 @@ def _rope_scaling(gguf: GGUFFile, arch: str, rope_theta: float, head_dim: int) -
     raise UnsupportedModelError(f"{gguf.path}: rope scaling type {kind!r} is not supported")
 
 
-# (original context, low_freq_factor, high_freq_factor) tried when recognising a llama3 table;
-# Meta's Llama 3.1 / 3.2 / 3.3 all use the first.
+# (original context, low_freq_factor, high_freq_factor) tried when a table has too few points in
+# its smooth region to solve for them; Meta's Llama 3.1 / 3.2 / 3.3 all use the first.
 _LLAMA3_CANDIDATES = [(ctx, low, high) for ctx in (8192, 4096, 2048, 16384, 32768)
-                      for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0))]
+                      for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0))]
 
 
 def llama3_rope_factors(factor: float, low_freq_factor: float, high_freq_factor: float,
@@ -181,15 +182,30 @@ def llama3_rope_factors(factor: float, low_freq_factor: float, high_freq_factor:
 
 
 def _llama3_scaling_from_factors(factors: torch.Tensor, rope_theta: float, head_dim: int, path: str) -> dict:
-    """Recover HF's llama3 rope_scaling dict from llama.cpp's rope_freqs table, by finding the
-    standard parameters that reproduce it."""
+    """Recover HF's llama3 rope_scaling dict from llama.cpp's rope_freqs table.
+
+    In the smooth region the divisor d of a frequency with wavelength w satisfies
+    s = (1/d - 1/f) / (1 - 1/f) = (ctx/w - low) / (high - low), a line in 1/w. Scaling ctx, low and
+    high together leaves the table unchanged, so low = 1 is taken (as Meta's configs have it) and
+    ctx, high follow from the line's slope and intercept. The answer is checked by recomputing the table.
+    """
     if factors.shape != (head_dim // 2,):
         raise CorruptCheckpointError(f"{path}: rope_freqs has shape {tuple(factors.shape)}, expected ({head_dim // 2},)")
     factor = float(factors.max())
-    for ctx, low, high in _LLAMA3_CANDIDATES:
+    candidates = list(_LLAMA3_CANDIDATES)
+    inv_wavelen = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim) / (2 * math.pi)
+    smooth = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if factor > 1 and int(smooth.sum()) >= 2:
+        s = (1 / factors[smooth] - 1 / factor) / (1 - 1 / factor)
+        x = inv_wavelen[smooth]
+        slope = float(((x - x.mean()) * (s - s.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        intercept = float(s.mean() - slope * x.mean())
+        if intercept < 0:
+            high = 1 - 1 / intercept
+            candidates.insert(0, (round(slope * (high - 1)), 1.0, round(high, 4)))
+    for ctx, low, high in candidates:
         table = llama3_rope_factors(factor, low, high, ctx, rope_theta, head_dim)
         if torch.allclose(table, factors, rtol=1e-5, atol=0):
             return {"rope_type": "llama3", "factor": round(factor, 5), "low_freq_factor": low,
                     "high_freq_factor": high, "original_max_position_embeddings": ctx}
-    raise UnsupportedModelError(
-        f"{path}: its rope_freqs table does not match llama3 rope scaling for any standard parameters")
+    raise UnsupportedModelError(f"{path}: its rope_freqs table does not follow llama3 rope scaling")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from eecore.models.errors import CorruptCheckpointError, UnsupportedModelError
@@ -141,9 +141,11 @@ def _sentencepiece_bpe(metadata: dict, tokens: list[str], types: list[int], sour
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
                                           byte_fallback=True))
     add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
-    # SentencePiece writes spaces as U+2581 and (add_dummy_prefix) starts the text with one.
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    # SentencePiece writes spaces as U+2581 and (add_dummy_prefix) starts the text with one more,
+    # even when it already starts with a space. As in llama.cpp, every text run that follows a
+    # special token gets that prefix too (the normalizer runs once per run between added tokens).
+    space = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if add_space_prefix else space
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1))
