@@ -1,16 +1,23 @@
 """Helpers for engine tests: tiny models made on the spot, HF greedy references."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import eecore
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF transformers' greedy continuation of one prompt (no EOS stop)."""
+    """HF transformers' `generate` greedy continuation of one prompt, with EOS not stopping it
+    (eecore's side runs with ignore_eos=True)."""
+    config = copy.deepcopy(hf_model.generation_config)
+    # None would mean "the model's default" to transformers: name a token that cannot occur
+    config.eos_token_id, config.pad_token_id = hf_model.config.vocab_size + 1000, 0
+    config.do_sample, config.max_new_tokens = False, max_new_tokens
+    config.temperature = config.top_p = config.top_k = None
     ids = torch.tensor([prompt_ids])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt_ids):].tolist()
 
 

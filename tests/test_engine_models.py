@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import eecore
+from eecore.engine.inputs import Row
 from engine_utils import greedy, hf_greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
@@ -20,10 +21,10 @@ def test_prefill_logits_match_hf(tiny):
     llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=64, block_size=16)
     prompt = random_prompts(hf.config.vocab_size, [37])[0]
     seq = llm.engine.add_request(prompt, greedy(1))
-    from eecore.engine.inputs import Row
-
+    llm.engine.blocks.grow(seq, len(prompt))
     _, hidden = llm.engine.runner.forward([Row(seq, 0, prompt)])
-    ours = llm.engine.runner.logits(hidden)
+    runner = llm.engine.runner
+    ours = torch.cat([runner.logits(hidden[i:i + 16]).clone() for i in range(0, len(prompt), 16)])
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
