@@ -15,6 +15,11 @@
 
 namespace eecore::cpu {
 
+// How far ahead of the loads each weight row is prefetched. The weight comes from DRAM and the
+// hardware prefetcher alone leaves the FMAs waiting on it (measured: ~20% slower at B = 8).
+// Prefetches never fault, so running past the end of the weight is harmless.
+constexpr int64_t kPrefetchBytes = 1024;
+
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d.
 template <int MR, int NR, typename w_t>
 inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t d, float* out, int64_t ldo) {
@@ -27,7 +32,10 @@ inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, in
   for (; k + 8 <= d; k += 8) {
     Float8 wv[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ldw + k);
+    for (int j = 0; j < NR; ++j) {
+      __builtin_prefetch(w + j * ldw + k + kPrefetchBytes / static_cast<int64_t>(sizeof(w_t)));
+      wv[j] = load8(w + j * ldw + k);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const Float8 hv = load8(h + i * ldh + k);
