@@ -9,15 +9,22 @@
 
 TORCH_LIBRARY(eecore, m) {
   // key, value [T, Hkv, D] -> k_cache, v_cache [NB, BS, Hkv, D] at slot_mapping[t] (int64 [T]);
-  // slot = block * BS + offset, -1 skips the token.
+  // slot = block * BS + offset, -1 skips the token. key/value have the caches' dtype and may be
+  // strided in T and Hkv (slices of a fused QKV output); the caches are contiguous. A slot outside
+  // [-1, NB * BS) is an error, raised before anything is written.
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
 
   // out, query [Tq, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
   // seq_lens int32 [B]: cached tokens of each sequence, its new ones included;
-  // query_start_loc int32 [B+1]: sequence b owns query rows qsl[b]:qsl[b+1], which are its last
-  // tokens (causal mask aligned bottom-right). position_bias fp32 [Hq, max_distance] is added to
-  // the score at distance q_pos - k_pos (clamped to [0, max_distance - 1]).
+  // query_start_loc int32 [B+1]: sequence b owns query rows qsl[b]:qsl[b+1] (qsl[0] = 0,
+  // non-decreasing, qsl[B] = Tq), which are its last tokens: row i of a sequence with q_len rows
+  // sits at position seq_len - q_len + i (causal mask aligned bottom-right; q_len <= seq_len).
+  // causal=False: every row sees all seq_len keys, and q_len may exceed seq_len (cross-attention).
+  // max_query_len >= every q_len (1 selects the decode kernel). position_bias fp32
+  // [Hq, max_distance] is added to the score at distance q_pos - k_pos (clamped to
+  // [0, max_distance - 1]). query/out may be strided in Tq and Hq; the caches are contiguous and
+  // of query's dtype; block_table is -1 padded past each sequence's ceil(seq_len / BS) blocks.
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, float scale, bool causal, "
         "Tensor? position_bias) -> ()");

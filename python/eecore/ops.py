@@ -86,9 +86,14 @@ def mlp_confidence(hidden: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2:
     return _ops.mlp_confidence(hidden, w1, b1, w2, b2)
 
 
-def accept_update(status: torch.Tensor, confidence: torch.Tensor, threshold: torch.Tensor,
+def accept_update(status: torch.Tensor, confidence: torch.Tensor, threshold: torch.Tensor | float,
                   active: torch.Tensor) -> torch.Tensor:
-    """`status |= (confidence > threshold) & active`; returns int32 `[]`: active rows not yet confident."""
+    """`status |= (confidence > threshold) & active`; returns int32 `[]`: active rows not yet confident.
+
+    `threshold` is fp32 `[]` or `[B]`; a Python number becomes a 0-dim fp32 tensor.
+    """
+    if not isinstance(threshold, torch.Tensor):
+        threshold = torch.tensor(float(threshold), dtype=torch.float32, device=status.device)
     return _ops.accept_update(status, confidence, threshold, active)
 
 
