@@ -72,11 +72,12 @@ def _sampling(args):
                                  top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _prompt_text(llm, prompt: str, chat: str) -> str:
-    use_chat = chat == "on" or (chat == "auto" and llm.tokenizer is not None and llm.tokenizer.has_chat_template)
+def _prompt(llm, prompt: str, chat: str):
+    use_chat = chat == "on" or (chat == "auto" and llm.tokenizer is not None and llm.tokenizer.chat_template)
     if not use_chat:
         return prompt
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)  # the template already placed them
 
 
 def _summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) -> str:
@@ -87,7 +88,7 @@ def _summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) 
 
 def cmd_generate(args) -> int:
     llm = build_llm(args)
-    prompts = [_prompt_text(llm, p, args.chat) for p in args.prompt]
+    prompts = [_prompt(llm, p, args.chat) for p in args.prompt]
     texts = [""] * len(prompts)
     layers: list[int] = []
     start = time.perf_counter()
@@ -127,7 +128,7 @@ def cmd_bench(args) -> int:
     llm = build_llm(args)
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                    top_k=args.top_k, seed=args.seed, ignore_eos=True)
-    prompts = [_prompt_text(llm, BENCH_PROMPTS[i % len(BENCH_PROMPTS)], args.chat) for i in range(args.num_prompts)]
+    prompts = [_prompt(llm, BENCH_PROMPTS[i % len(BENCH_PROMPTS)], args.chat) for i in range(args.num_prompts)]
     llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))  # warm-up
     layers: list[int] = []
     start = time.perf_counter()

@@ -124,8 +124,12 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("LLM.chat: this model has no tokenizer / chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        # the template already wrote the special tokens: encoding must not add a second BOS
+        outs = self.generate([self.tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     # ---- helpers ---------------------------------------------------------------------------
     def _add_all(self, prompts: Prompts, sampling_params):

@@ -1,0 +1,83 @@
+"""Shared pieces of the end-to-end benchmark scripts: prompts, the HF baseline built from the
+very same weights, timing, and where results go."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+PROMPTS = [
+    "Explain how a paged KV cache works in an LLM inference engine.",
+    "Write a short poem about the sea.",
+    "What are the main differences between Python and C++?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "Give three tips for writing readable code.",
+    "Why is the sky blue?",
+    "Describe the water cycle.",
+    "How do vaccines work?",
+]
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def hf_model_from_loaded(loaded, dtype=torch.float32):
+    """A transformers LlamaForCausalLM holding exactly the weights eecore loaded (no second
+    dequantization of the GGUF, no download)."""
+    import transformers
+
+    c = loaded.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+    model = transformers.LlamaForCausalLM(hf_config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    return model.to(dtype).eval()
+
+
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, **extra) -> list[list[int]]:
+    """Greedy HF generation of exactly max_new_tokens per prompt (left-padded batch)."""
+    import copy
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.pad_token_id = model.config.vocab_size + 1000, 0  # never stop early
+    config.do_sample, config.max_new_tokens = False, max_new_tokens
+    config.temperature = config.top_p = config.top_k = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=config, **extra)
+    return [row[width:].tolist() for row in out]
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def save_results(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    payload = dict(payload, date=date, machine=platform.processor() or platform.machine(),
+                   cpu_count=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads())
+    path = os.path.join(RESULTS_DIR, f"{name}-{date}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path

@@ -1,0 +1,139 @@
+"""Early exit on SmolLM2-135M (fp32, CPU): every measure at several thresholds, both batch rules,
+batch 1 and 8, against full depth in the same run.
+
+For each configuration: tokens/s and speed-up over full depth, the early-exit rate, mean layers
+per token, the ideal speed-up L / mean layers and how much of it is realised, wasted layers per
+token (rule "all"), and ROUGE-L of the output against the full model's output ("To Full").
+A threshold of 1.0 never exits: those rows measure the pure cost of the checks.
+
+    python bench/early_exit_sweep.py [--max-tokens 64] [--batch-sizes 1 8] [--quick]
+writes bench/results/cpu-early-exit-<date>.{json,png}
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import eecore
+from common import PROMPTS, RESULTS_DIR, chat_prompt_ids, save_results, timed
+from rouge import rouge_l
+
+L = 30  # SmolLM2-135M
+
+
+def configs(classifier_path: str, quick: bool):
+    """(measure, label, EarlyExitConfig kwargs) to sweep."""
+    out = []
+    for E in ([12, 20] if quick else [8, 12, 16, 20, 24]):
+        out.append(("static", f"E={E}", dict(measure="static", exit_layer=E)))
+    for rule in ("all", "compact"):
+        for t in ([0.9, 1.0] if quick else [0.8, 0.9, 0.95, 0.98, 1.0]):
+            out.append(("cosine", f"t={t} {rule}", dict(measure="cosine", threshold=t, min_exit_layer=8,
+                                                        batch_rule=rule)))
+        for t in ([0.5, 1.0] if quick else [0.3, 0.5, 0.7, 0.9, 1.0]):
+            out.append(("softmax", f"t={t} {rule}", dict(measure="softmax", threshold=t, min_exit_layer=12,
+                                                         check_every=3, batch_rule=rule)))
+        for t in ([0.8] if quick else [0.6, 0.8, 0.9, 0.95]):
+            out.append(("classifier", f"t={t} {rule}", dict(measure="classifier", threshold=t, min_exit_layer=8,
+                                                            classifier_path=classifier_path, batch_rule=rule)))
+    return out
+
+
+def ensure_classifier(path: str) -> str:
+    if not os.path.exists(path):
+        from eecore.train import calm_classifier
+
+        print(f"training the exit classifier -> {path}")
+        llm = eecore.LLM(dtype="float32", device="cpu")
+        calm_classifier.train(llm).save(path)
+    return path
+
+
+def run(llm, prompts, params):
+    outs, elapsed = timed(llm.generate, prompts, params)
+    tokens = sum(len(o.token_ids) for o in outs)
+    layers = [e for o in outs for e in o.exit_layers]
+    wasted = [o.metrics.get("layers_wasted_per_token") for o in outs]
+    return dict(outs=outs, tok_s=tokens / elapsed, mean_layers=statistics.mean(layers),
+                ee_rate=sum(e < L for e in layers) / len(layers),
+                wasted=statistics.mean(wasted) if all(w is not None for w in wasted) else None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    classifier = ensure_classifier(os.path.join(RESULTS_DIR, "smollm2-exit-classifier.safetensors"))
+    params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+
+    base = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
+    prompts_all = [chat_prompt_ids(base.tokenizer, p) for p in PROMPTS]
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = prompts_all[:batch] if batch > 1 else prompts_all[:2]
+        group = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
+        def measure(llm):
+            runs = [run(llm, g, params) for g in group]
+            outs = [o for r in runs for o in r["outs"]]
+            return dict(outs=outs, tok_s=statistics.mean(r["tok_s"] for r in runs),
+                        mean_layers=statistics.mean(r["mean_layers"] for r in runs),
+                        ee_rate=statistics.mean(r["ee_rate"] for r in runs),
+                        wasted=runs[0]["wasted"] and statistics.mean(r["wasted"] for r in runs))
+
+        base.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))
+        full = measure(base)
+        full_texts = [o.text for o in full["outs"]]
+        print(f"\nbatch {batch}: full depth {full['tok_s']:.1f} tok/s")
+        print(f"{'measure':<11}{'config':<16}{'tok/s':>8}{'speedup':>9}{'ideal':>7}{'realised':>9}{'EE rate':>8}"
+              f"{'layers':>7}{'wasted':>7}{'ROUGE-L':>8}")
+        for measure_name, label, kw in configs(classifier, args.quick):
+            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, early_exit=eecore.EarlyExitConfig(**kw))
+            llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))
+            r = measure(llm)
+            speedup = r["tok_s"] / full["tok_s"]
+            ideal = L / r["mean_layers"]
+            rouge = statistics.mean(rouge_l(o.text, t) for o, t in zip(r["outs"], full_texts))
+            row = dict(batch=batch, measure=measure_name, config=label, tok_s=r["tok_s"], speedup=speedup,
+                       ideal_speedup=ideal, realised=speedup / ideal, ee_rate=r["ee_rate"],
+                       mean_layers=r["mean_layers"], wasted_layers=r["wasted"], rouge_l_to_full=rouge)
+            rows.append(row)
+            wasted = f"{r['wasted']:.2f}" if r["wasted"] is not None else "-"
+            print(f"{measure_name:<11}{label:<16}{r['tok_s']:8.1f}{speedup:9.2f}{ideal:7.2f}{speedup / ideal:9.2f}"
+                  f"{r['ee_rate']:8.2f}{r['mean_layers']:7.1f}{wasted:>7}{rouge:8.3f}")
+    path = save_results("cpu-early-exit", dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
+                                                full_depth_layers=L, rows=rows))
+    plot(rows, path.replace(".json", ".png"))
+    print(f"\nresults: {path}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for measure in ("static", "cosine", "softmax", "classifier"):
+            for rule, style in (("all", "-o"), ("compact", "--s")):
+                pts = sorted((r["rouge_l_to_full"], r["speedup"]) for r in rows if r["batch"] == batch
+                             and r["measure"] == measure and (measure == "static" or r["config"].endswith(rule)))
+                if pts and (measure != "static" or rule == "all"):
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                            label=measure if measure == "static" else f"{measure} ({rule})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("ROUGE-L to the full model's output")
+        ax.set_ylabel("speed-up over full depth")
+        ax.set_title(f"SmolLM2-135M, CPU, batch {batch}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Self-speculative decoding (LayerSkip) on SmolLM2-135M (fp32, CPU), against eecore at full depth
+and HF transformers' own self-speculation `generate(..., assistant_early_exit=E)` (batch 1 only:
+HF supports no more), all in the same run, on the same weights.
+
+SmolLM2 was not trained with LayerSkip's recipe, so its early layers make poor drafts and the
+acceptance rate at small E is low; the table reports it as measured.
+
+    python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
+writes bench/results/cpu-self-speculation-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import eecore
+from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
+
+
+def eecore_run(llm, prompts, params, batch):
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    tokens, elapsed, outs = 0, 0.0, []
+    for g in groups:
+        o, t = timed(llm.generate, g, params)
+        outs += o
+        tokens += sum(len(x.token_ids) for x in o)
+        elapsed += t
+    return outs, tokens / elapsed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--exit-layers", type=int, nargs="+", default=[6, 12, 18, 24])
+    ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--num-prompts-batch1", type=int, default=2)
+    ap.add_argument("--draft-threshold", type=float, default=None)
+    args = ap.parse_args()
+
+    from eecore.models.loader import load_model
+
+    loaded = load_model(None, dtype=torch.float32)
+    hf = hf_model_from_loaded(loaded)
+    del loaded
+    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
+    prompts_all = [chat_prompt_ids(full.tokenizer, p) for p in PROMPTS]
+    params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    full.generate(prompts_all[:1], eecore.SamplingParams(max_tokens=4))
+
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = prompts_all[: max(batch, args.num_prompts_batch1)] if batch > 1 else \
+            prompts_all[: args.num_prompts_batch1]
+        full_outs, full_tok_s = eecore_run(full, prompts, params, batch)
+        print(f"\nbatch {batch}: eecore full depth {full_tok_s:.1f} tok/s")
+        hf_tok_s = {}
+        if batch == 1:
+            _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens) for p in prompts])
+            hf_full = len(prompts) * args.max_tokens / t
+            print(f"HF full depth {hf_full:.1f} tok/s")
+            for E in args.exit_layers:
+                _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
+                                      for p in prompts])
+                hf_tok_s[E] = len(prompts) * args.max_tokens / t
+        print(f"{'E':>3}{'d':>3}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'tok/step':>9}{'HF self-spec':>14}"
+              f"{'vs HF':>7}{'exact':>7}")
+        for E in args.exit_layers:
+            for d in args.drafts:
+                llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
+                    exit_layer=E, num_speculations=d, draft_threshold=args.draft_threshold))
+                outs, tok_s = eecore_run(llm, prompts, params, batch)
+                accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
+                per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
+                exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
+                row = dict(batch=batch, exit_layer=E, num_speculations=d, tok_s=tok_s, full_tok_s=full_tok_s,
+                           speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
+                           tokens_per_verify_step=per_step, identical_to_full=exact)
+                hf_text = "-"
+                if E in hf_tok_s:
+                    row.update(hf_self_spec_tok_s=hf_tok_s[E], speedup_vs_hf=tok_s / hf_tok_s[E])
+                    hf_text = f"{hf_tok_s[E]:.1f}"
+                rows.append(row)
+                vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
+                print(f"{E:3d}{d:3d}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}{per_step:9.2f}{hf_text:>14}"
+                      f"{vs_hf:>7}{str(exact):>7}")
+    path = save_results("cpu-self-speculation", dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
+                                                      draft_threshold=args.draft_threshold, rows=rows))
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training recipes: CALM's exit classifier (eecore.train.calm_classifier)."""
