@@ -96,8 +96,9 @@ def test_kv_fill_matches_reference(device, dtype, block_size, rope, with_bias):
     check_against_reference(case, dtype)
 
 
-# (T, L, Hkv, D, d): decode batches, an odd prefill-sized T, GQA-sized Hkv, 30 layers.
-SHAPES = [(1, 3, 1, 64, 48), (8, 30, 3, 64, 96), (13, 4, 8, 16, 40), (31, 6, 4, 80, 128)]
+# (T, L, Hkv, D, d): decode batches, odd T, GQA-sized Hkv, 30 layers. Up to 32 writing tokens the
+# CPU kernel streams the weights itself; T=70 takes its GEMM path.
+SHAPES = [(1, 3, 1, 64, 48), (8, 30, 3, 64, 96), (13, 4, 8, 16, 40), (31, 6, 4, 80, 128), (70, 5, 2, 32, 64)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,6 +109,16 @@ def test_kv_fill_shapes(device, dtype, shape, is_neox):
     case = make_case(device, dtype, num_tokens=num_tokens, num_layers=num_layers, num_blocks=8, block_size=16,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, hidden_size=hidden_size, rot_dim=head_dim,
                      is_neox=is_neox)
+    check_against_reference(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [9, 34, 35, 64])
+def test_kv_fill_partial_rope_gptj_bias_any_batch(device, dtype, num_tokens):
+    # Both CPU strategies on the harder options: make_case drops 2 tokens, so 34 leaves 32 writing
+    # tokens (the last streamed batch size) and 35 leaves 33 (the first GEMM one).
+    case = make_case(device, dtype, num_tokens=num_tokens, num_blocks=5, block_size=16, num_kv_heads=3,
+                     head_dim=48, hidden_size=100, rot_dim=24, is_neox=False, with_bias=True)
     check_against_reference(case, dtype)
 
 
