@@ -96,8 +96,7 @@ def test_kv_fill_matches_reference(device, dtype, block_size, rope, with_bias):
     check_against_reference(case, dtype)
 
 
-# (T, L, Hkv, D, d): decode batches, odd T, GQA-sized Hkv, 30 layers. Up to 32 writing tokens the
-# CPU kernel streams the weights itself; T=70 takes its GEMM path.
+# (T, L, Hkv, D, d): decode batches, odd T, GQA-sized Hkv, 30 layers, a large batch.
 SHAPES = [(1, 3, 1, 64, 48), (8, 30, 3, 64, 96), (13, 4, 8, 16, 40), (31, 6, 4, 80, 128), (70, 5, 2, 32, 64)]
 
 
@@ -113,12 +112,17 @@ def test_kv_fill_shapes(device, dtype, shape, is_neox):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", [9, 34, 35, 64])
-def test_kv_fill_partial_rope_gptj_bias_any_batch(device, dtype, num_tokens):
-    # Both CPU strategies on the harder options: make_case drops 2 tokens, so 34 leaves 32 writing
-    # tokens (the last streamed batch size) and 35 leaves 33 (the first GEMM one).
-    case = make_case(device, dtype, num_tokens=num_tokens, num_blocks=5, block_size=16, num_kv_heads=3,
-                     head_dim=48, hidden_size=100, rot_dim=24, is_neox=False, with_bias=True)
+@pytest.mark.parametrize("num_writing", [9, 64, 65])
+def test_kv_fill_both_cpu_strategies(device, dtype, num_writing):
+    # The CPU kernel streams the weights itself for up to 64 writing tokens and calls one GEMM above
+    # (in fp32; 16-bit only where the CPU has native bf16/fp16 matmul). Exactly `num_writing` tokens
+    # write here: make_case skips token 1 (slot -1) and token 2 (start_layer = L).
+    num_layers = 5
+    case = make_case(device, dtype, num_tokens=num_writing + 2, num_layers=num_layers, num_blocks=5, block_size=16,
+                     num_kv_heads=3, head_dim=48, hidden_size=100, rot_dim=24, is_neox=False, with_bias=True)
+    start = torch.randint(0, num_layers, (num_writing + 2,), dtype=torch.int32)
+    start[0], start[2] = 0, num_layers
+    case.start_layer = start.to(device)
     check_against_reference(case, dtype)
 
 
