@@ -28,9 +28,11 @@ TORCH_LIBRARY(eecore, m) {
   // input, residual [..., d]: residual += input; input = rms_norm(residual) * weight
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
 
-  // positions int64 [T]; query [T, Hq, D]; key [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] =
-  // cat(cos, sin) along the last dim. Rotates the first rot_dim dims of every head, in place.
-  // is_neox: rotate the two halves (Llama/NeoX); else rotate interleaved pairs (GPT-J).
+  // positions int64 [T] in [0, max_pos); query [T, Hq, D]; key [T, Hkv, D]; cos_sin_cache
+  // [max_pos, rot_dim] = cat(cos, sin) along the last dim, fp32 or the dtype of query. Rotates the
+  // first rot_dim dims of every head in place (rot_dim even, <= D; the rest is untouched), in fp32.
+  // is_neox: rotate the two halves (Llama/NeoX); else rotate interleaved pairs (GPT-J). query and
+  // key need unit stride in D only: strided views (e.g. into a fused qkv buffer) are fine.
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
         "bool is_neox) -> ()");
 
@@ -52,9 +54,11 @@ TORCH_LIBRARY(eecore, m) {
 
   // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
   // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;
-  // cos_sin_cache [max_pos, rot_dim]? (RoPE on K); positions int64 [T]; slot_mapping int64 [T];
-  // start_layer int32 [T]. For every t and l >= start_layer[t]: [K; V] = W_l rms(hidden[t]) + b_l,
-  // written at slot_mapping[t] of layer l.
+  // cos_sin_cache [max_pos, rot_dim]? (RoPE on K, as in rotary_embedding; fp32 or the dtype of
+  // kv_cache); positions int64 [T] (read only with RoPE); slot_mapping int64 [T] (negative skips);
+  // start_layer int32 [T] (>= 0; >= L writes nothing). kv_cache, hidden, weight and bias share one
+  // dtype. For every t and l >= start_layer[t]: [K; V] = W_l rms(hidden[t]) + b_l, with
+  // rms(x) = x * rsqrt(mean(x^2) + eps) (no gain), written at slot_mapping[t] of layer l.
   m.def("kv_fill(Tensor(a!) kv_cache, Tensor hidden, Tensor weight, Tensor? bias, Tensor? cos_sin_cache, "
         "Tensor positions, Tensor slot_mapping, Tensor start_layer, float eps, bool is_neox) -> ()");
 }

@@ -265,3 +265,23 @@ def test_kv_fill_positions_unused_without_rope():
     case = make_case("cpu", rot_dim=None)
     case.positions.fill_(-7)
     check_against_reference(case, torch.float32)
+
+
+def test_kv_fill_and_rotary_embedding_in_a_compiled_graph(device):
+    # Both mutating ops trace through torch.compile(fullgraph=True) via their schemas and fakes.
+    case = make_case(device, num_tokens=5)
+    query = torch.randn(5, 4, 32, device=device)
+    key = torch.randn(5, 2, 32, device=device)
+
+    def step(kv_cache, query, key):
+        ops.rotary_embedding(case.positions, query, key, case.cos_sin_cache, True)
+        ops.kv_fill(*case.args(kv_cache))
+        return query * 2
+
+    expected_cache, expected_q, expected_k = case.kv_cache.clone(), query.clone(), key.clone()
+    expected_out = step(expected_cache, expected_q, expected_k)
+    compiled = torch.compile(step, fullgraph=True)
+    out = compiled(case.kv_cache, query, key)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(key, expected_k)
+    torch.testing.assert_close(case.kv_cache, expected_cache, equal_nan=True)
