@@ -4,6 +4,10 @@ Each op and its baselines share a pytest-benchmark group, so the table shows the
 
     PYTHONPATH=python python -m pytest bench/test_bench_norm_rope_kvfill.py --benchmark-enable -q
 
+On a shared machine, also run it with OMP_NUM_THREADS=1: with other processes on the cores, every
+parallel region can stall a whole scheduler slice waiting for a descheduled thread, which punishes
+code made of many small parallel ops (the per-layer loop) far more than the fused ops.
+
 Sizes are decode-like: B = T = 8 rows; SmolLM2-135M (d=576, Hkv=3, D=64, 30 layers) and a 1-2B
 Llama-shaped model (d=2048, Hq=32, Hkv=8, D=64). The baselines are written the way a careful
 PyTorch user would write them (HF's RMSNorm, vLLM's native RoPE, index_copy_ into the cache).

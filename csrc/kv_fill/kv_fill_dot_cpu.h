@@ -4,7 +4,8 @@
 // Why not a BLAS call: at decode sizes (a handful of tokens) the projection is a matrix-vector
 // product bound by reading the weights, and a GEMM library's small-M path is often far from the
 // memory bandwidth (MKL on AMD CPUs is ~10x off here). Streaming each weight row once against
-// every token, in fp32 registers, runs at the speed the weights can be read.
+// every token, in fp32 registers, runs at the speed the weights can be read for 1-4 tokens and
+// within ~2x of it for 8 tokens at d = 2048 (their 64 KiB of fp32 activations no longer fit L1).
 #pragma once
 
 #include <c10/util/BFloat16.h>
