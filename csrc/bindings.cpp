@@ -34,19 +34,26 @@ TORCH_LIBRARY(eecore, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
         "bool is_neox) -> ()");
 
-  // logits [B, V] -> (gap fp32 [B] = p1 - p2 of softmax(logits), top1 int64 [B])
+  // logits [B, V >= 2] (any row stride, unit stride along V) -> (gap fp32 [B] = p1 - p2 of
+  // softmax(logits), top1 int64 [B] = argmax). On a tie for the max, top1 is the first index and
+  // the gap is 0. -inf entries take no probability; a row of only -inf gives gap NaN (top1 0), as
+  // does any +inf or NaN in the row (top1 then skips NaN entries).
   m.def("softmax_top2_gap(Tensor logits) -> (Tensor, Tensor)");
 
-  // hidden [B, d], weight [V, d] -> the same for logits = hidden @ weight.T, never materialized
+  // hidden [B, d >= 1], weight [V >= 2, d] of hidden's dtype (any row strides) -> the same for
+  // logits = hidden @ weight.T in fp32, never materialized
   m.def("lm_head_top2_gap(Tensor hidden, Tensor weight) -> (Tensor, Tensor)");
 
-  // prev, cur [B, d] -> fp32 [B] cosine similarity of each row
+  // prev, cur [B, d >= 1] -> fp32 [B] cosine similarity of each row, as
+  // F.cosine_similarity(prev.float(), cur.float(), dim=-1, eps=1e-8): each norm clamped at eps
   m.def("hidden_cosine(Tensor prev, Tensor cur) -> Tensor");
 
-  // hidden [B, d]; w1 [m, d]; b1 [m]; w2 [m]; b2 [1] -> fp32 [B] sigmoid(w2 . relu(w1 h + b1) + b2)
+  // hidden [B, d]; w1 [m, d]; b1 [m]; w2 [m]; b2 [1] -> fp32 [B] sigmoid(w2 . relu(w1 h + b1) + b2).
+  // The four weights share one dtype: hidden's, or fp32 (an fp32 classifier serves a bf16 model).
   m.def("mlp_confidence(Tensor hidden, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor");
 
-  // status bool [B] |= (confidence fp32 [B] > threshold fp32 [] or [B]) & active bool [B].
+  // status bool [B] |= (confidence fp32 [B] > threshold fp32 [] or [B]) & active bool [B]
+  // (sticky: a row never reverts; a NaN confidence never passes; any strides).
   // Returns int32 []: the active rows still not confident (0: the batch may exit).
   m.def("accept_update(Tensor(a!) status, Tensor confidence, Tensor threshold, Tensor active) -> Tensor");
 

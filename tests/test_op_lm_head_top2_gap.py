@@ -115,3 +115,17 @@ def test_lm_head_top2_gap_bad_arguments(device, make, message):
     hidden, weight = make(device)
     with pytest.raises(RuntimeError, match=message):
         ops.lm_head_top2_gap(hidden, weight)
+
+
+def test_lm_head_top2_gap_same_bits_on_any_thread_count():
+    hidden, weight = make_inputs(5, 96, 49152, torch.float32, "cpu")
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(ops.lm_head_top2_gap(hidden, weight))
+    finally:
+        torch.set_num_threads(threads)
+    for gap, top1 in results[1:]:
+        assert torch.equal(gap, results[0][0]) and torch.equal(top1, results[0][1])

@@ -148,3 +148,19 @@ def test_softmax_top2_gap_opcheck(device):
 def test_softmax_top2_gap_bad_arguments(device, make, message):
     with pytest.raises(RuntimeError, match=message):
         ops.softmax_top2_gap(make(device))
+
+
+def test_softmax_top2_gap_same_bits_on_any_thread_count():
+    # The vocab is cut by shape alone and the pieces merged in order: the thread count (and the
+    # small-batch vocab split it enables) changes nothing, down to the last bit.
+    logits = torch.randn(3, 128256) * 4
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(ops.softmax_top2_gap(logits))
+    finally:
+        torch.set_num_threads(threads)
+    for gap, top1 in results[1:]:
+        assert torch.equal(gap, results[0][0]) and torch.equal(top1, results[0][1])
