@@ -35,33 +35,44 @@ TORCH_LIBRARY(eecore, m) {
   // input, residual [..., d]: residual += input; input = rms_norm(residual) * weight
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
 
-  // positions int64 [T]; query [T, Hq, D]; key [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] =
-  // cat(cos, sin) along the last dim. Rotates the first rot_dim dims of every head, in place.
-  // is_neox: rotate the two halves (Llama/NeoX); else rotate interleaved pairs (GPT-J).
+  // positions int64 [T] in [0, max_pos); query [T, Hq, D]; key [T, Hkv, D]; cos_sin_cache
+  // [max_pos, rot_dim] = cat(cos, sin) along the last dim, fp32 or the dtype of query. Rotates the
+  // first rot_dim dims of every head in place (rot_dim even, <= D; the rest is untouched), in fp32.
+  // is_neox: rotate the two halves (Llama/NeoX); else rotate interleaved pairs (GPT-J). query and
+  // key need unit stride in D only: strided views (e.g. into a fused qkv buffer) are fine.
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
         "bool is_neox) -> ()");
 
-  // logits [B, V] -> (gap fp32 [B] = p1 - p2 of softmax(logits), top1 int64 [B])
+  // logits [B, V >= 2] (any row stride, unit stride along V) -> (gap fp32 [B] = p1 - p2 of
+  // softmax(logits), top1 int64 [B] = argmax). On a tie for the max, top1 is the first index and
+  // the gap is 0. -inf entries take no probability; a row of only -inf gives gap NaN (top1 0), as
+  // does any +inf or NaN in the row (top1 then skips NaN entries).
   m.def("softmax_top2_gap(Tensor logits) -> (Tensor, Tensor)");
 
-  // hidden [B, d], weight [V, d] -> the same for logits = hidden @ weight.T, never materialized
+  // hidden [B, d >= 1], weight [V >= 2, d] of hidden's dtype (any row strides) -> the same for
+  // logits = hidden @ weight.T in fp32, never materialized
   m.def("lm_head_top2_gap(Tensor hidden, Tensor weight) -> (Tensor, Tensor)");
 
-  // prev, cur [B, d] -> fp32 [B] cosine similarity of each row
+  // prev, cur [B, d >= 1] -> fp32 [B] cosine similarity of each row, as
+  // F.cosine_similarity(prev.float(), cur.float(), dim=-1, eps=1e-8): each norm clamped at eps
   m.def("hidden_cosine(Tensor prev, Tensor cur) -> Tensor");
 
-  // hidden [B, d]; w1 [m, d]; b1 [m]; w2 [m]; b2 [1] -> fp32 [B] sigmoid(w2 . relu(w1 h + b1) + b2)
+  // hidden [B, d]; w1 [m, d]; b1 [m]; w2 [m]; b2 [1] -> fp32 [B] sigmoid(w2 . relu(w1 h + b1) + b2).
+  // The four weights share one dtype: hidden's, or fp32 (an fp32 classifier serves a bf16 model).
   m.def("mlp_confidence(Tensor hidden, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor");
 
-  // status bool [B] |= (confidence fp32 [B] > threshold fp32 [] or [B]) & active bool [B].
+  // status bool [B] |= (confidence fp32 [B] > threshold fp32 [] or [B]) & active bool [B]
+  // (sticky: a row never reverts; a NaN confidence never passes; any strides).
   // Returns int32 []: the active rows still not confident (0: the batch may exit).
   m.def("accept_update(Tensor(a!) status, Tensor confidence, Tensor threshold, Tensor active) -> Tensor");
 
   // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
   // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;
-  // cos_sin_cache [max_pos, rot_dim]? (RoPE on K); positions int64 [T]; slot_mapping int64 [T];
-  // start_layer int32 [T]. For every t and l >= start_layer[t]: [K; V] = W_l rms(hidden[t]) + b_l,
-  // written at slot_mapping[t] of layer l.
+  // cos_sin_cache [max_pos, rot_dim]? (RoPE on K, as in rotary_embedding; fp32 or the dtype of
+  // kv_cache); positions int64 [T] (read only with RoPE); slot_mapping int64 [T] (negative skips);
+  // start_layer int32 [T] (>= 0; >= L writes nothing). kv_cache, hidden, weight and bias share one
+  // dtype. For every t and l >= start_layer[t]: [K; V] = W_l rms(hidden[t]) + b_l, with
+  // rms(x) = x * rsqrt(mean(x^2) + eps) (no gain), written at slot_mapping[t] of layer l.
   m.def("kv_fill(Tensor(a!) kv_cache, Tensor hidden, Tensor weight, Tensor? bias, Tensor? cos_sin_cache, "
         "Tensor positions, Tensor slot_mapping, Tensor start_layer, float eps, bool is_neox) -> ()");
 }

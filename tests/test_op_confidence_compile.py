@@ -35,7 +35,7 @@ def test_confidence_ops_compile_fullgraph(device):
 
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # top1 of the same logits
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-    torch.testing.assert_close(got[2], want[2], rtol=2e-4, atol=1e-7)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-4)  # precision: test_op_lm_head_top2_gap
     torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-6)
     assert torch.equal(status, expected_status)  # the mutation survived functionalization
     assert got[4].item() == want[4].item()

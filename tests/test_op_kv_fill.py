@@ -96,8 +96,8 @@ def test_kv_fill_matches_reference(device, dtype, block_size, rope, with_bias):
     check_against_reference(case, dtype)
 
 
-# (T, L, Hkv, D, d): decode batches, an odd prefill-sized T, GQA-sized Hkv, 30 layers.
-SHAPES = [(1, 3, 1, 64, 48), (8, 30, 3, 64, 96), (13, 4, 8, 16, 40), (31, 6, 4, 80, 128)]
+# (T, L, Hkv, D, d): decode batches, odd T, GQA-sized Hkv, 30 layers, a large batch.
+SHAPES = [(1, 3, 1, 64, 48), (8, 30, 3, 64, 96), (13, 4, 8, 16, 40), (31, 6, 4, 80, 128), (70, 5, 2, 32, 64)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,6 +108,21 @@ def test_kv_fill_shapes(device, dtype, shape, is_neox):
     case = make_case(device, dtype, num_tokens=num_tokens, num_layers=num_layers, num_blocks=8, block_size=16,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, hidden_size=hidden_size, rot_dim=head_dim,
                      is_neox=is_neox)
+    check_against_reference(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_writing", [9, 64, 65])
+def test_kv_fill_both_cpu_strategies(device, dtype, num_writing):
+    # The CPU kernel streams the weights itself for up to 64 writing tokens and calls one GEMM above
+    # (in fp32; 16-bit only where the CPU has native bf16/fp16 matmul). Exactly `num_writing` tokens
+    # write here: make_case skips token 1 (slot -1) and token 2 (start_layer = L).
+    num_layers = 5
+    case = make_case(device, dtype, num_tokens=num_writing + 2, num_layers=num_layers, num_blocks=5, block_size=16,
+                     num_kv_heads=3, head_dim=48, hidden_size=100, rot_dim=24, is_neox=False, with_bias=True)
+    start = torch.randint(0, num_layers, (num_writing + 2,), dtype=torch.int32)
+    start[0], start[2] = 0, num_layers
+    case.start_layer = start.to(device)
     check_against_reference(case, dtype)
 
 
@@ -250,3 +265,23 @@ def test_kv_fill_positions_unused_without_rope():
     case = make_case("cpu", rot_dim=None)
     case.positions.fill_(-7)
     check_against_reference(case, torch.float32)
+
+
+def test_kv_fill_and_rotary_embedding_in_a_compiled_graph(device):
+    # Both mutating ops trace through torch.compile(fullgraph=True) via their schemas and fakes.
+    case = make_case(device, num_tokens=5)
+    query = torch.randn(5, 4, 32, device=device)
+    key = torch.randn(5, 2, 32, device=device)
+
+    def step(kv_cache, query, key):
+        ops.rotary_embedding(case.positions, query, key, case.cos_sin_cache, True)
+        ops.kv_fill(*case.args(kv_cache))
+        return query * 2
+
+    expected_cache, expected_q, expected_k = case.kv_cache.clone(), query.clone(), key.clone()
+    expected_out = step(expected_cache, expected_q, expected_k)
+    compiled = torch.compile(step, fullgraph=True)
+    out = compiled(case.kv_cache, query, key)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(key, expected_k)
+    torch.testing.assert_close(case.kv_cache, expected_cache, equal_nan=True)

@@ -110,11 +110,12 @@ def test_rotary_embedding_matches_hf_llama(device):
     positions = torch.randint(0, 1000, (num_tokens,), device=device)
     query = torch.randn(num_tokens, hq, head_dim, device=device)
     key = torch.randn(num_tokens, hkv, head_dim, device=device)
-    # HF's cos/sin [T, D] repeat the rot_dim / 2 frequencies twice (rotate_half, i.e. NeoX).
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    emb = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)
+    # HF's cos/sin [T, D] repeat the rot_dim / 2 frequencies twice (rotate_half, i.e. NeoX). The
+    # angles are taken in fp64 as in our cache: HF's fp32 angles drift by ~1e-4 at position 1000.
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    emb = torch.cat([positions[:, None].double() * inv_freq] * 2, dim=-1)
     q_hf, k_hf = hf.apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
-                                         emb.cos()[None], emb.sin()[None])
+                                         emb.cos().float()[None], emb.sin().float()[None])
     q, k = query.clone(), key.clone()
     ops.rotary_embedding(positions, q, k, cos_sin_cache(1000, head_dim, base, device=device), True)
     torch.testing.assert_close(q, q_hf[0].transpose(0, 1), atol=1e-4, rtol=1e-4)

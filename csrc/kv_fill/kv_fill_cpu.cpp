@@ -1,68 +1,109 @@
 // kv_fill on the CPU: fill the K/V cache of the layers a token skipped, from its exit hidden state.
 //
-//   1. normalise the hidden rows of the tokens that write anything (fp32 math, no gain: each
-//      layer's gain is folded into its weight rows),
-//   2. ONE GEMM against the stacked [K; V] projections of every layer from the lowest start layer
-//      up: [T', d] x [L' * 2 * Hkv * D, d]^T,
-//   3. ONE fused parallel epilogue over (token, layer): bias, RoPE on K (eecore/rotary.h), and the
-//      scatter into the token's slot of every layer >= its start layer.
+//   1. plan: range-check the index data, keep the tokens that write at least one layer, and sort
+//      them by start layer, so the tokens that need layer l are always a prefix of the list;
+//   2. normalise those rows once (fp32 math, no gain: each layer's gain is folded into its rows);
+//   3. project onto the stacked [K; V] rows of every layer from the lowest start layer up and, in
+//      the same parallel pass, add the bias, rotate K (eecore/rotary.h) and scatter each head into
+//      the token's slot of every layer >= its start layer.
 //
-// Tokens are independent and so are layers, so the epilogue needs no synchronisation: each
-// (token, layer) task owns one slot of one layer (slots are distinct per token by contract).
+// Step 3 has two strategies. Decode-sized batches (the common case: a few exited tokens) stream
+// each weight row once against all tokens in fp32 registers, fused with the epilogue, one task per
+// (layer, K/V head): bound by reading the weights. Larger batches make it a compute problem and
+// call ONE GEMM (at::mm) over all the needed layers, then run the same epilogue (see prefer_gemm).
+//
+// Every (token, layer) writes its own slot of its own layer, so the tasks never synchronise.
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "eecore/rotary.h"
 #include "kv_fill/kv_fill_checks.h"
+#include "kv_fill/kv_fill_dot_cpu.h"
 
 namespace eecore {
 namespace {
 
 constexpr const char* kOp = "kv_fill";
 
-// The tokens that write at least one layer, and the lowest layer any of them writes. Reads and
-// range-checks the index tensors, so an invalid call raises before anything is written.
+// Up to this many writing tokens the fused streaming projection is at least as fast as a GEMM
+// library (measured: MKL fp32 on a 2-core AVX2 EPYC catches up between 64 and 128 tokens).
+constexpr int64_t kMaxStreamingTokens = 64;
+
+bool cpu_has(std::initializer_list<const char*> features) {
+  const auto capabilities = at::cpu::get_cpu_capabilities();
+  for (const char* feature : features) {
+    const auto it = capabilities.find(feature);
+    if (it != capabilities.end() && it->second.isBool() && it->second.toBool()) return true;
+  }
+  return false;
+}
+
+// Whether one GEMM beats streaming the weights. Past kMaxStreamingTokens the projection is compute
+// bound and a blocked GEMM wins, except for 16-bit weights on CPUs without native bf16/fp16 matrix
+// instructions, where oneDNN widens on the fly and stays several times slower than streaming.
+bool prefer_gemm(int64_t num_tokens, at::ScalarType dtype) {
+  if (num_tokens <= kMaxStreamingTokens) return false;
+  static const bool native_bf16 = cpu_has({"avx512_bf16", "amx_bf16"});
+  static const bool native_fp16 = cpu_has({"avx512_fp16", "amx_fp16"});
+  if (dtype == at::kBFloat16) return native_bf16;
+  if (dtype == at::kHalf) return native_fp16;
+  return true;
+}
+
+// The tokens that write at least one layer, by ascending start layer (ties by token index).
 struct FillPlan {
-  std::vector<int64_t> tokens;  // rows of `hidden` that take part, ascending
-  int64_t first_layer = 0;
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> starts;  // start layer of tokens[i], ascending
+  int64_t first_layer = 0;      // starts.front()
+
+  // How many of the leading tokens write layer `layer`.
+  int64_t tokens_in_layer(int64_t layer) const {
+    return std::upper_bound(starts.begin(), starts.end(), layer) - starts.begin();
+  }
+  int64_t size() const { return static_cast<int64_t>(tokens.size()); }
 };
 
+// Reads and range-checks the index tensors, so an invalid call raises before anything is written.
 FillPlan plan_fill(const KvFillShape& s, const at::Tensor& positions, const at::Tensor& slot_mapping,
                    const at::Tensor& start_layer) {
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const int32_t* starts = start_layer.const_data_ptr<int32_t>();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
-  const int64_t slot_stride = slot_mapping.stride(0), start_stride = start_layer.stride(0),
-                pos_stride = positions.stride(0);
-  FillPlan plan;
-  plan.first_layer = s.num_layers;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (start layer, token)
   for (int64_t t = 0; t < s.num_tokens; ++t) {
-    const int64_t slot = slots[t * slot_stride];
-    const int64_t start = starts[t * start_stride];
+    const int64_t slot = slots[t * slot_mapping.stride(0)];
+    const int64_t start = starts[t * start_layer.stride(0)];
     EECORE_CHECK_ARG(kOp, "slot_mapping", slot < s.num_slots(), "expected slots < ", s.num_slots(),
                      " (num_blocks * block_size of 'kv_cache') or negative to skip, got ", slot, " at token ", t);
     EECORE_CHECK_ARG(kOp, "start_layer", start >= 0, "expected values >= 0, got ", start, " at token ", t);
     if (s.rot_dim > 0) {
-      const int64_t p = pos[t * pos_stride];
+      const int64_t p = pos[t * positions.stride(0)];
       EECORE_CHECK_ARG(kOp, "positions", p >= 0 && p < s.max_pos, "expected values in [0, ", s.max_pos,
                        ") (the rows of 'cos_sin_cache'), got ", p, " at token ", t);
     }
-    if (slot < 0 || start >= s.num_layers) continue;
-    plan.tokens.push_back(t);
-    plan.first_layer = std::min(plan.first_layer, start);
+    if (slot >= 0 && start < s.num_layers) order.emplace_back(start, t);
   }
+  std::sort(order.begin(), order.end());
+  FillPlan plan;
+  for (const auto& [start, t] : order) {
+    plan.starts.push_back(start);
+    plan.tokens.push_back(t);
+  }
+  plan.first_layer = plan.starts.empty() ? s.num_layers : plan.starts.front();
   return plan;
 }
 
-// normed[i] = hidden[tokens[i]] * rsqrt(mean(hidden^2) + eps), rounded to the activation dtype
-// (the GEMM's input dtype).
-template <typename scalar_t>
-void normalise_rows(scalar_t* normed, const scalar_t* hidden, int64_t row_stride, const std::vector<int64_t>& tokens,
+// normed[i] = hidden[tokens[i]] * rsqrt(mean(hidden^2) + eps), stored as out_t.
+template <typename out_t, typename scalar_t>
+void normalise_rows(out_t* normed, const scalar_t* hidden, int64_t row_stride, const std::vector<int64_t>& tokens,
                     int64_t d, float eps) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / d);
+  const int64_t grain = std::max<int64_t>(1, 32768 / d);
   at::parallel_for(0, static_cast<int64_t>(tokens.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const scalar_t* x = hidden + tokens[i] * row_stride;
@@ -73,87 +114,145 @@ void normalise_rows(scalar_t* normed, const scalar_t* hidden, int64_t row_stride
         sum_sq += v * v;
       }
       const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(d) + eps);
-      scalar_t* out = normed + i * d;
+      out_t* out = normed + i * d;
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) out[j] = static_cast<scalar_t>(static_cast<float>(x[j]) * inv_rms);
+      for (int64_t j = 0; j < d; ++j) out[j] = static_cast<out_t>(static_cast<float>(x[j]) * inv_rms);
     }
   });
 }
 
-// out = src + bias (bias may be null), in fp32.
-template <typename scalar_t>
-inline void add_bias(float* out, const scalar_t* src, const scalar_t* bias, int64_t n) {
+// Where the epilogue writes, and what it rotates with.
+template <typename scalar_t, typename cache_t>
+struct Epilogue {
+  scalar_t* kv_cache;            // [L, 2, NB * BS, Hkv, D]
+  const scalar_t* bias;          // [L, 2 * Hkv * D] or null
+  const cache_t* cos_sin_cache;  // [max_pos, rot_dim] or null (no RoPE)
+  const int64_t* positions;
+  const int64_t* slots;
+  int64_t positions_stride, slots_stride;
+  KvFillShape shape;
+
+  // kv_cache[layer, 0 or 1, slot of token t, head, :].
+  scalar_t* head_in_cache(int64_t layer, bool is_v, int64_t t, int64_t head) const {
+    const int64_t slots_per_layer = shape.num_slots() * shape.kv_width();
+    return kv_cache + (2 * layer + (is_v ? 1 : 0)) * slots_per_layer + slots[t * slots_stride] * shape.kv_width() +
+           head * shape.head_dim;
+  }
+
+  // The bias of K/V head `head` of `layer`, or null.
+  const scalar_t* head_bias(int64_t layer, bool is_v, int64_t head) const {
+    if (bias == nullptr) return nullptr;
+    return bias + layer * 2 * shape.kv_width() + (is_v ? shape.kv_width() : 0) + head * shape.head_dim;
+  }
+
+  // x (fp32, one head, bias already added) -> the cache; K is rotated at token t's position.
+  template <bool kNeox>
+  void store_head(scalar_t* dst, const float* x, bool is_v, int64_t t) const {
+    const int64_t rot_dim = (is_v || cos_sin_cache == nullptr) ? 0 : shape.rot_dim;
+    if (rot_dim > 0) {
+      const cache_t* cos = cos_sin_cache + positions[t * positions_stride] * rot_dim;
+      rotary::rotate_head<kNeox>(dst, x, cos, cos + rot_dim / 2, static_cast<int>(rot_dim / 2));
+    }
+#pragma omp simd
+    for (int64_t i = rot_dim; i < shape.head_dim; ++i) dst[i] = static_cast<scalar_t>(x[i]);
+  }
+};
+
+template <typename in_t, typename scalar_t>
+inline void add_bias(float* x, const in_t* src, const scalar_t* bias, int64_t n) {
   if (bias == nullptr) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]);
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(src[i]);
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]) + static_cast<float>(bias[i]);
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(src[i]) + static_cast<float>(bias[i]);
   }
 }
 
-template <typename scalar_t>
-inline void store_row(scalar_t* dst, const float* src, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
-}
-
-// Everything the epilogue reads, as raw pointers.
-template <typename scalar_t, typename cache_t>
-struct Epilogue {
-  scalar_t* kv_cache;             // [L, 2, NB * BS, Hkv * D]
-  const scalar_t* projected;      // [T', (L - first_layer) * 2 * Hkv * D], the GEMM result
-  const scalar_t* bias;           // [L, 2 * Hkv * D] or null
-  const cache_t* cos_sin_cache;   // [max_pos, rot_dim] or null
-  const int64_t* positions;
-  const int64_t* slots;
-  const int32_t* starts;
-  int64_t positions_stride, slots_stride, starts_stride;
-};
-
+// Decode-sized batches: one task per (layer, K/V head). It streams that head's D weight rows once
+// per tile of up to 8 tokens (only the tokens that write this layer: a prefix of the plan), then
+// biases, rotates and stores each token's head while it is still in L1.
 template <bool kNeox, typename scalar_t, typename cache_t>
-void scatter_layers(const Epilogue<scalar_t, cache_t>& e, const KvFillShape& s, const FillPlan& plan) {
-  const int64_t kv_width = s.kv_width();
-  const int64_t row_width = 2 * kv_width;  // one layer's [K; V] in a projected row
-  const int64_t num_layers = s.num_layers - plan.first_layer;
-  const int64_t projected_stride = num_layers * row_width;
-  const int64_t layer_stride = 2 * s.num_slots() * kv_width;  // kv_cache[l] -> kv_cache[l + 1]
-  const int64_t v_offset = s.num_slots() * kv_width;          // kv_cache[l, 0] -> kv_cache[l, 1]
-  const int64_t half = s.rot_dim / 2;
-  const int64_t num_tasks = static_cast<int64_t>(plan.tokens.size()) * num_layers;
-  const int64_t grain = std::max<int64_t>(1, 8192 / row_width);
+void fill_streaming(const Epilogue<scalar_t, cache_t>& e, const scalar_t* weight, const float* normed,
+                    const FillPlan& plan) {
+  const KvFillShape& s = e.shape;
+  const int64_t d = s.hidden_size, head_dim = s.head_dim;
+  const int64_t heads_per_layer = 2 * s.num_kv_heads;  // the weight's row order: K heads, then V heads
+  const int64_t num_tasks = (s.num_layers - plan.first_layer) * heads_per_layer;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (head_dim * d));
+  constexpr int64_t kTile = kv_fill_dot::kMaxTileTokens;
 
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(kv_width);  // one of K or V of one layer, biased, in fp32
+    std::vector<float> projected(kTile * head_dim);
     for (int64_t task = begin; task < end; ++task) {
-      // Token-major, so a task range walks each token's projected row forward.
-      const int64_t i = task / num_layers;
-      const int64_t layer = plan.first_layer + task % num_layers;
-      const int64_t t = plan.tokens[i];
-      if (layer < e.starts[t * e.starts_stride]) continue;
-      const int64_t slot = e.slots[t * e.slots_stride];
-
-      const scalar_t* k_src = e.projected + i * projected_stride + (layer - plan.first_layer) * row_width;
-      const scalar_t* k_bias = e.bias == nullptr ? nullptr : e.bias + layer * row_width;
-      scalar_t* k_dst = e.kv_cache + layer * layer_stride + slot * kv_width;
-
-      add_bias(row.data(), k_src, k_bias, kv_width);
-      if (half == 0) {
-        store_row(k_dst, row.data(), kv_width);
-      } else {
-        const cache_t* cos = e.cos_sin_cache + e.positions[t * e.positions_stride] * s.rot_dim;
-        for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-          const float* head = row.data() + h * s.head_dim;
-          scalar_t* dst = k_dst + h * s.head_dim;
-          rotary::rotate_head<kNeox>(dst, head, cos, cos + half, static_cast<int>(half));
-          store_row(dst + s.rot_dim, head + s.rot_dim, s.head_dim - s.rot_dim);  // partial rotary: the rest
+      const int64_t layer = plan.first_layer + task / heads_per_layer;
+      const int64_t head_row = task % heads_per_layer;  // K heads 0..Hkv-1, then V heads
+      const bool is_v = head_row >= s.num_kv_heads;
+      const int64_t head = head_row % s.num_kv_heads;
+      const scalar_t* w = weight + (layer * heads_per_layer + head_row) * head_dim * d;
+      const scalar_t* bias = e.head_bias(layer, is_v, head);
+      const int64_t num_tokens = plan.tokens_in_layer(layer);
+      for (int64_t tile = 0; tile < num_tokens; tile += kTile) {
+        const int n = static_cast<int>(std::min(kTile, num_tokens - tile));
+        kv_fill_dot::project_rows(n, w, head_dim, normed + tile * d, d, projected.data(), head_dim);
+        for (int i = 0; i < n; ++i) {
+          const int64_t t = plan.tokens[tile + i];
+          float* x = projected.data() + i * head_dim;
+          add_bias(x, x, bias, head_dim);
+          e.template store_head<kNeox>(e.head_in_cache(layer, is_v, t, head), x, is_v, t);
         }
       }
-
-      add_bias(row.data(), k_src + kv_width, k_bias == nullptr ? nullptr : k_bias + kv_width, kv_width);
-      store_row(k_dst + v_offset, row.data(), kv_width);
     }
   });
+}
+
+// Larger batches: the projections come from one GEMM, `projected` [T', L' * 2 * Hkv * D] in the
+// activation dtype (row i = plan.tokens[i]); one task per (token, layer) finishes every head.
+template <bool kNeox, typename scalar_t, typename cache_t>
+void fill_from_gemm(const Epilogue<scalar_t, cache_t>& e, const scalar_t* projected, const FillPlan& plan) {
+  const KvFillShape& s = e.shape;
+  const int64_t num_layers = s.num_layers - plan.first_layer;
+  const int64_t layer_width = 2 * s.kv_width();
+  const int64_t grain = std::max<int64_t>(1, 32768 / layer_width);
+  at::parallel_for(0, plan.size() * num_layers, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(s.head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / num_layers;
+      const int64_t layer = plan.first_layer + task % num_layers;
+      if (layer < plan.starts[i]) continue;
+      const int64_t t = plan.tokens[i];
+      const scalar_t* row = projected + (i * num_layers + layer - plan.first_layer) * layer_width;
+      for (int64_t head_row = 0; head_row < 2 * s.num_kv_heads; ++head_row) {
+        const bool is_v = head_row >= s.num_kv_heads;
+        const int64_t head = head_row % s.num_kv_heads;
+        add_bias(x.data(), row + head_row * s.head_dim, e.head_bias(layer, is_v, head), s.head_dim);
+        e.template store_head<kNeox>(e.head_in_cache(layer, is_v, t, head), x.data(), is_v, t);
+      }
+    }
+  });
+}
+
+template <bool kNeox, typename scalar_t, typename cache_t>
+void fill(const Epilogue<scalar_t, cache_t>& e, const at::Tensor& hidden, const at::Tensor& weight, double eps,
+          const FillPlan& plan) {
+  const KvFillShape& s = e.shape;
+  const int64_t d = s.hidden_size;
+  const scalar_t* hidden_data = hidden.const_data_ptr<scalar_t>();
+  if (!prefer_gemm(plan.size(), hidden.scalar_type())) {
+    std::vector<float> normed(plan.size() * d);
+    normalise_rows(normed.data(), hidden_data, hidden.stride(0), plan.tokens, d, static_cast<float>(eps));
+    fill_streaming<kNeox>(e, weight.const_data_ptr<scalar_t>(), normed.data(), plan);
+    return;
+  }
+  // The GEMM runs in the activation dtype, so the normalised rows are rounded to it first.
+  at::Tensor normed = at::empty({plan.size(), d}, hidden.options());
+  normalise_rows(normed.data_ptr<scalar_t>(), hidden_data, hidden.stride(0), plan.tokens, d, static_cast<float>(eps));
+  const int64_t layer_width = 2 * s.kv_width();
+  const at::Tensor stacked = weight.view({s.num_layers * layer_width, d})
+                                 .narrow(0, plan.first_layer * layer_width,
+                                         (s.num_layers - plan.first_layer) * layer_width);
+  const at::Tensor projected = at::mm(normed, stacked.t());
+  fill_from_gemm<kNeox>(e, projected.const_data_ptr<scalar_t>(), plan);
 }
 
 void kv_fill_cpu(at::Tensor& kv_cache, const at::Tensor& hidden, const at::Tensor& weight,
@@ -163,37 +262,23 @@ void kv_fill_cpu(at::Tensor& kv_cache, const at::Tensor& hidden, const at::Tenso
   const KvFillShape s =
       check_kv_fill_args(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mapping, start_layer, eps);
   const FillPlan plan = plan_fill(s, positions, slot_mapping, start_layer);
-  if (plan.tokens.empty()) return;
-
-  const int64_t d = s.hidden_size;
-  const int64_t row_width = 2 * s.kv_width();
-  const int64_t num_layers = s.num_layers - plan.first_layer;
+  if (plan.size() == 0) return;
   const bool has_bias = bias.has_value() && bias->defined();
 
-  at::Tensor normed = at::empty({static_cast<int64_t>(plan.tokens.size()), d}, hidden.options());
-  // Only the layers some token writes: [L' * 2 * Hkv * D, d], a contiguous slice of the stack.
-  const at::Tensor stacked = weight.view({s.num_layers * row_width, d}).narrow(0, plan.first_layer * row_width,
-                                                                             num_layers * row_width);
-
   EECORE_DISPATCH_FLOAT(kv_cache.scalar_type(), "eecore::kv_fill", [&] {
-    normalise_rows(normed.data_ptr<scalar_t>(), hidden.const_data_ptr<scalar_t>(), hidden.stride(0), plan.tokens, d,
-                   static_cast<float>(eps));
-    const at::Tensor projected = at::mm(normed, stacked.t());  // the one GEMM
-
     auto run = [&](auto neox, const auto* cache) {
       using cache_t = std::remove_cv_t<std::remove_pointer_t<decltype(cache)>>;
-      Epilogue<scalar_t, cache_t> e{kv_cache.data_ptr<scalar_t>(),
-                                    projected.const_data_ptr<scalar_t>(),
-                                    has_bias ? bias->const_data_ptr<scalar_t>() : nullptr,
-                                    cache,
-                                    positions.const_data_ptr<int64_t>(),
-                                    slot_mapping.const_data_ptr<int64_t>(),
-                                    start_layer.const_data_ptr<int32_t>(),
-                                    positions.stride(0),
-                                    slot_mapping.stride(0),
-                                    start_layer.stride(0)};
-      scatter_layers<decltype(neox)::value>(e, s, plan);
+      const Epilogue<scalar_t, cache_t> e{kv_cache.data_ptr<scalar_t>(),
+                                          has_bias ? bias->const_data_ptr<scalar_t>() : nullptr,
+                                          cache,
+                                          positions.const_data_ptr<int64_t>(),
+                                          slot_mapping.const_data_ptr<int64_t>(),
+                                          positions.stride(0),
+                                          slot_mapping.stride(0),
+                                          s};
+      fill<decltype(neox)::value>(e, hidden, weight, eps, plan);
     };
+    // RoPE needs the cache, fp32 or the activation dtype; without it cache_t is a placeholder.
     auto run_with_cache = [&](auto neox) {
       if (s.rot_dim == 0)
         run(neox, static_cast<const float*>(nullptr));

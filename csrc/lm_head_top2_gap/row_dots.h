@@ -15,10 +15,11 @@
 
 namespace eecore::cpu {
 
-// How far ahead of the loads each weight row is prefetched. The weight comes from DRAM and the
-// hardware prefetcher alone leaves the FMAs waiting on it (measured: ~20% slower at B = 8).
-// Prefetches never fault, so running past the end of the weight is harmless.
-constexpr int64_t kPrefetchBytes = 1024;
+// How far ahead of the loads each weight row is prefetched. The weight comes from DRAM, and on
+// its own the hardware prefetcher lets memory idle while a slice is reused from L1 by the later
+// hidden rows: at B = 8 this runs 1.3-1.5x faster than no software prefetch (1 KiB ahead gets
+// only half of that). Prefetches never fault, so running past the end of the weight is harmless.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d.
 template <int MR, int NR, typename w_t>

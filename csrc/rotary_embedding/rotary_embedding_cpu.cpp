@@ -19,8 +19,9 @@ struct HeadRows {
   scalar_t* row(int64_t t, int64_t h) const { return data + t * token_stride + h * head_stride; }
 };
 
-// Rows per parallel task: a few thousand pairs each, so small decode batches run inline.
-inline int64_t head_grain(int64_t half) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(half, 1)); }
+// Rows per parallel task: ~16k pairs (like ATen's grain), so decode batches run inline: waking
+// threads costs more than rotating a few hundred heads.
+inline int64_t head_grain(int64_t half) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(half, 1)); }
 
 template <bool kNeox, typename scalar_t, typename cache_t>
 void rotate_all_heads(const int64_t* positions, int64_t positions_stride, HeadRows<scalar_t> query,
