@@ -101,6 +101,16 @@ def test_decode_head_dims(device, dtype, head_dim):
     check_against_reference(case)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(32, 8), (12, 3), (4, 1), (5, 5)])
+def test_decode_single_sequence(device, dtype, heads):
+    # Too few sequences for the threads: the kernel splits a sequence's KV heads across items.
+    num_q_heads, num_kv_heads = heads
+    case = make_case(device, dtype, seq_lens=[333], q_lens=[1], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                     head_dim=64, block_size=16)
+    check_against_reference(case)
+
+
 def test_decode_long_context(device):
     # Many key tiles: the running max must rescale the accumulators correctly. Scores are made
     # large so that a late key dominates and a missing rescale would show.
