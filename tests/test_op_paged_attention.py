@@ -155,6 +155,18 @@ def test_mixed_varlen_batch(device, dtype, block_size):
     check_against_reference(case)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("max_distance", [None, 6])
+def test_speculative_verification(device, dtype, heads, max_distance):
+    # d + 1 = 4 new tokens per sequence over a long cache (few query vectors per KV head: the
+    # kernel streams these like decode), next to a decode and a 2-token step.
+    num_q_heads, num_kv_heads = heads
+    case = make_case(device, dtype, seq_lens=[150, 37, 64, 9], q_lens=[4, 4, 1, 2], num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_dim=64, block_size=16, max_distance=max_distance)
+    check_against_reference(case)
+
+
 def test_max_query_len_is_an_upper_bound(device):
     # A caller may pass a looser bound (e.g. the batch's token budget); the result is the same.
     case = make_case(device, torch.float32, seq_lens=[10, 20], q_lens=[1, 1])

@@ -7,10 +7,11 @@
 //
 // An item computes all the query heads of its KV heads together, so each key/value row read from
 // the cache serves G = Hq / Hkv query heads (and, in prefill, every query row of the item).
-//  - Decode (max_query_len == 1): an item is one sequence and all (or, for small batches, a
-//    share of) its KV heads, read token by token in address order: decode is memory bound.
-//  - Prefill / varlen: an item is one KV head and a tile of query rows; each key tile is
-//    converted once to fp32 and reused by all the tile's query vectors: prefill is compute bound.
+//  - Decode (max_query_len == 1), and any sequence with few query rows (a speculative
+//    verification): memory bound. An item is the sequence with all (or, for small batches, a
+//    share of) its KV heads, and reads the cache token by token in address order.
+//  - Prefill, chunked prefill: compute bound. An item is one KV head and a tile of query rows;
+//    each key tile is converted once to fp32 and reused by all the item's query vectors.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -44,9 +45,13 @@ constexpr const char* kOp = "paged_attention";
                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)               \
                                          AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
-// Query vectors (rows x the query heads of a KV head) per prefill item: each packed key row is
-// reused this many times. 32 keeps the fp32 accumulators of a 128-dim head at 16 KiB.
-constexpr int64_t kQueryVectorsPerTile = 32;
+// Query vectors (rows x the query heads of a KV head) per head-major item: each packed key row
+// is reused this many times. 32 keeps the fp32 accumulators of a 128-dim head at 16 KiB.
+constexpr int64_t kHeadMajorVectors = 32;
+// A sequence with at most this many query vectors per KV head (q_len x G) does too little
+// arithmetic per cache byte to hide memory latency: it is streamed token-major over all its heads.
+// That covers decode (q_len 1) and the verification of a few speculated tokens.
+constexpr int64_t kTokenMajorMaxVectors = 16;
 
 // Reads query_start_loc / seq_lens / block_table and checks every value the kernel will use, so
 // that nothing is written (or read) out of bounds. These are the checks that need tensor data.
@@ -90,71 +95,70 @@ std::vector<SeqSpan> read_batch_layout(const PagedAttentionDims& dims, const at:
   return seqs;
 }
 
-// Splits the batch into work items of at most `rows_per_item` query rows and `heads_per_item` KV
-// heads, most expensive first so that the dynamic schedule below ends on small items.
-std::vector<WorkItem> plan_work(const std::vector<SeqSpan>& seqs, int64_t num_kv_heads, int64_t rows_per_item,
-                                int64_t heads_per_item, bool causal) {
+// The work items of a batch, most expensive first (so that the dynamic schedule ends on small
+// items), and the most query vectors any of them holds (to size the scratch buffers).
+struct WorkPlan {
   std::vector<WorkItem> items;
+  int64_t max_vectors = 0;
+};
+
+template <typename scalar_t>
+WorkPlan plan_work(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>& seqs, int64_t max_query_len) {
+  const int64_t group = a.group, num_heads = a.num_kv_heads;
+  const bool rows_readable_in_place = a.head_dim % kVecWidth == 0;
+  // Head-major items read the cache rows in place only when they are already fp32 vectors.
+  const TileOrder head_major = rows_readable_in_place && std::is_same_v<scalar_t, float>
+                                   ? TileOrder::kHeadMajorInPlace
+                                   : TileOrder::kHeadMajorPacked;
+  // Token-major items take all the KV heads of a sequence, so that each slot is read once and
+  // whole; a sequence is split by heads only when there are too few to keep every thread busy.
+  int64_t active = 0;
+  for (const SeqSpan& seq : seqs) active += seq.q_len > 0;
+  const int64_t splits =
+      std::clamp<int64_t>((2 * at::get_num_threads() + active - 1) / std::max<int64_t>(active, 1), 1, num_heads);
+  const int64_t token_major_heads = (num_heads + splits - 1) / splits;
+
+  WorkPlan plan;
+  auto add = [&](int64_t b, const SeqSpan& seq, int64_t h0, int64_t h1, int64_t r0, int64_t r1, TileOrder order) {
+    const int64_t keys = a.causal ? seq.seq_len - seq.q_len + r1 : seq.seq_len;
+    const int64_t vectors = (h1 - h0) * (r1 - r0) * group;
+    plan.items.push_back({b, h0, h1, r0, r1, order, vectors * keys});
+    plan.max_vectors = std::max(plan.max_vectors, vectors);
+  };
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
     const SeqSpan& seq = seqs[b];
-    for (int64_t r0 = 0; r0 < seq.q_len; r0 += rows_per_item) {
-      const int64_t r1 = std::min(seq.q_len, r0 + rows_per_item);
-      const int64_t keys = causal ? seq.seq_len - seq.q_len + r1 : seq.seq_len;
-      for (int64_t h0 = 0; h0 < num_kv_heads; h0 += heads_per_item) {
-        const int64_t h1 = std::min(num_kv_heads, h0 + heads_per_item);
-        items.push_back({b, h0, h1, r0, r1, (h1 - h0) * (r1 - r0) * keys});
-      }
+    if (seq.q_len == 0) continue;
+    const bool token_major = rows_readable_in_place && (max_query_len == 1 || seq.q_len * group <= kTokenMajorMaxVectors);
+    if (token_major) {
+      for (int64_t h0 = 0; h0 < num_heads; h0 += token_major_heads)
+        add(b, seq, h0, std::min(num_heads, h0 + token_major_heads), 0, seq.q_len, TileOrder::kTokenMajor);
+      continue;
     }
+    const int64_t rows_per_item = std::max<int64_t>(1, kHeadMajorVectors / group);
+    for (int64_t r0 = 0; r0 < seq.q_len; r0 += rows_per_item)
+      for (int64_t h = 0; h < num_heads; ++h)
+        add(b, seq, h, h + 1, r0, std::min(seq.q_len, r0 + rows_per_item), head_major);
   }
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
-  return items;
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+  return plan;
 }
 
 // Runs every item on at::parallel_for's threads, each thread taking the next item when it is
 // free: items differ in cost (causal tiles, varlen batches), so a static split would idle threads.
-template <TileOrder kOrder, typename scalar_t>
-void run_items(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>& seqs, const std::vector<WorkItem>& items,
-               int64_t max_vectors) {
-  const int64_t num_items = static_cast<int64_t>(items.size());
+template <typename scalar_t>
+void run_items(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>& seqs, const WorkPlan& plan) {
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
   if (num_items == 0) return;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    TileScratch<scalar_t> scratch(max_vectors, a.padded_dim);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-      cpu::attend_item<kOrder>(a, seqs[items[i].seq], items[i], scratch);
-  });
-}
-
-template <typename scalar_t>
-void paged_attention_impl(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>& seqs, int64_t max_query_len) {
-  const bool rows_readable_in_place = a.head_dim % kVecWidth == 0;
-  if (max_query_len == 1) {
-    // Decode: an item takes all the KV heads of a sequence, so that it streams through each
-    // slot (all heads side by side) once; sequences are split by heads only when there are too
-    // few of them to keep every thread busy.
-    const int64_t num_seqs = std::max<int64_t>(1, static_cast<int64_t>(seqs.size()));
-    const int64_t splits = std::clamp<int64_t>((2 * at::get_num_threads() + num_seqs - 1) / num_seqs, 1,
-                                               a.num_kv_heads);
-    const int64_t heads_per_item = (a.num_kv_heads + splits - 1) / splits;
-    const auto items = plan_work(seqs, a.num_kv_heads, /*rows_per_item=*/1, heads_per_item, a.causal);
-    if (rows_readable_in_place) {
-      run_items<TileOrder::kDecode>(a, seqs, items, heads_per_item * a.group);
-    } else {
-      run_items<TileOrder::kHeadsPacked>(a, seqs, items, heads_per_item * a.group);
+    TileScratch<scalar_t> scratch(plan.max_vectors, a.padded_dim);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const WorkItem& item = plan.items[i];
+      cpu::attend_item(a, seqs[item.seq], item, scratch);
     }
-    return;
-  }
-  // Prefill / varlen: items of one KV head and a tile of query rows. Every key tile is converted
-  // once to fp32 for all the item's query vectors; fp32 caches with a head dim that is a multiple
-  // of the vector width are already in that form.
-  const int64_t rows_per_item = std::max<int64_t>(1, kQueryVectorsPerTile / a.group);
-  const auto items = plan_work(seqs, a.num_kv_heads, rows_per_item, /*heads_per_item=*/1, a.causal);
-  if (rows_readable_in_place && std::is_same_v<scalar_t, float>) {
-    run_items<TileOrder::kHeadsInPlace>(a, seqs, items, rows_per_item * a.group);
-  } else {
-    run_items<TileOrder::kHeadsPacked>(a, seqs, items, rows_per_item * a.group);
-  }
+  });
 }
 
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
@@ -190,7 +194,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
     a.padded_dim = round_up_to_vec(dims.head_dim);
     a.scale = static_cast<float>(scale);
     a.causal = causal;
-    paged_attention_impl(a, seqs, max_query_len);
+    run_items(a, seqs, plan_work(a, seqs, max_query_len));
   });
 }
 

@@ -8,11 +8,11 @@
 // contiguous copy and no [q_len, seq_len] score matrix exists.
 //
 // Two loop orders over a tile, for two different bottlenecks:
-//  - decode_tile (one query row, all the item's KV heads): memory bound. A slot holds all KV heads
-//    of a token side by side, so the tile is read token by token across the heads: the cache is
-//    read in address order within each block, and the next rows are prefetched as it goes.
-//  - head_tile (a tile of query rows, one KV head at a time): compute bound. The tile's rows of
-//    one head are (optionally) converted once to fp32 and reused by all the tile's query vectors.
+//  - token-major (few query vectors per KV head: decode, speculative verification): memory
+//    bound. A slot holds all KV heads of a token side by side, so the tile is read token by token
+//    across all the item's heads, in address order within each block, prefetching as it goes.
+//  - head-major (a tile of query rows of one KV head: prefill): compute bound. The tile's rows of
+//    the head are (optionally) converted once to fp32 and reused by all the item's query vectors.
 #pragma once
 
 #include <algorithm>
@@ -26,11 +26,11 @@ namespace eecore::cpu {
 // Keys per tile: long enough to amortise the per-tile softmax bookkeeping, short enough that the
 // tile's K and V rows (all heads of a slot: 32 x 2 KiB in bf16 at Hkv x D = 512) stay in L2.
 constexpr int64_t kKeyTile = 32;
-// Decode reads K and V token by token in chunks of this many tokens per KV head: 2 keys x 4 query
+// The token-major order reads K and V in chunks of this many tokens per KV head: 2 keys x 4 query
 // heads fill the score kernel's 4 x 2 register block; 8 values amortise the accumulator
-// loads/stores of a value chunk.
-constexpr int64_t kDecodeKeyChunk = 2;
-constexpr int64_t kDecodeValueChunk = 8;
+// loads/stores of a value chunk over more keys.
+constexpr int64_t kTokenMajorKeyChunk = 2;
+constexpr int64_t kTokenMajorValueChunk = 8;
 
 // One sequence of the batch, as read from the index tensors.
 struct SeqSpan {
@@ -59,14 +59,22 @@ struct AttentionArgs {
   bool causal;
 };
 
+// How an item walks its key tiles.
+enum class TileOrder {
+  kTokenMajor,        // token_major_tile: cache rows read in place, token by token across heads
+  kHeadMajorInPlace,  // head_major_tile, cache rows read in place
+  kHeadMajorPacked,   // head_major_tile, rows converted to padded fp32 first
+};
+
 // A unit of parallel work: query rows [row_begin, row_end) of sequence `seq` (counted from its
 // first query row) for the KV heads [head_begin, head_end) and all their query heads.
 //
 // Its query vectors are numbered head-major: vector m belongs to KV head
-// head_begin + m / vectors_per_head(), and within it to row (m % vectors_per_head()) / G and
-// query head G * kv_head + m % G.
+// head_begin + m / (rows x G), and within it to row (m % (rows x G)) / G and query head
+// G x kv_head + m % G.
 struct WorkItem {
   int64_t seq, head_begin, head_end, row_begin, row_end;
+  TileOrder order;
   int64_t cost;  // ~ query vectors x keys they see; for scheduling only
 
   int64_t num_rows() const { return row_end - row_begin; }
@@ -211,40 +219,40 @@ void softmax_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const 
   }
 }
 
-// One key tile of a one-row item, read in address order: for each chunk of tokens, every KV head
-// of the item. While the scores of a chunk are computed, its value rows are prefetched; while the
-// values of a chunk are accumulated, the next tile's key rows are. Needs head_dim % 8 == 0 (the
-// cache rows are read in place).
+// One key tile of an item, read in address order: for each chunk of tokens, every KV head of the
+// item. While the scores of a chunk are computed, its value rows are prefetched; while the values
+// of a chunk are accumulated, the next tile's key rows are. Needs head_dim % 8 == 0 (the cache
+// rows are read in place).
 template <typename scalar_t>
-void decode_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const ItemGeometry& geo,
-                 TileScratch<scalar_t>& scratch, const int64_t* slots, int64_t first_key, int64_t count,
-                 const int64_t* next_slots, int64_t next_count) {
-  const int64_t dim = a.padded_dim, group = a.group;
+void token_major_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const ItemGeometry& geo,
+                      TileScratch<scalar_t>& scratch, const int64_t* slots, int64_t first_key, int64_t count,
+                      const int64_t* next_slots, int64_t next_count) {
+  const int64_t dim = a.padded_dim, per_head = geo.vectors_per_head;
   const int64_t heads_begin = item.head_begin * a.head_dim, heads_end = item.head_end * a.head_dim;
   float* scores = scratch.scores.data();
-  const scalar_t* rows[kDecodeValueChunk];
+  const scalar_t* rows[kTokenMajorValueChunk];
 
-  for (int64_t n = 0; n < count; n += kDecodeKeyChunk) {
-    const int64_t chunk = std::min(kDecodeKeyChunk, count - n);
+  for (int64_t n = 0; n < count; n += kTokenMajorKeyChunk) {
+    const int64_t chunk = std::min(kTokenMajorKeyChunk, count - n);
     prefetch_slots(a.v_cache, slots + n, chunk, heads_begin, heads_end);
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const int64_t m0 = (h - item.head_begin) * group;
+      const int64_t m0 = (h - item.head_begin) * per_head;
       for (int64_t j = 0; j < chunk; ++j) rows[j] = a.k_cache + slots[n + j] + h * a.head_dim;
-      tile_scores(scratch.q.data() + m0 * dim, dim, group, rows, chunk, dim, scores + m0 * kKeyTile + n, kKeyTile);
+      tile_scores(scratch.q.data() + m0 * dim, dim, per_head, rows, chunk, dim, scores + m0 * kKeyTile + n, kKeyTile);
     }
   }
 
   softmax_tile(a, item, geo, scratch, 0, geo.num_vectors, first_key, count);
 
-  for (int64_t n = 0; n < count; n += kDecodeValueChunk) {
-    const int64_t chunk = std::min(kDecodeValueChunk, count - n);
+  for (int64_t n = 0; n < count; n += kTokenMajorValueChunk) {
+    const int64_t chunk = std::min(kTokenMajorValueChunk, count - n);
     if (n < next_count)
       prefetch_slots(a.k_cache, next_slots + n, std::min(chunk, next_count - n), heads_begin, heads_end);
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const int64_t m0 = (h - item.head_begin) * group;
+      const int64_t m0 = (h - item.head_begin) * per_head;
       for (int64_t j = 0; j < chunk; ++j) rows[j] = a.v_cache + slots[n + j] + h * a.head_dim;
-      tile_accumulate(scores + m0 * kKeyTile + n, kKeyTile, group, rows, chunk, dim, scratch.acc.data() + m0 * dim,
-                      dim);
+      tile_accumulate(scores + m0 * kKeyTile + n, kKeyTile, per_head, rows, chunk, dim,
+                      scratch.acc.data() + m0 * dim, dim);
     }
   }
 }
@@ -253,7 +261,7 @@ void decode_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const I
 // tile's rows to padded fp32 first (needed when head_dim is not a multiple of 8; worth it when
 // many query vectors reuse each row).
 template <bool kPackKV, typename scalar_t>
-void head_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const ItemGeometry& geo,
+void head_major_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const ItemGeometry& geo,
                TileScratch<scalar_t>& scratch, int64_t kv_head, const int64_t* slots, int64_t first_key,
                int64_t count) {
   const int64_t dim = a.padded_dim;
@@ -280,16 +288,9 @@ void head_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const Ite
   }
 }
 
-// How an item walks its key tiles.
-enum class TileOrder {
-  kDecode,          // decode_tile: one query row, cache rows read in place, token by token
-  kHeadsInPlace,    // head_tile, cache rows read in place
-  kHeadsPacked,     // head_tile, rows converted to fp32 first
-};
-
 // The attention of one work item, written to `out`.
 template <TileOrder kOrder, typename scalar_t>
-void attend_item(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, const WorkItem& item,
+void attend_item_in_order(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, const WorkItem& item,
                  TileScratch<scalar_t>& scratch) {
   const ItemGeometry geo(a, seq, item);
   const int64_t dim = a.padded_dim;
@@ -307,14 +308,14 @@ void attend_item(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, const Wor
     const int64_t count = std::min(kKeyTile, geo.kv_end - first_key);
     const int64_t next_count = std::clamp<int64_t>(geo.kv_end - first_key - kKeyTile, 0, kKeyTile);
     locate_slots(a, item.seq, first_key + kKeyTile, next_count, next_slots);
-    if constexpr (kOrder == TileOrder::kDecode) {
-      decode_tile(a, item, geo, scratch, slots, first_key, count, next_slots, next_count);
+    if constexpr (kOrder == TileOrder::kTokenMajor) {
+      token_major_tile(a, item, geo, scratch, slots, first_key, count, next_slots, next_count);
     } else {
       // Compute bound: a bulk prefetch of the next tile (this item's heads only) is enough.
       prefetch_slots(a.k_cache, next_slots, next_count, heads_begin, heads_end);
       prefetch_slots(a.v_cache, next_slots, next_count, heads_begin, heads_end);
       for (int64_t h = item.head_begin; h < item.head_end; ++h)
-        head_tile<kOrder == TileOrder::kHeadsPacked>(a, item, geo, scratch, h, slots, first_key, count);
+        head_major_tile<kOrder == TileOrder::kHeadMajorPacked>(a, item, geo, scratch, h, slots, first_key, count);
     }
     std::swap(slots, next_slots);
   }
@@ -327,6 +328,20 @@ void attend_item(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, const Wor
     const float inv_sum = 1.f / scratch.row_sum[m];
     const float* src = scratch.acc.data() + m * dim;
     for (int64_t d = 0; d < a.head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv_sum);
+  }
+}
+
+// The attention of one work item, in the item's tile order.
+template <typename scalar_t>
+void attend_item(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, const WorkItem& item,
+                 TileScratch<scalar_t>& scratch) {
+  switch (item.order) {
+    case TileOrder::kTokenMajor:
+      return attend_item_in_order<TileOrder::kTokenMajor>(a, seq, item, scratch);
+    case TileOrder::kHeadMajorInPlace:
+      return attend_item_in_order<TileOrder::kHeadMajorInPlace>(a, seq, item, scratch);
+    case TileOrder::kHeadMajorPacked:
+      return attend_item_in_order<TileOrder::kHeadMajorPacked>(a, seq, item, scratch);
   }
 }
 
