@@ -4,9 +4,10 @@
 
 Each group puts the eecore op next to the ATen composition an engine would otherwise run:
   decode    B=8 sequences x context 2048, Hq=32, Hkv=8, D=64, block 16: paged_attention vs
-            "gather the KV through the block table (index_select) + F.scaled_dot_product_attention",
-            once with SDPA's enable_gqa and once with the query heads folded into the query length
-            (the fastest exact SDPA form for decode: one [G, D] x [S, D] product per KV head).
+            "gather the KV through the block table (index_select into buffers allocated once) +
+            F.scaled_dot_product_attention", once with SDPA's enable_gqa and once with the query
+            heads folded into the query length (the fastest exact SDPA form for decode: one
+            [G, D] x [S, D] product per KV head).
   prefill   1 sequence x 512 new tokens (a fresh prompt), same heads: paged_attention vs gather+SDPA(causal).
   cache     writing one decode step (B=8 tokens) and a 512-token prefill into a paged cache: reshape_and_cache
             vs index_copy_ into the flattened [NB * BS, Hkv, D] cache.
