@@ -4,9 +4,10 @@
 
 Each group puts the eecore op next to the ATen composition an engine would otherwise run:
   decode    B=8 sequences x context 2048, Hq=32, Hkv=8, D=64, block 16: paged_attention vs
-            "gather the KV through the block table (index_select) + F.scaled_dot_product_attention",
-            once with SDPA's enable_gqa and once with the query heads folded into the query length
-            (the fastest exact SDPA form for decode: one [G, D] x [S, D] product per KV head).
+            "gather the KV through the block table (index_select into buffers allocated once) +
+            F.scaled_dot_product_attention", once with SDPA's enable_gqa and once with the query
+            heads folded into the query length (the fastest exact SDPA form for decode: one
+            [G, D] x [S, D] product per KV head).
   prefill   1 sequence x 512 new tokens (a fresh prompt), same heads: paged_attention vs gather+SDPA(causal).
   cache     writing one decode step (B=8 tokens) and a 512-token prefill into a paged cache: reshape_and_cache
             vs index_copy_ into the flattened [NB * BS, Hkv, D] cache.
@@ -46,12 +47,18 @@ class PagedBatch:
         return self.out
 
     def gathered_kv(self):
-        """[B, Hkv, S, D] keys and values: one index_select over every block of the batch."""
-        blocks = self.block_table.flatten().long()
+        """[B, Hkv, S, D] keys and values: one index_select over every block of the batch, into
+        buffers allocated once (an engine would reuse them; a fresh 16 MiB allocation per call
+        would cost page faults that have nothing to do with attention)."""
+        if not hasattr(self, "_gather_buffers"):
+            blocks = self.block_table.flatten().long()
+            self._gather_buffers = (blocks, torch.empty_like(self.k_cache[blocks]),
+                                    torch.empty_like(self.v_cache[blocks]))
+        blocks, k_buf, v_buf = self._gather_buffers
+        torch.index_select(self.k_cache, 0, blocks, out=k_buf)
+        torch.index_select(self.v_cache, 0, blocks, out=v_buf)
         shape = (self.num_seqs, self.context, NUM_KV_HEADS, HEAD_DIM)
-        k = self.k_cache.index_select(0, blocks).view(shape).transpose(1, 2)
-        v = self.v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
-        return k, v
+        return k_buf.view(shape).transpose(1, 2), v_buf.view(shape).transpose(1, 2)
 
     def gather_sdpa_gqa(self):
         k, v = self.gathered_kv()

@@ -101,6 +101,16 @@ def test_decode_head_dims(device, dtype, head_dim):
     check_against_reference(case)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(32, 8), (12, 3), (4, 1), (5, 5)])
+def test_decode_single_sequence(device, dtype, heads):
+    # Too few sequences for the threads: the kernel splits a sequence's KV heads across items.
+    num_q_heads, num_kv_heads = heads
+    case = make_case(device, dtype, seq_lens=[333], q_lens=[1], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                     head_dim=64, block_size=16)
+    check_against_reference(case)
+
+
 def test_decode_long_context(device):
     # Many key tiles: the running max must rescale the accumulators correctly. Scores are made
     # large so that a late key dominates and a missing rescale would show.
@@ -142,6 +152,18 @@ def test_mixed_varlen_batch(device, dtype, block_size):
     q_lens = [0, 1, 37, 5, 67, 4, 0]
     case = make_case(device, dtype, seq_lens=seq_lens, q_lens=q_lens, num_q_heads=12, num_kv_heads=3,
                      head_dim=80, block_size=block_size)
+    check_against_reference(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("max_distance", [None, 6])
+def test_speculative_verification(device, dtype, heads, max_distance):
+    # d + 1 = 4 new tokens per sequence over a long cache (few query vectors per KV head: the
+    # kernel streams these like decode), next to a decode and a 2-token step.
+    num_q_heads, num_kv_heads = heads
+    case = make_case(device, dtype, seq_lens=[150, 37, 64, 9], q_lens=[4, 4, 1, 2], num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_dim=64, block_size=16, max_distance=max_distance)
     check_against_reference(case)
 
 

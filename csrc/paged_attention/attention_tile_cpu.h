@@ -33,32 +33,43 @@ inline void score_block(const float* q, int64_t ldq, const T* const* k_rows, int
       for (int c = 0; c < C; ++c) acc[r][c] = fma(qv, k[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (C == 4) {
-      reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * lds);
-    } else {
-      for (int c = 0; c < C; ++c) s[r * lds + c] = reduce_add(acc[r][c]);
+  // Horizontal sums four at a time: along the keys of a row, or down the rows of a key.
+  if constexpr (C == 4) {
+    for (int r = 0; r < R; ++r) reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * lds);
+  } else if constexpr (R == 4) {
+    for (int c = 0; c < C; ++c) {
+      float sums[4];
+      reduce_add4(acc[0][c], acc[1][c], acc[2][c], acc[3][c], sums);
+      for (int r = 0; r < 4; ++r) s[r * lds + c] = sums[r];
     }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r * lds + c] = reduce_add(acc[r][c]);
   }
 }
 
-// All N keys for R query rows: blocks of 4 keys, then single keys.
-template <int R, typename T>
+// All N keys for R query rows: blocks of `C` keys, then single keys.
+template <int R, int C, typename T>
 inline void score_rows(const float* q, int64_t ldq, const T* const* k_rows, int64_t num_keys, int64_t dim, float* s,
                        int64_t lds) {
   int64_t n = 0;
-  for (; n + 4 <= num_keys; n += 4) score_block<R, 4>(q, ldq, k_rows + n, dim, s + n, lds);
+  for (; n + C <= num_keys; n += C) score_block<R, C>(q, ldq, k_rows + n, dim, s + n, lds);
   for (; n < num_keys; ++n) score_block<R, 1>(q, ldq, k_rows + n, dim, s + n, lds);
 }
 
-// s [M, lds] = q [M, ldq] . k^T for the first num_keys columns. Rows go in blocks of 2 so that
-// 2 x 4 accumulators (plus 4 key vectors) fill the 16 AVX2 registers without spilling.
+// s [M, lds] = q [M, ldq] . k^T for the first num_keys columns. Blocks of 4 rows x 2 keys (8
+// accumulators, 2 key vectors): each key vector is loaded (and converted) once per 4 query
+// vectors, which in decode is once per KV group of 4. Leftover rows go 2 x 4 and 1 x 4.
 template <typename T>
 inline void tile_scores(const float* q, int64_t ldq, int64_t num_rows, const T* const* k_rows, int64_t num_keys,
                         int64_t dim, float* s, int64_t lds) {
   int64_t m = 0;
-  for (; m + 2 <= num_rows; m += 2) score_rows<2>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
-  if (m < num_rows) score_rows<1>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
+  for (; m + 4 <= num_rows; m += 4) score_rows<4, 2>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
+  if (m + 2 <= num_rows) {
+    score_rows<2, 4>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
+    m += 2;
+  }
+  if (m < num_rows) score_rows<1, 4>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
 }
 
 // One row of the online softmax. `s` holds the row's scores for this tile (masked ones -inf),

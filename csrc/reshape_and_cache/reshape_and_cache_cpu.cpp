@@ -46,8 +46,10 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
     const scalar_t* v = value.const_data_ptr<scalar_t>();
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    // Tokens per task: a few KiB of copying each, so that small steps stay on one thread.
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1));
+    // Tokens per task: ~256 KiB of copying each. A decode step (a few KiB) stays on the calling
+    // thread; only prefill-sized steps are worth waking the others for.
+    const int64_t token_bytes = 2 * row * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(token_bytes, 1));
     at::parallel_for(0, dims.num_tokens, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t slot = slots[t];
