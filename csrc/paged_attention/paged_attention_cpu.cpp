@@ -144,14 +144,22 @@ WorkPlan plan_work(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>&
   return plan;
 }
 
+// Multiply-adds (query vectors x keys x head dim) that make a second thread worth waking.
+constexpr int64_t kMinMacsPerWorker = 1 << 18;
+
 // Runs every item on at::parallel_for's threads, each thread taking the next item when it is
 // free: items differ in cost (causal tiles, varlen batches), so a static split would idle threads.
 template <typename scalar_t>
 void run_items(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>& seqs, const WorkPlan& plan) {
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   if (num_items == 0) return;
+  // Waking the thread pool costs more than a small batch's attention (and, on a loaded machine,
+  // a parallel region can stall for milliseconds): run small work inline on the calling thread.
+  int64_t total_cost = 0;
+  for (const WorkItem& item : plan.items) total_cost += item.cost;
+  const int64_t worth = std::max<int64_t>(1, total_cost * a.head_dim / kMinMacsPerWorker);
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t workers = std::min<int64_t>({at::get_num_threads(), num_items, worth});
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     TileScratch<scalar_t> scratch(plan.max_vectors, a.padded_dim);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
