@@ -61,8 +61,10 @@ def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, **e
     config.eos_token_id, config.pad_token_id = model.config.vocab_size + 1000, 0  # never stop early
     config.do_sample, config.max_new_tokens = False, max_new_tokens
     config.temperature = config.top_p = config.top_k = None
+    for key, value in extra.items():  # e.g. assistant_early_exit=E: HF's own self-speculation
+        setattr(config, key, value)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=config, **extra)
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
     return [row[width:].tolist() for row in out]
 
 

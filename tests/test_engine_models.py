@@ -77,3 +77,21 @@ def test_blocks_return_after_many_requests(tmp_path):
     outs = llm.generate(prompts, [greedy(1 + i % 9) for i in range(16)])
     assert [len(o.token_ids) for o in outs] == [1 + i % 9 for i in range(16)]
     assert llm.engine.blocks.num_free_blocks == 40
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_stay_close_to_hf(tmp_path, dtype):
+    path, hf = make_tiny_hf_model(tmp_path, arch="qwen2")
+    llm = eecore.LLM(path, dtype=dtype, device="cpu", num_blocks=32, block_size=16)
+    assert llm.model.embed.dtype == dtype and llm.engine.kv_cache.tensor.dtype == dtype
+    prompt = random_prompts(hf.config.vocab_size, [11], seed=6)[0]
+    seq = llm.engine.add_request(prompt, greedy(1))
+    llm.engine.blocks.grow(seq, len(prompt))
+    _, hidden = llm.engine.runner.forward([Row(seq, 0, prompt)])
+    ours = llm.engine.runner.logits(hidden[-1:])[0]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0, -1]  # fp32
+    scale = theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() < 0.05 * scale
+    outs = llm.generate([prompt], greedy(8))
+    assert len(outs[0].token_ids) == 8
