@@ -66,6 +66,11 @@ TORCH_LIBRARY(eecore, m) {
   // Returns int32 []: the active rows still not confident (0: the batch may exit).
   m.def("accept_update(Tensor(a!) status, Tensor confidence, Tensor threshold, Tensor active) -> Tensor");
 
+  // out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N]); with accumulate, out += that instead
+  // (a residual add fused into the projection). Rows may be strided, the last dim contiguous.
+  // The model's projections: decode-sized M streams the weight once on the CPU.
+  m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate) -> ()");
+
   // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
   // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;
   // cos_sin_cache [max_pos, rot_dim]? (RoPE on K, as in rotary_embedding; fp32 or the dtype of

@@ -29,6 +29,7 @@ __all__ = [
     "mlp_confidence",
     "accept_update",
     "kv_fill",
+    "linear",
 ]
 
 
@@ -105,6 +106,13 @@ def kv_fill(kv_cache: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, 
                  float(eps), bool(is_neox))
 
 
+def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """`out = input @ weight.T + bias`, or `out += ...` with `accumulate`; returns `out`."""
+    _ops.linear(out, input, weight, bias, bool(accumulate))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Fake implementations: shapes and dtypes only. The ops that return nothing need no fake.
 # --------------------------------------------------------------------------------------------
@@ -141,6 +149,6 @@ def _accept_update_fake(status, confidence, threshold, active):
 
 
 for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "kv_fill"):
+              "kv_fill", "linear"):
     torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
 del _name

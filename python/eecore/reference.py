@@ -146,3 +146,12 @@ def kv_fill(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mappi
             block, offset = divmod(slot, block_size)
             kv_cache[layer, 0, block, offset] = k[t].to(kv_cache.dtype)
             kv_cache[layer, 1, block, offset] = v[t].to(kv_cache.dtype)
+
+
+def linear(out, input, weight, bias=None, accumulate=False) -> None:
+    y = input.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if accumulate:
+        y = y + out.float()
+    out.copy_(y.to(out.dtype))

@@ -113,11 +113,7 @@ class LlamaModel:
         k_end = q_end + c.num_kv_heads * c.head_dim
 
         x = ops.rms_norm(ws.normed[:T], hidden, w.input_norm, self.eps)
-        qkv = ws.qkv[:T]
-        if w.qkv_bias is None:
-            torch.mm(x, w.qkv.t(), out=qkv)
-        else:
-            torch.addmm(w.qkv_bias, x, w.qkv.t(), out=qkv)
+        qkv = ops.linear(ws.qkv[:T], x, w.qkv, w.qkv_bias)
         q = qkv[:, :q_end].view(T, c.num_heads, c.head_dim)
         k = qkv[:, q_end:k_end].view(T, c.num_kv_heads, c.head_dim)
         v = qkv[:, k_end:].view(T, c.num_kv_heads, c.head_dim)
@@ -127,19 +123,19 @@ class LlamaModel:
         ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
                             attn.max_query_len, self.scale, True, None)
 
-        o = torch.mm(out.view(T, -1), w.o_proj.t(), out=ws.o[:T])
+        o = ops.linear(ws.o[:T], out.view(T, -1), w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
-        gate_up = torch.mm(o, w.gate_up.t(), out=ws.gate_up[:T])
+        gate_up = ops.linear(ws.gate_up[:T], o, w.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         F.silu(gate, inplace=True)
         act = torch.mul(gate, up, out=ws.act[:T])
-        return hidden.addmm_(act, w.down.t())  # hidden += mlp
+        return ops.linear(hidden, act, w.down, accumulate=True)  # hidden += mlp
 
     def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(out, hidden, self.final_norm, self.eps)
 
     def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.mm(normed, self.lm_head.t(), out=out)
+        return ops.linear(out, normed, self.lm_head)
 
     # ---- early exit support ----------------------------------------------------------------
     def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -1,0 +1,41 @@
+// Argument checks of linear, shared by the CPU and CUDA glue.
+#pragma once
+
+#include "common/checks.h"
+
+namespace eecore {
+
+struct LinearDims {
+  int64_t rows;     // M: tokens
+  int64_t in;       // K: input features
+  int64_t out;      // N: output features
+};
+
+inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias) {
+  const char* op = "linear";
+  check_dim(op, "input", input, 2);
+  check_float_dtype(op, "input", input);
+  check_last_dim_contiguous(op, "input", input);
+  check_dim(op, "weight", weight, 2);
+  check_same_dtype(op, "weight", weight, "input", input);
+  check_contiguous(op, "weight", weight);
+  check_same_device(op, "weight", weight, "input", input);
+  check_size(op, "weight", weight, 1, input.size(1), "the input features K of 'input' [M, K]");
+  check_dim(op, "out", out, 2);
+  check_same_dtype(op, "out", out, "input", input);
+  check_same_device(op, "out", out, "input", input);
+  check_size(op, "out", out, 0, input.size(0), "the rows M of 'input'");
+  check_size(op, "out", out, 1, weight.size(0), "the output features N of 'weight' [N, K]");
+  check_last_dim_contiguous(op, "out", out);
+  if (bias.has_value() && bias->defined()) {
+    check_dim(op, "bias", *bias, 1);
+    check_same_dtype(op, "bias", *bias, "input", input);
+    check_same_device(op, "bias", *bias, "input", input);
+    check_size(op, "bias", *bias, 0, weight.size(0), "the output features N of 'weight'");
+    check_contiguous(op, "bias", *bias);
+  }
+  return {input.size(0), input.size(1), weight.size(0)};
+}
+
+}  // namespace eecore

@@ -1,0 +1,22 @@
+// linear on CUDA: cuBLAS through ATen, which is what a GEMM on the GPU should be.
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "linear/linear_checks.h"
+#include "linear/linear_gemm.h"
+
+namespace eecore {
+namespace {
+
+void linear_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                 const std::optional<at::Tensor>& bias, bool accumulate) {
+  const LinearDims dims = check_linear_args(out, input, weight, bias);
+  if (dims.rows == 0 || dims.out == 0) return;
+  const c10::cuda::CUDAGuard guard(input.device());
+  linear_with_gemm(out, input, weight, bias, accumulate);
+}
+
+}  // namespace
+}  // namespace eecore
+
+TORCH_LIBRARY_IMPL(eecore, CUDA, m) { m.impl("linear", &eecore::linear_cuda); }

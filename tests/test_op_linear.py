@@ -1,0 +1,76 @@
+"""linear against eecore.reference: both CPU paths (weight streaming for few rows, GEMM above)."""
+import pytest
+import torch
+
+from eecore import ops, reference
+from op_utils import DTYPES, poison, tol
+
+
+def _case(device, dtype, rows, k, n, bias, row_stride=None):
+    inp = torch.randn(rows, row_stride or k, dtype=dtype, device=device)[:, :k]
+    weight = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    return inp, weight, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (64, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(device, dtype, rows, k, n, bias):
+    inp, weight, b = _case(device, dtype, rows, k, n, bias, row_stride=k + 3)
+    out = poison(torch.empty(rows, n, dtype=dtype, device=device))
+    expected = torch.empty_like(out)
+    ops.linear(out, inp, weight, b)
+    reference.linear(expected, inp, weight, b)
+    torch.testing.assert_close(out, expected, **tol(dtype, scale=4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_linear_accumulates_into_out(device, dtype, rows):
+    inp, weight, b = _case(device, dtype, rows, 96, 70, True)
+    out = torch.randn(rows, 70, dtype=dtype, device=device)
+    expected = out.clone()
+    ops.linear(out, inp, weight, b, accumulate=True)
+    reference.linear(expected, inp, weight, b, accumulate=True)
+    torch.testing.assert_close(out, expected, **tol(dtype, scale=4))
+
+
+def test_linear_writes_only_its_rows_of_a_strided_out(device):
+    inp, weight, _ = _case(device, torch.float32, 4, 32, 24, False)
+    buf = poison(torch.empty(4, 40, device=device))
+    ops.linear(buf[:, :24], inp, weight)
+    assert torch.isnan(buf[:, 24:]).all()
+    torch.testing.assert_close(buf[:, :24], inp @ weight.T, **tol(torch.float32, scale=4))
+
+
+def test_linear_opcheck(device):
+    for rows in (2, 20):
+        inp, weight, b = _case(device, torch.float32, rows, 24, 12, True)
+        torch.library.opcheck(torch.ops.eecore.linear.default, (torch.empty(rows, 12, device=device), inp, weight,
+                                                                b, False))
+        torch.library.opcheck(torch.ops.eecore.linear.default, (torch.randn(rows, 12, device=device), inp, weight,
+                                                                None, True))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (torch.empty(2, 5, device=d), torch.randn(2, 4, device=d), torch.randn(5, 3, device=d), None),
+     "'weight'.*input features"),
+    (lambda d: (torch.empty(3, 5, device=d), torch.randn(2, 4, device=d), torch.randn(5, 4, device=d), None),
+     "'out'.*rows"),
+    (lambda d: (torch.empty(2, 6, device=d), torch.randn(2, 4, device=d), torch.randn(5, 4, device=d), None),
+     "'out'.*output features"),
+    (lambda d: (torch.empty(2, 5, device=d), torch.randn(2, 4, device=d), torch.randn(5, 4, device=d),
+                torch.randn(4, device=d)), "'bias'"),
+    (lambda d: (torch.empty(2, 5, device=d), torch.randn(2, 4, device=d), torch.randn(5, 4, device=d).half(), None),
+     "'weight'.*dtype"),
+    (lambda d: (torch.empty(2, 5, device=d), torch.randn(4, 2, device=d).T, torch.randn(5, 4, device=d), None),
+     "'input'.*unit stride"),
+    (lambda d: (torch.empty(2, 5, device=d), torch.randn(2, 4, 1, device=d), torch.randn(5, 4, device=d), None),
+     "'input'.*2-D"),
+])
+def test_linear_bad_arguments(device, make, message):
+    out, inp, weight, bias = make(device)
+    with pytest.raises(RuntimeError, match=message):
+        ops.linear(out, inp, weight, bias)
