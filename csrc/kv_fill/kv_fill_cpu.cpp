@@ -24,6 +24,7 @@
 
 #include "common/cpu_dots.h"
 #include "common/cpu_rms.h"
+#include "common/rotary_dispatch.h"
 #include "eecore/rotary.h"
 #include "kv_fill/kv_fill_checks.h"
 
@@ -258,8 +259,10 @@ void kv_fill_cpu(at::Tensor& kv_cache, const at::Tensor& hidden, const at::Tenso
   if (plan.size() == 0) return;
   const bool has_bias = bias.has_value() && bias->defined();
 
+  // RoPE needs the cache, fp32 or the activation dtype; without it cache_t is a placeholder.
+  const at::Tensor* rope_cache = s.rot_dim == 0 ? nullptr : &*cos_sin_cache;
   EECORE_DISPATCH_FLOAT(kv_cache.scalar_type(), "eecore::kv_fill", [&] {
-    auto run = [&](auto neox, const auto* cache) {
+    dispatch_rotary<scalar_t>(rope_cache, is_neox, [&](auto neox, const auto* cache) {
       using cache_t = std::remove_cv_t<std::remove_pointer_t<decltype(cache)>>;
       const Epilogue<scalar_t, cache_t> e{kv_cache.data_ptr<scalar_t>(),
                                           has_bias ? bias->const_data_ptr<scalar_t>() : nullptr,
@@ -270,20 +273,7 @@ void kv_fill_cpu(at::Tensor& kv_cache, const at::Tensor& hidden, const at::Tenso
                                           slot_mapping.stride(0),
                                           s};
       fill<decltype(neox)::value>(e, hidden, weight, eps, plan);
-    };
-    // RoPE needs the cache, fp32 or the activation dtype; without it cache_t is a placeholder.
-    auto run_with_cache = [&](auto neox) {
-      if (s.rot_dim == 0)
-        run(neox, static_cast<const float*>(nullptr));
-      else if (cos_sin_cache->scalar_type() == at::kFloat)
-        run(neox, cos_sin_cache->const_data_ptr<float>());
-      else
-        run(neox, cos_sin_cache->const_data_ptr<scalar_t>());
-    };
-    if (is_neox)
-      run_with_cache(std::true_type{});
-    else
-      run_with_cache(std::false_type{});
+    });
   });
 }
 
