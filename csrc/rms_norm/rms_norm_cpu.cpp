@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common/cpu_rms.h"
 #include "rms_norm/rms_norm_checks.h"
@@ -29,15 +30,28 @@ void rms_norm_rows(scalar_t* out, const scalar_t* in, const scalar_t* w, int64_t
 // of the stored (rounded) values.
 template <typename scalar_t>
 inline float add_in_place_sum_of_squares(scalar_t* h, const scalar_t* x, int64_t d) {
+  using cpu::kVecWidth;
   using cpu::Vec8;
-  Vec8 acc = Vec8::zero();
+  // The squares are of the rounded sums: for bf16/fp16 reload what was stored (forwarded from
+  // the store buffer); fp32 stores exactly what it has.
+  auto add_chunk = [&](int64_t i) {
+    Vec8 sum = Vec8::load(h + i) + Vec8::load(x + i);
+    sum.store(h + i);
+    if constexpr (!std::is_same_v<scalar_t, float>) sum = Vec8::load(h + i);
+    return sum;
+  };
+  Vec8 acc0 = Vec8::zero(), acc1 = Vec8::zero();  // two FMA chains
   int64_t i = 0;
-  for (; i + cpu::kVecWidth <= d; i += cpu::kVecWidth) {
-    (Vec8::load(h + i) + Vec8::load(x + i)).store(h + i);
-    const Vec8 stored = Vec8::load(h + i);  // the rounded sum (a store-forwarded reload)
-    acc = fma(stored, stored, acc);
+  for (; i + 2 * kVecWidth <= d; i += 2 * kVecWidth) {
+    const Vec8 a = add_chunk(i), b = add_chunk(i + kVecWidth);
+    acc0 = fma(a, a, acc0);
+    acc1 = fma(b, b, acc1);
   }
-  float sum = reduce_add(acc);
+  for (; i + kVecWidth <= d; i += kVecWidth) {
+    const Vec8 a = add_chunk(i);
+    acc0 = fma(a, a, acc0);
+  }
+  float sum = reduce_add(acc0 + acc1);
   for (; i < d; ++i) {
     h[i] = static_cast<scalar_t>(static_cast<float>(h[i]) + static_cast<float>(x[i]));
     const float v = static_cast<float>(h[i]);
