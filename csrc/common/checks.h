@@ -76,9 +76,14 @@ inline void check_same_device(const char* op, const char* arg, const at::Tensor&
 
 }  // namespace eecore
 
-// fp32 / bf16 / fp16 dispatch with the element type bound to scalar_t.
-#define EECORE_DISPATCH_FLOAT(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+// Dispatch over exactly the three activation dtypes, fp32 / bf16 / fp16 (what
+// check_float_dtype accepts), with the element type bound to scalar_t. Not double: no op takes
+// it, and the CPU vector kernels (common/cpu_vec.h) load and store only these three.
+#define EECORE_DISPATCH_FLOAT(TYPE, NAME, ...)                    \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                 \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 // int32 / int64 dispatch with the index type bound to index_t.
 #define EECORE_DISPATCH_INDEX(TYPE, NAME, ...)                                                   \

@@ -9,9 +9,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "softmax_top2_gap/activation_dispatch.h"
+#include "common/cpu_vec.h"
 #include "hidden_cosine/hidden_cosine_checks.h"
-#include "softmax_top2_gap/float8.h"
 
 namespace eecore {
 namespace {
@@ -22,26 +21,28 @@ constexpr int64_t kMinWorkPerThread = 1 << 16;
 
 template <typename scalar_t>
 float cosine_of_row(const scalar_t* p, const scalar_t* c, int64_t d) {
-  using namespace cpu;
+  using cpu::Vec8;
+  using cpu::kVecWidth;
   // Two sets of accumulators: enough independent FMA chains to hide their latency.
-  Float8 pc0 = zero8(), pp0 = zero8(), cc0 = zero8(), pc1 = zero8(), pp1 = zero8(), cc1 = zero8();
+  Vec8 pc0 = Vec8::zero(), pp0 = pc0, cc0 = pc0, pc1 = pc0, pp1 = pc0, cc1 = pc0;
   int64_t k = 0;
-  for (; k + 16 <= d; k += 16) {
-    const Float8 a0 = load8(p + k), b0 = load8(c + k), a1 = load8(p + k + 8), b1 = load8(c + k + 8);
-    pc0 = fma8(a0, b0, pc0);
-    pp0 = fma8(a0, a0, pp0);
-    cc0 = fma8(b0, b0, cc0);
-    pc1 = fma8(a1, b1, pc1);
-    pp1 = fma8(a1, a1, pp1);
-    cc1 = fma8(b1, b1, cc1);
+  for (; k + 2 * kVecWidth <= d; k += 2 * kVecWidth) {
+    const Vec8 a0 = Vec8::load(p + k), b0 = Vec8::load(c + k);
+    const Vec8 a1 = Vec8::load(p + k + kVecWidth), b1 = Vec8::load(c + k + kVecWidth);
+    pc0 = fma(a0, b0, pc0);
+    pp0 = fma(a0, a0, pp0);
+    cc0 = fma(b0, b0, cc0);
+    pc1 = fma(a1, b1, pc1);
+    pp1 = fma(a1, a1, pp1);
+    cc1 = fma(b1, b1, cc1);
   }
-  for (; k + 8 <= d; k += 8) {
-    const Float8 a0 = load8(p + k), b0 = load8(c + k);
-    pc0 = fma8(a0, b0, pc0);
-    pp0 = fma8(a0, a0, pp0);
-    cc0 = fma8(b0, b0, cc0);
+  for (; k + kVecWidth <= d; k += kVecWidth) {
+    const Vec8 a0 = Vec8::load(p + k), b0 = Vec8::load(c + k);
+    pc0 = fma(a0, b0, pc0);
+    pp0 = fma(a0, a0, pp0);
+    cc0 = fma(b0, b0, cc0);
   }
-  float pc = hsum8(pc0 + pc1), pp = hsum8(pp0 + pp1), cc = hsum8(cc0 + cc1);
+  float pc = reduce_add(pc0 + pc1), pp = reduce_add(pp0 + pp1), cc = reduce_add(cc0 + cc1);
   for (; k < d; ++k) {
     const float a = static_cast<float>(p[k]), b = static_cast<float>(c[k]);
     pc += a * b;
@@ -67,7 +68,7 @@ at::Tensor hidden_cosine_cpu(const at::Tensor& prev, const at::Tensor& cur) {
   const int64_t rows = prev.size(0), d = prev.size(1);
   at::Tensor out = at::empty({rows}, prev.options().dtype(at::kFloat));
   if (rows == 0) return out;
-  EECORE_DISPATCH_ACTIVATION(prev.scalar_type(), "eecore::hidden_cosine", [&] {
+  EECORE_DISPATCH_FLOAT(prev.scalar_type(), "eecore::hidden_cosine", [&] {
     hidden_cosine_rows(prev.const_data_ptr<scalar_t>(), prev.stride(0), cur.const_data_ptr<scalar_t>(), cur.stride(0),
                        rows, d, out.data_ptr<float>());
   });

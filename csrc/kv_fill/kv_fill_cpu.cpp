@@ -8,8 +8,8 @@
 //      the token's slot of every layer >= its start layer.
 //
 // Step 3 has two strategies. Decode-sized batches (the common case: a few exited tokens) stream
-// each weight row once against all tokens in fp32 registers, fused with the epilogue, one task per
-// (layer, K/V head): bound by reading the weights. Larger batches make it a compute problem and
+// each weight row once against all tokens in fp32 registers (common/cpu_dots.h), fused with the
+// epilogue, one task per (layer, K/V head): bound by reading the weights. Larger batches make it a compute problem and
 // call ONE GEMM (at::mm) over all the needed layers, then run the same epilogue (see prefer_gemm).
 //
 // Every (token, layer) writes its own slot of its own layer, so the tasks never synchronise.
@@ -22,9 +22,11 @@
 #include <initializer_list>
 #include <vector>
 
+#include "common/cpu_dots.h"
+#include "common/cpu_rms.h"
+#include "common/rotary_dispatch.h"
 #include "eecore/rotary.h"
 #include "kv_fill/kv_fill_checks.h"
-#include "kv_fill/kv_fill_dot_cpu.h"
 
 namespace eecore {
 namespace {
@@ -34,6 +36,9 @@ constexpr const char* kOp = "kv_fill";
 // Up to this many writing tokens the fused streaming projection is at least as fast as a GEMM
 // library (measured: MKL fp32 on a 2-core AVX2 EPYC catches up between 64 and 128 tokens).
 constexpr int64_t kMaxStreamingTokens = 64;
+// Tokens projected together by the streaming path: their fp32 rows (64 KiB at d = 2048) stay in
+// L2 while a head's weight rows stream past them once.
+constexpr int64_t kStreamingTile = 8;
 
 bool cpu_has(std::initializer_list<const char*> features) {
   const auto capabilities = at::cpu::get_cpu_capabilities();
@@ -107,16 +112,7 @@ void normalise_rows(out_t* normed, const scalar_t* hidden, int64_t row_stride, c
   at::parallel_for(0, static_cast<int64_t>(tokens.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const scalar_t* x = hidden + tokens[i] * row_stride;
-      float sum_sq = 0.f;
-#pragma omp simd reduction(+ : sum_sq)
-      for (int64_t j = 0; j < d; ++j) {
-        const float v = static_cast<float>(x[j]);
-        sum_sq += v * v;
-      }
-      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(d) + eps);
-      out_t* out = normed + i * d;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) out[j] = static_cast<out_t>(static_cast<float>(x[j]) * inv_rms);
+      cpu::scale_row(normed + i * d, x, cpu::inverse_rms(x, d, eps), static_cast<const scalar_t*>(nullptr), d);
     }
   });
 }
@@ -170,7 +166,7 @@ inline void add_bias(float* x, const in_t* src, const scalar_t* bias, int64_t n)
 }
 
 // Decode-sized batches: one task per (layer, K/V head). It streams that head's D weight rows once
-// per tile of up to 8 tokens (only the tokens that write this layer: a prefix of the plan), then
+// per tile of up to kStreamingTile tokens (only the tokens that write this layer: a prefix of the plan), then
 // biases, rotates and stores each token's head while it is still in L1.
 template <bool kNeox, typename scalar_t, typename cache_t>
 void fill_streaming(const Epilogue<scalar_t, cache_t>& e, const scalar_t* weight, const float* normed,
@@ -180,10 +176,8 @@ void fill_streaming(const Epilogue<scalar_t, cache_t>& e, const scalar_t* weight
   const int64_t heads_per_layer = 2 * s.num_kv_heads;  // the weight's row order: K heads, then V heads
   const int64_t num_tasks = (s.num_layers - plan.first_layer) * heads_per_layer;
   const int64_t grain = std::max<int64_t>(1, 32768 / (head_dim * d));
-  constexpr int64_t kTile = kv_fill_dot::kMaxTileTokens;
-
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> projected(kTile * head_dim);
+    std::vector<float> projected(kStreamingTile * head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t layer = plan.first_layer + task / heads_per_layer;
       const int64_t head_row = task % heads_per_layer;  // K heads 0..Hkv-1, then V heads
@@ -192,10 +186,10 @@ void fill_streaming(const Epilogue<scalar_t, cache_t>& e, const scalar_t* weight
       const scalar_t* w = weight + (layer * heads_per_layer + head_row) * head_dim * d;
       const scalar_t* bias = e.head_bias(layer, is_v, head);
       const int64_t num_tokens = plan.tokens_in_layer(layer);
-      for (int64_t tile = 0; tile < num_tokens; tile += kTile) {
-        const int n = static_cast<int>(std::min(kTile, num_tokens - tile));
-        kv_fill_dot::project_rows(n, w, head_dim, normed + tile * d, d, projected.data(), head_dim);
-        for (int i = 0; i < n; ++i) {
+      for (int64_t tile = 0; tile < num_tokens; tile += kStreamingTile) {
+        const int64_t n = std::min(kStreamingTile, num_tokens - tile);
+        cpu::dot_rows(normed + tile * d, d, n, w, d, head_dim, d, projected.data(), head_dim);
+        for (int64_t i = 0; i < n; ++i) {
           const int64_t t = plan.tokens[tile + i];
           float* x = projected.data() + i * head_dim;
           add_bias(x, x, bias, head_dim);
@@ -265,8 +259,10 @@ void kv_fill_cpu(at::Tensor& kv_cache, const at::Tensor& hidden, const at::Tenso
   if (plan.size() == 0) return;
   const bool has_bias = bias.has_value() && bias->defined();
 
+  // RoPE needs the cache, fp32 or the activation dtype; without it cache_t is a placeholder.
+  const at::Tensor* rope_cache = s.rot_dim == 0 ? nullptr : &*cos_sin_cache;
   EECORE_DISPATCH_FLOAT(kv_cache.scalar_type(), "eecore::kv_fill", [&] {
-    auto run = [&](auto neox, const auto* cache) {
+    dispatch_rotary<scalar_t>(rope_cache, is_neox, [&](auto neox, const auto* cache) {
       using cache_t = std::remove_cv_t<std::remove_pointer_t<decltype(cache)>>;
       const Epilogue<scalar_t, cache_t> e{kv_cache.data_ptr<scalar_t>(),
                                           has_bias ? bias->const_data_ptr<scalar_t>() : nullptr,
@@ -277,20 +273,7 @@ void kv_fill_cpu(at::Tensor& kv_cache, const at::Tensor& hidden, const at::Tenso
                                           slot_mapping.stride(0),
                                           s};
       fill<decltype(neox)::value>(e, hidden, weight, eps, plan);
-    };
-    // RoPE needs the cache, fp32 or the activation dtype; without it cache_t is a placeholder.
-    auto run_with_cache = [&](auto neox) {
-      if (s.rot_dim == 0)
-        run(neox, static_cast<const float*>(nullptr));
-      else if (cos_sin_cache->scalar_type() == at::kFloat)
-        run(neox, cos_sin_cache->const_data_ptr<float>());
-      else
-        run(neox, cos_sin_cache->const_data_ptr<scalar_t>());
-    };
-    if (is_neox)
-      run_with_cache(std::true_type{});
-    else
-      run_with_cache(std::false_type{});
+    });
   });
 }
 

@@ -4,7 +4,7 @@
 //
 // At decode sizes the op is bound by streaming the [V, d] weight from memory, so the weight is
 // read exactly once, in its own dtype (bf16/fp16 halve the traffic), and converted to fp32 in
-// registers (lm_head_top2_gap/row_dots.h). Tiles are spread over the threads; every tile leaves
+// registers (common/cpu_dots.h). Tiles are spread over the threads; every tile leaves
 // one partial state per row, merged in vocab order afterwards, so the result does not depend on
 // the thread count.
 #include <ATen/Parallel.h>
@@ -13,9 +13,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "softmax_top2_gap/activation_dispatch.h"
+#include "common/cpu_dots.h"
 #include "lm_head_top2_gap/lm_head_top2_gap_checks.h"
-#include "lm_head_top2_gap/row_dots.h"
 #include "softmax_top2_gap/top2_online.h"
 
 namespace eecore {
@@ -67,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> lm_head_top2_gap_cpu(const at::Tensor& hidden
   at::Tensor gap = at::empty({rows}, hidden.options().dtype(at::kFloat));
   at::Tensor top1 = at::empty({rows}, hidden.options().dtype(at::kLong));
   if (rows == 0) return {gap, top1};
-  EECORE_DISPATCH_ACTIVATION(hidden.scalar_type(), "eecore::lm_head_top2_gap", [&] {
+  EECORE_DISPATCH_FLOAT(hidden.scalar_type(), "eecore::lm_head_top2_gap", [&] {
     lm_head_top2_gap_rows(hidden.const_data_ptr<scalar_t>(), hidden.stride(0), rows, weight.const_data_ptr<scalar_t>(),
                           weight.stride(0), vocab, d, gap.data_ptr<float>(), top1.data_ptr<int64_t>());
   });

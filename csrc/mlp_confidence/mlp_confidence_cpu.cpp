@@ -1,7 +1,7 @@
 // mlp_confidence on the CPU: CALM's exit classifier, sigmoid(w2 . relu(w1 h + b1) + b2), fused.
 //
 // The first layer is the only real work (B x m x d multiply-adds); it runs a tile of m units at
-// a time through the row_dots kernel, and each tile immediately applies b1, relu and w2, leaving
+// a time through the shared weight-streaming kernel (common/cpu_dots.h), and each tile immediately applies b1, relu and w2, leaving
 // one partial sum per row. Partial sums are added in tile order, so the result does not depend
 // on the thread count. The [B, m] activations never exist.
 #include <ATen/Parallel.h>
@@ -11,8 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "softmax_top2_gap/activation_dispatch.h"
-#include "lm_head_top2_gap/row_dots.h"
+#include "common/cpu_dots.h"
 #include "mlp_confidence/mlp_confidence_checks.h"
 
 namespace eecore {
@@ -26,7 +25,7 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;
 // A small 1-D tensor of any float dtype and stride -> fp32 values.
 std::vector<float> to_float_vector(const at::Tensor& t) {
   std::vector<float> out(t.numel());
-  EECORE_DISPATCH_ACTIVATION(t.scalar_type(), "eecore::mlp_confidence", [&] {
+  EECORE_DISPATCH_FLOAT(t.scalar_type(), "eecore::mlp_confidence", [&] {
     const scalar_t* p = t.const_data_ptr<scalar_t>();
     for (int64_t i = 0; i < t.numel(); ++i) out[i] = static_cast<float>(p[i * t.stride(0)]);
   });
@@ -69,12 +68,12 @@ at::Tensor mlp_confidence_cpu(const at::Tensor& hidden, const at::Tensor& w1, co
 
   // Every hidden row is read once per classifier unit: convert the batch to fp32 once.
   std::vector<float> h(rows * d);
-  EECORE_DISPATCH_ACTIVATION(hidden.scalar_type(), "eecore::mlp_confidence", [&] {
+  EECORE_DISPATCH_FLOAT(hidden.scalar_type(), "eecore::mlp_confidence", [&] {
     const scalar_t* src = hidden.const_data_ptr<scalar_t>();
     for (int64_t r = 0; r < rows; ++r) cpu::convert_to_float(src + r * hidden.stride(0), h.data() + r * d, d);
   });
   const std::vector<float> b1f = to_float_vector(b1), w2f = to_float_vector(w2), b2f = to_float_vector(b2);
-  EECORE_DISPATCH_ACTIVATION(w1.scalar_type(), "eecore::mlp_confidence", [&] {
+  EECORE_DISPATCH_FLOAT(w1.scalar_type(), "eecore::mlp_confidence", [&] {
     mlp_confidence_rows(h.data(), rows, d, w1.const_data_ptr<scalar_t>(), w1.stride(0), m, b1f.data(), w2f.data(),
                         b2f[0], out.data_ptr<float>());
   });

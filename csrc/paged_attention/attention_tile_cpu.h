@@ -15,7 +15,10 @@
 // All lengths in D are multiples of 8 (kVecWidth): head dims that are not get packed, padded.
 #pragma once
 
-#include "paged_attention/cpu_vec.h"
+#include <algorithm>
+#include <cmath>
+
+#include "common/cpu_vec.h"
 
 namespace eecore::cpu {
 
@@ -77,10 +80,10 @@ inline void tile_scores(const float* q, int64_t ldq, int64_t num_rows, const T* 
 // factor exp(old_max - new_max) by which the row's earlier accumulator must be scaled; updates
 // the running max and the running sum of p.
 inline float online_softmax_row(float* s, int64_t padded_len, float& running_max, float& running_sum) {
-  Vec8 vmax = Vec8::broadcast(-std::numeric_limits<float>::infinity());
+  Vec8 vmax = Vec8::broadcast(kNegInf);
   for (int64_t n = 0; n < padded_len; n += kVecWidth) vmax = max(vmax, Vec8::load(s + n));
   const float new_max = std::max(running_max, reduce_max(vmax));
-  if (new_max == -std::numeric_limits<float>::infinity()) {
+  if (new_max == kNegInf) {
     // Every key so far is masked for this row: nothing to add yet (p = 0 everywhere).
     for (int64_t n = 0; n < padded_len; ++n) s[n] = 0.f;
     return 1.f;

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -37,13 +36,6 @@ using cpu::TileScratch;
 using cpu::WorkItem;
 
 constexpr const char* kOp = "paged_attention";
-
-// fp32 / bf16 / fp16 only: EECORE_DISPATCH_FLOAT would also instantiate double, which the
-// argument checks reject and the vector loads do not support.
-#define EECORE_DISPATCH_ATTENTION_DTYPE(TYPE, NAME, ...)                                         \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                      \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)               \
-                                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 // Query vectors (rows x the query heads of a KV head) per head-major item: each packed key row
 // is reused this many times. 32 keeps the fp32 accumulators of a 128-dim head at 16 KiB.
@@ -181,7 +173,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   if (dims.num_tokens == 0) return;
   const bool has_bias = position_bias.has_value() && position_bias->defined();
 
-  EECORE_DISPATCH_ATTENTION_DTYPE(query.scalar_type(), "eecore::paged_attention", [&] {
+  EECORE_DISPATCH_FLOAT(query.scalar_type(), "eecore::paged_attention", [&] {
     AttentionArgs<scalar_t> a{};
     a.query = query.const_data_ptr<scalar_t>();
     a.q_stride_token = query.stride(0);

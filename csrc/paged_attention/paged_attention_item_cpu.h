@@ -16,7 +16,6 @@
 #pragma once
 
 #include <algorithm>
-#include <limits>
 #include <vector>
 
 #include "paged_attention/attention_tile_cpu.h"
@@ -193,7 +192,7 @@ inline void bias_and_mask_row(float* s, int64_t count, int64_t first_key, int64_
   if (causal) {
     // Keys after the query's own position are in its future.
     for (int64_t n = std::max<int64_t>(0, q_pos + 1 - first_key); n < count; ++n)
-      s[n] = -std::numeric_limits<float>::infinity();
+      s[n] = kNegInf;
   }
 }
 
@@ -207,7 +206,7 @@ void softmax_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const 
   const bool needs_mask = a.causal && first_key + count - 1 > geo.first_q_pos;
   for (int64_t m = m_begin; m < m_end; ++m) {
     float* s = scratch.scores.data() + m * kKeyTile;
-    std::fill(s + count, s + padded_count, -std::numeric_limits<float>::infinity());
+    std::fill(s + count, s + padded_count, kNegInf);
     const int64_t kv_head = item.head_begin + m / geo.vectors_per_head;
     const int64_t row = (m % geo.vectors_per_head) / a.group;
     const int64_t q_head = kv_head * a.group + m % a.group;
@@ -296,7 +295,7 @@ void attend_item_in_order(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, 
   const int64_t dim = a.padded_dim;
   load_query_vectors(a, seq, item, scratch.q.data());
   std::fill_n(scratch.acc.data(), geo.num_vectors * dim, 0.f);
-  std::fill_n(scratch.row_max.data(), geo.num_vectors, -std::numeric_limits<float>::infinity());
+  std::fill_n(scratch.row_max.data(), geo.num_vectors, kNegInf);
   std::fill_n(scratch.row_sum.data(), geo.num_vectors, 0.f);
 
   // Slot offsets of the current tile and the next (located one tile ahead, for prefetching).

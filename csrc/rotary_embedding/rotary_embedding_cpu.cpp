@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common/rotary_dispatch.h"
 #include "eecore/rotary.h"
 #include "rotary_embedding/rotary_embedding_checks.h"
 
@@ -47,23 +48,13 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
   check_positions_in_range("rotary_embedding", positions, shape.max_pos);
   if (shape.num_tokens == 0) return;
 
+  // The cache is fp32 or the activation dtype; both read as fp32.
   EECORE_DISPATCH_FLOAT(query.scalar_type(), "eecore::rotary_embedding", [&] {
-    auto run = [&](auto neox, const auto* cache) {
+    dispatch_rotary<scalar_t>(&cos_sin_cache, is_neox, [&](auto neox, const auto* cache) {
       rotate_all_heads<decltype(neox)::value>(positions.const_data_ptr<int64_t>(), positions.stride(0),
                                               HeadRows<scalar_t>::of(query), HeadRows<scalar_t>::of(key), cache,
                                               shape.num_tokens, shape.rot_dim);
-    };
-    // The cache is fp32 or the activation dtype; both read as fp32.
-    auto run_with_cache = [&](auto neox) {
-      if (cos_sin_cache.scalar_type() == at::kFloat)
-        run(neox, cos_sin_cache.const_data_ptr<float>());
-      else
-        run(neox, cos_sin_cache.const_data_ptr<scalar_t>());
-    };
-    if (is_neox)
-      run_with_cache(std::true_type{});
-    else
-      run_with_cache(std::false_type{});
+    });
   });
 }
 

@@ -11,7 +11,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "softmax_top2_gap/activation_dispatch.h"
 #include "softmax_top2_gap/softmax_top2_gap_checks.h"
 #include "softmax_top2_gap/top2_online.h"
 
@@ -71,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_top2_gap_cpu(const at::Tensor& logits
   at::Tensor gap = at::empty({rows}, logits.options().dtype(at::kFloat));
   at::Tensor top1 = at::empty({rows}, logits.options().dtype(at::kLong));
   if (rows == 0) return {gap, top1};
-  EECORE_DISPATCH_ACTIVATION(logits.scalar_type(), "eecore::softmax_top2_gap", [&] {
+  EECORE_DISPATCH_FLOAT(logits.scalar_type(), "eecore::softmax_top2_gap", [&] {
     softmax_top2_gap_rows(logits.const_data_ptr<scalar_t>(), logits.stride(0), rows, vocab, gap.data_ptr<float>(),
                           top1.data_ptr<int64_t>());
   });

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "softmax_top2_gap/float8.h"
+#include "common/cpu_vec.h"
 
 namespace eecore::cpu {
 
@@ -42,25 +42,25 @@ inline void push_top2(float x, float& first, float& second) {
 // own top-2 (top2 of lane = max(top2, min(x, top1)), top1 = max(x, top1)); the true top-2 of the
 // chunk is then among the 32 lane values.
 inline void chunk_top2(const float* x, int64_t n, float& first, float& second) {
-  Float8 t1a = broadcast8(kNegInf), t2a = t1a, t1b = t1a, t2b = t1a;
+  Vec8 t1a = Vec8::broadcast(kNegInf), t2a = t1a, t1b = t1a, t2b = t1a;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const Float8 va = load8(x + i), vb = load8(x + i + 8);
-    t2a = max8(min8(va, t1a), t2a);
-    t1a = max8(va, t1a);
-    t2b = max8(min8(vb, t1b), t2b);
-    t1b = max8(vb, t1b);
+  for (; i + 2 * kVecWidth <= n; i += 2 * kVecWidth) {
+    const Vec8 va = Vec8::load(x + i), vb = Vec8::load(x + i + kVecWidth);
+    t2a = max(min(va, t1a), t2a);
+    t1a = max(va, t1a);
+    t2b = max(min(vb, t1b), t2b);
+    t1b = max(vb, t1b);
   }
-  for (; i + 8 <= n; i += 8) {
-    const Float8 va = load8(x + i);
-    t2a = max8(min8(va, t1a), t2a);
-    t1a = max8(va, t1a);
+  for (; i + kVecWidth <= n; i += kVecWidth) {
+    const Vec8 va = Vec8::load(x + i);
+    t2a = max(min(va, t1a), t2a);
+    t1a = max(va, t1a);
   }
-  float lanes[4][8];
-  to_array8(t1a, lanes[0]);
-  to_array8(t2a, lanes[1]);
-  to_array8(t1b, lanes[2]);
-  to_array8(t2b, lanes[3]);
+  float lanes[4][kVecWidth];
+  t1a.store(lanes[0]);
+  t2a.store(lanes[1]);
+  t1b.store(lanes[2]);
+  t2b.store(lanes[3]);
   first = kNegInf;
   second = kNegInf;
   for (auto& set : lanes)
@@ -70,15 +70,15 @@ inline void chunk_top2(const float* x, int64_t n, float& first, float& second) {
 
 // sum_i exp(x[i] - m) over x[0..n).
 inline float sum_exp_minus(const float* x, int64_t n, float m) {
-  const Float8 mv = broadcast8(m);
-  Float8 acc0 = zero8(), acc1 = zero8();
+  const Vec8 mv = Vec8::broadcast(m);
+  Vec8 acc0 = Vec8::zero(), acc1 = Vec8::zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = acc0 + exp8(load8(x + i) - mv);
-    acc1 = acc1 + exp8(load8(x + i + 8) - mv);
+  for (; i + 2 * kVecWidth <= n; i += 2 * kVecWidth) {
+    acc0 = acc0 + exp(Vec8::load(x + i) - mv);
+    acc1 = acc1 + exp(Vec8::load(x + i + kVecWidth) - mv);
   }
-  for (; i + 8 <= n; i += 8) acc0 = acc0 + exp8(load8(x + i) - mv);
-  float sum = hsum8(acc0 + acc1);
+  for (; i + kVecWidth <= n; i += kVecWidth) acc0 = acc0 + exp(Vec8::load(x + i) - mv);
+  float sum = reduce_add(acc0 + acc1);
   for (; i < n; ++i) sum += std::exp(x[i] - m);
   return sum;
 }

@@ -1,8 +1,8 @@
 // Rotary position embedding (RoPE) of one attention head: the math every eecore op that rotates
 // shares (rotary_embedding, and the K side of kv_fill), on the CPU today and in CUDA kernels later.
 //
-// Torch-free on purpose: it includes nothing, so a .cu file compiles it in seconds. Functions are
-// marked EECORE_HOST_DEVICE, which becomes `__host__ __device__` under nvcc.
+// Torch-free on purpose: it includes only eecore/macros.h, so a .cu file compiles it in seconds.
+// Functions are marked EECORE_HOST_DEVICE, which becomes `__host__ __device__` under nvcc.
 //
 // Layouts (vLLM's): a head of D dims rotates its first rot_dim dims (rot_dim even, <= D; the rest
 // passes through), as rot_dim / 2 pairs. Pair i is rotated by the angle whose cosine and sine are
@@ -11,22 +11,7 @@
 //   GPT-J (!is_neox):        pair i = (x[2 i], x[2 i + 1])          interleaved neighbours
 #pragma once
 
-#ifndef EECORE_HOST_DEVICE
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define EECORE_HOST_DEVICE __host__ __device__
-#else
-#define EECORE_HOST_DEVICE
-#endif
-#endif
-
-// `#pragma omp simd` for the host loops; nvcc would only warn about it.
-#ifndef EECORE_OMP_SIMD
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define EECORE_OMP_SIMD
-#else
-#define EECORE_OMP_SIMD _Pragma("omp simd")
-#endif
-#endif
+#include "eecore/macros.h"
 
 namespace eecore {
 namespace rotary {

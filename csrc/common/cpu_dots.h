@@ -1,17 +1,19 @@
-// out[i][j] = sum_k h[i][k] * w[j][k]: dot products of a few fp32 rows (hidden states) with a
-// block of weight rows in their storage dtype, for a decode-sized batch (a handful of rows).
+// out[i][j] = sum_k h[i][k] * w[j][k]: the dot products of a few fp32 rows (hidden states, a
+// decode batch) with many weight rows in their storage dtype (fp32, bf16, fp16). The one
+// "few rows x many weight rows" kernel of the CPU ops: lm_head_top2_gap (a vocab tile of
+// logits), mlp_confidence (the classifier's first layer) and kv_fill (a K/V head's projection).
 //
-// At decode sizes the cost is streaming the weight from memory once; the kernel therefore keeps
-// MR x NR independent fp32 accumulators (enough FMAs in flight to cover their latency), converts
-// each weight vector once for MR hidden rows, and leaves a block of NR weight rows in L1 while
-// the next hidden rows go past it. Used by lm_head_top2_gap (a vocab tile of logits) and
-// mlp_confidence (the classifier's first layer).
+// Why not a GEMM library: at decode sizes this is a matrix-vector product bound by reading the
+// weight, and a BLAS small-M path is often far from the memory bandwidth (and widens bf16/fp16
+// weights through a copy). Here the weight is read exactly once, in its own dtype, converted to
+// fp32 in registers, and the kernel keeps MR x NR independent fp32 accumulators (enough FMAs in
+// flight to cover their latency), converting each weight vector once for MR hidden rows.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
-#include "softmax_top2_gap/float8.h"
+#include "common/cpu_vec.h"
 
 namespace eecore::cpu {
 
@@ -24,29 +26,29 @@ constexpr int64_t kPrefetchBytes = 8192;
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d.
 template <int MR, int NR, typename w_t>
 inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t d, float* out, int64_t ldo) {
-  Float8 acc[MR][NR];
+  Vec8 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = zero8();
+    for (int j = 0; j < NR; ++j) acc[i][j] = Vec8::zero();
   int64_t k = 0;
-  for (; k + 8 <= d; k += 8) {
-    Float8 wv[NR];
+  for (; k + kVecWidth <= d; k += kVecWidth) {
+    Vec8 wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       __builtin_prefetch(w + j * ldw + k + kPrefetchBytes / static_cast<int64_t>(sizeof(w_t)));
-      wv[j] = load8(w + j * ldw + k);
+      wv[j] = Vec8::load(w + j * ldw + k);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const Float8 hv = load8(h + i * ldh + k);
+      const Vec8 hv = Vec8::load(h + i * ldh + k);
 #pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) acc[i][j] = fma8(hv, wv[j], acc[i][j]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = fma(hv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
-      float s = hsum8(acc[i][j]);
+      float s = reduce_add(acc[i][j]);
       for (int64_t kk = k; kk < d; ++kk) s += h[i * ldh + kk] * static_cast<float>(w[j * ldw + kk]);
       out[i * ldo + j] = s;
     }
@@ -62,11 +64,13 @@ inline void dot_rows_mr(const float* h, int64_t ldh, const w_t* w, int64_t ldw, 
   for (; j < n; ++j) dot_block<MR, 1>(h, ldh, w + j * ldw, ldw, d, out + j, ldo);
 }
 
-// out[i][j] (row stride ldo) for i < m hidden rows and j < n weight rows.
+// out[i * ldo + j] = <h[i], w[j]> for i < m hidden rows (fp32, row stride ldh) and j < n weight
+// rows (row stride ldw), each of length d.
 //
-// The weight block is the outer loop: each NR-row slice of w is read from memory once, by the
-// first group of hidden rows, and from L1 by the others. With one or two hidden rows (B = 1, 2)
-// four weight rows are taken at a time instead of two, so there are still enough accumulators.
+// The weight block is the outer loop: each slice of w is read from memory once, by the first
+// group of hidden rows, and from L1 by the others. With one or two hidden rows (B = 1, 2) four
+// weight rows are taken at a time instead of two, so there are still enough accumulators. The
+// hidden rows should fit in L2 (callers sweep larger batches in parts).
 template <typename w_t>
 void dot_rows(const float* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
               int64_t ldo) {
