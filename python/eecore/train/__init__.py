@@ -1,1 +1,1 @@
-"""Training recipes: CALM's exit classifier (eecore.train.calm_classifier)."""
+"""Training recipes: CALM's exit classifier (eecore.train.calm_classifier) and LayerSkip's layer dropout + early-exit loss (eecore.train.layerskip)."""
