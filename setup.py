@@ -4,7 +4,7 @@ nvcc is present. Whether a GPU is visible does not matter (we may be cross-build
 Environment knobs:
   EECORE_CPU_ONLY=1        skip the CUDA kernels even when they could be built
   EECORE_CPU_NATIVE=0      build the CPU kernels for a generic x86-64/aarch64 instead of -march=native
-  TORCH_CUDA_ARCH_LIST     CUDA archs; defaults to "8.0;9.0" when no GPU is visible to pick from
+  TORCH_CUDA_ARCH_LIST     CUDA archs (8.0 or newer); defaults to the visible GPUs', else "8.0;9.0"
   MAX_JOBS                 parallel compile jobs (ninja)
 """
 import glob
@@ -31,12 +31,42 @@ def _want_cuda() -> bool:
     return os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
 
 
+def _cuda_archs() -> list[str]:
+    """The archs to compile for: TORCH_CUDA_ARCH_LIST, else the visible GPUs', else 8.0 and 9.0.
+    The kernels need sm_80 or newer (cp.async, bf16 tensor-core mma), so older ones are refused
+    here with a clear message rather than by ptxas halfway through the build."""
+    import torch
+
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
+    if not requested:
+        if torch.cuda.is_available():
+            caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+            requested = [f"{major}.{minor}" for major, minor in sorted(caps)]
+        else:
+            requested = ["8.0", "9.0"]  # cross-building: A100 and H100/H200
+    too_old = []
+    for arch in requested:
+        number = arch.split("+")[0]
+        try:
+            if float(number) < 8.0:
+                too_old.append(arch)
+        except ValueError:
+            pass  # a named arch ("Hopper"): torch validates it
+    if too_old:
+        sys.exit(f"eecore's CUDA kernels need compute capability 8.0 or newer; got {too_old} "
+                 f"(TORCH_CUDA_ARCH_LIST or the visible GPUs). Set TORCH_CUDA_ARCH_LIST, or EECORE_CPU_ONLY=1.")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(requested)
+    return requested
+
+
 def _extension():
     with_cuda = _want_cuda()
     sources = [os.path.join("csrc", "bindings.cpp"), os.path.join("csrc", "module.cpp")]
     sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
     sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "common", "*.cpp")))
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-DNDEBUG", "-Wno-unknown-pragmas"]
+    # -g0 overrides the -g of Python's CFLAGS: debug info for every torch header roughly doubles
+    # the time and size of each translation unit.
+    cxx = ["-O3", "-g0", "-std=c++20", "-fopenmp", "-DNDEBUG", "-Wno-unknown-pragmas"]
     if os.environ.get("EECORE_CPU_NATIVE", "1") == "1":
         cxx.append("-march=native")
     nvcc = [
@@ -48,14 +78,10 @@ def _extension():
         extra_link_args=["-fopenmp"],
     )
     if with_cuda:
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            import torch
-
-            if not torch.cuda.is_available():
-                os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        archs = _cuda_archs()
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cuda.cpp")))
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_kernels.cu")))
-        cxx.append("-DEECORE_WITH_CUDA")
+        cxx += ["-DEECORE_WITH_CUDA", "-DEECORE_CUDA_ARCHS=" + ",".join(archs)]
         nvcc.append("-DEECORE_WITH_CUDA")
         return cpp_extension.CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)

@@ -1,19 +1,46 @@
 // The Python module eecore._C. Ops register through TORCH_LIBRARY (csrc/bindings.cpp) when this
 // library is loaded; the module itself only reports how the library was built.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include <string>
+
+#ifdef EECORE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define EECORE_STRINGIFY_(...) #__VA_ARGS__
+#define EECORE_STRINGIFY(...) EECORE_STRINGIFY_(__VA_ARGS__)
+
 namespace {
+
+// The eecore ops that have a kernel for `key` in this process (read from the dispatcher, so it
+// reflects what was compiled and registered, not what was meant to be).
+pybind11::list ops_with_kernel(c10::DispatchKey key) {
+  pybind11::list names;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("eecore::", 0) != 0) continue;
+    const auto handle = dispatcher.findOp(name);
+    if (handle.has_value() && handle->hasKernelForDispatchKey(key)) names.append(name.name.substr(8));
+  }
+  names.attr("sort")();
+  return names;
+}
 
 pybind11::dict build_info() {
   pybind11::dict info;
 #ifdef EECORE_WITH_CUDA
   info["cuda"] = true;
-#ifdef CUDA_VERSION
-  info["cuda_version"] = CUDA_VERSION;
+  info["cuda_runtime_version"] = CUDART_VERSION;  // the toolkit compiled against, e.g. 13000
+#ifdef EECORE_CUDA_ARCHS
+  info["cuda_archs"] = std::string(EECORE_STRINGIFY(EECORE_CUDA_ARCHS));
 #endif
+  info["cuda_ops"] = ops_with_kernel(c10::DispatchKey::CUDA);
 #else
   info["cuda"] = false;
 #endif
+  info["cpu_ops"] = ops_with_kernel(c10::DispatchKey::CPU);
 #if defined(TORCH_VERSION_MAJOR)
   info["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 #endif
@@ -25,5 +52,6 @@ pybind11::dict build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "eecore compiled ops; see torch.ops.eecore";
-  m.def("build_info", &build_info, "How this eecore._C was built: CUDA or not, versions");
+  m.def("build_info", &build_info,
+        "How this eecore._C was built: CUDA or not, toolkit, archs, and which ops have CPU / CUDA kernels");
 }

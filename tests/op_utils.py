@@ -41,3 +41,22 @@ def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, d
         table[b, :n] = torch.tensor(perm[cursor:cursor + n], dtype=torch.int32)
         cursor += n
     return table.to(device)
+
+
+def assert_within_torch_error(actual: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor,
+                              factor: float = 3.0, atol: float = 1e-6) -> None:
+    """flash-attn's accuracy bound for low-precision kernels (CUDA tests use it):
+
+        max |actual - reference| <= factor * max |baseline - reference| + atol
+
+    `reference` is the computation in fp32 (e.g. an eecore.reference oracle writing into an fp32
+    buffer), and `baseline` is the same computation run by plain PyTorch in the kernel's dtype
+    (bf16/fp16 matmuls, softmax and so on). A kernel may be a few times worse than PyTorch at its
+    own dtype, never more. `atol` keeps an exact baseline from demanding bit-exactness.
+    """
+    reference = reference.detach().float().cpu()
+    err = (actual.detach().float().cpu() - reference).abs().nan_to_num(float("inf")).max().item()
+    base = (baseline.detach().float().cpu() - reference).abs().nan_to_num(float("inf")).max().item()
+    assert err <= factor * base + atol, (
+        f"max error {err:.3e} against fp32 exceeds {factor} x PyTorch's own {baseline.dtype} error {base:.3e} "
+        f"(+ {atol:.1e})")

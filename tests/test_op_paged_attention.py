@@ -379,8 +379,9 @@ def test_unused_block_table_entries_are_not_checked(device):
     check_against_reference(case)
 
 
-def test_non_causal_needs_keys(device):
-    case = make_case(device, torch.float32, seq_lens=[0, 4], q_lens=[2, 1], causal=False)
+def test_non_causal_needs_keys():
+    # A check on the data: the CPU kernel raises; CUDA guards on the device instead (no host sync).
+    case = make_case("cpu", torch.float32, seq_lens=[0, 4], q_lens=[2, 1], causal=False)
     with pytest.raises(RuntimeError, match="'seq_lens'.*no keys"):
         ops.paged_attention(*case.args(torch.empty_like(case.query)))
 

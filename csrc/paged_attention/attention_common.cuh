@@ -1,0 +1,121 @@
+// Pieces shared by the paged_attention kernels: which sequence owns a query row, the key range a
+// row may attend to, the split-K workspace layout, and the kernel that combines split results.
+//
+// Scores are kept in the log2 domain (scaled by scale * log2(e)) so the softmax uses exp2f; the
+// running max `m` and sum `l` of every partial result follow that convention.
+#pragma once
+
+#include <cmath>
+
+#include "eecore/cuda/common.cuh"
+#include "eecore/cuda/paged_kv.cuh"
+#include "eecore/launch/paged_attention.h"
+
+namespace eecore::cuda::attention {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The query rows [begin, end) of sequence `seq`, or false when query_start_loc is inconsistent
+// there (negative, decreasing, or beyond the query tensor): such a sequence is skipped.
+__device__ __forceinline__ bool seq_query_range(const PagedAttentionParams& p, int32_t seq, int32_t& begin,
+                                                int32_t& end) {
+  begin = p.query_start_loc[seq];
+  end = p.query_start_loc[seq + 1];
+  return begin >= 0 && end > begin && end <= p.num_tokens;
+}
+
+struct RowInfo {
+  int32_t seq;      // owning sequence
+  int32_t q_local;  // row index within the sequence's query rows
+  int64_t q_pos;    // absolute position of this query token: seq_len - q_len + q_local
+  int32_t seq_len;  // cached tokens of the sequence (its new ones included)
+};
+
+// Finds the sequence owning query row `row` by binary search over query_start_loc. False when no
+// sequence owns it or when the row lies beyond max_query_len within its sequence; every kernel uses
+// this same predicate, so the combine step touches exactly the rows the split kernels wrote.
+__device__ __forceinline__ bool locate_row(const PagedAttentionParams& p, int32_t row, RowInfo& info) {
+  if (p.num_seqs <= 0 || p.query_start_loc[0] > row) return false;
+  int32_t lo = 0, hi = p.num_seqs - 1;  // the last sequence whose first row is <= row
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo + 1) / 2;
+    if (p.query_start_loc[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  int32_t begin, end;
+  if (!seq_query_range(p, lo, begin, end) || row < begin || row >= end) return false;
+  info.seq = lo;
+  info.q_local = row - begin;
+  if (info.q_local >= p.max_query_len) return false;
+  info.seq_len = max(p.seq_lens[lo], 0);
+  info.q_pos = static_cast<int64_t>(info.seq_len) - (end - begin) + info.q_local;
+  return true;
+}
+
+// Keys [0, key_end) a query at q_pos may see: all cached tokens, or those up to q_pos when causal,
+// and never past what the block table can address.
+__device__ __forceinline__ int64_t visible_keys(const PagedAttentionParams& p, int32_t seq_len, int64_t q_pos) {
+  int64_t end = seq_len;
+  if (p.causal) end = min(end, q_pos + 1);
+  end = min(end, static_cast<int64_t>(p.max_blocks) * p.block_size);
+  return max(end, int64_t{0});
+}
+
+// position_bias[head, clamp(distance, 0, max_distance - 1)] in the log2 domain.
+__device__ __forceinline__ float position_bias_log2(const PagedAttentionParams& p, int32_t q_head, int64_t distance) {
+  distance = min(max(distance, int64_t{0}), static_cast<int64_t>(p.max_distance) - 1);
+  return p.position_bias[q_head * p.bias_stride + distance] * kLog2e;
+}
+
+// Split-K workspace: unnormalized outputs [Tq, Hq, splits, D], then the running max m and sum l,
+// each [Tq, Hq, splits]. An empty split stores m = -inf, l = 0 (and its outputs are never read).
+struct SplitWorkspace {
+  float* out;
+  float* m;
+  float* l;
+};
+
+__host__ __device__ inline SplitWorkspace split_workspace(float* ws, const PagedAttentionParams& p, int32_t splits) {
+  const int64_t entries = static_cast<int64_t>(p.num_tokens) * p.num_q_heads * splits;
+  return SplitWorkspace{ws, ws + entries * p.head_dim, ws + entries * p.head_dim + entries};
+}
+
+__host__ __device__ inline int64_t split_workspace_floats(const PagedAttentionParams& p, int32_t splits) {
+  return static_cast<int64_t>(p.num_tokens) * p.num_q_heads * splits * (p.head_dim + 2);
+}
+
+__host__ __device__ inline int64_t split_index(const PagedAttentionParams& p, int32_t row, int32_t q_head,
+                                               int32_t splits, int32_t split) {
+  return (static_cast<int64_t>(row) * p.num_q_heads + q_head) * splits + split;
+}
+
+// One CTA per (query row, query head): out = sum_s w_s o_s / sum_s w_s l_s, w_s = 2^(m_s - max m).
+template <typename T>
+__global__ void combine_splits_kernel(const PagedAttentionParams p, const int32_t splits, const float* ws_base) {
+  const int32_t row = blockIdx.x;
+  const int32_t q_head = blockIdx.y;
+  RowInfo info;
+  if (!locate_row(p, row, info)) return;
+  const SplitWorkspace ws = split_workspace(const_cast<float*>(ws_base), p, splits);
+  const int64_t first = split_index(p, row, q_head, splits, 0);
+
+  float m_max = -INFINITY;
+  for (int32_t s = 0; s < splits; ++s) m_max = fmaxf(m_max, ws.m[first + s]);
+  float l_sum = 0.f;
+  if (m_max != -INFINITY)
+    for (int32_t s = 0; s < splits; ++s)
+      if (ws.m[first + s] != -INFINITY) l_sum += ws.l[first + s] * exp2f(ws.m[first + s] - m_max);
+  const float inv_l = l_sum > 0.f ? 1.f / l_sum : 0.f;
+
+  T* out = static_cast<T*>(p.out) + row * p.o_stride_token + q_head * p.o_stride_head;
+  for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float acc = 0.f;
+    for (int32_t s = 0; s < splits; ++s) {
+      const float m = ws.m[first + s];
+      if (m != -INFINITY) acc += ws.out[(first + s) * p.head_dim + d] * exp2f(m - m_max);
+    }
+    out[d] = from_float<T>(acc * inv_l);
+  }
+}
+
+}  // namespace eecore::cuda::attention

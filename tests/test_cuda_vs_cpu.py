@@ -1,0 +1,387 @@
+"""Every op on CUDA against its CPU kernel and its fp32 reference, on the same random inputs.
+
+The per-op tests (test_op_*.py) already run on CUDA when a GPU is visible; these add what is
+specific to the CUDA kernels: the shapes that pick each kernel variant (decode split-K, tensor-core
+prefill with packed GQA rows, SIMT fallbacks for fp32, odd head dims and unaligned views), the
+flash-attn accuracy bound for bf16/fp16 (error <= 3x PyTorch's own error at that dtype), and the
+device-side guards that replace the CPU's data-dependent errors (no raise, no out-of-bounds write).
+Skipped where no GPU is visible.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eecore import ops, reference
+from op_utils import DTYPES, assert_within_torch_error, poison, random_block_tables, tol
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+
+
+def cuda(*tensors):
+    out = tuple(None if t is None else t.cuda() for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def cpu(*tensors):
+    out = tuple(None if t is None else t.cpu() for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+# ---- paged_attention -----------------------------------------------------------------------
+
+def make_attention(dtype, seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, causal=True,
+                   max_distance=None, extra_rows=0):
+    """CPU tensors of one batch; the caches are a layer view of a [L, 2, NB, BS, Hkv, D] tensor."""
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 2
+    kv = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return dict(
+        query=torch.randn(starts[-1] + extra_rows, num_q_heads, head_dim, dtype=dtype),
+        k_cache=kv[1, 0], v_cache=kv[1, 1],
+        block_table=random_block_tables(seq_lens, block_size, num_blocks),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        max_query_len=max(q_lens), scale=head_dim ** -0.5, causal=causal,
+        position_bias=None if max_distance is None else torch.randn(num_q_heads, max_distance),
+    )
+
+
+def attention_args(case, out, device):
+    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    return (out, move(case["query"]), move(case["k_cache"]), move(case["v_cache"]), move(case["block_table"]),
+            move(case["seq_lens"]), move(case["query_start_loc"]), case["max_query_len"], case["scale"],
+            case["causal"], None if case["position_bias"] is None else move(case["position_bias"]))
+
+
+def attention_in_dtype(case):
+    """The same attention computed by PyTorch in the cache dtype on the GPU (flash-attn's "pt" run):
+    bf16/fp16 matmuls, softmax rounded to the dtype."""
+    q_all, k_cache, v_cache = cuda(case["query"], case["k_cache"], case["v_cache"])
+    out = torch.zeros_like(q_all)
+    group = q_all.shape[1] // k_cache.shape[2]
+    starts = case["query_start_loc"].tolist()
+    for b, seq_len in enumerate(case["seq_lens"].tolist()):
+        q = q_all[starts[b]:starts[b + 1]]
+        if q.shape[0] == 0:
+            continue
+        table = cuda(case["block_table"][b])
+        k = reference.gather_kv(k_cache, table, seq_len).repeat_interleave(group, dim=1)
+        v = reference.gather_kv(v_cache, table, seq_len).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case["scale"]
+        distance = (torch.arange(seq_len - q.shape[0], seq_len, device="cuda")[:, None]
+                    - torch.arange(seq_len, device="cuda")[None, :])
+        if case["position_bias"] is not None:
+            bias = cuda(case["position_bias"])[:, distance.clamp(0, case["position_bias"].shape[1] - 1)]
+            scores = scores + bias.to(scores.dtype)
+        if case["causal"]:
+            scores = scores.masked_fill(distance[None] < 0, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[b]:starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+def check_attention(case, cpu_too=True):
+    dtype = case["query"].dtype
+    out = poison(torch.empty_like(case["query"], device="cuda"))
+    ops.paged_attention(*attention_args(case, out, "cuda"))
+    torch.cuda.synchronize()
+    rows = int(case["query_start_loc"][-1])
+    assert not out[:rows].isnan().any(), "rows that must be written were not"
+    assert out[rows:].isnan().all(), "rows no sequence owns were written"
+
+    expected = torch.empty(case["query"].shape, dtype=torch.float32)  # fp32 oracle output
+    reference.paged_attention(*attention_args(case, expected, None))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[:rows].cpu(), expected[:rows], atol=2e-5, rtol=2e-5)
+    else:
+        assert_within_torch_error(out[:rows], expected[:rows], attention_in_dtype(case)[:rows])
+    if cpu_too:
+        on_cpu = poison(torch.empty_like(case["query"]))
+        ops.paged_attention(*attention_args(case, on_cpu, None))
+        torch.testing.assert_close(out[:rows].cpu(), on_cpu[:rows], **tol(dtype, 2.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 3), (16, 1), (40, 2)])  # G = 1, 4, 4, 16, 20
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode(dtype, heads, block_size):
+    # Short and long contexts in one batch; with only a few sequences the kernel splits the
+    # context (flash-decoding) and the combine pass merges the splits.
+    case = make_attention(dtype, [1, 17, 300, 2500], [1, 1, 1, 1], *heads, head_dim=128, block_size=block_size)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 256, 20, 7])
+def test_decode_head_dims(dtype, head_dim):
+    case = make_attention(dtype, [3, 64, 700], [1, 1, 1], 8, 2, head_dim=head_dim, block_size=16)
+    check_attention(case)
+
+
+def test_decode_large_batch_no_split():
+    # 160 sequences x 8 KV heads = 1280 CTAs fill an A100 or H100 (>= 8 per SM): no context split.
+    case = make_attention(torch.bfloat16, [50 + 7 * i for i in range(160)], [1] * 160, 16, 8, 64, 16)
+    check_attention(case, cpu_too=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 3), (16, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 256, 32, 20])
+def test_prefill_varlen(dtype, heads, head_dim):
+    # Empty, decode, fresh prefill, chunked prefill and a d+1 = 5 token verification in one batch.
+    case = make_attention(dtype, [9, 40, 37, 300, 130, 64], [0, 1, 37, 70, 5, 64], *heads, head_dim=head_dim,
+                          block_size=16)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len", [2, 5, 9])
+def test_verification_long_context_splits(dtype, q_len):
+    # Few short queries over a long context: the tensor-core kernel splits the context too.
+    case = make_attention(dtype, [3000, 1500], [q_len, q_len], 32, 8, 128, 16)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("max_distance", [None, 8, 64])
+def test_causal_and_position_bias(dtype, causal, max_distance):
+    case = make_attention(dtype, [20, 45, 70], [20, 3, 1], 8, 4, 64, 5, causal=causal, max_distance=max_distance)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_attention_more_queries_than_keys(dtype):
+    # causal=False (T5 cross-attention): q_len may exceed seq_len.
+    case = make_attention(dtype, [7, 30], [19, 40], 8, 8, 64, 16, causal=False, max_distance=16)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_rows_past_the_batch_are_untouched(dtype):
+    case = make_attention(dtype, [30, 12], [4, 1], 8, 2, 64, 16, extra_rows=3)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_and_strided_views(dtype):
+    # A query slice of a fused QKV buffer (strided heads), and one starting one element off a
+    # 16-byte boundary: the kernels fall back from cp.async/mma to scalar loads.
+    case = make_attention(dtype, [50, 9], [50, 1], 8, 2, 64, 16)
+    num_tokens = case["query"].shape[0]
+    fused = torch.randn(num_tokens, 12, 64, dtype=dtype)
+    fused[:, :8] = case["query"]
+    case["query"] = fused[:, :8]
+    check_attention(case)
+    flat = torch.randn(num_tokens * 8 * 64 + 1, dtype=dtype)
+    shifted = flat[1:].view(num_tokens, 8, 64)
+    shifted.copy_(case["query"])
+    case["query"] = shifted
+    check_attention(case)
+
+
+def test_invalid_block_ids_are_skipped_not_read():
+    # Block ids come from device memory: an out-of-range one cannot raise on the GPU without a
+    # synchronization, so the kernels treat its keys as absent. Nothing may fault.
+    case = make_attention(torch.bfloat16, [40, 40], [1, 8], 8, 2, 64, 16)
+    case["block_table"][0, 1] = 10 ** 6
+    case["block_table"][1, 0] = -7
+    out = torch.zeros(case["query"].shape, dtype=torch.bfloat16, device="cuda")
+    ops.paged_attention(*attention_args(case, out, "cuda"))
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+
+
+# ---- reshape_and_cache ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 20])
+def test_reshape_and_cache(dtype, head_dim):
+    num_blocks, block_size, heads, tokens = 9, 16, 4, 37
+    fused = torch.randn(tokens, 3 * heads, head_dim, dtype=dtype)  # key/value as strided slices
+    key, value = fused[:, heads:2 * heads], fused[:, 2 * heads:]
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    slots[::5] = -1
+    k_cache = torch.randn(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_gpu, v_gpu = cuda(k_cache.clone(), v_cache.clone())
+    ops.reshape_and_cache(*cuda(key, value), k_gpu, v_gpu, cuda(slots))
+    ops.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_gpu.cpu(), k_cache) and torch.equal(v_gpu.cpu(), v_cache)
+
+
+def test_reshape_and_cache_skips_out_of_range_slots():
+    k_cache = torch.zeros(4, 8, 2, 64, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(3, 2, 64, device="cuda")
+    slots = torch.tensor([5, 4 * 8, 10 ** 9], device="cuda")
+    ops.reshape_and_cache(key, key, k_cache, v_cache, slots)
+    torch.cuda.synchronize()
+    assert k_cache.sum().item() == 2 * 64 and k_cache[0, 5].eq(1).all()
+
+
+# ---- rms_norm, fused_add_rms_norm, rotary_embedding ---------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (33, 2048), (5, 8192), (4, 1000)])
+def test_rms_norms(dtype, shape):
+    x, r, w = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), torch.randn(shape[-1], dtype=dtype)
+    out = cuda(poison(torch.empty_like(x)))
+    ops.rms_norm(out, *cuda(x, w), 1e-6)
+    expected = torch.empty_like(x)
+    ops.rms_norm(expected, x, w, 1e-6)
+    torch.testing.assert_close(out.cpu(), expected, **tol(dtype))
+    xg, rg = cuda(x.clone(), r.clone())
+    ops.fused_add_rms_norm(xg, rg, cuda(w), 1e-5)
+    ops.fused_add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(rg.cpu(), r)  # the add is rounded exactly like torch's
+    torch.testing.assert_close(xg.cpu(), x, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_dim, rot_dim", [(128, 128), (64, 32), (80, 80), (6, 6)])
+@pytest.mark.parametrize("cache_fp32", [True, False])
+def test_rotary_embedding(dtype, is_neox, head_dim, rot_dim, cache_fp32):
+    tokens, hq, hkv, max_pos = 19, 8, 2, 100
+    fused = torch.randn(tokens, hq + 2 * hkv, head_dim, dtype=dtype)
+    positions = torch.randint(0, max_pos, (tokens,))
+    angles = torch.randn(max_pos, rot_dim // 2)
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32 if cache_fp32 else dtype)
+    gpu = cuda(fused.clone())
+    ops.rotary_embedding(cuda(positions), gpu[:, :hq], gpu[:, hq:hq + hkv], cuda(cache), is_neox)
+    ops.rotary_embedding(positions, fused[:, :hq], fused[:, hq:hq + hkv], cache, is_neox)
+    torch.testing.assert_close(gpu.cpu(), fused, **tol(dtype))
+
+
+def test_rotary_embedding_skips_positions_outside_the_cache():
+    query, key = torch.randn(3, 4, 64, device="cuda"), torch.randn(3, 2, 64, device="cuda")
+    q0, k0 = query.clone(), key.clone()
+    cache = torch.randn(10, 64, device="cuda")
+    ops.rotary_embedding(torch.tensor([3, 10, -1], device="cuda"), query, key, cache, True)
+    torch.cuda.synchronize()
+    assert not torch.equal(query[0], q0[0])
+    assert torch.equal(query[1:], q0[1:]) and torch.equal(key[1:], k0[1:])
+
+
+# ---- confidence ops ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 1000), (8, 32003), (64, 128256)])
+def test_softmax_top2_gap(dtype, shape):
+    logits = (torch.randn(shape) * 4).to(dtype)
+    gap, top1 = ops.softmax_top2_gap(cuda(logits))
+    ref_gap, ref_top1 = reference.softmax_top2_gap(logits)
+    torch.testing.assert_close(gap.cpu(), ref_gap, atol=1e-5, rtol=1e-4)
+    assert torch.equal(top1.cpu(), ref_top1)
+
+
+def test_softmax_top2_gap_special_values():
+    logits = torch.randn(5, 300)
+    logits[0, 7] = logits[0, 200] = 50.0  # tie: gap 0, the first index wins
+    logits[1] = float("-inf")  # all -inf: NaN, top1 0
+    logits[2, 3] = float("nan")
+    logits[3, :299] = float("-inf")  # one finite logit: gap 1
+    gap, top1 = ops.softmax_top2_gap(cuda(logits))
+    cpu_gap, cpu_top1 = ops.softmax_top2_gap(logits)
+    torch.testing.assert_close(gap.cpu(), cpu_gap, equal_nan=True)
+    assert torch.equal(top1.cpu()[[0, 1, 3, 4]], cpu_top1[[0, 1, 3, 4]])
+    assert gap[0].item() == 0 and top1[0].item() == 7 and gap[3].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 17, 40, 70])
+@pytest.mark.parametrize("vocab, d", [(1000, 64), (32003, 576), (4099, 100), (128256, 2048)])
+def test_lm_head_top2_gap(dtype, rows, vocab, d):
+    if vocab * d > 10 ** 8 and rows not in (1, 70):
+        pytest.skip("the big head once per dtype at each tile shape is enough")
+    hidden = torch.randn(rows, d, dtype=dtype)
+    weight = (torch.randn(vocab, d) * d ** -0.5).to(dtype)
+    gap, top1 = ops.lm_head_top2_gap(*cuda(hidden, weight))
+    ref_gap, ref_top1 = reference.lm_head_top2_gap(hidden, weight)
+    logits = hidden.float() @ weight.float().T
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # rows whose winner is not a near-tie
+    assert torch.equal(top1.cpu()[clear], ref_top1[clear])
+    torch.testing.assert_close(gap.cpu(), ref_gap, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (9, 576), (64, 4096)])
+def test_hidden_cosine(dtype, shape):
+    prev, cur = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    cur[0] = prev[0]
+    sim = ops.hidden_cosine(*cuda(prev, cur))
+    torch.testing.assert_close(sim.cpu(), reference.hidden_cosine(prev, cur), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights_fp32", [True, False])
+@pytest.mark.parametrize("rows, d, m", [(1, 64, 16), (13, 1000, 33), (64, 2048, 256)])
+def test_mlp_confidence(dtype, weights_fp32, rows, d, m):
+    wdtype = torch.float32 if weights_fp32 else dtype
+    hidden = torch.randn(rows, d, dtype=dtype)
+    w1, b1 = (torch.randn(m, d) * d ** -0.5).to(wdtype), torch.randn(m).to(wdtype)
+    w2, b2 = (torch.randn(m) * m ** -0.5).to(wdtype), torch.randn(1).to(wdtype)
+    conf = ops.mlp_confidence(*cuda(hidden, w1, b1, w2, b2))
+    torch.testing.assert_close(conf.cpu(), ops.mlp_confidence(hidden, w1, b1, w2, b2), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 300, 5000])
+@pytest.mark.parametrize("per_row_threshold", [True, False])
+def test_accept_update(rows, per_row_threshold):
+    status = torch.rand(rows) < 0.2
+    confidence = torch.rand(rows)
+    confidence[::11] = float("nan")
+    threshold = torch.rand(rows) if per_row_threshold else torch.tensor(0.5)
+    active = torch.rand(rows) < 0.8
+    status_gpu = cuda(status.clone())
+    remaining = ops.accept_update(status_gpu, *cuda(confidence, threshold, active))
+    assert remaining.device.type == "cuda" and remaining.dtype == torch.int32 and remaining.dim() == 0
+    expected = reference.accept_update(status, confidence, threshold, active)
+    assert torch.equal(status_gpu.cpu(), status) and remaining.item() == expected.item()
+
+
+# ---- kv_fill -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rope, with_bias", [(True, False), (True, True), (False, True), ("partial", False)])
+def test_kv_fill(dtype, is_neox, rope, with_bias):
+    layers, blocks, block_size, heads, head_dim, d, tokens, max_pos = 5, 6, 16, 2, 64, 96, 11, 64
+    kv_cache = torch.randn(layers, 2, blocks, block_size, heads, head_dim, dtype=dtype)
+    hidden = torch.randn(tokens, d, dtype=dtype) * 3
+    weight = (torch.randn(layers, 2 * heads * head_dim, d) * d ** -0.5).to(dtype)
+    bias = torch.randn(layers, 2 * heads * head_dim).to(dtype) if with_bias else None
+    rot_dim = head_dim // 2 if rope == "partial" else head_dim
+    angles = torch.randn(max_pos, rot_dim // 2)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) if rope else None
+    positions = torch.randint(0, max_pos, (tokens,))
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[3] = -1
+    start = torch.randint(0, layers + 1, (tokens,), dtype=torch.int32)
+    gpu_cache = cuda(kv_cache.clone())
+    ops.kv_fill(gpu_cache, *cuda(hidden, weight, bias, cos_sin, positions, slots, start), 1e-5, is_neox)
+    ops.kv_fill(kv_cache, hidden, weight, bias, cos_sin, positions, slots, start, 1e-5, is_neox)
+    torch.testing.assert_close(gpu_cache.cpu(), kv_cache, **tol(dtype, 2.0))
+
+
+def test_kv_fill_skips_bad_index_data():
+    kv_cache = torch.zeros(3, 2, 2, 4, 1, 8, device="cuda")
+    hidden = torch.randn(4, 16, device="cuda")
+    weight = torch.randn(3, 16, 16, device="cuda")
+    cos_sin = torch.randn(10, 8, device="cuda")
+    positions = torch.tensor([1, 2, 30, 4], device="cuda")  # token 2: outside the cos/sin cache
+    slots = torch.tensor([0, 8, 1, 2], device="cuda")  # token 1: past the cache
+    start = torch.tensor([0, 0, 0, -1], dtype=torch.int32, device="cuda")  # token 3: negative
+    ops.kv_fill(kv_cache, hidden, weight, None, cos_sin, positions, slots, start, 1e-5, True)
+    torch.cuda.synchronize()
+    written = kv_cache.abs().sum(dim=(0, 1, 4, 5)).flatten() > 0  # per slot
+    assert written.tolist() == [True, False, False, False, False, False, False, False]
