@@ -10,18 +10,12 @@ import time
 
 import torch
 
+from eecore.cli import BENCH_PROMPTS
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-PROMPTS = [
-    "Explain how a paged KV cache works in an LLM inference engine.",
-    "Write a short poem about the sea.",
-    "What are the main differences between Python and C++?",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "Give three tips for writing readable code.",
-    "Why is the sky blue?",
-    "Describe the water cycle.",
-    "How do vaccines work?",
-]
+# the same prompts as `eecore bench`, so the scripts and the CLI measure the same work
+PROMPTS = BENCH_PROMPTS
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

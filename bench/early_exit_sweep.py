@@ -2,7 +2,10 @@
 batch 1 and 8, against full depth in the same run.
 
 For each configuration: tokens/s and speed-up over full depth, the early-exit rate, mean layers
-per token, the ideal speed-up L / mean layers and how much of it is realised, wasted layers per
+per token, the ideal speed-up L / mean layers and how much of it is realised, the bandwidth
+ideal (weight bytes at full depth over weight bytes at the mean exit depth, which counts the LM
+head and kv_fill's K/V projections that every early-exited token still reads; roofline.py) and
+how much of that is realised, wasted layers per
 token (rule "all"), and ROUGE-L of the output against the full model's output ("To Full").
 A threshold of 1.0 never exits: those rows measure the pure cost of the checks.
 
@@ -17,6 +20,7 @@ import statistics
 
 import eecore
 from common import PROMPTS, RESULTS_DIR, chat_prompt_ids, save_results, timed
+from roofline import weight_bytes_ideal_speedup
 from rouge import rouge_l
 
 L = 30  # SmolLM2-135M
@@ -89,21 +93,24 @@ def main():
         full_texts = [o.text for o in full["outs"]]
         print(f"\nbatch {batch}: full depth {full['tok_s']:.1f} tok/s")
         print(f"{'measure':<11}{'config':<16}{'tok/s':>8}{'speedup':>9}{'ideal':>7}{'realised':>9}{'EE rate':>8}"
-              f"{'layers':>7}{'wasted':>7}{'ROUGE-L':>8}")
+              f"{'layers':>7}{'wasted':>7}{'ROUGE-L':>8}{'bw ideal':>9}{'realised':>9}")
         for measure_name, label, kw in configs(classifier, args.quick):
             llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, early_exit=eecore.EarlyExitConfig(**kw))
             llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))
             r = measure(llm)
             speedup = r["tok_s"] / full["tok_s"]
             ideal = L / r["mean_layers"]
+            bw_ideal = weight_bytes_ideal_speedup(base.model, r["mean_layers"])
             rouge = statistics.mean(rouge_l(o.text, t) for o, t in zip(r["outs"], full_texts))
             row = dict(batch=batch, measure=measure_name, config=label, tok_s=r["tok_s"], speedup=speedup,
-                       ideal_speedup=ideal, realised=speedup / ideal, ee_rate=r["ee_rate"],
+                       ideal_speedup=ideal, realised=speedup / ideal, bandwidth_ideal_speedup=bw_ideal,
+                       realised_of_bandwidth_ideal=speedup / bw_ideal, ee_rate=r["ee_rate"],
                        mean_layers=r["mean_layers"], wasted_layers=r["wasted"], rouge_l_to_full=rouge)
             rows.append(row)
             wasted = f"{r['wasted']:.2f}" if r["wasted"] is not None else "-"
             print(f"{measure_name:<11}{label:<16}{r['tok_s']:8.1f}{speedup:9.2f}{ideal:7.2f}{speedup / ideal:9.2f}"
-                  f"{r['ee_rate']:8.2f}{r['mean_layers']:7.1f}{wasted:>7}{rouge:8.3f}")
+                  f"{r['ee_rate']:8.2f}{r['mean_layers']:7.1f}{wasted:>7}{rouge:8.3f}{bw_ideal:9.2f}"
+                  f"{speedup / bw_ideal:9.2f}")
     path = save_results("cpu-early-exit", dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
                                                 full_depth_layers=L, rows=rows))
     plot(rows, path.replace(".json", ".png"))

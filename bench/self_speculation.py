@@ -6,11 +6,13 @@ SmolLM2 was not trained with LayerSkip's recipe, so its early layers make poor d
 acceptance rate at small E is low; the table reports it as measured.
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
+                                     [--draft-thresholds none 0.6]
 writes bench/results/cpu-self-speculation-<date>.json
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -37,8 +39,10 @@ def main():
     ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts-batch1", type=int, default=2)
-    ap.add_argument("--draft-threshold", type=float, default=None)
+    ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
+                    help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
     args = ap.parse_args()
+    thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
 
     from eecore.models.loader import load_model
 
@@ -65,29 +69,28 @@ def main():
                 _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
-        print(f"{'E':>3}{'d':>3}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'tok/step':>9}{'HF self-spec':>14}"
+        print(f"{'E':>3}{'d':>3}{'thr':>5}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'tok/step':>9}{'HF self-spec':>14}"
               f"{'vs HF':>7}{'exact':>7}")
-        for E in args.exit_layers:
-            for d in args.drafts:
-                llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
-                    exit_layer=E, num_speculations=d, draft_threshold=args.draft_threshold))
-                outs, tok_s = eecore_run(llm, prompts, params, batch)
-                accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
-                per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
-                exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
-                row = dict(batch=batch, exit_layer=E, num_speculations=d, tok_s=tok_s, full_tok_s=full_tok_s,
-                           speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
-                           tokens_per_verify_step=per_step, identical_to_full=exact)
-                hf_text = "-"
-                if E in hf_tok_s:
-                    row.update(hf_self_spec_tok_s=hf_tok_s[E], speedup_vs_hf=tok_s / hf_tok_s[E])
-                    hf_text = f"{hf_tok_s[E]:.1f}"
-                rows.append(row)
-                vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
-                print(f"{E:3d}{d:3d}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}{per_step:9.2f}{hf_text:>14}"
-                      f"{vs_hf:>7}{str(exact):>7}")
+        for E, d, threshold in itertools.product(args.exit_layers, args.drafts, thresholds):
+            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
+                exit_layer=E, num_speculations=d, draft_threshold=threshold))
+            outs, tok_s = eecore_run(llm, prompts, params, batch)
+            accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
+            per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
+            exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
+            row = dict(batch=batch, exit_layer=E, num_speculations=d, draft_threshold=threshold, tok_s=tok_s,
+                       full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
+                       tokens_per_verify_step=per_step, identical_to_full=exact)
+            hf_text = "-"
+            if E in hf_tok_s:
+                row.update(hf_self_spec_tok_s=hf_tok_s[E], speedup_vs_hf=tok_s / hf_tok_s[E])
+                hf_text = f"{hf_tok_s[E]:.1f}"
+            rows.append(row)
+            vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
+            print(f"{E:3d}{d:3d}{threshold or '-':>5}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
+                  f"{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
     path = save_results("cpu-self-speculation", dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
-                                                      draft_threshold=args.draft_threshold, rows=rows))
+                                                      rows=rows))
     print(f"\nresults: {path}")
 
 

@@ -1,0 +1,47 @@
+"""Side-by-side ratios from a pytest-benchmark JSON: for every group, each baseline's median time
+divided by eecore's (above 1: eecore is faster).
+
+    python -m pytest bench/ --benchmark-enable --benchmark-json=bench/results/cpu-ops.json
+    python bench/summarize.py bench/results/cpu-ops.json [--markdown out.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def ratios(path: str) -> list[tuple[str, str, float, float]]:
+    with open(path) as f:
+        data = json.load(f)
+    groups = defaultdict(dict)
+    for b in data["benchmarks"]:
+        groups[b["group"]][b["params"].get("impl", b["name"])] = b["stats"]["median"]
+    rows = []
+    for group, impls in sorted(groups.items()):
+        ours = impls.get("eecore")
+        if ours is None:
+            continue
+        for impl, median in sorted(impls.items()):
+            if impl != "eecore":
+                rows.append((group, impl, ours * 1e6, median / ours))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json")
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args()
+    lines = ["| group | baseline | eecore median (µs) | baseline / eecore |", "|---|---|---:|---:|"]
+    for group, impl, ours_us, ratio in ratios(args.json):
+        lines.append(f"| {group} | {impl} | {ours_us:.1f} | {ratio:.2f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
