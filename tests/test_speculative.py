@@ -16,10 +16,10 @@ def tiny(request, tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=NUM_LAYERS)
 
 
-def _spec(path, E, d, threshold=None, **kw):
+def _spec(path, E, d, threshold=None, guard=None, **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
                       speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
-                                                               draft_threshold=threshold), **kw)
+                                                               draft_threshold=threshold, **(guard or {})), **kw)
 
 
 @pytest.mark.parametrize("E, d", [(1, 1), (1, 3), (2, 2), (3, 4), (2, 16)])
@@ -42,6 +42,24 @@ def test_adaptive_draft_length_keeps_greedy_exact(tiny):
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(14))
     outs = _spec(path, 2, 4, threshold=0.05).generate(prompts, greedy(14))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+
+
+def test_acceptance_guard_stops_losing_drafts_and_keeps_greedy_exact(tiny):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [4, 9, 1, 6], seed=11)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(30))
+    free = _spec(path, 1, 4).generate(prompts, greedy(30))
+    # min_acceptance=1.0: the first round with a rejected draft switches drafting off; from then
+    # on a sequence drafts only in its probe rounds, one in every probe_every
+    guarded = _spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8)).generate(prompts, greedy(30))
+    assert [o.token_ids for o in guarded] == [o.token_ids for o in full]
+    assert all(o.metrics["acceptance_rate"] < 1.0 for o in free)  # else the guard has nothing to do
+    drafted_free = sum(o.metrics["num_drafted_tokens"] for o in free)
+    drafted_guarded = sum(o.metrics["num_drafted_tokens"] for o in guarded)
+    assert 0 < drafted_guarded < drafted_free / 2, (drafted_guarded, drafted_free)
+    # once off, drafting comes back only in probe rounds: at most ceil(rounds / 8) + 1 of them
+    for o in guarded:
+        assert o.metrics["num_drafted_tokens"] <= 4 * (o.metrics["num_verify_steps"] // 8 + 2)
 
 
 def test_first_layers_are_never_recomputed(tiny):
@@ -132,6 +150,10 @@ def test_bad_speculative_config():
         eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=0)
     with pytest.raises(ValueError, match="'draft_threshold'"):
         eecore.SelfSpeculativeConfig(exit_layer=2, draft_threshold=2.0)
+    with pytest.raises(ValueError, match="'min_acceptance'"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, min_acceptance=-0.1)
+    with pytest.raises(ValueError, match="'probe_every'"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, probe_every=0)
 
 
 def test_exit_layer_must_be_below_the_depth(tiny):

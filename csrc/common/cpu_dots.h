@@ -12,16 +12,64 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "common/cpu_vec.h"
 
+// AVX512-BF16 (Zen 4, Sapphire Rapids and newer) multiplies bf16 pairs natively: vdpbf16ps does
+// 32 exact products per instruction, summed into 16 fp32 lanes. Where both operands are bf16
+// already, that is 4x the multiply-adds of widening to fp32 first, and decode batches of a bf16
+// model are compute-bound on such CPUs from a handful of rows up.
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && EECORE_VEC8_AVX2
+#define EECORE_CPU_BF16_DOT 1
+#else
+#define EECORE_CPU_BF16_DOT 0
+#endif
+
 namespace eecore::cpu {
+
+// The element type in which a caller hands `dot_rows` its hidden rows when they are stored as
+// `in_t` and the weight as `w_t`: bf16 as they are where both are bf16 and the CPU has bf16 dot
+// products, fp32 otherwise. (Never rounds: fp32 hidden rows stay fp32 against bf16 weights.)
+template <typename in_t, typename w_t>
+using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_t, c10::BFloat16> &&
+                                           std::is_same_v<w_t, c10::BFloat16>,
+                                       c10::BFloat16, float>;
 
 // How far ahead of the loads each weight row is prefetched. The weight comes from DRAM, and on
 // its own the hardware prefetcher lets memory idle while a slice is reused from L1 by the later
 // hidden rows: at B = 8 this runs 1.3-1.5x faster than no software prefetch (1 KiB ahead gets
 // only half of that). Prefetches never fault, so running past the end of the weight is harmless.
 constexpr int64_t kPrefetchBytes = 8192;
+
+// The hidden rows in the form dot_rows reads them against `w_t` weights: the caller's own rows,
+// without a copy, where their type already is dot_input_t, else an fp32 copy made once (each
+// hidden row is read once per weight row, so converting it on every read would cost more).
+template <typename in_t, typename w_t>
+class DotInput {
+ public:
+  using type = dot_input_t<in_t, w_t>;
+
+  DotInput(const in_t* rows, int64_t ld, int64_t m, int64_t d) {
+    if constexpr (std::is_same_v<type, in_t>) {
+      data_ = rows;
+      ld_ = ld;
+    } else {
+      copy_.resize(static_cast<size_t>(m * d));
+      for (int64_t r = 0; r < m; ++r) convert_to_float(rows + r * ld, copy_.data() + r * d, d);
+      data_ = copy_.data();
+      ld_ = d;
+    }
+  }
+  const type* row(int64_t i) const { return data_ + i * ld_; }
+  int64_t ld() const { return ld_; }
+
+ private:
+  std::vector<float> copy_;
+  const type* data_ = nullptr;
+  int64_t ld_ = 0;
+};
 
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d.
 template <int MR, int NR, typename w_t>
@@ -55,26 +103,69 @@ inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, in
   }
 }
 
+#if EECORE_CPU_BF16_DOT
+// The same block for bf16 hidden rows and bf16 weights, 32 elements per step with vdpbf16ps.
+template <int MR, int NR>
+inline void dot_block(const c10::BFloat16* h, int64_t ldh, const c10::BFloat16* w, int64_t ldw, int64_t d,
+                      float* out, int64_t ldo) {
+  constexpr int64_t kStep = 32;
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + kStep <= d; k += kStep) {
+    __m512bh wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      __builtin_prefetch(w + j * ldw + k + kPrefetchBytes / 2);
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh hv = (__m512bh)_mm512_loadu_si512(h + i * ldh + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], hv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      // the two 256-bit halves through memory, then Vec8's sum (GCC 12's 512-bit reduce and
+      // extract intrinsics trip -Wuninitialized on their own internals)
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[i][j]);
+      float s = reduce_add(Vec8{_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8))});
+      for (int64_t kk = k; kk < d; ++kk) s += static_cast<float>(h[i * ldh + kk]) * static_cast<float>(w[j * ldw + kk]);
+      out[i * ldo + j] = s;
+    }
+  }
+}
+#endif
+
 // MR hidden rows against n weight rows: NR-wide column blocks, then single rows for the rest.
-template <int MR, int NR, typename w_t>
-inline void dot_rows_mr(const float* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
+template <int MR, int NR, typename h_t, typename w_t>
+inline void dot_rows_mr(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
                         int64_t ldo) {
   int64_t j = 0;
   for (; j + NR <= n; j += NR) dot_block<MR, NR>(h, ldh, w + j * ldw, ldw, d, out + j, ldo);
   for (; j < n; ++j) dot_block<MR, 1>(h, ldh, w + j * ldw, ldw, d, out + j, ldo);
 }
 
-// out[i * ldo + j] = <h[i], w[j]> for i < m hidden rows (fp32, row stride ldh) and j < n weight
-// rows (row stride ldw), each of length d.
+// out[i * ldo + j] = <h[i], w[j]> for i < m hidden rows (row stride ldh; fp32, or bf16 against
+// bf16 weights where EECORE_CPU_BF16_DOT: see dot_input_t) and j < n weight rows (row stride
+// ldw), each of length d.
 //
 // The weight block is the outer loop: each slice of w is read from memory once, by the first
 // group of hidden rows, and from L1 by the others. Hidden rows go in groups of up to four, each
 // against four weight rows at a time: a 4 x 4 block loads 8 vectors per 16 FMAs (4 x 2 needed 6
 // per 8, and at B = 8 ran the layer's projections 1.25x and the LM head 1.4x slower). The hidden
 // rows should fit in L2 (callers sweep larger batches in parts).
-template <typename w_t>
-void dot_rows(const float* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
+template <typename h_t, typename w_t>
+void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
               int64_t ldo) {
+  static_assert(std::is_same_v<h_t, dot_input_t<h_t, w_t>>, "dot_rows: hidden rows must be fp32, or bf16 "
+                "against bf16 weights on a CPU with AVX512-BF16 (see dot_input_t)");
   // Weight rows per slice: about 16 KiB, so the slice stays in L1 while every hidden row passes.
   const int64_t cols = std::max<int64_t>(4, (16384 / (d * static_cast<int64_t>(sizeof(w_t)))) & ~int64_t{3});
   for (int64_t j0 = 0; j0 < n; j0 += cols) {

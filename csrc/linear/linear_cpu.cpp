@@ -28,11 +28,7 @@ template <typename scalar_t>
 void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, const scalar_t* bias,
                       bool accumulate, const LinearDims& dims) {
   const int64_t M = dims.rows, K = dims.in, N = dims.out;
-  // The few input rows in fp32, once (the kernel converts only the weight on the fly).
-  std::vector<float> h(static_cast<size_t>(M * K));
-  const scalar_t* in = input.const_data_ptr<scalar_t>();
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t k = 0; k < K; ++k) h[i * K + k] = static_cast<float>(in[i * input.stride(0) + k]);
+  const cpu::DotInput<scalar_t, scalar_t> h(input.const_data_ptr<scalar_t>(), input.stride(0), M, K);
   const scalar_t* w = weight.const_data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t ldo = out.stride(0);
@@ -42,7 +38,7 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor
     std::vector<float> acc(static_cast<size_t>(M * kTileCols));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * kTileCols, nj = std::min(kTileCols, N - j0);
-      cpu::dot_rows(h.data(), K, M, w + j0 * K, K, nj, K, acc.data(), kTileCols);
+      cpu::dot_rows(h.row(0), h.ld(), M, w + j0 * K, K, nj, K, acc.data(), kTileCols);
       for (int64_t i = 0; i < M; ++i) {
         scalar_t* dst = o + i * ldo + j0;
         const float* src = acc.data() + i * kTileCols;

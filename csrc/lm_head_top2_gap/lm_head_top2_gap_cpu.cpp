@@ -34,9 +34,7 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;
 template <typename scalar_t>
 void lm_head_top2_gap_rows(const scalar_t* hidden, int64_t ldh, int64_t rows, const scalar_t* weight, int64_t ldw,
                            int64_t vocab, int64_t d, float* gap, int64_t* top1) {
-  // The hidden rows are read once per weight row: convert them to fp32 once, up front.
-  std::vector<float> h(rows * d);
-  for (int64_t r = 0; r < rows; ++r) cpu::convert_to_float(hidden + r * ldh, h.data() + r * d, d);
+  const cpu::DotInput<scalar_t, scalar_t> h(hidden, ldh, rows, d);
 
   const int64_t tiles = (vocab + kTile - 1) / kTile;
   std::vector<Top2State> states(tiles * rows);  // [tile][row]
@@ -48,7 +46,7 @@ void lm_head_top2_gap_rows(const scalar_t* hidden, int64_t ldh, int64_t rows, co
       std::vector<float> logits(nr * kTile);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t v0 = t * kTile, n = std::min(kTile, vocab - v0);
-        cpu::dot_rows(h.data() + r0 * d, d, nr, weight + v0 * ldw, ldw, n, d, logits.data(), kTile);
+        cpu::dot_rows(h.row(r0), h.ld(), nr, weight + v0 * ldw, ldw, n, d, logits.data(), kTile);
         for (int64_t i = 0; i < nr; ++i) cpu::top2_update(states[t * rows + r0 + i], logits.data() + i * kTile, n, v0);
       }
     });

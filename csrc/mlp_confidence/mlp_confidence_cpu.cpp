@@ -32,10 +32,10 @@ std::vector<float> to_float_vector(const at::Tensor& t) {
   return out;
 }
 
-// hidden: fp32 [rows, d] contiguous. Writes the fp32 confidence of every row.
-template <typename w_t>
-void mlp_confidence_rows(const float* hidden, int64_t rows, int64_t d, const w_t* w1, int64_t ldw, int64_t m,
-                         const float* b1, const float* w2, float b2, float* out) {
+// hidden: [rows, d] rows in dot_rows' input type (row stride ldh). Writes the fp32 confidence of every row.
+template <typename h_t, typename w_t>
+void mlp_confidence_rows(const h_t* hidden, int64_t ldh, int64_t rows, int64_t d, const w_t* w1, int64_t ldw,
+                         int64_t m, const float* b1, const float* w2, float b2, float* out) {
   const int64_t tiles = (m + kTile - 1) / kTile;
   std::vector<float> partial(tiles * rows, 0.f);  // [tile][row]: sum_j relu(z_j) w2_j over the tile
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / (kTile * d * rows));
@@ -43,7 +43,7 @@ void mlp_confidence_rows(const float* hidden, int64_t rows, int64_t d, const w_t
     std::vector<float> z(rows * kTile);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * kTile, n = std::min(kTile, m - j0);
-      cpu::dot_rows(hidden, d, rows, w1 + j0 * ldw, ldw, n, d, z.data(), kTile);
+      cpu::dot_rows(hidden, ldh, rows, w1 + j0 * ldw, ldw, n, d, z.data(), kTile);
       for (int64_t r = 0; r < rows; ++r) {
         const float* zr = z.data() + r * kTile;
         float acc = 0.f;
@@ -66,16 +66,17 @@ at::Tensor mlp_confidence_cpu(const at::Tensor& hidden, const at::Tensor& w1, co
   at::Tensor out = at::empty({rows}, hidden.options().dtype(at::kFloat));
   if (rows == 0) return out;
 
-  // Every hidden row is read once per classifier unit: convert the batch to fp32 once.
-  std::vector<float> h(rows * d);
-  EECORE_DISPATCH_FLOAT(hidden.scalar_type(), "eecore::mlp_confidence", [&] {
-    const scalar_t* src = hidden.const_data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) cpu::convert_to_float(src + r * hidden.stride(0), h.data() + r * d, d);
-  });
   const std::vector<float> b1f = to_float_vector(b1), w2f = to_float_vector(w2), b2f = to_float_vector(b2);
+  // Hidden rows and classifier weights may differ in dtype: the rows are fp32 for dot_rows unless
+  // both are bf16 and the CPU multiplies bf16 natively (cpu::dot_input_t).
   EECORE_DISPATCH_FLOAT(w1.scalar_type(), "eecore::mlp_confidence", [&] {
-    mlp_confidence_rows(h.data(), rows, d, w1.const_data_ptr<scalar_t>(), w1.stride(0), m, b1f.data(), w2f.data(),
-                        b2f[0], out.data_ptr<float>());
+    using w_t = scalar_t;
+    const w_t* w1_data = w1.const_data_ptr<w_t>();
+    EECORE_DISPATCH_FLOAT(hidden.scalar_type(), "eecore::mlp_confidence", [&] {
+      const cpu::DotInput<scalar_t, w_t> h(hidden.const_data_ptr<scalar_t>(), hidden.stride(0), rows, d);
+      mlp_confidence_rows(h.row(0), h.ld(), rows, d, w1_data, w1.stride(0), m, b1f.data(), w2f.data(), b2f[0],
+                          out.data_ptr<float>());
+    });
   });
   return out;
 }

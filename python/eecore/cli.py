@@ -31,6 +31,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculate", action="store_true")
     s.add_argument("--num-speculations", type=int, default=4)
     s.add_argument("--draft-threshold", type=float, default=None)
+    s.add_argument("--min-acceptance", type=float, default=None,
+                   help="stop drafting for a sequence whose running acceptance rate falls below this")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -59,7 +61,8 @@ def build_llm(args):
         if args.exit_layer is None:
             raise SystemExit("eecore: --speculate needs --exit-layer E")
         speculative = eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
-                                                   draft_threshold=args.draft_threshold)
+                                                   draft_threshold=args.draft_threshold,
+                                                   min_acceptance=args.min_acceptance)
     return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
                       speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                       block_size=args.block_size)

@@ -33,11 +33,19 @@ class SelfSpeculativeConfig:
 
     draft_threshold: adaptive draft length (off by default). A sequence stops drafting early once
     the top-1 probability of its draft falls below this value.
+
+    min_acceptance: the speculation guard (off by default). A sequence whose running acceptance
+    rate falls below this value stops drafting, so its rounds cost what a full-depth step costs,
+    and drafts one probe round every `probe_every` rounds to notice when its drafts get better.
+    Drafting pays only above a break-even acceptance that depends on E, d and the hardware (see
+    bench/roofline.py for the bandwidth-bound one); below it every draft is a loss.
     """
 
     exit_layer: int
     num_speculations: int = 4
     draft_threshold: Optional[float] = None
+    min_acceptance: Optional[float] = None
+    probe_every: int = 8
 
     def __post_init__(self):
         if not isinstance(self.exit_layer, int) or self.exit_layer < 1:
@@ -47,6 +55,10 @@ class SelfSpeculativeConfig:
                              f"got {self.num_speculations!r}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
+        if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"SelfSpeculativeConfig: 'min_acceptance' must be in [0, 1], got {self.min_acceptance!r}")
+        if not isinstance(self.probe_every, int) or self.probe_every < 1:
+            raise ValueError(f"SelfSpeculativeConfig: 'probe_every' must be an int >= 1, got {self.probe_every!r}")
 
     def validate_for(self, num_layers: int) -> None:
         if self.exit_layer >= num_layers:
@@ -71,7 +83,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
-        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
+        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) if self._guard_allows(s) else 0 for s in seqs]
         drafts, draft_probs = self._draft(seqs, budgets)
         logits = self._verify(seqs, drafts)
         results, offset = [], 0
@@ -84,6 +96,24 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self._count(seq, len(seq_drafts), len(tokens) - 1)
             results.append(tokens)
         return results
+
+    # Running acceptance of the guard: an exponential average over drafting rounds, starting
+    # optimistic so every sequence drafts first. Half-life of about two rounds: it reacts fast,
+    # and the probes keep it from locking a sequence out for good.
+    _ACCEPTANCE_DECAY = 0.7
+
+    def _guard_allows(self, seq: Sequence) -> bool:
+        floor = self.config.min_acceptance
+        if floor is None:
+            return True
+        st = seq.stats
+        if st.get("spec_running_acceptance", 1.0) >= floor:
+            return True
+        st["spec_idle_rounds"] = st.get("spec_idle_rounds", 0) + 1
+        if st["spec_idle_rounds"] >= self.config.probe_every:
+            st["spec_idle_rounds"] = 0
+            return True  # a probe round
+        return False
 
     def _room(self, seq: Sequence) -> int:
         """New tokens this sequence may still get (max_tokens and the context both bound it)."""
@@ -190,9 +220,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return tokens
 
     # ---- metrics ---------------------------------------------------------------------------
-    @staticmethod
-    def _count(seq: Sequence, drafted: int, accepted: int) -> None:
+    @classmethod
+    def _count(cls, seq: Sequence, drafted: int, accepted: int) -> None:
         st = seq.stats
+        if drafted:
+            rate = min(accepted, drafted) / drafted
+            st["spec_running_acceptance"] = cls._ACCEPTANCE_DECAY * st.get("spec_running_acceptance", 1.0) + \
+                (1 - cls._ACCEPTANCE_DECAY) * rate
         st["spec_drafted"] = st.get("spec_drafted", 0) + drafted
         st["spec_accepted"] = st.get("spec_accepted", 0) + min(accepted, drafted)
         st["spec_steps"] = st.get("spec_steps", 0) + 1
@@ -204,4 +238,4 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             return {}
         return {"acceptance_rate": st["spec_accepted"] / max(st["spec_drafted"], 1),
                 "mean_accepted_tokens_per_step": st["spec_emitted"] / st["spec_steps"],
-                "num_verify_steps": st["spec_steps"]}
+                "num_verify_steps": st["spec_steps"], "num_drafted_tokens": st["spec_drafted"]}
