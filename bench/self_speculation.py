@@ -3,7 +3,9 @@ and HF transformers' own self-speculation `generate(..., assistant_early_exit=E)
 HF supports no more), all in the same run, on the same weights.
 
 SmolLM2 was not trained with LayerSkip's recipe, so its early layers make poor drafts and the
-acceptance rate at small E is low; the table reports it as measured.
+acceptance rate at small E is low; the table reports it as measured, next to the acceptance rate
+at which a round would break even with full depth when decode is bound by reading weights
+(roofline.py: every draft pass re-reads layers 0..E-1 and the LM head).
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6]
@@ -19,6 +21,7 @@ import torch
 
 import eecore
 from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
+from roofline import self_speculation_break_even
 
 
 def eecore_run(llm, prompts, params, batch):
@@ -41,6 +44,9 @@ def main():
     ap.add_argument("--num-prompts-batch1", type=int, default=2)
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
+    ap.add_argument("--min-acceptance", type=float, default=None,
+                    help="the speculation guard: stop drafting for sequences below this acceptance rate "
+                         "(results go to cpu-self-speculation-guard-<date>.json)")
     args = ap.parse_args()
     thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
 
@@ -69,18 +75,22 @@ def main():
                 _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
-        print(f"{'E':>3}{'d':>3}{'thr':>5}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'tok/step':>9}{'HF self-spec':>14}"
-              f"{'vs HF':>7}{'exact':>7}")
+        print(f"{'E':>3}{'d':>3}{'thr':>5}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
+              f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}")
         for E, d, threshold in itertools.product(args.exit_layers, args.drafts, thresholds):
             llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
-                exit_layer=E, num_speculations=d, draft_threshold=threshold))
+                exit_layer=E, num_speculations=d, draft_threshold=threshold,
+                min_acceptance=args.min_acceptance))
             outs, tok_s = eecore_run(llm, prompts, params, batch)
+            _, full_tok_s = eecore_run(full, prompts, params, batch)  # side by side: the machine drifts
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
+            break_even = self_speculation_break_even(full.model, E, d)
             row = dict(batch=batch, exit_layer=E, num_speculations=d, draft_threshold=threshold, tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
-                       tokens_per_verify_step=per_step, identical_to_full=exact)
+                       break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
+                       identical_to_full=exact)
             hf_text = "-"
             if E in hf_tok_s:
                 row.update(hf_self_spec_tok_s=hf_tok_s[E], speedup_vs_hf=tok_s / hf_tok_s[E])
@@ -88,9 +98,10 @@ def main():
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
             print(f"{E:3d}{d:3d}{threshold or '-':>5}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
-                  f"{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
-    path = save_results("cpu-self-speculation", dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
-                                                      rows=rows))
+                  f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
+    name = "cpu-self-speculation" if args.min_acceptance is None else "cpu-self-speculation-guard"
+    path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
+                                   min_acceptance=args.min_acceptance, rows=rows))
     print(f"\nresults: {path}")
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from eecore.engine.decoding import DecodeStrategy, Token
+from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
@@ -35,8 +35,10 @@ class SelfSpeculativeConfig:
     the top-1 probability of its draft falls below this value.
 
     min_acceptance: the speculation guard (off by default). A sequence whose running acceptance
-    rate falls below this value stops drafting, so its rounds cost what a full-depth step costs,
-    and drafts one probe round every `probe_every` rounds to notice when its drafts get better.
+    rate falls below this value stops drafting, so its rounds cost what a full-depth step costs
+    (a batch where nobody drafts takes the plain full-depth step). It drafts a probe round after
+    `probe_every` rounds to notice when its drafts get better; while probes keep failing, the
+    wait doubles (up to 128 rounds).
     Drafting pays only above a break-even acceptance that depends on E, d and the hardware (see
     bench/roofline.py for the bandwidth-bound one); below it every draft is a loss.
     """
@@ -75,6 +77,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.exit_layer = config.exit_layer
         self.num_drafts = config.num_speculations
         self.lookahead = config.num_speculations + 1
+        self._plain = FullDepthDecoder(runner, sampler)
         model = runner.model
         rows = runner.builder.max_seqs
         # the exit-query cache: layer-E hidden state of each drafted position, per sequence
@@ -84,6 +87,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) if self._guard_allows(s) else 0 for s in seqs]
+        if not any(budgets):  # nobody drafts this round (the guard, or last tokens): a plain step
+            for seq in seqs:
+                self._count(seq, 0, 0)
+            return self._plain.decode(seqs)
         drafts, draft_probs = self._draft(seqs, budgets)
         logits = self._verify(seqs, drafts)
         results, offset = [], 0
@@ -101,6 +108,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     # optimistic so every sequence drafts first. Half-life of about two rounds: it reacts fast,
     # and the probes keep it from locking a sequence out for good.
     _ACCEPTANCE_DECAY = 0.7
+    # Probes that keep failing back off, doubling the wait up to this many rounds, so a sequence
+    # whose drafts are hopeless costs next to nothing over full depth.
+    _MAX_PROBE_INTERVAL = 128
 
     def _guard_allows(self, seq: Sequence) -> bool:
         floor = self.config.min_acceptance
@@ -108,12 +118,15 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             return True
         st = seq.stats
         if st.get("spec_running_acceptance", 1.0) >= floor:
+            st["spec_probe_interval"] = self.config.probe_every
             return True
+        interval = st.get("spec_probe_interval", self.config.probe_every)
         st["spec_idle_rounds"] = st.get("spec_idle_rounds", 0) + 1
-        if st["spec_idle_rounds"] >= self.config.probe_every:
-            st["spec_idle_rounds"] = 0
-            return True  # a probe round
-        return False
+        if st["spec_idle_rounds"] < interval:
+            return False
+        st["spec_idle_rounds"] = 0
+        st["spec_probe_interval"] = min(2 * interval, max(self._MAX_PROBE_INTERVAL, self.config.probe_every))
+        return True  # a probe round
 
     def _room(self, seq: Sequence) -> int:
         """New tokens this sequence may still get (max_tokens and the context both bound it)."""
