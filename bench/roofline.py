@@ -59,3 +59,23 @@ def decode_weight_bytes(model, layers_run: float | None = None) -> float:
 def weight_bytes_ideal_speedup(model, mean_layers: float) -> float:
     """Full-depth bytes over exit-depth bytes: the speed-up a bandwidth-bound step can reach."""
     return decode_weight_bytes(model) / decode_weight_bytes(model, mean_layers)
+
+
+def self_speculation_break_even(model, exit_layer: int, num_speculations: int) -> float:
+    """The acceptance rate at which a bandwidth-bound self-speculation round (d + 1 draft passes
+    through layers 0..E-1, d draft LM heads, one verify pass through layers E..L-1 and its LM head)
+    emits as many tokens per weight byte as full depth. Acceptances are taken as independent with
+    rate a, so a round emits (1 - a^(d+1)) / (1 - a) tokens."""
+    L, E, d = model.num_layers, exit_layer, num_speculations
+    per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
+    head = _nbytes(model.lm_head) + _nbytes(model.final_norm)
+    round_bytes = (d + 1) * E * per_layer + d * head + (L - E) * per_layer + head
+    needed = round_bytes / decode_weight_bytes(model)  # tokens a round must emit to break even
+    if needed > d + 1:
+        return float("inf")
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # tokens per round grows with a: bisect
+        a = (lo + hi) / 2
+        tokens = sum(a ** k for k in range(d + 1))
+        lo, hi = (a, hi) if tokens < needed else (lo, a)
+    return hi
