@@ -8,7 +8,7 @@
 //      the token's slot of every layer >= its start layer.
 //
 // Step 3 has two strategies. Decode-sized batches (the common case: a few exited tokens) stream
-// each weight row once against all tokens in fp32 registers (common/cpu_dots.h), fused with the
+// each weight row once against all tokens in fp32 accumulators (common/cpu_dots.h), fused with the
 // epilogue, one task per (layer, K/V head): bound by reading the weights. Larger batches make it a compute problem and
 // call ONE GEMM (at::mm) over all the needed layers, then run the same epilogue (see prefer_gemm).
 //
@@ -169,8 +169,8 @@ inline void add_bias(float* x, const in_t* src, const scalar_t* bias, int64_t n)
 // per tile of up to kStreamingTile tokens (only the tokens that write this layer: a prefix of the plan), then
 // biases, rotates and stores each token's head while it is still in L1.
 template <bool kNeox, typename scalar_t, typename cache_t>
-void fill_streaming(const Epilogue<scalar_t, cache_t>& e, const scalar_t* weight, const float* normed,
-                    const FillPlan& plan) {
+void fill_streaming(const Epilogue<scalar_t, cache_t>& e, const scalar_t* weight,
+                    const cpu::dot_input_t<scalar_t, scalar_t>* normed, const FillPlan& plan) {
   const KvFillShape& s = e.shape;
   const int64_t d = s.hidden_size, head_dim = s.head_dim;
   const int64_t heads_per_layer = 2 * s.num_kv_heads;  // the weight's row order: K heads, then V heads
@@ -233,7 +233,9 @@ void fill(const Epilogue<scalar_t, cache_t>& e, const at::Tensor& hidden, const 
   const int64_t d = s.hidden_size;
   const scalar_t* hidden_data = hidden.const_data_ptr<scalar_t>();
   if (!prefer_gemm(plan.size(), hidden.scalar_type())) {
-    std::vector<float> normed(plan.size() * d);
+    // fp32 rows, or bf16 ones where the CPU has bf16 dot products (then rounded like the GEMM
+    // path's below).
+    std::vector<cpu::dot_input_t<scalar_t, scalar_t>> normed(plan.size() * d);
     normalise_rows(normed.data(), hidden_data, hidden.stride(0), plan.tokens, d, static_cast<float>(eps));
     fill_streaming<kNeox>(e, weight.const_data_ptr<scalar_t>(), normed.data(), plan);
     return;
