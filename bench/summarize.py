@@ -2,7 +2,10 @@
 divided by eecore's (above 1: eecore is faster).
 
     python -m pytest bench/ --benchmark-enable --benchmark-json=bench/results/cpu-ops.json
-    python bench/summarize.py bench/results/cpu-ops.json [--markdown out.md]
+    python bench/summarize.py bench/results/cpu-ops.json [--markdown out.md] [--compact]
+
+--compact rewrites the JSON without the raw per-round timings (tens of MB), keeping every
+statistic, so the file is small enough to commit.
 """
 from __future__ import annotations
 
@@ -28,11 +31,23 @@ def ratios(path: str) -> list[tuple[str, str, float, float]]:
     return rows
 
 
+def compact(path: str) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    for b in data["benchmarks"]:
+        b["stats"].pop("data", None)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
     ap.add_argument("--markdown", default=None)
+    ap.add_argument("--compact", action="store_true", help="drop the raw timings from the JSON, in place")
     args = ap.parse_args()
+    if args.compact:
+        compact(args.json)
     lines = ["| group | baseline | eecore median (µs) | baseline / eecore |", "|---|---|---:|---:|"]
     for group, impl, ours_us, ratio in ratios(args.json):
         lines.append(f"| {group} | {impl} | {ours_us:.1f} | {ratio:.2f}x |")
