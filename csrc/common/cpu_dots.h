@@ -42,6 +42,8 @@ using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_
 // hidden rows: at B = 8 this runs 1.3-1.5x faster than no software prefetch (1 KiB ahead gets
 // only half of that). Prefetches never fault, so running past the end of the weight is harmless.
 constexpr int64_t kPrefetchBytes = 8192;
+// Hidden rows up to this size are kept whole in L1 while the weight streams past (see dot_rows).
+constexpr int64_t kHiddenChunkBytes = 16384;
 
 // The hidden rows in the form dot_rows reads them against `w_t` weights: the caller's own rows,
 // without a copy, where their type already is dot_input_t, else an fp32 copy made once (each
@@ -72,8 +74,10 @@ class DotInput {
 };
 
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d.
+// `ahead` is how many elements past each weight load to prefetch; `accumulate` adds to `out`.
 template <int MR, int NR, typename w_t>
-inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t d, float* out, int64_t ldo) {
+inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t d, float* out, int64_t ldo,
+                      int64_t ahead, bool accumulate) {
   Vec8 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -84,7 +88,7 @@ inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, in
     Vec8 wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + j * ldw + k + kPrefetchBytes / static_cast<int64_t>(sizeof(w_t)));
+      __builtin_prefetch(w + j * ldw + k + ahead);
       wv[j] = Vec8::load(w + j * ldw + k);
     }
 #pragma GCC unroll 8
@@ -98,7 +102,7 @@ inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, in
     for (int j = 0; j < NR; ++j) {
       float s = reduce_add(acc[i][j]);
       for (int64_t kk = k; kk < d; ++kk) s += h[i * ldh + kk] * static_cast<float>(w[j * ldw + kk]);
-      out[i * ldo + j] = s;
+      out[i * ldo + j] = accumulate ? out[i * ldo + j] + s : s;
     }
   }
 }
@@ -107,7 +111,7 @@ inline void dot_block(const float* h, int64_t ldh, const w_t* w, int64_t ldw, in
 // The same block for bf16 hidden rows and bf16 weights, 32 elements per step with vdpbf16ps.
 template <int MR, int NR>
 inline void dot_block(const c10::BFloat16* h, int64_t ldh, const c10::BFloat16* w, int64_t ldw, int64_t d,
-                      float* out, int64_t ldo) {
+                      float* out, int64_t ldo, int64_t ahead, bool accumulate) {
   constexpr int64_t kStep = 32;
   __m512 acc[MR][NR];
 #pragma GCC unroll 8
@@ -119,7 +123,7 @@ inline void dot_block(const c10::BFloat16* h, int64_t ldh, const c10::BFloat16* 
     __m512bh wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + j * ldw + k + kPrefetchBytes / 2);
+      __builtin_prefetch(w + j * ldw + k + ahead);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
     }
 #pragma GCC unroll 8
@@ -137,7 +141,7 @@ inline void dot_block(const c10::BFloat16* h, int64_t ldh, const c10::BFloat16* 
       _mm512_store_ps(lanes, acc[i][j]);
       float s = reduce_add(Vec8{_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8))});
       for (int64_t kk = k; kk < d; ++kk) s += static_cast<float>(h[i * ldh + kk]) * static_cast<float>(w[j * ldw + kk]);
-      out[i * ldo + j] = s;
+      out[i * ldo + j] = accumulate ? out[i * ldo + j] + s : s;
     }
   }
 }
@@ -146,10 +150,10 @@ inline void dot_block(const c10::BFloat16* h, int64_t ldh, const c10::BFloat16* 
 // MR hidden rows against n weight rows: NR-wide column blocks, then single rows for the rest.
 template <int MR, int NR, typename h_t, typename w_t>
 inline void dot_rows_mr(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
-                        int64_t ldo) {
+                        int64_t ldo, int64_t ahead, bool accumulate) {
   int64_t j = 0;
-  for (; j + NR <= n; j += NR) dot_block<MR, NR>(h, ldh, w + j * ldw, ldw, d, out + j, ldo);
-  for (; j < n; ++j) dot_block<MR, 1>(h, ldh, w + j * ldw, ldw, d, out + j, ldo);
+  for (; j + NR <= n; j += NR) dot_block<MR, NR>(h, ldh, w + j * ldw, ldw, d, out + j, ldo, ahead, accumulate);
+  for (; j < n; ++j) dot_block<MR, 1>(h, ldh, w + j * ldw, ldw, d, out + j, ldo, ahead, accumulate);
 }
 
 // out[i * ldo + j] = <h[i], w[j]> for i < m hidden rows (row stride ldh; fp32, or bf16 against
@@ -166,18 +170,32 @@ void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, i
               int64_t ldo) {
   static_assert(std::is_same_v<h_t, dot_input_t<h_t, w_t>>, "dot_rows: hidden rows must be fp32, or bf16 "
                 "against bf16 weights on a CPU with AVX512-BF16 (see dot_input_t)");
-  // Weight rows per slice: about 16 KiB, so the slice stays in L1 while every hidden row passes.
-  const int64_t cols = std::max<int64_t>(4, (16384 / (d * static_cast<int64_t>(sizeof(w_t)))) & ~int64_t{3});
-  for (int64_t j0 = 0; j0 < n; j0 += cols) {
-    const int64_t nj = std::min(cols, n - j0);
-    const w_t* wj = w + j0 * ldw;
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) dot_rows_mr<4, 4>(h + i * ldh, ldh, wj, ldw, nj, d, out + i * ldo + j0, ldo);
-    switch (m - i) {
-      case 3: dot_rows_mr<3, 4>(h + i * ldh, ldh, wj, ldw, nj, d, out + i * ldo + j0, ldo); break;
-      case 2: dot_rows_mr<2, 4>(h + i * ldh, ldh, wj, ldw, nj, d, out + i * ldo + j0, ldo); break;
-      case 1: dot_rows_mr<1, 4>(h + i * ldh, ldh, wj, ldw, nj, d, out + i * ldo + j0, ldo); break;
-      default: break;
+  // The hidden rows are re-read for every slice of weight rows, so they should stay in L1 beside
+  // the slice. Where they would not (e.g. 8 bf16 rows of 2048), the length is cut into chunks that
+  // do, and the partial dot products are summed in `out`; the prefetches then run one slice ahead
+  // at the same position instead of further along the row (read in a later chunk).
+  const int64_t row_bytes = m * static_cast<int64_t>(sizeof(h_t));
+  const bool chunked = row_bytes * d > kHiddenChunkBytes;
+  const int64_t kc = chunked ? std::max<int64_t>(256, (kHiddenChunkBytes / row_bytes) & ~int64_t{31}) : d;
+  for (int64_t k0 = 0; k0 < d; k0 += kc) {
+    const int64_t len = std::min(kc, d - k0);
+    // Weight rows per slice: about 16 KiB, so the slice stays in L1 while every hidden row passes.
+    const int64_t cols = std::max<int64_t>(4, (16384 / (len * static_cast<int64_t>(sizeof(w_t)))) & ~int64_t{3});
+    const int64_t ahead = chunked ? cols * ldw : kPrefetchBytes / static_cast<int64_t>(sizeof(w_t));
+    const bool accumulate = k0 > 0;
+    for (int64_t j0 = 0; j0 < n; j0 += cols) {
+      const int64_t nj = std::min(cols, n - j0);
+      const w_t* wj = w + j0 * ldw + k0;
+      const h_t* hk = h + k0;
+      float* oj = out + j0;
+      int64_t i = 0;
+      for (; i + 4 <= m; i += 4) dot_rows_mr<4, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate);
+      switch (m - i) {
+        case 3: dot_rows_mr<3, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate); break;
+        case 2: dot_rows_mr<2, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate); break;
+        case 1: dot_rows_mr<1, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate); break;
+        default: break;
+      }
     }
   }
 }
