@@ -42,8 +42,9 @@ using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_
 // hidden rows: at B = 8 this runs 1.3-1.5x faster than no software prefetch (1 KiB ahead gets
 // only half of that). Prefetches never fault, so running past the end of the weight is harmless.
 constexpr int64_t kPrefetchBytes = 8192;
-// Hidden rows up to this size are kept whole in L1 while the weight streams past (see dot_rows).
-constexpr int64_t kHiddenChunkBytes = 16384;
+// Hidden rows up to this size are kept whole in L1 (32 KiB on current x86) beside a weight slice
+// while the weight streams past; larger ones are cut into chunks of the length (see dot_rows).
+constexpr int64_t kHiddenChunkBytes = 20 * 1024;
 
 // The hidden rows in the form dot_rows reads them against `w_t` weights: the caller's own rows,
 // without a copy, where their type already is dot_input_t, else an fp32 copy made once (each
@@ -174,9 +175,11 @@ void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, i
   // the slice. Where they would not (e.g. 8 bf16 rows of 2048), the length is cut into chunks that
   // do, and the partial dot products are summed in `out`; the prefetches then run one slice ahead
   // at the same position instead of further along the row (read in a later chunk).
-  const int64_t row_bytes = m * static_cast<int64_t>(sizeof(h_t));
-  const bool chunked = row_bytes * d > kHiddenChunkBytes;
-  const int64_t kc = chunked ? std::max<int64_t>(256, (kHiddenChunkBytes / row_bytes) & ~int64_t{31}) : d;
+  const int64_t hidden_bytes = m * d * static_cast<int64_t>(sizeof(h_t));
+  const int64_t chunks = (hidden_bytes + kHiddenChunkBytes - 1) / kHiddenChunkBytes;
+  const bool chunked = chunks > 1;
+  // equal chunks, each a whole number of 32-element steps (no short tail chunk)
+  const int64_t kc = chunked ? ((d + chunks - 1) / chunks + 31) / 32 * 32 : d;
   for (int64_t k0 = 0; k0 < d; k0 += kc) {
     const int64_t len = std::min(kc, d - k0);
     // Weight rows per slice: about 16 KiB, so the slice stays in L1 while every hidden row passes.
