@@ -1,13 +1,15 @@
-// out[i][j] = sum_k h[i][k] * w[j][k]: the dot products of a few fp32 rows (hidden states, a
-// decode batch) with many weight rows in their storage dtype (fp32, bf16, fp16). The one
-// "few rows x many weight rows" kernel of the CPU ops: lm_head_top2_gap (a vocab tile of
-// logits), mlp_confidence (the classifier's first layer) and kv_fill (a K/V head's projection).
+// out[i][j] = sum_k h[i][k] * w[j][k]: the dot products of a few rows (hidden states, a decode
+// batch) with many weight rows in their storage dtype (fp32, bf16, fp16). The one "few rows x
+// many weight rows" kernel of the CPU ops: linear (decode-sized inputs), lm_head_top2_gap (a
+// vocab tile of logits), mlp_confidence (the classifier's first layer) and kv_fill (a K/V head's
+// projection).
 //
 // Why not a GEMM library: at decode sizes this is a matrix-vector product bound by reading the
 // weight, and a BLAS small-M path is often far from the memory bandwidth (and widens bf16/fp16
 // weights through a copy). Here the weight is read exactly once, in its own dtype, converted to
-// fp32 in registers, and the kernel keeps MR x NR independent fp32 accumulators (enough FMAs in
-// flight to cover their latency), converting each weight vector once for MR hidden rows.
+// fp32 in registers (or multiplied as bf16 pairs, see EECORE_CPU_BF16_DOT), and the kernel keeps
+// MR x NR independent fp32 accumulators (enough FMAs in flight to cover their latency),
+// converting each weight vector once for MR hidden rows. Lengths d >= 1 (the callers check).
 #pragma once
 
 #include <algorithm>
@@ -192,11 +194,15 @@ void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, i
       const h_t* hk = h + k0;
       float* oj = out + j0;
       int64_t i = 0;
-      for (; i + 4 <= m; i += 4) dot_rows_mr<4, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate);
+      for (; i + 4 <= m; i += 4) {
+        dot_rows_mr<4, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate);
+      }
+      const h_t* hi = hk + i * ldh;
+      float* oi = oj + i * ldo;
       switch (m - i) {
-        case 3: dot_rows_mr<3, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate); break;
-        case 2: dot_rows_mr<2, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate); break;
-        case 1: dot_rows_mr<1, 4>(hk + i * ldh, ldh, wj, ldw, nj, len, oj + i * ldo, ldo, ahead, accumulate); break;
+        case 3: dot_rows_mr<3, 4>(hi, ldh, wj, ldw, nj, len, oi, ldo, ahead, accumulate); break;
+        case 2: dot_rows_mr<2, 4>(hi, ldh, wj, ldw, nj, len, oi, ldo, ahead, accumulate); break;
+        case 1: dot_rows_mr<1, 4>(hi, ldh, wj, ldw, nj, len, oi, ldo, ahead, accumulate); break;
         default: break;
       }
     }
