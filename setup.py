@@ -9,6 +9,8 @@ Environment knobs:
 """
 import glob
 import os
+import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -87,7 +89,31 @@ def _extension():
     return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
+def _links_libstdcxx_statically(library: str) -> bool:
+    """True when `library` carries its own copy of libstdc++ (no libstdc++.so in its NEEDED list).
+    Such a copy has its own iostream and locale state, and the first error message the extension
+    formats (std::ostringstream in TORCH_CHECK) crashes inside it. Some toolchains do this by
+    default, e.g. a g++ wrapper that adds -static-libstdc++. Unknown (no readelf): False."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return False
+    dynamic = subprocess.run([readelf, "-d", library], capture_output=True, text=True).stdout
+    return "libstdc++" not in dynamic
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        built = self.get_ext_fullpath(ext.name)
+        if sys.platform.startswith("linux") and _links_libstdcxx_statically(built):
+            os.remove(built)
+            sys.exit(f"{built} was linked with a static libstdc++ (the C++ compiler {self.compiler.compiler_so[0]!r} "
+                     "adds it), so it would crash on its first error message next to torch's shared libstdc++. "
+                     "Build with the system compiler instead, e.g. "
+                     "CXX=/usr/bin/g++ LDSHARED='/usr/bin/g++ -shared' pip install .")
+
+
 setup(
     ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -166,8 +166,10 @@ def test_cross_attention_more_queries_than_keys(dtype):
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_rows_past_the_batch_are_untouched(dtype):
+    # The CUDA glue cannot read query_start_loc without a sync, so the kernels must leave the rows
+    # past its end alone. The CPU kernel reads it and rejects the mismatch instead (test_op_*).
     case = make_attention(dtype, [30, 12], [4, 1], 8, 2, 64, 16, extra_rows=3)
-    check_attention(case)
+    check_attention(case, cpu_too=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
