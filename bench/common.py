@@ -58,7 +58,7 @@ def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, **e
     for key, value in extra.items():  # e.g. assistant_early_exit=E: HF's own self-speculation
         setattr(config, key, value)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config)
     return [row[width:].tolist() for row in out]
 
 

@@ -1,0 +1,94 @@
+"""Full-depth decode throughput on CUDA: eecore against HF transformers' `generate`, on random
+weights of real model shapes (nothing is downloaded; decode speed does not depend on the values).
+
+    PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
+        [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
+
+Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
+medians are kept. Writes bench/results/<device>-e2e-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+
+import torch
+
+import eecore
+from common import hf_generate_greedy, save_results, timed
+
+MODELS = {  # HF LlamaConfig fields of the real checkpoints
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         tie_word_embeddings=True),
+}
+
+
+def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
+    """Save a random-weight model of `name`'s shape to `folder`; return it as an HF model on `device`."""
+    import transformers
+
+    config = transformers.LlamaConfig(max_position_embeddings=4096, **MODELS[name])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model.to(device).eval()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("e2e_cuda.py needs a CUDA device")
+    dtype = getattr(torch, args.dtype)
+
+    rows = []
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as folder:
+            hf = random_checkpoint(name, folder, dtype, args.device)
+            llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
+            g = torch.Generator().manual_seed(1)
+            prompts = [torch.randint(0, MODELS[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
+                       for _ in range(max(args.batch_sizes))]
+            params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+            hf_generate_greedy(hf, prompts[:1], 8)
+            for batch in args.batch_sizes:
+                t_ee, t_hf = [], []
+                for _ in range(args.repeats):
+                    outs, t = timed(llm.generate, prompts[:batch], params)
+                    t_ee.append(t)
+                    hf_outs, t = timed(hf_generate_greedy, hf, prompts[:batch], args.max_tokens)
+                    t_hf.append(t)
+                t_ee, t_hf = statistics.median(t_ee), statistics.median(t_hf)
+                tokens = batch * args.max_tokens
+                same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
+                rows.append(dict(model=name, batch=batch, eecore_tok_s=tokens / t_ee, hf_tok_s=tokens / t_hf,
+                                 speedup=t_hf / t_ee, identical_greedy_outputs=f"{same}/{batch}"))
+                print(f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s   HF {tokens / t_hf:8.1f} tok/s   "
+                      f"speed-up {t_hf / t_ee:5.2f}x   identical greedy outputs {same}/{batch}", flush=True)
+            del llm, hf
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()
+    path = save_results(f"{device}-e2e", dict(device=device_name, dtype=args.dtype,
+                                              max_tokens=args.max_tokens, prompt_len=args.prompt_len,
+                                              repeats=args.repeats, weights="random", rows=rows))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
