@@ -8,8 +8,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <vector>
-
 #include "common/cpu_dots.h"
 #include "linear/linear_checks.h"
 #include "linear/linear_gemm.h"
@@ -35,13 +33,13 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / std::max<int64_t>(1, M * K * kTileCols));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(M * kTileCols));
+    float acc[kStreamingMaxRows * kTileCols];  // on the stack: no allocation per call
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * kTileCols, nj = std::min(kTileCols, N - j0);
-      cpu::dot_rows(h.row(0), h.ld(), M, w + j0 * K, K, nj, K, acc.data(), kTileCols);
+      cpu::dot_rows(h.row(0), h.ld(), M, w + j0 * K, K, nj, K, acc, kTileCols);
       for (int64_t i = 0; i < M; ++i) {
         scalar_t* dst = o + i * ldo + j0;
-        const float* src = acc.data() + i * kTileCols;
+        const float* src = acc + i * kTileCols;
         for (int64_t j = 0; j < nj; ++j) {
           float v = src[j];
           if (bias != nullptr) v += static_cast<float>(bias[j0 + j]);
