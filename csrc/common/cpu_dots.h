@@ -85,7 +85,7 @@ class DotInput {
 //  * bf16 x bf16 with EECORE_CPU_BF16_DOT: vdpbf16ps, 32 exact products summed into 16 lanes.
 //  * anything else (fp32 hidden rows against fp32, bf16 or fp16 weights): Vec8, each weight
 //    vector widened to fp32 in registers.
-template <typename h_t, typename w_t, typename = void>
+template <typename h_t, typename w_t>
 struct DotLanes {
   using Acc = Vec8;  // also the type of a loaded hidden or weight vector
   static constexpr int64_t step = kVecWidth;
