@@ -93,12 +93,15 @@ def _links_libstdcxx_statically(library: str) -> bool:
     """True when `library` carries its own copy of libstdc++ (no libstdc++.so in its NEEDED list).
     Such a copy has its own iostream and locale state, and the first error message the extension
     formats (std::ostringstream in TORCH_CHECK) crashes inside it. Some toolchains do this by
-    default, e.g. a g++ wrapper that adds -static-libstdc++. Unknown (no readelf): False."""
+    default, e.g. a g++ wrapper that adds -static-libstdc++. Unknown (no readelf, or no dynamic
+    section it could read): False."""
     readelf = shutil.which("readelf")
     if readelf is None:
         return False
-    dynamic = subprocess.run([readelf, "-d", library], capture_output=True, text=True).stdout
-    return "libstdc++" not in dynamic
+    result = subprocess.run([readelf, "-d", library], capture_output=True, text=True)
+    if result.returncode != 0 or "(NEEDED)" not in result.stdout:
+        return False
+    return "libstdc++" not in result.stdout
 
 
 class BuildExtension(cpp_extension.BuildExtension):

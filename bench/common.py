@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -66,6 +67,19 @@ def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     result = fn(*args, **kwargs)
     return result, time.perf_counter() - start
+
+
+def alternate_with_hf(llm, hf, prompts: list[list[int]], params, max_new_tokens: int, repeats: int):
+    """Generate `prompts` with eecore and with HF `generate` in turn, `repeats` times each, so that a
+    burst of load on a shared machine hits both alike. Returns the median seconds of each and
+    their last outputs: (eecore_s, hf_s, eecore_outputs, hf_token_ids)."""
+    t_ee, t_hf = [], []
+    for _ in range(repeats):
+        outs, t = timed(llm.generate, prompts, params)
+        t_ee.append(t)
+        hf_outs, t = timed(hf_generate_greedy, hf, prompts, max_new_tokens)
+        t_hf.append(t)
+    return statistics.median(t_ee), statistics.median(t_hf), outs, hf_outs
 
 
 def save_results(name: str, payload: dict) -> str:

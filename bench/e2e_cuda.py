@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import tempfile
 
 import torch
 
 import eecore
-from common import hf_generate_greedy, save_results, timed
+from common import alternate_with_hf, hf_generate_greedy, save_results
 
 MODELS = {  # HF LlamaConfig fields of the real checkpoints
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -66,13 +65,8 @@ def main():
             llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
             hf_generate_greedy(hf, prompts[:1], 8)
             for batch in args.batch_sizes:
-                t_ee, t_hf = [], []
-                for _ in range(args.repeats):
-                    outs, t = timed(llm.generate, prompts[:batch], params)
-                    t_ee.append(t)
-                    hf_outs, t = timed(hf_generate_greedy, hf, prompts[:batch], args.max_tokens)
-                    t_hf.append(t)
-                t_ee, t_hf = statistics.median(t_ee), statistics.median(t_hf)
+                t_ee, t_hf, outs, hf_outs = alternate_with_hf(llm, hf, prompts[:batch], params, args.max_tokens,
+                                                              args.repeats)
                 tokens = batch * args.max_tokens
                 same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
                 rows.append(dict(model=name, batch=batch, eecore_tok_s=tokens / t_ee, hf_tok_s=tokens / t_hf,

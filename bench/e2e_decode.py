@@ -8,12 +8,12 @@ the tokens/s at which the weights could just stream from memory, and how close e
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import eecore
-from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
+from common import (PROMPTS, alternate_with_hf, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded,
+                    save_results)
 from roofline import decode_weight_bytes, read_bandwidth_gbs
 
 
@@ -42,14 +42,7 @@ def main():
     rows = []
     for batch in args.batch_sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        # eecore and HF alternate, so a burst of load on this shared machine hits both alike
-        t_ee, t_hf = [], []
-        for _ in range(args.repeats):
-            outs, t = timed(llm.generate, batch_prompts, params)
-            t_ee.append(t)
-            hf_outs, t = timed(hf_generate_greedy, hf, batch_prompts, args.max_tokens)
-            t_hf.append(t)
-        t_ee, t_hf = statistics.median(t_ee), statistics.median(t_hf)
+        t_ee, t_hf, outs, hf_outs = alternate_with_hf(llm, hf, batch_prompts, params, args.max_tokens, args.repeats)
         tokens = batch * args.max_tokens
         same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
         ceiling = batch * bandwidth * 1e9 / step_bytes
