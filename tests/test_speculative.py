@@ -62,6 +62,69 @@ def test_acceptance_guard_stops_losing_drafts_and_keeps_greedy_exact(tiny):
         assert o.metrics["num_drafted_tokens"] <= 4 * (o.metrics["num_verify_steps"] // 8 + 2)
 
 
+def test_guard_skips_probes_the_shadow_check_says_would_fail(tiny):
+    # layer 1 of 4 random layers: drafts are hopeless, and the shadow estimate sees it. With a
+    # floor of 1.0 it drops below the floor at its first miss, so after the first (losing) round
+    # no sequence ever drafts again, though 60 tokens leave room for 3 probe rounds
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [4, 9, 1, 6], seed=11)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(60))
+    outs = _spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8)).generate(prompts, greedy(60))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert [o.metrics["num_drafted_tokens"] for o in outs] == [4] * len(prompts)
+    assert all(o.metrics["acceptance_rate"] < 1.0 for o in outs)
+
+
+def _with_identity_tail(hf, exit_layer: int, path):
+    """Save `hf` with its layers from `exit_layer` on zeroed into identities (their attention
+    and MLP add nothing to the residual stream): layer E's draft is then always the full model's."""
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer in model.model.layers[exit_layer:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_guard_keeps_drafting_while_drafts_are_accepted(tiny, tmp_path):
+    path, hf = tiny
+    exact = _with_identity_tail(hf, 2, tmp_path / "identity-tail")
+    prompts = random_prompts(hf.config.vocab_size, [4, 9, 1], seed=12)
+    full = eecore.LLM(exact, dtype="float32", device="cpu").generate(prompts, greedy(21))
+    outs = _spec(exact, 2, 4, guard=dict(min_acceptance=0.9)).generate(prompts, greedy(21))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    for o in outs:  # 20 decoded tokens: 4 rounds of 4 accepted drafts + the bonus token
+        assert o.metrics["acceptance_rate"] == 1.0
+        assert o.metrics["num_verify_steps"] == 4 and o.metrics["num_drafted_tokens"] == 16
+
+
+def test_shadow_check_bounds_the_draft_acceptance_from_above(tiny):
+    from eecore.speculative import ShadowCheck
+
+    path, _ = tiny
+    model = eecore.LLM(path, dtype="float32", device="cpu").model
+    check = ShadowCheck(model, max_rows=16)
+    g = torch.Generator().manual_seed(3)
+    d, n = model.config.hidden_size, 13
+    exit_states = torch.randn(n, d, generator=g)
+    final_states = torch.randn(n, d, generator=g)
+    final_states[::3] = exit_states[::3]  # rows where the draft is the full model's token
+
+    def head(h):
+        return torch.nn.functional.rms_norm(h, (d,), model.final_norm, model.config.rms_norm_eps) @ model.lm_head.T
+
+    logits = head(final_states)
+    got = check.agreement(exit_states, logits)
+    # the reference: layer E's scores over the full model's top-K, by brute force
+    top = logits.topk(check.k, dim=-1).indices
+    expected = [int(head(exit_states)[i, top[i]].argmax()) == 0 for i in range(n)]
+    assert got == expected
+    truly_accepted = (head(exit_states).argmax(-1) == logits.argmax(-1)).tolist()
+    assert all(g or not t for g, t in zip(got, truly_accepted))  # never below the true acceptance
+    assert all(got[::3]) and not all(got)
+
+
 def test_first_layers_are_never_recomputed(tiny):
     path, hf = tiny
     E = 2
