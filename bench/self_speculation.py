@@ -8,7 +8,7 @@ at which a round would break even with full depth when decode is bound by readin
 (roofline.py: every draft pass re-reads layers 0..E-1 and the LM head).
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
-                                     [--draft-thresholds none 0.6]
+                                     [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
 writes bench/results/cpu-self-speculation-<date>.json
 """
 from __future__ import annotations
@@ -35,6 +35,17 @@ def eecore_run(llm, prompts, params, batch):
     return outs, tokens / elapsed
 
 
+def alternate(llm, full, prompts, params, batch, repeats):
+    """Run `llm` and full depth in turn, `repeats` times each (a burst of load on a shared
+    machine then hits both alike); returns llm's last outputs and the median tok/s of each."""
+    ours, theirs = [], []
+    for _ in range(repeats):
+        outs, tok_s = eecore_run(llm, prompts, params, batch)
+        ours.append(tok_s)
+        theirs.append(eecore_run(full, prompts, params, batch)[1])
+    return outs, statistics.median(ours), statistics.median(theirs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -42,6 +53,8 @@ def main():
     ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts-batch1", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="alternating runs of each configuration and full depth; medians")
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
     ap.add_argument("--min-acceptance", type=float, default=None,
@@ -81,8 +94,7 @@ def main():
             llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
                 exit_layer=E, num_speculations=d, draft_threshold=threshold,
                 min_acceptance=args.min_acceptance))
-            outs, tok_s = eecore_run(llm, prompts, params, batch)
-            _, full_tok_s = eecore_run(full, prompts, params, batch)  # side by side: the machine drifts
+            outs, tok_s, full_tok_s = alternate(llm, full, prompts, params, batch, args.repeats)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
@@ -101,7 +113,7 @@ def main():
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
     name = "cpu-self-speculation" if args.min_acceptance is None else "cpu-self-speculation-guard"
     path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
-                                   min_acceptance=args.min_acceptance, rows=rows))
+                                   min_acceptance=args.min_acceptance, repeats=args.repeats, rows=rows))
     print(f"\nresults: {path}")
 
 

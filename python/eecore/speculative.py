@@ -90,12 +90,15 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) if self._guard_allows(s) else 0 for s in seqs]
-        if not any(budgets) and self._shadow is None:  # nobody drafts this round: a plain step
+        if not any(budgets):  # nobody drafts this round (the guard, or last tokens): a plain step
             for seq in seqs:
                 self._count(seq, 0, 0)
-            return self._plain.decode(seqs)
-        # With the guard on, a round where nobody drafts still splits at layer E (the same work
-        # as a plain step), so the shadow check gets each sequence's layer-E state.
+            if self._shadow is None:
+                return self._plain.decode(seqs)
+            # the guard's shadow check wants each sequence's layer-E state: tap it on the way
+            results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
+            self._shadow_update(seqs, [(b, b) for b, s in enumerate(seqs) if self._room(s) > 1], logits)
+            return results
         drafts, draft_probs = self._draft(seqs, budgets)
         logits = self._verify(seqs, drafts)
         results, offset, shadowed = [], 0, []
@@ -109,8 +112,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             seq.num_computed_tokens += len(tokens)
             self._count(seq, len(seq_drafts), len(tokens) - 1)
             results.append(tokens)
-        if shadowed:
-            self._shadow_update(seqs, shadowed, logits)
+        self._shadow_update(seqs, shadowed, logits)
         return results
 
     # Running acceptance of the guard: an exponential average over drafting rounds, starting
@@ -147,6 +149,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """Feed the shadow estimate of the sequences `shadowed` lists as (batch row, logits row):
         their layer-E state is slot 0 of their exit-query cache row."""
         n = len(shadowed)
+        if n == 0:
+            return
         if all(b == i and o == i for i, (b, o) in enumerate(shadowed)):  # a round nobody drafted: no gather
             states, rows = self._exit_states[:n, 0], logits[:n]
         else:

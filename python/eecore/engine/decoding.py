@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler
@@ -44,7 +46,12 @@ class DecodeStrategy:
 
 class FullDepthDecoder(DecodeStrategy):
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
+        return self.step(seqs)[0]
+
+    def step(self, seqs: list[Sequence], tap=None) -> tuple[list[list[Token]], torch.Tensor]:
+        """The step's tokens and its fp32 logits `[B, V]`; `tap` as in ModelRunner.forward."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
-        inputs, hidden = self.runner.forward(rows)
-        tokens, logprobs = self.sampler.sample(self.runner.logits(hidden), seqs)
-        return [[Token(t, self.num_layers, lp)] for t, lp in zip(tokens, logprobs)]
+        inputs, hidden = self.runner.forward(rows, tap)
+        logits = self.runner.logits(hidden)
+        tokens, logprobs = self.sampler.sample(logits, seqs)
+        return [[Token(t, self.num_layers, lp)] for t, lp in zip(tokens, logprobs)], logits

@@ -6,6 +6,8 @@ range at a time.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from eecore.engine.inputs import InputBuilder, Row, StepInputs
@@ -53,11 +55,16 @@ class ModelRunner:
             logits = self._logits_f32[:n].copy_(logits)
         return logits
 
-    def forward(self, rows: list[Row]) -> tuple[StepInputs, torch.Tensor]:
-        """All layers over `rows`; returns the inputs and the final residual stream `[T, d]`."""
+    def forward(self, rows: list[Row], tap: Optional[tuple[int, torch.Tensor]] = None) -> tuple[StepInputs, torch.Tensor]:
+        """All layers over `rows`; returns the inputs and the final residual stream `[T, d]`.
+        `tap=(E, out)` also copies the residual stream after layer E-1 into `out` `[T, d]`."""
         inputs = self.prepare(rows)
         hidden = self.embed(inputs)
-        self.run_layers(hidden, inputs.attn, 0, self.num_layers)
+        split = self.num_layers if tap is None else tap[0]
+        self.run_layers(hidden, inputs.attn, 0, split)
+        if tap is not None:
+            tap[1].copy_(hidden)
+            self.run_layers(hidden, inputs.attn, split, self.num_layers)
         for row in rows:
             row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + len(row.tokens))
         return inputs, hidden
