@@ -69,9 +69,11 @@ def test_guard_skips_probes_the_shadow_check_says_would_fail(tiny):
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [4, 9, 1, 6], seed=11)
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(60))
-    outs = _spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8)).generate(prompts, greedy(60))
+    llm = _spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8))
+    outs = llm.generate(prompts, greedy(60))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert [o.metrics["num_drafted_tokens"] for o in outs] == [4] * len(prompts)
+    assert len(llm.engine.strategy.guard) == 0  # finished sequences leave no guard state behind
     assert all(o.metrics["acceptance_rate"] < 1.0 for o in outs)
 
 
@@ -100,7 +102,7 @@ def test_guard_keeps_drafting_while_drafts_are_accepted(tiny, tmp_path):
 
 
 def test_shadow_check_bounds_the_draft_acceptance_from_above(tiny):
-    from eecore.speculative import ShadowCheck
+    from eecore.speculation_guard import ShadowCheck
 
     path, _ = tiny
     model = eecore.LLM(path, dtype="float32", device="cpu").model

@@ -24,6 +24,7 @@ from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
+from eecore.speculation_guard import SpeculationGuard
 
 
 @dataclass
@@ -34,13 +35,11 @@ class SelfSpeculativeConfig:
     draft_threshold: adaptive draft length (off by default). A sequence stops drafting early once
     the top-1 probability of its draft falls below this value.
 
-    min_acceptance: the speculation guard (off by default). A sequence whose running acceptance
-    rate falls below this value stops drafting, so its rounds cost what a full-depth step costs.
-    While it is off, every round checks for next to nothing whether its draft would have been
-    accepted (the shadow check, below); once that estimate is back above the floor, a probe
-    round (at most one per `probe_every` rounds, the wait doubling while probes fail, up to 128)
-    drafts for real. A sequence whose early layers are hopeless thus stops paying for drafts
-    at all.
+    min_acceptance: the speculation guard (off by default): a sequence whose running acceptance
+    rate falls below this value stops drafting, so its rounds cost what a full-depth step costs,
+    and drafts again only in probe rounds, at most one per `probe_every` rounds (the wait
+    doubling while they fail, up to 128) and only when a near-free check says the probe could
+    pass. See eecore.speculation_guard.
     Drafting pays only above a break-even acceptance that depends on E, d and the hardware (see
     bench/roofline.py for the bandwidth-bound one); below it every draft is a loss.
     """
@@ -85,81 +84,49 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         # the exit-query cache: layer-E hidden state of each drafted position, per sequence
         self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
                                         device=model.device)
-        self._shadow = ShadowCheck(model, rows) if config.min_acceptance is not None else None
+        self.guard = None if config.min_acceptance is None else \
+            SpeculationGuard(model, rows, config.min_acceptance, config.probe_every)
 
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
-        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) if self._guard_allows(s) else 0 for s in seqs]
+        allowed = [self.guard is None or self.guard.allows(s) for s in seqs]
+        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) if ok else 0 for s, ok in zip(seqs, allowed)]
+        shadowed = [b for b, s in enumerate(seqs) if self.guard is not None and self.guard.wants_shadow(s)]
         if not any(budgets):  # nobody drafts this round (the guard, or last tokens): a plain step
             for seq in seqs:
                 self._count(seq, 0, 0)
-            if self._shadow is None:
+            if not shadowed:
                 return self._plain.decode(seqs)
-            # the guard's shadow check wants each sequence's layer-E state: tap it on the way
+            # the guard's shadow check wants layer-E states: tap them on the way through
             results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
-            self._shadow_update(seqs, [(b, b) for b, s in enumerate(seqs) if self._room(s) > 1], logits)
+            self._record_shadow(seqs, shadowed, shadowed, logits)
             return results
         drafts, draft_probs = self._draft(seqs, budgets)
         logits = self._verify(seqs, drafts)
-        results, offset, shadowed = [], 0, []
-        for b, (seq, seq_drafts, probs) in enumerate(zip(seqs, drafts, draft_probs)):
+        results, offsets, offset = [], [], 0
+        for seq, seq_drafts, probs in zip(seqs, drafts, draft_probs):
             n = len(seq_drafts) + 1
             tokens = self._accept(seq, seq_drafts, probs, logits[offset: offset + n])
-            if self._shadow is not None and not seq_drafts and budgets[b] == 0 and self._room(seq) > 1:
-                shadowed.append((b, offset))
+            offsets.append(offset)
             offset += n
             # positions up to the last accepted draft now hold valid K/V in every layer
             seq.num_computed_tokens += len(tokens)
             self._count(seq, len(seq_drafts), len(tokens) - 1)
             results.append(tokens)
-        self._shadow_update(seqs, shadowed, logits)
+        self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         return results
 
-    # Running acceptance of the guard: an exponential average over drafting rounds, starting
-    # optimistic so every sequence drafts first. Half-life of about two rounds: it reacts fast,
-    # and the probes keep it from locking a sequence out for good.
-    _ACCEPTANCE_DECAY = 0.7
-    # Probes that keep failing back off, doubling the wait up to this many rounds, so a sequence
-    # whose drafts are hopeless costs next to nothing over full depth.
-    _MAX_PROBE_INTERVAL = 128
-
-    def _guard_allows(self, seq: Sequence) -> bool:
-        floor = self.config.min_acceptance
-        if floor is None:
-            return True
-        st = seq.stats
-        if st.get("spec_running_acceptance", 1.0) >= floor:
-            st["spec_probe_interval"] = self.config.probe_every
-            return True
-        interval = st.get("spec_probe_interval", self.config.probe_every)
-        st["spec_idle_rounds"] = st.get("spec_idle_rounds", 0) + 1
-        if st["spec_idle_rounds"] < interval:
-            return False
-        if st.get("spec_shadow_acceptance", 1.0) < floor:
-            return False  # even the optimistic estimate says a probe would lose: wait for it to rise
-        st["spec_idle_rounds"] = 0
-        st["spec_probe_interval"] = min(2 * interval, max(self._MAX_PROBE_INTERVAL, self.config.probe_every))
-        return True  # a probe round
-
-    # The shadow estimate averages single 0/1 checks, so it decays slower than the running
-    # acceptance (which averages whole rounds): a window of about ten rounds.
-    _SHADOW_DECAY = 0.9
-
-    def _shadow_update(self, seqs: list[Sequence], shadowed: list[tuple[int, int]], logits: torch.Tensor) -> None:
-        """Feed the shadow estimate of the sequences `shadowed` lists as (batch row, logits row):
-        their layer-E state is slot 0 of their exit-query cache row."""
-        n = len(shadowed)
-        if n == 0:
+    def _record_shadow(self, seqs, rows: list[int], logit_rows: list[int], logits: torch.Tensor) -> None:
+        """The shadow check for seqs[b], b in `rows` (sequences that drafted nothing, so slot 0
+        of their exit-query cache row is the layer-E state of the position just decoded)."""
+        if not rows:
             return
-        if all(b == i and o == i for i, (b, o) in enumerate(shadowed)):  # a round nobody drafted: no gather
-            states, rows = self._exit_states[:n, 0], logits[:n]
-        else:
-            states = self._exit_states[[b for b, _ in shadowed], 0]
-            rows = logits[[o for _, o in shadowed]]
-        for (b, _), agrees in zip(shadowed, self._shadow.agreement(states, rows)):
-            st = seqs[b].stats
-            st["spec_shadow_acceptance"] = self._SHADOW_DECAY * st.get("spec_shadow_acceptance", 1.0) + \
-                (1 - self._SHADOW_DECAY) * float(agrees)
+        states = self._exit_states[rows, 0]
+        self.guard.record_shadow([seqs[b] for b in rows], states, logits[logit_rows])
+
+    def release(self, seq: Sequence) -> None:
+        if self.guard is not None:
+            self.guard.release(seq)
 
     def _room(self, seq: Sequence) -> int:
         """New tokens this sequence may still get (max_tokens and the context both bound it)."""
@@ -266,13 +233,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return tokens
 
     # ---- metrics ---------------------------------------------------------------------------
-    @classmethod
-    def _count(cls, seq: Sequence, drafted: int, accepted: int) -> None:
+    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        if self.guard is not None:
+            self.guard.record_round(seq, drafted, accepted)
         st = seq.stats
-        if drafted:
-            rate = min(accepted, drafted) / drafted
-            st["spec_running_acceptance"] = cls._ACCEPTANCE_DECAY * st.get("spec_running_acceptance", 1.0) + \
-                (1 - cls._ACCEPTANCE_DECAY) * rate
         st["spec_drafted"] = st.get("spec_drafted", 0) + drafted
         st["spec_accepted"] = st.get("spec_accepted", 0) + min(accepted, drafted)
         st["spec_steps"] = st.get("spec_steps", 0) + 1
@@ -286,40 +250,3 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 "mean_accepted_tokens_per_step": st["spec_emitted"] / st["spec_steps"],
                 "num_verify_steps": st["spec_steps"], "num_drafted_tokens": st["spec_drafted"]}
 
-
-class ShadowCheck:
-    """Would layer E's draft have been the full model's token? An upper bound, for a sliver of a
-    draft's cost.
-
-    The exact answer needs layer E's argmax over the whole vocabulary: one more LM head pass,
-    which at batch 1 costs about a fifth of a step on a small model. Instead, the check scores
-    layer E's state against only the full model's top-K tokens: if the full model's top-1 does
-    not win among them at layer E, the draft would certainly have been rejected; if it wins, it
-    most likely would have been accepted (unless layer E's argmax lies outside the K). So the
-    agreement it reports is never below the true first-draft acceptance, and on SmolLM2-135M at
-    K=64 it is within 0.03-0.05 of it at every exit layer tried (E = 4..27). That is tight
-    enough to tell hopeless drafts from promising ones, which is all the guard asks of it.
-    """
-
-    NUM_CANDIDATES = 64
-
-    def __init__(self, model, max_rows: int):
-        self.model = model
-        self.k = min(self.NUM_CANDIDATES, model.config.vocab_size)
-        d, dev = model.config.hidden_size, model.device
-        self._top_values = torch.empty(max_rows, self.k, dtype=torch.float32, device=dev)
-        self._top_ids = torch.empty(max_rows, self.k, dtype=torch.long, device=dev)
-        self._normed = torch.empty(max_rows, d, dtype=model.dtype, device=dev)
-        self._rows = torch.empty(max_rows * self.k, d, dtype=model.lm_head.dtype, device=dev)
-        self._scores = torch.empty(max_rows, self.k, 1, dtype=model.dtype, device=dev)
-
-    def agreement(self, exit_states: torch.Tensor, logits: torch.Tensor) -> list[bool]:
-        """exit_states `[n, d]` (layer-E residual stream), logits `[n, V]` (the full model's, fp32):
-        per row, whether the full model's top-1 is also layer E's top-1 among the full model's
-        top-K tokens."""
-        n, k = logits.shape[0], self.k
-        values, ids = torch.topk(logits, k, dim=-1, out=(self._top_values[:n], self._top_ids[:n]))
-        normed = self.model.final_norm_(exit_states.contiguous(), self._normed[:n])
-        rows = torch.index_select(self.model.lm_head, 0, ids.view(-1), out=self._rows[: n * k]).view(n, k, -1)
-        scores = torch.bmm(rows.to(normed.dtype), normed.unsqueeze(-1), out=self._scores[:n])
-        return (scores.squeeze(-1).argmax(dim=-1) == 0).tolist()

@@ -1,0 +1,134 @@
+"""The speculation guard: stop drafting for a sequence while its drafts lose, at almost no cost.
+
+A self-speculation round only pays when enough of its drafts are accepted: below a break-even
+acceptance (which depends on E, d and the hardware; bench/roofline.py gives the bandwidth-bound
+one) every draft costs more than it saves. `SelfSpeculativeConfig(min_acceptance=a)` turns this
+guard on. Per sequence:
+
+- its running acceptance is an exponential average over the rounds it drafted in. It starts
+  optimistic, so a sequence drafts at first; once the average falls below `a`, drafting stops
+  and its rounds cost what a full-depth step costs;
+- while drafting is off, a probe round falls due every `probe_every` rounds, and the wait doubles
+  each time (up to 128 rounds), so hopeless drafts cost next to nothing in the long run;
+- a probe round drafts for real only if the shadow check (below) says it could pass. Over the
+  last few rounds before it falls due, each round checks whether the sequence's layer-E state
+  would have drafted the full model's token. If even this optimistic estimate is below `a`, the
+  probe is skipped as if it had failed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eecore.engine.sequence import Sequence
+
+
+@dataclass
+class _SequenceGuard:
+    probe_interval: int
+    running_acceptance: float = 1.0
+    idle_rounds: int = 0
+    shadow_hits: int = 0
+    shadow_checks: int = 0
+    wants_shadow: bool = False
+
+
+class SpeculationGuard:
+    # Half-life of about two drafting rounds: the guard reacts fast, and probes keep it from
+    # locking a sequence out for good.
+    ACCEPTANCE_DECAY = 0.7
+    MAX_PROBE_INTERVAL = 128
+    # Shadow checks per probe: enough for a rough estimate, few enough that their cost (a top-k
+    # over the logits and a K-row matmul, about 1% of a batch-1 step on SmolLM2) vanishes once
+    # the probe interval has grown.
+    SHADOW_WINDOW = 8
+
+    def __init__(self, model, max_rows: int, min_acceptance: float, probe_every: int):
+        self.floor = min_acceptance
+        self.probe_every = probe_every
+        self.shadow = ShadowCheck(model, max_rows)
+        self._seqs: dict[int, _SequenceGuard] = {}
+
+    def allows(self, seq: Sequence) -> bool:
+        """Whether `seq` drafts this round. Call once per round and sequence."""
+        g = self._seqs.setdefault(seq.seq_id, _SequenceGuard(self.probe_every))
+        g.wants_shadow = False
+        if g.running_acceptance >= self.floor:
+            g.probe_interval = self.probe_every
+            return True
+        g.idle_rounds += 1
+        if g.idle_rounds < g.probe_interval:
+            g.wants_shadow = g.probe_interval - g.idle_rounds <= self.SHADOW_WINDOW
+            return False
+        promising = g.shadow_checks == 0 or g.shadow_hits >= self.floor * g.shadow_checks
+        g.idle_rounds = g.shadow_hits = g.shadow_checks = 0
+        g.probe_interval = min(2 * g.probe_interval, max(self.MAX_PROBE_INTERVAL, self.probe_every))
+        return promising  # a probe round, unless the shadow check ruled it out
+
+    def wants_shadow(self, seq: Sequence) -> bool:
+        """Whether this round should run the shadow check for `seq` (which does not draft)."""
+        g = self._seqs.get(seq.seq_id)
+        return g is not None and g.wants_shadow
+
+    def record_round(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        if drafted:
+            g = self._seqs[seq.seq_id]
+            g.running_acceptance = self.ACCEPTANCE_DECAY * g.running_acceptance + \
+                (1 - self.ACCEPTANCE_DECAY) * min(accepted, drafted) / drafted
+
+    def record_shadow(self, seqs: list[Sequence], exit_states: torch.Tensor, logits: torch.Tensor) -> None:
+        """exit_states `[n, d]` and logits `[n, V]`: the layer-E state and the full model's logits
+        of the position each of `seqs` just decoded."""
+        if not seqs:
+            return
+        for seq, agrees in zip(seqs, self.shadow.agreement(exit_states, logits)):
+            g = self._seqs[seq.seq_id]
+            g.shadow_checks += 1
+            g.shadow_hits += int(agrees)
+
+    def release(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+
+class ShadowCheck:
+    """Would layer E's draft have been the full model's token? An upper bound, for a sliver of a
+    draft's cost.
+
+    The exact answer needs layer E's argmax over the whole vocabulary: one more LM head pass,
+    which at batch 1 costs about a fifth of a step on a small model. Instead, the check scores
+    layer E's state against only the full model's top-K tokens: if the full model's top-1 does
+    not win among them at layer E, the draft would certainly have been rejected; if it wins, it
+    most likely would have been accepted (unless layer E's argmax lies outside the K). So the
+    agreement it reports is never below the true first-draft acceptance, and on SmolLM2-135M at
+    K=64 it is within 0.03-0.05 of it at every exit layer tried (E = 4..27). That is tight
+    enough to tell hopeless drafts from promising ones, which is all the guard asks of it.
+    """
+
+    NUM_CANDIDATES = 64
+
+    def __init__(self, model, max_rows: int):
+        self.model = model
+        self.k = min(self.NUM_CANDIDATES, model.config.vocab_size)
+        d, dev = model.config.hidden_size, model.device
+        self._top_values = torch.empty(max_rows, self.k, dtype=torch.float32, device=dev)
+        self._top_ids = torch.empty(max_rows, self.k, dtype=torch.long, device=dev)
+        self._states = torch.empty(max_rows, d, dtype=model.dtype, device=dev)
+        self._normed = torch.empty(max_rows, d, dtype=model.dtype, device=dev)
+        self._rows = torch.empty(max_rows * self.k, d, dtype=model.lm_head.dtype, device=dev)
+        self._scores = torch.empty(max_rows, self.k, 1, dtype=model.dtype, device=dev)
+
+    def agreement(self, exit_states: torch.Tensor, logits: torch.Tensor) -> list[bool]:
+        """exit_states `[n, d]` (layer-E residual stream), logits `[n, V]` (the full model's, fp32):
+        per row, whether the full model's top-1 is also layer E's top-1 among the full model's
+        top-K tokens."""
+        n, k = logits.shape[0], self.k
+        _, ids = torch.topk(logits, k, dim=-1, out=(self._top_values[:n], self._top_ids[:n]))
+        states = self._states[:n].copy_(exit_states)  # the exit-query cache rows are strided
+        normed = self.model.final_norm_(states, self._normed[:n])
+        rows = torch.index_select(self.model.lm_head, 0, ids.view(-1), out=self._rows[: n * k]).view(n, k, -1)
+        scores = torch.bmm(rows.to(normed.dtype), normed.unsqueeze(-1), out=self._scores[:n])
+        return (scores.squeeze(-1).argmax(dim=-1) == 0).tolist()
