@@ -77,6 +77,20 @@ def test_guard_skips_probes_the_shadow_check_says_would_fail(tiny):
     assert all(o.metrics["acceptance_rate"] < 1.0 for o in outs)
 
 
+def test_guard_counts_a_draft_the_threshold_dropped_as_a_loss(tiny):
+    # draft_threshold=1.0 drops every draft: no token is ever drafted, but each attempt still
+    # paid for a draft LM head, so the guard must switch drafting off all the same
+    path, hf = tiny
+    llm = _spec(path, 2, 4, threshold=1.0, guard=dict(min_acceptance=0.5, probe_every=8))
+    runner, rows = llm.engine.runner, []
+    head = runner.logits
+    runner.logits = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]
+    out = llm.generate(random_prompts(hf.config.vocab_size, [7], seed=13), greedy(40))[0]
+    assert out.metrics["num_drafted_tokens"] == 0
+    draft_heads = len(rows) - 1 - out.metrics["num_verify_steps"]  # less the prefill's and each round's own
+    assert 2 <= draft_heads <= 4, draft_heads  # two rounds to fall below 0.5, then at most two probes
+
+
 def _with_identity_tail(hf, exit_layer: int, path):
     """Save `hf` with its layers from `exit_layer` on zeroed into identities (their attention
     and MLP add nothing to the residual stream): layer E's draft is then always the full model's."""

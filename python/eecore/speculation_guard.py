@@ -5,7 +5,7 @@ acceptance (which depends on E, d and the hardware; bench/roofline.py gives the 
 one) every draft costs more than it saves. `SelfSpeculativeConfig(min_acceptance=a)` turns this
 guard on. Per sequence:
 
-- its running acceptance is an exponential average over the rounds it drafted in. It starts
+- its running acceptance is an exponential average over the rounds it tried to draft in. It starts
   optimistic, so a sequence drafts at first; once the average falls below `a`, drafting stops
   and its rounds cost what a full-depth step costs;
 - while drafting is off, a probe round falls due every `probe_every` rounds, and the wait doubles
@@ -72,10 +72,11 @@ class SpeculationGuard:
         return g is not None and g.wants_shadow
 
     def record_round(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        if drafted:
-            g = self._seqs[seq.seq_id]
-            g.running_acceptance = self.ACCEPTANCE_DECAY * g.running_acceptance + \
-                (1 - self.ACCEPTANCE_DECAY) * min(accepted, drafted) / drafted
+        """A round in which `seq` was allowed to draft. A round whose first draft the draft
+        threshold dropped counts as a rate of 0: it paid for a draft LM head and got nothing."""
+        rate = min(accepted, drafted) / drafted if drafted else 0.0
+        g = self._seqs[seq.seq_id]
+        g.running_acceptance = self.ACCEPTANCE_DECAY * g.running_acceptance + (1 - self.ACCEPTANCE_DECAY) * rate
 
     def record_shadow(self, seqs: list[Sequence], exit_states: torch.Tensor, logits: torch.Tensor) -> None:
         """exit_states `[n, d]` and logits `[n, V]`: the layer-E state and the full model's logits

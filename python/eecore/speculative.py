@@ -94,7 +94,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         shadowed = [b for b, s in enumerate(seqs) if self.guard is not None and self.guard.wants_shadow(s)]
         if not any(budgets):  # nobody drafts this round (the guard, or last tokens): a plain step
             for seq in seqs:
-                self._count(seq, 0, 0)
+                self._count(seq, False, 0, 0)
             if not shadowed:
                 return self._plain.decode(seqs)
             # the guard's shadow check wants layer-E states: tap them on the way through
@@ -104,14 +104,14 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         drafts, draft_probs = self._draft(seqs, budgets)
         logits = self._verify(seqs, drafts)
         results, offsets, offset = [], [], 0
-        for seq, seq_drafts, probs in zip(seqs, drafts, draft_probs):
+        for seq, seq_drafts, probs, budget in zip(seqs, drafts, draft_probs, budgets):
             n = len(seq_drafts) + 1
             tokens = self._accept(seq, seq_drafts, probs, logits[offset: offset + n])
             offsets.append(offset)
             offset += n
             # positions up to the last accepted draft now hold valid K/V in every layer
             seq.num_computed_tokens += len(tokens)
-            self._count(seq, len(seq_drafts), len(tokens) - 1)
+            self._count(seq, budget > 0, len(seq_drafts), len(tokens) - 1)
             results.append(tokens)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         return results
@@ -233,8 +233,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return tokens
 
     # ---- metrics ---------------------------------------------------------------------------
-    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        if self.guard is not None:
+    def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int) -> None:
+        if self.guard is not None and attempted:
             self.guard.record_round(seq, drafted, accepted)
         st = seq.stats
         st["spec_drafted"] = st.get("spec_drafted", 0) + drafted
