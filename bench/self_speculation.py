@@ -9,7 +9,10 @@ at which a round would break even with full depth when decode is bound by readin
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
-writes bench/results/cpu-self-speculation-<date>.json
+                                     [--batch-sizes 1 8] [--no-hf] [--out-name NAME]
+writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance). Each
+configuration alternates with full depth `--repeats` times; ratios are of the medians, and the
+file keeps every run.
 """
 from __future__ import annotations
 
@@ -37,13 +40,13 @@ def eecore_run(llm, prompts, params, batch):
 
 def alternate(llm, full, prompts, params, batch, repeats):
     """Run `llm` and full depth in turn, `repeats` times each (a burst of load on a shared
-    machine then hits both alike); returns llm's last outputs and the median tok/s of each."""
+    machine then hits both alike); returns llm's last outputs and the tok/s of every run of each."""
     ours, theirs = [], []
     for _ in range(repeats):
         outs, tok_s = eecore_run(llm, prompts, params, batch)
         ours.append(tok_s)
         theirs.append(eecore_run(full, prompts, params, batch)[1])
-    return outs, statistics.median(ours), statistics.median(theirs)
+    return outs, ours, theirs
 
 
 def main():
@@ -53,6 +56,8 @@ def main():
     ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts-batch1", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip HF transformers (only the ratio to full depth)")
+    ap.add_argument("--out-name", default=None, help="results file prefix (default: cpu-self-speculation[-guard])")
     ap.add_argument("--repeats", type=int, default=3,
                     help="alternating runs of each configuration and full depth; medians")
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
@@ -80,7 +85,7 @@ def main():
         full_outs, full_tok_s = eecore_run(full, prompts, params, batch)
         print(f"\nbatch {batch}: eecore full depth {full_tok_s:.1f} tok/s")
         hf_tok_s = {}
-        if batch == 1:
+        if batch == 1 and not args.no_hf:
             _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens) for p in prompts])
             hf_full = len(prompts) * args.max_tokens / t
             print(f"HF full depth {hf_full:.1f} tok/s")
@@ -94,7 +99,8 @@ def main():
             llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
                 exit_layer=E, num_speculations=d, draft_threshold=threshold,
                 min_acceptance=args.min_acceptance))
-            outs, tok_s, full_tok_s = alternate(llm, full, prompts, params, batch, args.repeats)
+            outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
+            tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
@@ -102,7 +108,8 @@ def main():
             row = dict(batch=batch, exit_layer=E, num_speculations=d, draft_threshold=threshold, tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
-                       identical_to_full=exact)
+                       identical_to_full=exact, tok_s_runs=runs, full_tok_s_runs=full_runs,
+                       paired_ratios=[a / b for a, b in zip(runs, full_runs)])
             hf_text = "-"
             if E in hf_tok_s:
                 row.update(hf_self_spec_tok_s=hf_tok_s[E], speedup_vs_hf=tok_s / hf_tok_s[E])
@@ -111,7 +118,7 @@ def main():
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
             print(f"{E:3d}{d:3d}{threshold or '-':>5}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
-    name = "cpu-self-speculation" if args.min_acceptance is None else "cpu-self-speculation-guard"
+    name = args.out_name or ("cpu-self-speculation" if args.min_acceptance is None else "cpu-self-speculation-guard")
     path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
                                    min_acceptance=args.min_acceptance, repeats=args.repeats, rows=rows))
     print(f"\nresults: {path}")

@@ -249,4 +249,3 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return {"acceptance_rate": st["spec_accepted"] / max(st["spec_drafted"], 1),
                 "mean_accepted_tokens_per_step": st["spec_emitted"] / st["spec_steps"],
                 "num_verify_steps": st["spec_steps"], "num_drafted_tokens": st["spec_drafted"]}
-
