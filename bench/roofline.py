@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from eecore.speculation_guard import layer_weight_bytes, weight_bytes
+
 
 def read_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Median GB/s of summing a `size_bytes` fp32 buffer (read-only streaming)."""
@@ -29,15 +31,6 @@ def read_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
         buf.sum()
         times.append(time.perf_counter() - start)
     return size_bytes / statistics.median(times) / 1e9
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def layer_weight_bytes(model, i: int) -> int:
-    w = model.layers[i]
-    return sum(_nbytes(t) for t in (w.input_norm, w.qkv, w.qkv_bias, w.o_proj, w.post_norm, w.gate_up, w.down))
 
 
 def decode_weight_bytes(model, layers_run: float | None = None) -> float:
@@ -52,30 +45,10 @@ def decode_weight_bytes(model, layers_run: float | None = None) -> float:
     c = model.config
     kv_rows = 2 * c.num_kv_heads * c.head_dim
     kv_fill_per_layer = kv_rows * c.hidden_size * model.lm_head.element_size()
-    head = _nbytes(model.lm_head) + _nbytes(model.final_norm)
+    head = weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
     return depth * per_layer + (L - depth) * kv_fill_per_layer + head
 
 
 def weight_bytes_ideal_speedup(model, mean_layers: float) -> float:
     """Full-depth bytes over exit-depth bytes: the speed-up a bandwidth-bound step can reach."""
     return decode_weight_bytes(model) / decode_weight_bytes(model, mean_layers)
-
-
-def self_speculation_break_even(model, exit_layer: int, num_speculations: int) -> float:
-    """The acceptance rate at which a bandwidth-bound self-speculation round (d + 1 draft passes
-    through layers 0..E-1, d draft LM heads, one verify pass through layers E..L-1 and its LM head)
-    emits as many tokens per weight byte as full depth. Acceptances are taken as independent with
-    rate a, so a round emits (1 - a^(d+1)) / (1 - a) tokens."""
-    L, E, d = model.num_layers, exit_layer, num_speculations
-    per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
-    head = _nbytes(model.lm_head) + _nbytes(model.final_norm)
-    round_bytes = (d + 1) * E * per_layer + d * head + (L - E) * per_layer + head
-    needed = round_bytes / decode_weight_bytes(model)  # tokens a round must emit to break even
-    if needed > d + 1:
-        return float("inf")
-    lo, hi = 0.0, 1.0
-    for _ in range(50):  # tokens per round grows with a: bisect
-        a = (lo + hi) / 2
-        tokens = sum(a ** k for k in range(d + 1))
-        lo, hi = (a, hi) if tokens < needed else (lo, a)
-    return hi

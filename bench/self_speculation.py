@@ -24,7 +24,7 @@ import torch
 
 import eecore
 from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
-from roofline import self_speculation_break_even
+from eecore.speculation_guard import break_even_acceptance
 
 
 def eecore_run(llm, prompts, params, batch):
@@ -62,10 +62,12 @@ def main():
                     help="alternating runs of each configuration and full depth; medians")
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
-    ap.add_argument("--min-acceptance", type=float, default=None,
-                    help="the speculation guard: stop drafting for sequences below this acceptance rate "
-                         "(results go to cpu-self-speculation-guard-<date>.json)")
+    ap.add_argument("--min-acceptance", default=None,
+                    help="the speculation guard: stop drafting for sequences below this acceptance rate, "
+                         "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
     args = ap.parse_args()
+    if args.min_acceptance not in (None, "break-even"):
+        args.min_acceptance = float(args.min_acceptance)
     thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
 
     from eecore.models.loader import load_model
@@ -104,7 +106,7 @@ def main():
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
-            break_even = self_speculation_break_even(full.model, E, d)
+            break_even = break_even_acceptance(full.model, E, d)
             row = dict(batch=batch, exit_layer=E, num_speculations=d, draft_threshold=threshold, tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,

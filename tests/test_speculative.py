@@ -91,6 +91,35 @@ def test_guard_counts_a_draft_the_threshold_dropped_as_a_loss(tiny):
     assert 2 <= draft_heads <= 4, draft_heads  # two rounds to fall below 0.5, then at most two probes
 
 
+def test_break_even_floor(tiny):
+    from eecore.speculation_guard import break_even_acceptance
+
+    path, hf = tiny
+    llm = _spec(path, 2, 3, guard=dict(min_acceptance="break-even"))
+    floor = llm.engine.strategy.guard.floor
+    assert floor == break_even_acceptance(llm.model, 2, 3)
+    # deeper drafts and longer ones both cost more per round, so they need more acceptance
+    by_depth = [break_even_acceptance(llm.model, E, 2) for E in range(1, NUM_LAYERS)]
+    by_length = [break_even_acceptance(llm.model, 1, d) for d in (1, 2, 4, 8)]
+    assert all(0.0 < a < b for a, b in zip(by_depth, by_depth[1:])), by_depth
+    assert all(0.0 < a < b for a, b in zip(by_length, by_length[1:])), by_length
+    prompts = random_prompts(hf.config.vocab_size, [5, 8], seed=14)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(12))
+    assert [o.token_ids for o in llm.generate(prompts, greedy(12))] == [o.token_ids for o in full]
+
+
+def test_cli_min_acceptance_flag(tiny, capsys):
+    from eecore.cli import main
+
+    path, _ = tiny
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--exit-layer", "2", "--min-acceptance", "break-even"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--min-acceptance", "often"])
+    assert exc.value.code == 2
+    assert "--min-acceptance" in capsys.readouterr().err
+
+
 def _with_identity_tail(hf, exit_layer: int, path):
     """Save `hf` with its layers from `exit_layer` on zeroed into identities (their attention
     and MLP add nothing to the residual stream): layer E's draft is then always the full model's."""
@@ -231,6 +260,8 @@ def test_bad_speculative_config():
         eecore.SelfSpeculativeConfig(exit_layer=2, draft_threshold=2.0)
     with pytest.raises(ValueError, match="'min_acceptance'"):
         eecore.SelfSpeculativeConfig(exit_layer=2, min_acceptance=-0.1)
+    with pytest.raises(ValueError, match="'min_acceptance' must be a number in \\[0, 1\\] or 'break-even'"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, min_acceptance="auto")
     with pytest.raises(ValueError, match="'probe_every'"):
         eecore.SelfSpeculativeConfig(exit_layer=2, probe_every=0)
 

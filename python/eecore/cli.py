@@ -7,6 +7,15 @@ import sys
 import time
 
 
+def _min_acceptance(text: str):
+    if text == "break-even":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'break-even', got {text!r}") from None
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
@@ -31,8 +40,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculate", action="store_true")
     s.add_argument("--num-speculations", type=int, default=4)
     s.add_argument("--draft-threshold", type=float, default=None)
-    s.add_argument("--min-acceptance", type=float, default=None,
-                   help="stop drafting for a sequence whose running acceptance rate falls below this")
+    s.add_argument("--min-acceptance", type=_min_acceptance, default=None,
+                   help="stop drafting for a sequence whose running acceptance rate falls below this "
+                        "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -3,7 +3,8 @@
 A self-speculation round only pays when enough of its drafts are accepted: below a break-even
 acceptance (which depends on E, d and the hardware; bench/roofline.py gives the bandwidth-bound
 one) every draft costs more than it saves. `SelfSpeculativeConfig(min_acceptance=a)` turns this
-guard on. Per sequence:
+guard on; `min_acceptance="break-even"` sets `a` to `break_even_acceptance` below, the
+bandwidth-bound break-even of this model, E and d. Per sequence:
 
 - its running acceptance is an exponential average over the rounds it tried to draft in. It starts
   optimistic, so a sequence drafts at first; once the average falls below `a`, drafting stops
@@ -17,11 +18,44 @@ guard on. Per sequence:
 """
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 import torch
 
 from eecore.engine.sequence import Sequence
+
+
+def weight_bytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def layer_weight_bytes(model, i: int) -> int:
+    """Bytes of the weights layer `i` reads for a token."""
+    w = model.layers[i]
+    return sum(weight_bytes(t) for t in (w.input_norm, w.qkv, w.qkv_bias, w.o_proj, w.post_norm, w.gate_up, w.down))
+
+
+def break_even_acceptance(model, exit_layer: int, num_speculations: int) -> float:
+    """The acceptance rate below which self-speculation loses to full depth when decoding is
+    bound by reading weights (small batches, on CPUs and GPUs alike): the rate at which a round
+    (d + 1 draft passes through layers 0..E-1, d draft LM heads, one verify pass through layers
+    E..L-1 and its LM head) emits as many tokens per weight byte as full-depth steps do.
+    Acceptances are taken as independent with rate a, so a round emits (1 - a^(d+1)) / (1 - a)
+    tokens. math.inf where even accepting every draft cannot pay."""
+    L, E, d = model.num_layers, exit_layer, num_speculations
+    per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
+    head = weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
+    round_bytes = (d + 1) * E * per_layer + d * head + (L - E) * per_layer + head
+    needed = round_bytes / (L * per_layer + head)  # tokens a round must emit to break even
+    if needed > d + 1:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # tokens per round grows with a: bisect
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** k for k in range(d + 1)) < needed else (lo, a)
+    return hi
 
 
 @dataclass

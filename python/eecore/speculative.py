@@ -16,7 +16,7 @@ the verify pass is varlen, so nothing is padded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -24,7 +24,9 @@ from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
-from eecore.speculation_guard import SpeculationGuard
+from eecore.speculation_guard import SpeculationGuard, break_even_acceptance
+
+BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
 
 
 @dataclass
@@ -39,7 +41,9 @@ class SelfSpeculativeConfig:
     rate falls below this value stops drafting, so its rounds cost what a full-depth step costs,
     and drafts again only in probe rounds, at most one per `probe_every` rounds (the wait
     doubling while they fail, up to 128) and only when a near-free check says the probe could
-    pass. See eecore.speculation_guard.
+    pass. "break-even" sets it to the acceptance below which drafting loses when decoding is
+    bound by reading weights, computed from the model's sizes, E and d. See
+    eecore.speculation_guard.
     Drafting pays only above a break-even acceptance that depends on E, d and the hardware (see
     bench/roofline.py for the bandwidth-bound one); below it every draft is a loss.
     """
@@ -47,7 +51,7 @@ class SelfSpeculativeConfig:
     exit_layer: int
     num_speculations: int = 4
     draft_threshold: Optional[float] = None
-    min_acceptance: Optional[float] = None
+    min_acceptance: Optional[Union[float, str]] = None
     probe_every: int = 8
 
     def __post_init__(self):
@@ -58,8 +62,10 @@ class SelfSpeculativeConfig:
                              f"got {self.num_speculations!r}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
-        if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"SelfSpeculativeConfig: 'min_acceptance' must be in [0, 1], got {self.min_acceptance!r}")
+        if self.min_acceptance is not None and self.min_acceptance != BREAK_EVEN and not (
+                isinstance(self.min_acceptance, (int, float)) and 0.0 <= self.min_acceptance <= 1.0):
+            raise ValueError(f"SelfSpeculativeConfig: 'min_acceptance' must be a number in [0, 1] or "
+                             f"{BREAK_EVEN!r}, got {self.min_acceptance!r}")
         if not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'probe_every' must be an int >= 1, got {self.probe_every!r}")
 
@@ -84,8 +90,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         # the exit-query cache: layer-E hidden state of each drafted position, per sequence
         self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
                                         device=model.device)
-        self.guard = None if config.min_acceptance is None else \
-            SpeculationGuard(model, rows, config.min_acceptance, config.probe_every)
+        floor = config.min_acceptance
+        if floor == BREAK_EVEN:
+            floor = break_even_acceptance(model, self.exit_layer, self.num_drafts)
+        self.guard = None if floor is None else SpeculationGuard(model, rows, floor, config.probe_every)
 
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
