@@ -6,9 +6,11 @@ one) every draft costs more than it saves. `SelfSpeculativeConfig(min_acceptance
 guard on; `min_acceptance="break-even"` sets `a` to `break_even_acceptance` below, the
 bandwidth-bound break-even of this model, E and d. Per sequence:
 
-- its running acceptance is an exponential average over the rounds it tried to draft in. It starts
-  optimistic, so a sequence drafts at first; once the average falls below `a`, drafting stops
-  and its rounds cost what a full-depth step costs;
+- a new sequence looks before it drafts: its first few rounds are plain steps with the shadow
+  check (below), and its first probe follows;
+- its running acceptance is an exponential average over the rounds it tried to draft in. While
+  it is at least `a`, the sequence drafts every round; below `a`, drafting stops and its rounds
+  cost what a full-depth step costs;
 - while drafting is off, a probe round falls due every `probe_every` rounds, and the wait doubles
   each time (up to 128 rounds), so hopeless drafts cost next to nothing in the long run;
 - a probe round drafts for real only if the shadow check (below) says it could pass. Over the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -61,7 +64,7 @@ def break_even_acceptance(model, exit_layer: int, num_speculations: int) -> floa
 @dataclass
 class _SequenceGuard:
     probe_interval: int
-    running_acceptance: float = 1.0
+    running_acceptance: Optional[float] = None  # None until its first drafting round
     idle_rounds: int = 0
     shadow_hits: int = 0
     shadow_checks: int = 0
@@ -77,6 +80,11 @@ class SpeculationGuard:
     # over the logits and a K-row matmul, about 1% of a batch-1 step on SmolLM2) vanishes once
     # the probe interval has grown.
     SHADOW_WINDOW = 8
+    # A new sequence looks before it drafts: its first probe falls due after this many rounds,
+    # with the shadow checks of the rounds before it. Drafting blind in the first round would
+    # cost a hopeless sequence one or two losing rounds (1-2% of 128 tokens on SmolLM2); a
+    # sequence with good drafts loses only these few rounds of speed-up.
+    FIRST_LOOK = 4
 
     def __init__(self, model, max_rows: int, min_acceptance: float, probe_every: int):
         self.floor = min_acceptance
@@ -86,9 +94,9 @@ class SpeculationGuard:
 
     def allows(self, seq: Sequence) -> bool:
         """Whether `seq` drafts this round. Call once per round and sequence."""
-        g = self._seqs.setdefault(seq.seq_id, _SequenceGuard(self.probe_every))
+        g = self._seqs.setdefault(seq.seq_id, _SequenceGuard(min(self.FIRST_LOOK, self.probe_every)))
         g.wants_shadow = False
-        if g.running_acceptance >= self.floor:
+        if g.running_acceptance is not None and g.running_acceptance >= self.floor:
             g.probe_interval = self.probe_every
             return True
         g.idle_rounds += 1
@@ -97,7 +105,8 @@ class SpeculationGuard:
             return False
         promising = g.shadow_checks == 0 or g.shadow_hits >= self.floor * g.shadow_checks
         g.idle_rounds = g.shadow_hits = g.shadow_checks = 0
-        g.probe_interval = min(2 * g.probe_interval, max(self.MAX_PROBE_INTERVAL, self.probe_every))
+        g.probe_interval = self.probe_every if g.running_acceptance is None else \
+            min(2 * g.probe_interval, max(self.MAX_PROBE_INTERVAL, self.probe_every))
         return promising  # a probe round, unless the shadow check ruled it out
 
     def wants_shadow(self, seq: Sequence) -> bool:
@@ -110,7 +119,8 @@ class SpeculationGuard:
         threshold dropped counts as a rate of 0: it paid for a draft LM head and got nothing."""
         rate = min(accepted, drafted) / drafted if drafted else 0.0
         g = self._seqs[seq.seq_id]
-        g.running_acceptance = self.ACCEPTANCE_DECAY * g.running_acceptance + (1 - self.ACCEPTANCE_DECAY) * rate
+        g.running_acceptance = rate if g.running_acceptance is None else \
+            self.ACCEPTANCE_DECAY * g.running_acceptance + (1 - self.ACCEPTANCE_DECAY) * rate
 
     def record_shadow(self, seqs: list[Sequence], exit_states: torch.Tensor, logits: torch.Tensor) -> None:
         """exit_states `[n, d]` and logits `[n, V]`: the layer-E state and the full model's logits
