@@ -40,12 +40,16 @@ def eecore_run(llm, prompts, params, batch):
 
 def alternate(llm, full, prompts, params, batch, repeats):
     """Run `llm` and full depth in turn, `repeats` times each (a burst of load on a shared
-    machine then hits both alike); returns llm's last outputs and the tok/s of every run of each."""
+    machine then hits both alike), which one goes first swapping every pair (so drift and any
+    first-or-second effect cancel); returns llm's last outputs and the tok/s of every run of each."""
     ours, theirs = [], []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if i % 2:
+            theirs.append(eecore_run(full, prompts, params, batch)[1])
         outs, tok_s = eecore_run(llm, prompts, params, batch)
         ours.append(tok_s)
-        theirs.append(eecore_run(full, prompts, params, batch)[1])
+        if not i % 2:
+            theirs.append(eecore_run(full, prompts, params, batch)[1])
     return outs, ours, theirs
 
 

@@ -78,10 +78,16 @@ def test_guard_skips_probes_the_shadow_check_says_would_fail(tiny):
     prompts = random_prompts(hf.config.vocab_size, [4, 9, 1, 6], seed=11)
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(60))
     llm = _spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8))
+    shadow, checked = llm.engine.strategy.guard.shadow, []
+    check = shadow.agreement
+    shadow.agreement = lambda states, logits: (checked.append(logits.shape[0]), check(states, logits))[1]
     outs = llm.generate(prompts, greedy(60))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert [o.metrics["num_drafted_tokens"] for o in outs] == [0] * len(prompts)
     assert len(llm.engine.strategy.guard) == 0  # finished sequences leave no guard state behind
+    # the checks run only in the rounds before a look falls due, and looks grow apart: rounds 4,
+    # 12, 28 and 60 with 3, 7, 8 and 8 checks before them, not one in each of the 59 rounds
+    assert 0 < sum(checked) <= len(prompts) * (3 + 7 + 8 + 8), sum(checked)
     assert all(o.metrics["acceptance_rate"] < 1.0 for o in outs)
 
 

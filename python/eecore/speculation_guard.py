@@ -69,6 +69,7 @@ class _SequenceGuard:
     shadow_hits: int = 0
     shadow_checks: int = 0
     wants_shadow: bool = False
+    looked: bool = False  # the first look (FIRST_LOOK rounds) is over
 
 
 class SpeculationGuard:
@@ -105,8 +106,9 @@ class SpeculationGuard:
             return False
         promising = g.shadow_checks == 0 or g.shadow_hits >= self.floor * g.shadow_checks
         g.idle_rounds = g.shadow_hits = g.shadow_checks = 0
-        g.probe_interval = self.probe_every if g.running_acceptance is None else \
+        g.probe_interval = self.probe_every if not g.looked else \
             min(2 * g.probe_interval, max(self.MAX_PROBE_INTERVAL, self.probe_every))
+        g.looked = True
         return promising  # a probe round, unless the shadow check ruled it out
 
     def wants_shadow(self, seq: Sequence) -> bool:
