@@ -20,7 +20,6 @@ bandwidth-bound break-even of this model, E and d. Per sequence:
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Optional
@@ -46,14 +45,13 @@ def break_even_acceptance(model, exit_layer: int, num_speculations: int) -> floa
     (d + 1 draft passes through layers 0..E-1, d draft LM heads, one verify pass through layers
     E..L-1 and its LM head) emits as many tokens per weight byte as full-depth steps do.
     Acceptances are taken as independent with rate a, so a round emits (1 - a^(d+1)) / (1 - a)
-    tokens. math.inf where even accepting every draft cannot pay."""
+    tokens."""
     L, E, d = model.num_layers, exit_layer, num_speculations
     per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
     head = weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
     round_bytes = (d + 1) * E * per_layer + d * head + (L - E) * per_layer + head
-    needed = round_bytes / (L * per_layer + head)  # tokens a round must emit to break even
-    if needed > d + 1:
-        return math.inf
+    # tokens a round must emit to break even; below d + 1 whenever E < L, so the rate is below 1
+    needed = round_bytes / (L * per_layer + head)
     lo, hi = 0.0, 1.0
     for _ in range(50):  # tokens per round grows with a: bisect
         a = (lo + hi) / 2
@@ -78,8 +76,8 @@ class SpeculationGuard:
     ACCEPTANCE_DECAY = 0.7
     MAX_PROBE_INTERVAL = 128
     # Shadow checks per probe: enough for a rough estimate, few enough that their cost (a top-k
-    # over the logits and a K-row matmul, about 1% of a batch-1 step on SmolLM2) vanishes once
-    # the probe interval has grown.
+    # over the logits and a K-row matmul: 0.7% of a step on SmolLM2 at batch 1, 2.3% at batch 8)
+    # vanishes once the probe interval has grown.
     SHADOW_WINDOW = 8
     # A new sequence looks before it drafts: its first probe falls due after this many rounds,
     # with the shadow checks of the rounds before it. Drafting blind in the first round would
