@@ -5,7 +5,8 @@ HF supports no more), all in the same run, on the same weights.
 SmolLM2 was not trained with LayerSkip's recipe, so its early layers make poor drafts and the
 acceptance rate at small E is low; the table reports it as measured, next to the acceptance rate
 at which a round would break even with full depth when decode is bound by reading weights
-(roofline.py: every draft pass re-reads layers 0..E-1 and the LM head).
+(eecore.speculation_guard.break_even_acceptance: every draft pass re-reads layers 0..E-1 and
+the LM head).
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
@@ -23,8 +24,9 @@ import statistics
 import torch
 
 import eecore
-from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
+from eecore.cli import parse_min_acceptance
 from eecore.speculation_guard import break_even_acceptance
+from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
 
 def eecore_run(llm, prompts, params, batch):
@@ -66,12 +68,10 @@ def main():
                     help="alternating runs of each configuration and full depth; medians")
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
-    ap.add_argument("--min-acceptance", default=None,
+    ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
     args = ap.parse_args()
-    if args.min_acceptance not in (None, "break-even"):
-        args.min_acceptance = float(args.min_acceptance)
     thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
 
     from eecore.models.loader import load_model

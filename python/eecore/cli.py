@@ -7,7 +7,8 @@ import sys
 import time
 
 
-def _min_acceptance(text: str):
+def parse_min_acceptance(text: str):
+    """`--min-acceptance`: a number, or 'break-even' (shared with bench/self_speculation.py)."""
     if text == "break-even":
         return text
     try:
@@ -40,7 +41,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculate", action="store_true")
     s.add_argument("--num-speculations", type=int, default=4)
     s.add_argument("--draft-threshold", type=float, default=None)
-    s.add_argument("--min-acceptance", type=_min_acceptance, default=None,
+    s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
                         "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
 
