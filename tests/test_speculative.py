@@ -96,12 +96,12 @@ def test_guard_counts_a_draft_the_threshold_dropped_as_a_loss(tiny):
     # paid for a draft LM head, so the guard must switch drafting off all the same
     path, hf = tiny
     llm = _trusting_shadow(_spec(path, 2, 4, threshold=1.0, guard=dict(min_acceptance=0.5, probe_every=8)))
-    runner, rows = llm.engine.runner, []
-    head = runner.logits
-    runner.logits = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]
+    draft_head, rows = llm.engine.strategy.draft_head, []
+    head = draft_head.logits
+    draft_head.logits = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]
     out = llm.generate(random_prompts(hf.config.vocab_size, [7], seed=13), greedy(40))[0]
     assert out.metrics["num_drafted_tokens"] == 0
-    draft_heads = len(rows) - 1 - out.metrics["num_verify_steps"]  # less the prefill's and each round's own
+    draft_heads = len(rows)
     # 39 rounds: the first look at round 4 and probes at rounds 12 and 28; each is a rate of 0
     # (were a dropped draft not counted, every look would be a first look, 8 rounds apart: 5)
     assert draft_heads == 3, draft_heads

@@ -25,6 +25,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
+                   help="exit adapters: the ones shipped for the default model (no FILE), or a file")
 
     e = p.add_argument_group("early exit")
     e.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
@@ -75,7 +77,8 @@ def build_llm(args):
                                                    draft_threshold=args.draft_threshold,
                                                    min_acceptance=args.min_acceptance)
     return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
-                      speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                      speculative=speculative, exit_adapter=args.exit_adapter,
+                      max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                       block_size=args.block_size)
 
 

@@ -50,15 +50,20 @@ class LLM:
 
     model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or a .gguf file.
     early_exit / speculative: at most one decoding strategy besides full depth.
+    exit_adapter: True (the exit adapters eecore trained for the default model, shipped with it),
+        or an adapter file (`python -m eecore.train.exit_adapter`): trained blocks that make the
+        exits read like the last layer, and a draft vocabulary. Full depth is unchanged.
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig).
     """
 
     def __init__(self, model: Optional[str] = None, dtype=None, device=None,
                  early_exit: Optional[EarlyExitConfig] = None,
-                 speculative: Optional[SelfSpeculativeConfig] = None, *,
+                 speculative: Optional[SelfSpeculativeConfig] = None,
+                 exit_adapter: Union[None, bool, str] = None, *,
                  block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
                  seed: int = 0):
+        from eecore.models.exit_adapter import resolve_exit_adapters
         from eecore.models.llama import LlamaModel
         from eecore.models.loader import load_model
 
@@ -75,7 +80,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.dtype, self.device)
         del loaded
-        strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers)
+        self.exit_adapters = resolve_exit_adapters(exit_adapter, model, self.model)
+        strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -158,7 +164,7 @@ class LLM:
         return text[: len(text) - hold] if hold > 0 else text
 
 
-def _strategy(early_exit, speculative, num_layers):
+def _strategy(early_exit, speculative, num_layers, adapters):
     from eecore.engine.decoding import FullDepthDecoder
 
     if early_exit is not None:
@@ -169,8 +175,8 @@ def _strategy(early_exit, speculative, num_layers):
     if speculative is not None:
         from eecore.speculative import SelfSpeculativeDecoder
 
-        speculative.validate_for(num_layers)
-        return (lambda runner, sampler: SelfSpeculativeDecoder(runner, sampler, speculative)), \
+        speculative.validate_for(num_layers, adapters)
+        return (lambda runner, sampler: SelfSpeculativeDecoder(runner, sampler, speculative, adapters)), \
             speculative.num_speculations + 1
     return FullDepthDecoder, 1
 

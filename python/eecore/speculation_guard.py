@@ -39,17 +39,20 @@ def layer_weight_bytes(model, i: int) -> int:
     return sum(weight_bytes(t) for t in (w.input_norm, w.qkv, w.qkv_bias, w.o_proj, w.post_norm, w.gate_up, w.down))
 
 
-def break_even_acceptance(model, exit_layer: int, num_speculations: int) -> float:
+def break_even_acceptance(model, exit_layer: int, num_speculations: int,
+                          draft_head_bytes: Optional[int] = None) -> float:
     """The acceptance rate below which self-speculation loses to full depth when decoding is
     bound by reading weights (small batches, on CPUs and GPUs alike): the rate at which a round
     (d + 1 draft passes through layers 0..E-1, d draft LM heads, one verify pass through layers
     E..L-1 and its LM head) emits as many tokens per weight byte as full-depth steps do.
     Acceptances are taken as independent with rate a, so a round emits (1 - a^(d+1)) / (1 - a)
-    tokens."""
+    tokens. `draft_head_bytes`: what a draft token reads past layer E when that is not the LM
+    head (an exit adapter, a draft vocabulary: `DraftHead.weight_bytes`)."""
     L, E, d = model.num_layers, exit_layer, num_speculations
     per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
     head = weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
-    round_bytes = (d + 1) * E * per_layer + d * head + (L - E) * per_layer + head
+    draft_head = head if draft_head_bytes is None else draft_head_bytes
+    round_bytes = (d + 1) * E * per_layer + d * draft_head + (L - E) * per_layer + head
     # tokens a round must emit to break even; below d + 1 whenever E < L, so the rate is below 1
     needed = round_bytes / (L * per_layer + head)
     lo, hi = 0.0, 1.0
@@ -85,10 +88,10 @@ class SpeculationGuard:
     # sequence with good drafts loses only these few rounds of speed-up.
     FIRST_LOOK = 4
 
-    def __init__(self, model, max_rows: int, min_acceptance: float, probe_every: int):
+    def __init__(self, model, max_rows: int, min_acceptance: float, probe_every: int, draft_head=None):
         self.floor = min_acceptance
         self.probe_every = probe_every
-        self.shadow = ShadowCheck(model, max_rows)
+        self.shadow = ShadowCheck(model, max_rows, draft_head)
         self._seqs: dict[int, _SequenceGuard] = {}
 
     def allows(self, seq: Sequence) -> bool:
@@ -155,8 +158,16 @@ class ShadowCheck:
 
     NUM_CANDIDATES = 64
 
-    def __init__(self, model, max_rows: int):
+    def __init__(self, model, max_rows: int, draft_head=None):
         self.model = model
+        # with an exit adapter the draft reads the adapted state; with a draft vocabulary, a
+        # top-1 outside it can never be drafted
+        self.draft_head = draft_head
+        vocab = getattr(draft_head, "vocab", None)
+        self._in_vocab = None
+        if vocab is not None:
+            self._in_vocab = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=model.device)
+            self._in_vocab[vocab] = True
         self.k = min(self.NUM_CANDIDATES, model.config.vocab_size)
         d, dev = model.config.hidden_size, model.device
         self._top_values = torch.empty(max_rows, self.k, dtype=torch.float32, device=dev)
@@ -172,8 +183,14 @@ class ShadowCheck:
         top-K tokens."""
         n, k = logits.shape[0], self.k
         _, ids = torch.topk(logits, k, dim=-1, out=(self._top_values[:n], self._top_ids[:n]))
-        states = self._states[:n].copy_(exit_states)  # the exit-query cache rows are strided
+        if self.draft_head is not None:
+            states = self.draft_head.adapted(exit_states)
+        else:
+            states = self._states[:n].copy_(exit_states)  # the exit-query cache rows are strided
         normed = self.model.final_norm_(states, self._normed[:n])
         rows = torch.index_select(self.model.lm_head, 0, ids.view(-1), out=self._rows[: n * k]).view(n, k, -1)
         scores = torch.bmm(rows.to(normed.dtype), normed.unsqueeze(-1), out=self._scores[:n])
-        return (scores.squeeze(-1).argmax(dim=-1) == 0).tolist()
+        wins = scores.squeeze(-1).argmax(dim=-1) == 0
+        if self._in_vocab is not None:
+            wins &= self._in_vocab[ids[:, 0]]
+        return wins.tolist()

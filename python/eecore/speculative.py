@@ -24,6 +24,7 @@ from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
+from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.speculation_guard import SpeculationGuard, break_even_acceptance
 
 BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
@@ -69,16 +70,20 @@ class SelfSpeculativeConfig:
         if not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'probe_every' must be an int >= 1, got {self.probe_every!r}")
 
-    def validate_for(self, num_layers: int) -> None:
+    def validate_for(self, num_layers: int, adapters: Optional[ExitAdapters] = None) -> None:
         if self.exit_layer >= num_layers:
             raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' must be below the model's {num_layers} layers, "
                              f"got {self.exit_layer}")
+        if adapters is not None and adapters.blocks and self.exit_layer not in adapters.blocks:
+            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' {self.exit_layer} has no exit adapter; the loaded "
+                             f"adapters cover exit layers {adapters.exit_layers()}")
 
 
 
 
 class SelfSpeculativeDecoder(DecodeStrategy):
-    def __init__(self, runner, sampler: Sampler, config: SelfSpeculativeConfig):
+    def __init__(self, runner, sampler: Sampler, config: SelfSpeculativeConfig,
+                 adapters: Optional[ExitAdapters] = None):
         super().__init__(runner, sampler)
         self.config = config
         self.exit_layer = config.exit_layer
@@ -90,10 +95,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         # the exit-query cache: layer-E hidden state of each drafted position, per sequence
         self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
                                         device=model.device)
+        # reads draft tokens off layer E: the exit adapter and draft vocabulary when there are any
+        self.draft_head = DraftHead(model, self.exit_layer, adapters, rows)
         floor = config.min_acceptance
         if floor == BREAK_EVEN:
-            floor = break_even_acceptance(model, self.exit_layer, self.num_drafts)
-        self.guard = None if floor is None else SpeculationGuard(model, rows, floor, config.probe_every)
+            floor = break_even_acceptance(model, self.exit_layer, self.num_drafts, self.draft_head.weight_bytes())
+        self.guard = None if floor is None else \
+            SpeculationGuard(model, rows, floor, config.probe_every, self.draft_head)
 
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
@@ -162,7 +170,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 break
             picked = hidden if len(drafting) == len(live) else \
                 hidden.index_select(0, torch.tensor(drafting, device=hidden.device))
-            tokens, probs, confident = self._propose(self.runner.logits(picked), [seqs[live[j]] for j in drafting])
+            tokens, probs, confident = self._propose(self.draft_head.logits(picked),
+                                                     [seqs[live[j]] for j in drafting])
             next_live = []
             for j, token, p, ok in zip(drafting, tokens, probs, confident):
                 b = live[j]

@@ -1,0 +1,256 @@
+"""Exit adapters: small trained blocks that let a frozen model's layer-E state predict its last layer.
+
+A model that was never trained for early exit reads nonsense off its middle layers (SmolLM2-135M's
+layer 12 agrees with its last layer on 8% of tokens). Retraining the model changes what it says;
+an exit adapter leaves every base weight alone, so full depth stays exactly the original model,
+and only the draft / early-exit path changes:
+
+    exit state h (residual stream after layer E-1)
+    h' = h + W_down (silu(W_gate n) * W_up n),  n = rms_norm(h) * g        (one SwiGLU block)
+    logits = LM_head[vocab] · final_norm(h')                               (the model's own head)
+
+`vocab` is the draft vocabulary: the K most frequent token ids, counted once on local text. A draft
+scores only those K rows of the LM head (FR-Spec's idea), which is most of a draft's cost on a
+small model (SmolLM2's head is 21% of its bytes). Verification always uses the full head, so the
+output never changes. A draft vocabulary also works with no adapter (`ExitAdapters(vocab=...)`).
+
+File format (safetensors, `save` / `load`):
+    exit.{E}.norm [d], exit.{E}.gate_up [2m, d], exit.{E}.down [d, m]   one block per exit layer E
+    draft_vocab int32 [K]                                                 optional
+    metadata: format, base (the model fingerprint, see `model_fingerprint`), info (JSON: training)
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from eecore import ops
+
+FORMAT = "eecore-exit-adapter-1"
+# The exit adapters trained by eecore for the default model, shipped inside the package.
+SHIPPED_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                            "smollm2-135m-instruct-exit-adapters.safetensors")
+
+
+@dataclass
+class AdapterBlock:
+    """One exit's SwiGLU block (module doc): norm [d], gate_up [2m, d] (gate rows first), down [d, m]."""
+    norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def hidden(self) -> int:
+        return self.down.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.norm, self.gate_up, self.down
+
+    def to(self, dtype: torch.dtype, device) -> "AdapterBlock":
+        return AdapterBlock(*(t.to(device=device, dtype=dtype).contiguous() for t in self.tensors()))
+
+
+def adapter_reference(block: AdapterBlock, hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """h + block(h) in plain PyTorch, differentiable: the training forward and the test oracle."""
+    x = hidden.float()
+    normed = F.rms_norm(x, (x.shape[-1],), block.norm.float(), eps)
+    gate, up = (normed @ block.gate_up.float().t()).chunk(2, dim=-1)
+    return x + (F.silu(gate) * up) @ block.down.float().t()
+
+
+def model_fingerprint(model) -> dict:
+    """What an adapter file must match: the model's shape, and a checksum of its embedding that does
+    not depend on the dtype it was loaded in (compared with a relative tolerance)."""
+    c = model.config
+    return {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+            "embed_abs_sum": float(model.embed[:256].double().abs().sum())}
+
+
+def check_fingerprint(expected: dict, model, source: str) -> None:
+    found = model_fingerprint(model)
+    for key in ("num_layers", "hidden_size", "vocab_size"):
+        if expected.get(key) != found[key]:
+            raise ValueError(f"{source}: made for a model with {key}={expected.get(key)}, "
+                             f"but this model has {key}={found[key]}")
+    ref, got = expected.get("embed_abs_sum"), found["embed_abs_sum"]
+    if ref is None or abs(got - ref) > 1e-3 * abs(ref):
+        raise ValueError(f"{source}: made for another model of the same shape (embedding checksum "
+                         f"{ref} here, {got} for this model)")
+
+
+@dataclass
+class ExitAdapters:
+    """Adapter blocks by exit layer, plus an optional draft vocabulary, for one base model."""
+    blocks: dict[int, AdapterBlock] = field(default_factory=dict)
+    vocab: Optional[torch.Tensor] = None     # int64 [K], sorted token ids
+    base: dict = field(default_factory=dict)  # model_fingerprint of the model they were trained for
+    info: dict = field(default_factory=dict)  # how they were made (data, tokens, steps, losses)
+
+    def exit_layers(self) -> list[int]:
+        return sorted(self.blocks)
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for E, block in self.blocks.items():
+            for name, t in zip(("norm", "gate_up", "down"), block.tensors()):
+                tensors[f"exit.{E}.{name}"] = t.detach().contiguous().cpu()
+        if self.vocab is not None:
+            tensors["draft_vocab"] = self.vocab.to(torch.int32).contiguous().cpu()
+        save_file(tensors, path, metadata={"format": FORMAT, "base": json.dumps(self.base),
+                                           "info": json.dumps(self.info)})
+
+    @classmethod
+    def load(cls, path: str) -> "ExitAdapters":
+        from safetensors import safe_open
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"exit adapter file {path!r} does not exist")
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for a malformed header
+            raise ValueError(f"{path}: not a safetensors exit adapter file ({exc})") from exc
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        blocks = {}
+        for name in tensors:
+            if name.startswith("exit."):
+                E = int(name.split(".")[1])
+                if E not in blocks:
+                    try:
+                        blocks[E] = AdapterBlock(*(tensors[f"exit.{E}.{n}"] for n in ("norm", "gate_up", "down")))
+                    except KeyError as exc:
+                        raise ValueError(f"{path}: exit {E} lacks tensor {exc}") from None
+        vocab = tensors.get("draft_vocab")
+        out = cls(blocks, None if vocab is None else vocab.long(), json.loads(meta.get("base", "{}")),
+                  json.loads(meta.get("info", "{}")))
+        out.validate(path)
+        return out
+
+    def validate(self, source: str = "ExitAdapters") -> None:
+        for E, b in self.blocks.items():
+            d = b.norm.shape[0]
+            if b.norm.dim() != 1 or b.gate_up.shape != (2 * b.hidden, d) or b.down.shape != (d, b.hidden):
+                raise ValueError(f"{source}: exit {E} has inconsistent shapes norm {tuple(b.norm.shape)}, "
+                                 f"gate_up {tuple(b.gate_up.shape)}, down {tuple(b.down.shape)}")
+        if self.vocab is not None:
+            v = self.vocab
+            if v.dim() != 1 or v.numel() == 0 or bool((v[1:] <= v[:-1]).any()):
+                raise ValueError(f"{source}: draft_vocab must be a non-empty, strictly increasing list of token ids")
+
+    def check_model(self, model, source: str = "exit adapter") -> None:
+        """Raises unless these adapters fit `model` (shape, fingerprint, layer and token ranges)."""
+        if self.base:
+            check_fingerprint(self.base, model, source)
+        c = model.config
+        for E, b in self.blocks.items():
+            if not 1 <= E < c.num_layers:
+                raise ValueError(f"{source}: exit layer {E} outside 1..{c.num_layers - 1}")
+            if b.norm.shape[0] != c.hidden_size:
+                raise ValueError(f"{source}: exit {E} is for hidden size {b.norm.shape[0]}, the model has {c.hidden_size}")
+        if self.vocab is not None and (int(self.vocab[0]) < 0 or int(self.vocab[-1]) >= c.vocab_size):
+            raise ValueError(f"{source}: draft_vocab holds ids outside the model's vocabulary 0..{c.vocab_size - 1}")
+
+
+class DraftHead:
+    """Reads draft logits off layer-E residual states at inference, with preallocated buffers:
+    the exit's adapter block (if any), the final norm, and the LM head rows of the draft
+    vocabulary (all of them without one). `logits` returns fp32 `[n, K]`; `token_ids` maps a
+    column to its token id."""
+
+    def __init__(self, model, exit_layer: int, adapters: Optional[ExitAdapters], max_rows: int):
+        self.model = model
+        self.exit_layer = exit_layer
+        dtype, device, d = model.dtype, model.device, model.config.hidden_size
+        block = adapters.blocks.get(exit_layer) if adapters is not None else None
+        self.block = None if block is None else block.to(dtype, device)
+        vocab = adapters.vocab if adapters is not None else None
+        self.vocab = None if vocab is None else vocab.to(device)
+        self.head = model.lm_head if vocab is None else model.lm_head.index_select(0, self.vocab).contiguous()
+        width = self.head.shape[0]
+        self._state = torch.empty(max_rows, d, dtype=dtype, device=device)
+        self._normed_buf = torch.empty(max_rows, d, dtype=dtype, device=device)
+        if self.block is not None:
+            self._gate_up = torch.empty(max_rows, 2 * self.block.hidden, dtype=dtype, device=device)
+            self._act = torch.empty(max_rows, self.block.hidden, dtype=dtype, device=device)
+        self._logits = torch.empty(max_rows, width, dtype=dtype, device=device)
+        # Draft logits come back vocabulary-wide, -inf outside the draft vocabulary, so sampling,
+        # argmax and rejection sampling need no id mapping. Those columns are written once, here.
+        vocab_size = model.config.vocab_size
+        self._full = torch.full((max_rows, vocab_size), float("-inf"), dtype=torch.float32, device=device) \
+            if self.vocab is not None else None
+        self._logits_f32 = self._logits if dtype == torch.float32 else \
+            torch.empty(max_rows, width, dtype=torch.float32, device=device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.shape[0]
+
+    def weight_bytes(self) -> int:
+        """Bytes a draft token reads past layer E: the adapter, the final norm and the head rows."""
+        tensors = (self.head, self.model.final_norm) + (self.block.tensors() if self.block is not None else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def adapted(self, hidden: torch.Tensor) -> torch.Tensor:
+        """h + block(h) for rows `[n, d]` into an internal buffer (the input is left untouched: it is
+        the exit-query cache, which verification continues from)."""
+        n = hidden.shape[0]
+        state = self._state[:n].copy_(hidden)
+        if self.block is None:
+            return state
+        b, eps = self.block, self.model.eps
+        normed = ops.rms_norm(self._normed_buf[:n], state, b.norm, eps)
+        gate_up = ops.linear(self._gate_up[:n], normed, b.gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        F.silu(gate, inplace=True)
+        act = torch.mul(gate, up, out=self._act[:n])
+        return ops.linear(state, act, b.down, accumulate=True)
+
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.final_norm_(self.adapted(hidden), self._normed_buf[: hidden.shape[0]])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 draft logits `[n, V]` of layer-E states `[n, d]` (-inf outside the draft vocabulary)."""
+        n = hidden.shape[0]
+        logits = ops.linear(self._logits[:n], self._normed(hidden), self.head)
+        if self._full is not None:
+            return self._full[:n].index_copy_(1, self.vocab, logits.float())
+        if logits.dtype != torch.float32:
+            logits = self._logits_f32[:n].copy_(logits)
+        return logits
+
+    def top2_gap(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(p1 - p2 over the draft vocabulary, the top-1 token id) per row, fused: no logits."""
+        gap, top1 = ops.lm_head_top2_gap(self._normed(hidden), self.head)
+        return gap, self.token_ids(top1)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of columns of the draft head's weight."""
+        return columns if self.vocab is None else self.vocab[columns]
+
+
+def resolve_exit_adapters(spec, model_path, model) -> Optional[ExitAdapters]:
+    """`LLM(exit_adapter=...)`: None or False (none), True (the ones shipped for the default model)
+    or the path of an adapter file; checked against `model`."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        if model_path is not None:
+            raise ValueError("LLM: exit_adapter=True loads the adapters shipped for the default model "
+                             f"(SmolLM2-135M-Instruct), not for {model_path!r}; pass an adapter file instead")
+        if not os.path.isfile(SHIPPED_FILE):
+            raise FileNotFoundError(f"the shipped exit adapter file {SHIPPED_FILE} is missing; reinstall eecore")
+        spec = SHIPPED_FILE
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(f"LLM: 'exit_adapter' must be None, True or a file path, got {type(spec).__name__}")
+    adapters = ExitAdapters.load(os.fspath(spec))
+    adapters.check_model(model, os.fspath(spec))
+    return adapters
