@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Iterable, Optional
@@ -65,6 +66,11 @@ def _normalise(text: str) -> str:
     return "\n".join(line.rstrip() for line in lines).strip("\n") + "\n"
 
 
+def canonical_name(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503): "PyYAML", "pyyaml" and "py_yaml" are one."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def package_files(name: str, min_chars: int, max_chars: int) -> Optional[tuple[str, list[tuple[str, str]]]]:
     """(version, [(relative path, normalised text)]) of one installed distribution's .py files,
     in path order; None when the distribution is not installed."""
@@ -96,7 +102,8 @@ def build_corpus(train_packages: Iterable[str] = DEFAULT_TRAIN_PACKAGES,
                  max_chars: int = 100_000, max_chars_per_package: int = 4_000_000) -> Corpus:
     """The corpus of the installed `train_packages` and `heldout_packages` (see the module doc)."""
     train_packages, heldout_packages = list(train_packages), list(heldout_packages)
-    overlap = sorted(set(train_packages) & set(heldout_packages))
+    held = {canonical_name(n) for n in heldout_packages}
+    overlap = sorted(n for n in set(train_packages) if canonical_name(n) in held)
     if overlap:
         raise ValueError(f"build_corpus: packages {overlap} are both trained on and held out")
     corpus, seen = Corpus(), set()
