@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from eecore.speculation_guard import layer_weight_bytes, weight_bytes
+from eecore.speculative.guard import layer_weight_bytes, weight_bytes
 
 
 def read_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 5) -> float:

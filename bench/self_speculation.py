@@ -5,7 +5,7 @@ HF supports no more), all in the same run, on the same weights.
 SmolLM2 was not trained with LayerSkip's recipe, so its early layers make poor drafts and the
 acceptance rate at small E is low; the table reports it as measured, next to the acceptance rate
 at which a round would break even with full depth when decode is bound by reading weights
-(eecore.speculation_guard.break_even_acceptance: every draft pass re-reads layers 0..E-1 and
+(eecore.speculative.guard.break_even_acceptance: every draft pass re-reads layers 0..E-1 and
 the LM head).
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
@@ -25,7 +25,7 @@ import torch
 
 import eecore
 from eecore.cli import parse_min_acceptance
-from eecore.speculation_guard import break_even_acceptance
+from eecore.speculative.guard import break_even_acceptance
 from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
 

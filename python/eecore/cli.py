@@ -32,7 +32,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
     e.add_argument("--threshold", type=float, nargs="+", default=[0.9],
                    help="one value, or one per layer")
-    e.add_argument("--exit-layer", type=int, default=None, help="static exit layer, or the speculation draft depth")
+    e.add_argument("--exit-layer", type=int, default=None,
+                   help="static exit layer, or the speculation draft depth (not used by --draft lookup)")
     e.add_argument("--min-exit-layer", type=int, default=1)
     e.add_argument("--check-every", type=int, default=1)
     e.add_argument("--decay", type=float, default=None, help="CALM's decaying-threshold tau")
@@ -41,6 +42,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("self-speculation (LayerSkip)")
     s.add_argument("--speculate", action="store_true")
+    s.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default="layer",
+                   help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
+                        "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
+                        "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
+    s.add_argument("--lookup-min-ngram", type=int, default=None,
+                   help="shortest n-gram prompt lookup matches (default: SelfSpeculativeConfig's)")
+    s.add_argument("--lookup-max-ngram", type=int, default=None,
+                   help="longest n-gram prompt lookup matches, tried first (default: SelfSpeculativeConfig's)")
     s.add_argument("--num-speculations", type=int, default=4)
     s.add_argument("--draft-threshold", type=float, default=None)
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
@@ -71,15 +80,28 @@ def build_llm(args):
             min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
             batch_rule=args.batch_rule, classifier_path=args.classifier)
     if args.speculate:
-        if args.exit_layer is None:
-            raise SystemExit("eecore: --speculate needs --exit-layer E")
-        speculative = eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
-                                                   draft_threshold=args.draft_threshold,
-                                                   min_acceptance=args.min_acceptance)
+        speculative = speculative_config(args)
     return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
                       speculative=speculative, exit_adapter=args.exit_adapter,
                       max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                       block_size=args.block_size)
+
+
+def speculative_config(args):
+    """The SelfSpeculativeConfig of the self-speculation flags (a bad combination exits with a message)."""
+    import eecore
+
+    if args.exit_layer is None and args.draft != "lookup":
+        which = "--speculate" if args.draft == "layer" else f"--draft {args.draft}"
+        raise SystemExit(f"eecore: {which} needs --exit-layer E (only --draft lookup runs without one)")
+    lookup = {name: value for name, value in (("lookup_min_ngram", args.lookup_min_ngram),
+                                               ("lookup_max_ngram", args.lookup_max_ngram)) if value is not None}
+    try:
+        return eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
+                                            draft_threshold=args.draft_threshold, min_acceptance=args.min_acceptance,
+                                            draft=args.draft, **lookup)
+    except ValueError as exc:
+        raise SystemExit(f"eecore: {exc}") from None
 
 
 def _sampling(args):

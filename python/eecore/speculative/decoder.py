@@ -1,22 +1,34 @@
-"""Self-speculative decoding (LayerSkip §4.3), batched on the paged engine.
+"""Self-speculative decoding (LayerSkip §4.3) with layer and prompt-lookup drafts, batched on the
+paged engine.
 
 One round per running sequence, all sequences together:
-- draft: pass k (k = 0..d) runs the newest token (the pending one, then each draft) through
-  layers 0..E-1 only, writing their K/V into the shared paged cache, and stores its layer-E
-  hidden state in the exit-query cache; passes k < d also read a draft token off the LM head;
-- verify: the d+1 cached layer-E states continue through layers E..L-1 in one varlen pass (query
+- draft, per sequence: a prompt-lookup draft (`draft="lookup"` or `"hybrid"`, when the sequence
+  has an n-gram match; see eecore.speculative.drafters), or a layer draft (`"layer"`, or
+  `"hybrid"` without a match): pass k (k = 0..d) runs the newest token (the pending one, then
+  each draft) through layers 0..E-1 only, writing their K/V into the shared paged cache, and
+  stores its layer-E hidden state in the exit-query cache; passes k < d also read a draft token
+  off the draft head (the LM head, or the exit adapter and draft vocabulary);
+- lookup drafts never ran layers 0..E-1: their pending token and drafts join pass 0 as one more
+  varlen row each (all their d+1 positions at once), which writes their K/V in layers 0..E-1 and
+  fills their exit-query cache rows. A round with no layer draft is a single varlen full-depth
+  pass;
+- verify: the cached layer-E states continue through layers E..L-1 in one varlen pass (query
   length d+1 per sequence); the first E layers never run again for these positions;
 - accept: the longest prefix of drafts the full model agrees with, plus the full model's next
   token (greedy), or speculative rejection sampling when sampling, so the output law is the full
-  model's. Rejected positions are rolled back by shrinking the sequence (their K/V is simply
-  overwritten later).
-Sequences may draft different numbers of tokens (tokens left, the adaptive draft threshold):
-the verify pass is varlen, so nothing is padded.
+  model's (a lookup draft is a deterministic proposal: q is one-hot). Rejected positions are
+  rolled back by shrinking the sequence (their K/V is simply overwritten later).
+Sequences may draft different numbers of tokens, from different sources: every pass is varlen, so
+nothing is padded.
+
+The guard (eecore.speculative.guard) gates layer drafts only. A lookup draft reads no weights: when
+decoding is bound by reading weights, verifying d+1 tokens costs what decoding 1 costs, so its
+bandwidth-bound break-even acceptance is 0 and a wrong lookup draft costs only the extra compute
+of its rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -25,60 +37,9 @@ from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
-from eecore.speculation_guard import SpeculationGuard, break_even_acceptance
-
-BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
-
-
-@dataclass
-class SelfSpeculativeConfig:
-    """Draft `num_speculations` tokens with layers 0..exit_layer-1 and the LM head, then verify
-    them with layers exit_layer..L-1 in one pass.
-
-    draft_threshold: adaptive draft length (off by default). A sequence stops drafting early once
-    the top-1 probability of its draft falls below this value.
-
-    min_acceptance: the speculation guard (off by default): a sequence whose running acceptance
-    rate falls below this value stops drafting, so its rounds cost what a full-depth step costs,
-    and drafts again only in probe rounds, at most one per `probe_every` rounds (the wait
-    doubling while they fail, up to 128) and only when a near-free check says the probe could
-    pass. "break-even" sets it to the acceptance below which drafting loses when decoding is
-    bound by reading weights, computed from the model's sizes, E and d. See
-    eecore.speculation_guard.
-    Drafting pays only above a break-even acceptance that depends on E, d and the hardware (see
-    bench/roofline.py for the bandwidth-bound one); below it every draft is a loss.
-    """
-
-    exit_layer: int
-    num_speculations: int = 4
-    draft_threshold: Optional[float] = None
-    min_acceptance: Optional[Union[float, str]] = None
-    probe_every: int = 8
-
-    def __post_init__(self):
-        if not isinstance(self.exit_layer, int) or self.exit_layer < 1:
-            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' must be an int >= 1, got {self.exit_layer!r}")
-        if not isinstance(self.num_speculations, int) or self.num_speculations < 1:
-            raise ValueError(f"SelfSpeculativeConfig: 'num_speculations' must be an int >= 1, "
-                             f"got {self.num_speculations!r}")
-        if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
-            raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
-        if self.min_acceptance is not None and self.min_acceptance != BREAK_EVEN and not (
-                isinstance(self.min_acceptance, (int, float)) and 0.0 <= self.min_acceptance <= 1.0):
-            raise ValueError(f"SelfSpeculativeConfig: 'min_acceptance' must be a number in [0, 1] or "
-                             f"{BREAK_EVEN!r}, got {self.min_acceptance!r}")
-        if not isinstance(self.probe_every, int) or self.probe_every < 1:
-            raise ValueError(f"SelfSpeculativeConfig: 'probe_every' must be an int >= 1, got {self.probe_every!r}")
-
-    def validate_for(self, num_layers: int, adapters: Optional[ExitAdapters] = None) -> None:
-        if self.exit_layer >= num_layers:
-            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' must be below the model's {num_layers} layers, "
-                             f"got {self.exit_layer}")
-        if adapters is not None and adapters.blocks and self.exit_layer not in adapters.blocks:
-            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' {self.exit_layer} has no exit adapter; the loaded "
-                             f"adapters cover exit layers {adapters.exit_layers()}")
-
-
+from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
+from eecore.speculative.drafters import PromptLookup
+from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 
 
 class SelfSpeculativeDecoder(DecodeStrategy):
@@ -86,12 +47,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                  adapters: Optional[ExitAdapters] = None):
         super().__init__(runner, sampler)
         self.config = config
-        self.exit_layer = config.exit_layer
         self.num_drafts = config.num_speculations
         self.lookahead = config.num_speculations + 1
         self._plain = FullDepthDecoder(runner, sampler)
         model = runner.model
         rows = runner.builder.max_seqs
+        self.lookup = PromptLookup(config.lookup_min_ngram, config.lookup_max_ngram) if config.uses_lookup else None
+        # lookup-only: no layer drafts, so no exit-query cache, draft head or guard
+        self.exit_layer = config.exit_layer if config.uses_layers else None
+        self.draft_head = self.guard = self._exit_states = None
+        if not config.uses_layers:
+            return
         # the exit-query cache: layer-E hidden state of each drafted position, per sequence
         self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
                                         device=model.device)
@@ -105,10 +71,21 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
-        allowed = [self.guard is None or self.guard.allows(s) for s in seqs]
-        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) if ok else 0 for s, ok in zip(seqs, allowed)]
-        shadowed = [b for b, s in enumerate(seqs) if self.guard is not None and self.guard.wants_shadow(s)]
-        if not any(budgets):  # nobody drafts this round (the guard, or last tokens): a plain step
+        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
+        lookup = [self.lookup.propose(s, n) if self.lookup is not None and n else [] for s, n in zip(seqs, budgets)]
+        # layer drafts: sequences without a lookup draft, as far as the guard allows; the guard
+        # sees only the rounds in which a sequence could draft with the layers
+        layer_budgets, shadowed = [0] * len(seqs), []
+        if self.draft_head is not None:
+            for b, seq in enumerate(seqs):
+                if lookup[b]:
+                    continue
+                if self.guard is None or self.guard.allows(seq):
+                    layer_budgets[b] = budgets[b]
+                elif self.guard.wants_shadow(seq):
+                    shadowed.append(b)
+        if not any(layer_budgets) and not any(lookup):
+            # nobody drafts this round (no match, the guard, or last tokens): a plain step
             for seq in seqs:
                 self._count(seq, False, 0, 0)
             if not shadowed:
@@ -117,17 +94,21 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
             self._record_shadow(seqs, shadowed, shadowed, logits)
             return results
-        drafts, draft_probs = self._draft(seqs, budgets)
-        logits = self._verify(seqs, drafts)
+        if any(layer_budgets):
+            drafts, draft_probs = self._draft(seqs, lookup, layer_budgets)
+            logits = self._verify(seqs, drafts)
+        else:  # lookup drafts only: one varlen pass through every layer
+            drafts, draft_probs = lookup, [[None] * len(d) for d in lookup]
+            logits = self._verify_lookup(seqs, lookup, shadowed)
         results, offsets, offset = [], [], 0
-        for seq, seq_drafts, probs, budget in zip(seqs, drafts, draft_probs, budgets):
+        for b, (seq, seq_drafts, probs) in enumerate(zip(seqs, drafts, draft_probs)):
             n = len(seq_drafts) + 1
             tokens = self._accept(seq, seq_drafts, probs, logits[offset: offset + n])
             offsets.append(offset)
             offset += n
             # positions up to the last accepted draft now hold valid K/V in every layer
             seq.num_computed_tokens += len(tokens)
-            self._count(seq, budget > 0, len(seq_drafts), len(tokens) - 1)
+            self._count(seq, layer_budgets[b] > 0, len(seq_drafts), len(tokens) - 1, bool(lookup[b]))
             results.append(tokens)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         return results
@@ -143,33 +124,51 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def release(self, seq: Sequence) -> None:
         if self.guard is not None:
             self.guard.release(seq)
+        if self.lookup is not None:
+            self.lookup.release(seq)
 
     def _room(self, seq: Sequence) -> int:
         """New tokens this sequence may still get (max_tokens and the context both bound it)."""
         return min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens)
 
-    def _draft(self, seqs, budgets):
+    def _draft(self, seqs, lookup, budgets):
+        """Layer drafts of up to budgets[b] tokens. Pass 0 also runs every lookup draft (with its
+        pending token) through layers 0..E-1, so the exit-query cache holds every position the
+        verify pass needs."""
         E, states = self.exit_layer, self._exit_states
-        drafts: list[list[int]] = [[] for _ in seqs]
-        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        width = self.lookahead
+        drafts: list[list[int]] = [list(d) for d in lookup]
+        draft_probs: list[list] = [[None] * len(d) for d in lookup]  # None: a lookup draft (q one-hot)
         newest = [s.last_token_id for s in seqs]
         live = list(range(len(seqs)))  # rows whose newest token still needs its layer-E state
         for k in range(self.num_drafts + 1):
             if not live:
                 break
-            rows = [Row(seqs[b], seqs[b].num_computed_tokens + k, [newest[b]]) for b in live]
+            if k == 0:
+                rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, lookup)]
+            else:
+                rows = [Row(seqs[b], seqs[b].num_computed_tokens + k, [newest[b]]) for b in live]
             inputs = self.runner.prepare(rows)
             hidden = self.runner.embed(inputs)
             self.runner.run_layers(hidden, inputs.attn, 0, E)
-            if len(live) == len(seqs):
+            if k == 0 and inputs.num_tokens > len(seqs):  # lookup rows hold several positions
+                index = [b * width + j for b, d in enumerate(lookup) for j in range(len(d) + 1)]
+                states[: len(seqs)].view(len(seqs) * width, -1).index_copy_(
+                    0, torch.tensor(index, device=hidden.device), hidden)
+                starts = [0]
+                for d in lookup:
+                    starts.append(starts[-1] + len(d) + 1)
+            elif len(live) == len(seqs):
                 states[: len(seqs), k].copy_(hidden)
+                starts = range(len(seqs))
             else:
                 states[:, k].index_copy_(0, torch.tensor(live, device=hidden.device), hidden)
+                starts = range(len(live))
             drafting = [j for j, b in enumerate(live) if len(drafts[b]) < budgets[b]]
             if not drafting:
                 break
-            picked = hidden if len(drafting) == len(live) else \
-                hidden.index_select(0, torch.tensor(drafting, device=hidden.device))
+            picked = hidden if len(drafting) == len(live) == inputs.num_tokens else \
+                hidden.index_select(0, torch.tensor([starts[j] for j in drafting], device=hidden.device))
             tokens, probs, confident = self._propose(self.draft_head.logits(picked),
                                                      [seqs[live[j]] for j in drafting])
             next_live = []
@@ -217,6 +216,23 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
         return self.runner.logits(hidden)
 
+    def _verify_lookup(self, seqs, lookup, shadowed: list[int]) -> torch.Tensor:
+        """A round with lookup drafts only: every sequence's pending token and drafts through all
+        layers in one varlen pass (layer-E states copied out only for the guard's shadow check)."""
+        rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, lookup)]
+        inputs = self.runner.prepare(rows)
+        hidden = self.runner.embed(inputs)
+        if shadowed:
+            self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
+            starts = inputs.attn.query_start_loc[:-1].tolist()
+            rows_at = torch.tensor([starts[b] for b in shadowed], device=hidden.device)
+            self._exit_states[:, 0].index_copy_(0, torch.tensor(shadowed, device=hidden.device),
+                                                hidden.index_select(0, rows_at))
+            self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
+        else:
+            self.runner.run_layers(hidden, inputs.attn, 0, self.num_layers)
+        return self.runner.logits(hidden)
+
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor) -> list[Token]:
         """The tokens this round adds: accepted drafts, then the full model's own token."""
         L, k = self.num_layers, seq.params.logprobs
@@ -233,16 +249,22 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     def _rejection_sample(self, seq, drafts, draft_probs, logits) -> list[int]:
         """Speculative sampling: accept draft y with prob min(1, p(y)/q(y)); on rejection draw
-        from normalize(max(p - q, 0)); after d acceptances draw the bonus token from p."""
+        from normalize(max(p - q, 0)); after d acceptances draw the bonus token from p. A lookup
+        draft (q None) is a deterministic proposal, q one-hot at y: it is accepted with
+        probability p(y), and a rejection draws from p with y removed."""
         generator = self.sampler.generator_for(seq)
         p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
         tokens = []
         for i, (y, q) in enumerate(zip(drafts, draft_probs)):
             u = float(torch.rand((), generator=generator, device=p.device))
-            if u * float(q[y]) < float(p[i, y]):
+            if u * (1.0 if q is None else float(q[y])) < float(p[i, y]):
                 tokens.append(y)
                 continue
-            residual = (p[i] - q).clamp_(min=0)
+            if q is None:
+                residual = p[i].clone()
+                residual[y] = 0.0
+            else:
+                residual = (p[i] - q).clamp_(min=0)
             total = float(residual.sum())
             tokens.append(Sampler.draw(residual / total if total > 0 else p[i], generator))
             return tokens
@@ -250,19 +272,40 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return tokens
 
     # ---- metrics ---------------------------------------------------------------------------
-    def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int) -> None:
+    def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int, lookup: bool = False) -> None:
+        """`attempted`: a layer draft was allowed (the guard's rounds); `lookup`: the drafts came
+        from prompt lookup."""
         if self.guard is not None and attempted:
             self.guard.record_round(seq, drafted, accepted)
         st = seq.stats
+        accepted = min(accepted, drafted)
         st["spec_drafted"] = st.get("spec_drafted", 0) + drafted
-        st["spec_accepted"] = st.get("spec_accepted", 0) + min(accepted, drafted)
+        st["spec_accepted"] = st.get("spec_accepted", 0) + accepted
         st["spec_steps"] = st.get("spec_steps", 0) + 1
         st["spec_emitted"] = st.get("spec_emitted", 0) + accepted + 1
+        if lookup:
+            st["lookup_rounds"] = st.get("lookup_rounds", 0) + 1
+            st["lookup_drafted"] = st.get("lookup_drafted", 0) + drafted
+            st["lookup_accepted"] = st.get("lookup_accepted", 0) + accepted
+        elif drafted:
+            st["layer_drafted"] = st.get("layer_drafted", 0) + drafted
+            st["layer_accepted"] = st.get("layer_accepted", 0) + accepted
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         st = seq.stats
         if not st.get("spec_steps"):
             return {}
-        return {"acceptance_rate": st["spec_accepted"] / max(st["spec_drafted"], 1),
-                "mean_accepted_tokens_per_step": st["spec_emitted"] / st["spec_steps"],
-                "num_verify_steps": st["spec_steps"], "num_drafted_tokens": st["spec_drafted"]}
+        m = {"acceptance_rate": st["spec_accepted"] / max(st["spec_drafted"], 1),
+             "mean_accepted_tokens_per_step": st["spec_emitted"] / st["spec_steps"],
+             "num_verify_steps": st["spec_steps"], "num_drafted_tokens": st["spec_drafted"],
+             "num_accepted_tokens": st["spec_accepted"]}
+        if self.lookup is not None:
+            m.update(num_lookup_rounds=st.get("lookup_rounds", 0),
+                     num_lookup_drafted_tokens=st.get("lookup_drafted", 0),
+                     num_lookup_accepted_tokens=st.get("lookup_accepted", 0),
+                     lookup_acceptance_rate=st.get("lookup_accepted", 0) / max(st.get("lookup_drafted", 0), 1))
+        if self.draft_head is not None:
+            m.update(num_layer_drafted_tokens=st.get("layer_drafted", 0),
+                     num_layer_accepted_tokens=st.get("layer_accepted", 0),
+                     layer_acceptance_rate=st.get("layer_accepted", 0) / max(st.get("layer_drafted", 0), 1))
+        return m

@@ -1,0 +1,115 @@
+"""`SelfSpeculativeConfig`: what a self-speculation round drafts, and how much of it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from eecore.models.exit_adapter import ExitAdapters
+
+BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
+DRAFT_MODES = ("layer", "lookup", "hybrid")
+
+
+@dataclass
+class SelfSpeculativeConfig:
+    """Draft up to `num_speculations` tokens per sequence and round, then verify them all with the
+    full model in one pass. Greedy outputs are exactly the full model's; sampled outputs keep its
+    law (speculative rejection sampling).
+
+    draft: where drafts come from.
+      - "layer" (LayerSkip): layers 0..exit_layer-1 and the LM head (or the exit adapter and draft
+        vocabulary, see eecore.models.exit_adapter). Verification continues from the exit-query
+        cache through layers exit_layer..L-1.
+      - "lookup" (prompt lookup, vLLM's `ngram`): a sequence drafts the tokens that followed the most
+        recent earlier occurrence of its last n tokens in its prompt and output so far, trying n
+        from lookup_max_ngram down to lookup_min_ngram. No layer runs for a draft; a sequence with
+        no match decodes one token at full depth. `exit_layer` is not used and may be None (any
+        valid value is accepted and ignored).
+      - "hybrid": per sequence and round, a lookup draft when the sequence has a match, a layer-E
+        draft otherwise (so `exit_layer` is required).
+
+    lookup_min_ngram, lookup_max_ngram: the n-gram sizes the lookup tries (1 <= min <= max). The
+    defaults (1, 3) come from `bench/prompt_lookup_vs_economize.py --sweep-ngrams` (SmolLM2-135M,
+    8 held-out code prompts, 64 greedy tokens, d=4): min 1 emits 2.13 tokens per verify round,
+    min 2 1.90 and min 3 1.67: single-token matches are right often enough (39% of all drafted
+    tokens are accepted) and a wrong draft costs only verify rows; max 2, 3 and 4 are within 0.01
+    of each other at d=4, and 3 and 4 gain a little over 2 at d >= 6.
+
+    draft_threshold: adaptive draft length for layer drafts (off by default). A sequence stops
+    drafting early once the top-1 probability of its draft falls below this value.
+
+    min_acceptance: the speculation guard for layer drafts (off by default): a sequence whose
+    running acceptance rate falls below this value stops drafting with the layers, so its rounds
+    cost what a full-depth step costs, and drafts again only in probe rounds, at most one per
+    `probe_every` rounds (the wait doubling while they fail, up to 128) and only when a near-free
+    check says the probe could pass. "break-even" sets it to the acceptance below which drafting
+    loses when decoding is bound by reading weights, computed from the model's sizes, E and d. See
+    eecore.speculative.guard. Lookup drafts are not gated by it: they read no weights of their
+    own, so their bandwidth-bound break-even is 0 (see SelfSpeculativeDecoder).
+    """
+
+    exit_layer: Optional[int] = None
+    num_speculations: int = 4
+    draft_threshold: Optional[float] = None
+    min_acceptance: Optional[Union[float, str]] = None
+    probe_every: int = 8
+    draft: str = "layer"
+    lookup_min_ngram: int = 1
+    lookup_max_ngram: int = 3
+
+    def __post_init__(self):
+        if self.draft not in DRAFT_MODES:
+            raise ValueError(f"SelfSpeculativeConfig: 'draft' must be one of {', '.join(DRAFT_MODES)}, "
+                             f"got {self.draft!r}")
+        if self.exit_layer is None:
+            if self.uses_layers:
+                raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' is required with draft={self.draft!r} "
+                                 f"(only draft='lookup' runs without one)")
+        elif not _is_int(self.exit_layer) or self.exit_layer < 1:
+            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' must be an int >= 1, got {self.exit_layer!r}")
+        if not _is_int(self.num_speculations) or self.num_speculations < 1:
+            raise ValueError(f"SelfSpeculativeConfig: 'num_speculations' must be an int >= 1, "
+                             f"got {self.num_speculations!r}")
+        if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
+            raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
+        if self.min_acceptance is not None and self.min_acceptance != BREAK_EVEN and not (
+                isinstance(self.min_acceptance, (int, float)) and not isinstance(self.min_acceptance, bool)
+                and 0.0 <= self.min_acceptance <= 1.0):
+            raise ValueError(f"SelfSpeculativeConfig: 'min_acceptance' must be a number in [0, 1] or "
+                             f"{BREAK_EVEN!r}, got {self.min_acceptance!r}")
+        if not _is_int(self.probe_every) or self.probe_every < 1:
+            raise ValueError(f"SelfSpeculativeConfig: 'probe_every' must be an int >= 1, got {self.probe_every!r}")
+        if not self.uses_layers:
+            for name in ("draft_threshold", "min_acceptance"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"SelfSpeculativeConfig: '{name}' applies to layer drafts, and "
+                                     f"draft='lookup' makes none (use draft='hybrid')")
+        if not _is_int(self.lookup_min_ngram) or self.lookup_min_ngram < 1:
+            raise ValueError(f"SelfSpeculativeConfig: 'lookup_min_ngram' must be an int >= 1, "
+                             f"got {self.lookup_min_ngram!r}")
+        if not _is_int(self.lookup_max_ngram) or self.lookup_max_ngram < self.lookup_min_ngram:
+            raise ValueError(f"SelfSpeculativeConfig: 'lookup_max_ngram' must be an int >= lookup_min_ngram "
+                             f"({self.lookup_min_ngram}), got {self.lookup_max_ngram!r}")
+
+    @property
+    def uses_layers(self) -> bool:
+        """Whether drafts may come from layer E (draft "layer" or "hybrid")."""
+        return self.draft != "lookup"
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.draft != "layer"
+
+    def validate_for(self, num_layers: int, adapters: Optional[ExitAdapters] = None) -> None:
+        if not self.uses_layers:
+            return  # exit_layer is not used
+        if self.exit_layer >= num_layers:
+            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' must be below the model's {num_layers} layers, "
+                             f"got {self.exit_layer}")
+        if adapters is not None and adapters.blocks and self.exit_layer not in adapters.blocks:
+            raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' {self.exit_layer} has no exit adapter; the loaded "
+                             f"adapters cover exit layers {adapters.exit_layers()}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,350 @@
+"""Prompt-lookup (n-gram) drafts and the hybrid of lookup and layer-E drafts, on the batched paged engine."""
+import random
+
+import pytest
+import torch
+
+import eecore
+from engine_utils import greedy
+from model_factory import make_tiny_hf_model
+from eecore.speculative.drafters import NgramIndex, PromptLookup, lookup_reference
+
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def tiny(request, tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=NUM_LAYERS)
+
+
+def _llm(path, draft, E=2, d=4, **kw):
+    spec = {k: kw.pop(k) for k in list(kw) if k.startswith("lookup_") or k in ("min_acceptance", "probe_every")}
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
+                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d, draft=draft, **spec),
+                      **kw)
+
+
+def repetitive_prompts(vocab_size: int, batch: int, seed: int = 0) -> list[list[int]]:
+    """Prompts made of a few short random phrases repeated in random order, so their n-grams recur
+    (and the tiny model's output, which tends to loop, finds them)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(batch):
+        phrases = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 5))] for _ in range(3)]
+        prompt = []
+        for _ in range(3 + i % 4):
+            prompt += rng.choice(phrases)
+        prompts.append(prompt)
+    return prompts
+
+
+# ---- the lookup itself -------------------------------------------------------------------------
+
+
+def test_ngram_index_is_the_brute_force_lookup():
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab, n = rng.choice([2, 3, 5, 20]), rng.randint(0, 40)
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        lo = rng.randint(1, 3)
+        hi, k = rng.randint(lo, 5), rng.randint(0, 6)
+        index = NgramIndex(lo, hi)
+        cut = rng.randint(0, n)  # the index grows in two steps, with a lookup in between
+        index.extend(tokens[:cut])
+        index.propose(k)
+        index.extend(tokens[cut:])
+        assert index.propose(k) == lookup_reference(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_lookup_prefers_the_longest_ngram_and_the_most_recent_occurrence():
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 2, 3, 7, 1, 2, 3]
+    assert lookup_reference(tokens, 1, 3, 2) == [9, 2]  # "1 2 3" occurred at 0, followed by 9 2
+    assert lookup_reference(tokens, 1, 2, 2) == [7, 1]  # "2 3": the most recent earlier one, at 4
+    assert lookup_reference(tokens, 1, 1, 9) == [7, 1, 2, 3]  # "3" at 5; the draft runs to the end
+    assert lookup_reference(tokens, 4, 4, 2) == []  # no 4-gram recurs
+    assert lookup_reference([5, 6, 7], 1, 3, 4) == []
+
+
+def test_prompt_lookup_follows_a_growing_sequence():
+    class Seq:
+        seq_id = 0
+        prompt_token_ids = [4, 5, 6, 4]
+        output_token_ids: list = []
+
+    lookup, seq = PromptLookup(1, 2), Seq()
+    assert lookup.propose(seq, 3) == [5, 6, 4]
+    seq.output_token_ids = [5, 8]
+    assert lookup.propose(seq, 3) == []  # "5 8", "8": new
+    seq.output_token_ids = [5, 8, 4, 5]
+    assert lookup.propose(seq, 3) == [8, 4, 5]  # "4 5" most recently at 3
+    lookup.release(seq)
+    assert len(lookup) == 0
+
+
+# ---- greedy: exactly full depth ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["lookup", "hybrid"])
+def test_greedy_lookup_drafts_are_full_depth_greedy(tiny, draft):
+    path, hf = tiny
+    full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
+    for batch in (1, 3, 8):
+        prompts = repetitive_prompts(hf.config.vocab_size, batch, seed=batch)
+        params = [greedy(12 + 5 * (i % 3)) for i in range(batch)]
+        expected = [o.token_ids for o in full.generate(prompts, params)]
+        for d in (1, 3, 6):
+            llm = _llm(path, draft, E=2, d=d)
+            outs = llm.generate(prompts, params)
+            assert [o.token_ids for o in outs] == expected, (draft, batch, d)
+            drafted = sum(o.metrics["num_lookup_drafted_tokens"] for o in outs)
+            accepted = sum(o.metrics["num_lookup_accepted_tokens"] for o in outs)
+            assert drafted > 0 and accepted > 0, (batch, d, drafted, accepted)
+            for o in outs:
+                assert o.metrics["num_lookup_accepted_tokens"] <= o.metrics["num_lookup_drafted_tokens"]
+                assert o.metrics["num_lookup_drafted_tokens"] <= o.metrics["num_drafted_tokens"]
+                assert 1.0 <= o.metrics["mean_accepted_tokens_per_step"] <= d + 1
+                # rounds emit accepted drafts plus one token each (the prefill token aside)
+                assert o.metrics["num_accepted_tokens"] + o.metrics["num_verify_steps"] == len(o.token_ids) - 1
+            if draft == "lookup":
+                assert all("num_layer_drafted_tokens" not in o.metrics for o in outs)
+            else:
+                assert sum(o.metrics["num_layer_drafted_tokens"] for o in outs) > 0
+
+
+def test_lookup_only_needs_no_exit_layer_and_runs_every_position_once(tiny):
+    path, hf = tiny
+    prompts = repetitive_prompts(hf.config.vocab_size, 5, seed=4)
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(20))]
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
+                     speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=4))
+    strategy = llm.engine.strategy
+    assert strategy.draft_head is None and strategy.guard is None
+    outs = llm.generate(prompts, greedy(20))
+    assert [o.token_ids for o in outs] == expected
+    # no layer ever drafted: every layer saw the same positions, and each accepted draft saved
+    # one pass of the whole model
+    counts = llm.engine.runner.layer_tokens
+    assert len(set(counts)) == 1, counts
+    assert sum(o.metrics["num_lookup_accepted_tokens"] for o in outs) > 0
+    assert len(strategy.lookup) == 0  # finished sequences leave no index behind
+
+
+def test_hybrid_mixes_lookup_and_layer_drafts_in_one_round(tiny):
+    path, hf = tiny
+    # half the prompts repeat themselves, half are a run of distinct tokens (no match at first)
+    prompts = repetitive_prompts(hf.config.vocab_size, 4, seed=5)
+    prompts += [list(range(3 + 11 * i, 3 + 11 * i + 9)) for i in range(4)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
+    llm = _llm(path, "hybrid", E=2, d=3, lookup_min_ngram=2)
+    strategy, mixed = llm.engine.strategy, []
+    draft = strategy._draft
+
+    def spy(seqs, lookup, budgets):
+        mixed.append(any(lookup) and any(budgets))
+        return draft(seqs, lookup, budgets)
+    strategy._draft = spy
+    outs = llm.generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == expected
+    assert any(mixed), "no round had both lookup and layer drafts"
+    # lookup rows ran layers 0..E-1 once in the first draft pass, then joined the verify pass:
+    # every layer saw every position exactly once
+    counts = llm.engine.runner.layer_tokens
+    assert len(set(counts)) == 1, counts
+
+
+def test_hybrid_guard_gates_layer_drafts_only(tiny):
+    path, hf = tiny
+    prompts = repetitive_prompts(hf.config.vocab_size, 4, seed=6)
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(30))]
+    free = _llm(path, "hybrid", E=1, d=4).generate(prompts, greedy(30))
+    # layer 1 of 4 random layers drafts hopelessly: with a floor of 1.0 the guard stops layer
+    # drafts, while lookup drafts go on
+    guarded = _llm(path, "hybrid", E=1, d=4, min_acceptance=1.0, probe_every=8)
+    outs = guarded.generate(prompts, greedy(30))
+    assert [o.token_ids for o in outs] == expected
+    layer_free = sum(o.metrics["num_layer_drafted_tokens"] for o in free)
+    layer_guarded = sum(o.metrics["num_layer_drafted_tokens"] for o in outs)
+    assert layer_guarded < layer_free / 2, (layer_guarded, layer_free)
+    # lookup drafts are not gated, though their acceptance is below the floor too (round
+    # boundaries move with the layer drafts, so the counts differ a little)
+    lookup_free = sum(o.metrics["num_lookup_drafted_tokens"] for o in free)
+    lookup_guarded = sum(o.metrics["num_lookup_drafted_tokens"] for o in outs)
+    assert lookup_guarded > 0.8 * lookup_free > 0, (lookup_guarded, lookup_free)
+    assert any(o.metrics["lookup_acceptance_rate"] < 1.0 for o in outs)
+    assert len(guarded.engine.strategy.guard) == 0
+
+
+def test_lookup_drafts_with_preemption_and_stop_tokens(tiny):
+    path, hf = tiny
+    prompts = repetitive_prompts(hf.config.vocab_size, 10, seed=9)
+    params = [greedy(6 + i % 9) for i in range(10)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
+    for num_blocks in (200, 16):
+        llm = _llm(path, "hybrid", E=2, d=4, num_blocks=num_blocks, max_num_seqs=6)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        assert llm.engine.blocks.num_free_blocks == num_blocks
+        if num_blocks == 16:
+            assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    # a stop token inside an accepted lookup draft ends the output right there
+    llm = _llm(path, "lookup", d=6)
+    full = llm.generate(prompts[:1], greedy(20))[0]
+    assert full.metrics["num_lookup_accepted_tokens"] > 0
+    stop = full.token_ids[8]
+    out = _llm(path, "lookup", d=6).generate(prompts[:1], greedy(20, stop_token_ids=[stop]))[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop) + 1]
+
+
+def test_lookup_logprobs_are_the_full_models(tiny):
+    path, hf = tiny
+    prompts = repetitive_prompts(hf.config.vocab_size, 3, seed=10)
+    params = greedy(12, logprobs=3)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)
+    outs = _llm(path, "hybrid", d=3).generate(prompts, params)
+    for o, f in zip(outs, full):
+        assert o.token_ids == f.token_ids
+        for a, b in zip(o.logprobs, f.logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+# ---- sampling: the full model's law ------------------------------------------------------------
+
+
+def _first_two_token_counts(llm, prompt, n, V):
+    """Counts of (t1, t2) over n seeds at temperature 1 with max_tokens=3, so the second token comes
+    out of a verify round that drafted (with 2 tokens, the last round has no room for a draft)."""
+    params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    return counts, outs
+
+
+def _p_value(counts, law):
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    expected = (law.double() * n).flatten()
+    observed = counts.double().flatten()
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs, exp = observed[keep], expected[keep]
+    if (~keep).any():
+        obs = torch.cat([obs, observed[~keep].sum()[None]])
+        exp = torch.cat([exp, expected[~keep].sum()[None]])
+    exp = exp * (obs.sum() / exp.sum())
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+def _conditionals(hf, prompt):
+    """p(t1 | prompt) `[V]` and p(t2 | prompt, t1) `[V, V]` of the HF model at temperature 1."""
+    V = hf.config.vocab_size
+    with torch.no_grad():
+        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p2 = hf(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].softmax(-1)
+    return p1, p2
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("v12"), arch="llama", num_layers=NUM_LAYERS, vocab_size=12,
+                              with_tokenizer=False)
+
+
+def test_lookup_sampling_preserves_the_full_model_law(tiny_vocab):
+    path, hf = tiny_vocab
+    V = 12
+    # every token occurs in the prompt with a token after it, so every t1 has a lookup draft
+    prompt = [3, 7, 1, 5, 9, 0, 2, 4, 6, 8, 10, 11, 3]
+    n = 3000
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
+                     speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=3))
+    counts, outs = _first_two_token_counts(llm, prompt, n, V)
+    assert all(o.metrics["num_lookup_drafted_tokens"] >= 1 for o in outs)
+    accepted = sum(o.metrics["num_lookup_accepted_tokens"] for o in outs)
+    assert 0 < accepted < n
+    p1, p2 = _conditionals(hf, prompt)
+    assert _p_value(counts, p1[:, None] * p2) > 1e-3
+    # the test has power against the likely bug: accepting the draft y with probability p(y), but
+    # drawing a rejected token from p itself instead of from p with y removed
+    broken = p2.clone()
+    for t1 in range(V):
+        y = lookup_reference(prompt + [t1], 1, 3, 1)[0]
+        broken[t1] = p2[t1, y] * torch.nn.functional.one_hot(torch.tensor(y), V) + (1 - p2[t1, y]) * p2[t1]
+    assert _p_value(counts, p1[:, None] * broken) < 1e-3
+
+
+def test_hybrid_sampling_preserves_the_full_model_law(tiny_vocab):
+    path, hf = tiny_vocab
+    V = 12
+    # t1 in {3, 7, 1, 5} has a lookup match (5 is the prompt's last token: it is followed by t1);
+    # every other t1 drafts from layer 1
+    prompt = [3, 7, 1, 3, 5]
+    n = 3000
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
+                     speculative=eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=1, num_speculations=3))
+    counts, outs = _first_two_token_counts(llm, prompt, n, V)
+    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
+    assert sum(o.metrics["num_layer_drafted_tokens"] for o in outs) > 0
+    p1, p2 = _conditionals(hf, prompt)
+    assert _p_value(counts, p1[:, None] * p2) > 1e-3
+
+
+# ---- configuration and CLI ---------------------------------------------------------------------
+
+
+def test_bad_lookup_config():
+    with pytest.raises(ValueError, match="'draft' must be one of layer, lookup, hybrid"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, draft="ngram")
+    with pytest.raises(ValueError, match="'exit_layer' is required with draft='layer'"):
+        eecore.SelfSpeculativeConfig()
+    with pytest.raises(ValueError, match="'exit_layer' is required with draft='hybrid'"):
+        eecore.SelfSpeculativeConfig(draft="hybrid")
+    with pytest.raises(ValueError, match="'lookup_min_ngram' must be an int >= 1"):
+        eecore.SelfSpeculativeConfig(draft="lookup", lookup_min_ngram=0)
+    with pytest.raises(ValueError, match="'lookup_max_ngram' must be an int >= lookup_min_ngram"):
+        eecore.SelfSpeculativeConfig(draft="lookup", lookup_min_ngram=3, lookup_max_ngram=2)
+    with pytest.raises(ValueError, match="'lookup_max_ngram'"):
+        eecore.SelfSpeculativeConfig(draft="lookup", lookup_max_ngram=2.5)
+    with pytest.raises(ValueError, match="'exit_layer' must be an int >= 1"):
+        eecore.SelfSpeculativeConfig(draft="lookup", exit_layer=0)
+    with pytest.raises(ValueError, match="'min_acceptance' applies to layer drafts"):
+        eecore.SelfSpeculativeConfig(draft="lookup", min_acceptance="break-even")
+    with pytest.raises(ValueError, match="'draft_threshold' applies to layer drafts"):
+        eecore.SelfSpeculativeConfig(draft="lookup", draft_threshold=0.5)
+    config = eecore.SelfSpeculativeConfig(draft="lookup")  # no exit layer needed
+    assert config.exit_layer is None and not config.uses_layers
+    config.validate_for(4)
+    # lookup-only ignores exit_layer, even one deeper than the model
+    eecore.SelfSpeculativeConfig(draft="lookup", exit_layer=99).validate_for(4)
+    with pytest.raises(ValueError, match="'exit_layer' must be below"):
+        eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=4).validate_for(4)
+
+
+def test_cli_draft_flags(tiny, capsys, monkeypatch):
+    from eecore import cli
+
+    path, _ = tiny
+    seen = []
+    build = cli.build_llm
+    monkeypatch.setattr(cli, "build_llm", lambda args: (seen.append(args), build(args))[1])
+    assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                     "--draft", "lookup", "--lookup-min-ngram", "2", "--lookup-max-ngram", "4"]) == 0
+    config = seen[-1] and cli.speculative_config(seen[-1])
+    assert (config.draft, config.lookup_min_ngram, config.lookup_max_ngram, config.exit_layer) == ("lookup", 2, 4, None)
+    assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                     "--draft", "hybrid", "--exit-layer", "2"]) == 0
+    assert cli.speculative_config(seen[-1]).draft == "hybrid"
+    with pytest.raises(SystemExit, match="--draft hybrid needs --exit-layer"):
+        cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "hybrid"])
+    with pytest.raises(SystemExit, match="--speculate needs --exit-layer"):
+        cli.main(["generate", "Hello", "--model", path, "--speculate"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "ngram"])
+    assert exc.value.code == 2 and "--draft" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="lookup_max_ngram"):
+        cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup",
+                  "--lookup-min-ngram", "3", "--lookup-max-ngram", "2"])
