@@ -10,8 +10,13 @@ the LM head).
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
+                                     [--draft layer|lookup|hybrid] [--exit-adapter [FILE]]
                                      [--batch-sizes 1 8] [--no-hf] [--out-name NAME]
-writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance). Each
+`--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
+prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
+adapters (the shipped ones without FILE) for the layer drafts.
+writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
+-hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth `--repeats` times; ratios are of the medians, and the
 file keeps every run.
 """
@@ -68,11 +73,18 @@ def main():
                     help="alternating runs of each configuration and full depth; medians")
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
+    ap.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default="layer",
+                    help="where drafts come from (SelfSpeculativeConfig(draft=...))")
+    ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
+                    help="exit adapters for layer drafts: the ones shipped for the default model (no FILE), or a file")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
     args = ap.parse_args()
     thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
+    layers = args.draft != "lookup"
+    if not layers:  # no exit layer, draft threshold or guard: one configuration per d
+        args.exit_layers, thresholds, args.min_acceptance = [None], [None], None
 
     from eecore.models.loader import load_model
 
@@ -91,7 +103,7 @@ def main():
         full_outs, full_tok_s = eecore_run(full, prompts, params, batch)
         print(f"\nbatch {batch}: eecore full depth {full_tok_s:.1f} tok/s")
         hf_tok_s = {}
-        if batch == 1 and not args.no_hf:
+        if batch == 1 and not args.no_hf and layers:
             _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens) for p in prompts])
             hf_full = len(prompts) * args.max_tokens / t
             print(f"HF full depth {hf_full:.1f} tok/s")
@@ -102,31 +114,43 @@ def main():
         print(f"{'E':>3}{'d':>3}{'thr':>5}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}")
         for E, d, threshold in itertools.product(args.exit_layers, args.drafts, thresholds):
-            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
-                exit_layer=E, num_speculations=d, draft_threshold=threshold,
-                min_acceptance=args.min_acceptance))
+            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
+                             speculative=eecore.SelfSpeculativeConfig(
+                                 exit_layer=E, num_speculations=d, draft_threshold=threshold,
+                                 min_acceptance=args.min_acceptance, draft=args.draft))
             outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
-            break_even = break_even_acceptance(full.model, E, d)
-            row = dict(batch=batch, exit_layer=E, num_speculations=d, draft_threshold=threshold, tok_s=tok_s,
+            # layer drafts' bandwidth-bound break-even (with the draft head's own bytes); lookup
+            # drafts read no weights: theirs is 0
+            head = llm.engine.strategy.draft_head
+            break_even = break_even_acceptance(full.model, E, d, head.weight_bytes()) if layers else 0.0
+            row = dict(batch=batch, draft=args.draft, exit_layer=E, num_speculations=d, draft_threshold=threshold,
+                       tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
                        identical_to_full=exact, tok_s_runs=runs, full_tok_s_runs=full_runs,
                        paired_ratios=[a / b for a, b in zip(runs, full_runs)])
+            for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_drafted_tokens",
+                        "num_layer_accepted_tokens"):
+                if key in outs[0].metrics:
+                    row[key] = sum(o.metrics[key] for o in outs)
             hf_text = "-"
             if E in hf_tok_s:
                 row.update(hf_self_spec_tok_s=hf_tok_s[E], speedup_vs_hf=tok_s / hf_tok_s[E])
                 hf_text = f"{hf_tok_s[E]:.1f}"
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
-            print(f"{E:3d}{d:3d}{threshold or '-':>5}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
+            print(f"{E if E is not None else '-':>3}{d:3d}{threshold or '-':>5}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
-    name = args.out_name or ("cpu-self-speculation" if args.min_acceptance is None else "cpu-self-speculation-guard")
-    path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
-                                   min_acceptance=args.min_acceptance, repeats=args.repeats, rows=rows))
+    name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
+                                     + (["adapter"] if args.exit_adapter else [])
+                                     + (["guard"] if args.min_acceptance is not None else []))
+    path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens, draft=args.draft,
+                                   exit_adapter=args.exit_adapter, min_acceptance=args.min_acceptance,
+                                   repeats=args.repeats, rows=rows))
     print(f"\nresults: {path}")
 
 
