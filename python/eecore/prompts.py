@@ -1,0 +1,213 @@
+"""Code-completion prompts from text that eecore's training never saw.
+
+The exit adapters train on the Python source of installed packages (`eecore.train.corpus`), with
+whole packages held out (`DEFAULT_HELDOUT_PACKAGES`: jinja2, tqdm, gguf). The prompts here come
+from those held-out files only, read through the corpus builder itself (`build_corpus`), so they
+are exactly the files of its held-out split: no network, no data set, and the same prompts on every
+machine with the same package versions.
+
+A prompt is the start of a function: a few preceding lines of its file (cut at a statement start;
+for a method, its class line when the context does not reach it), then the function's decorators,
+its `def` line(s) and its docstring if it has one. The prompt ends right after the `:` of the
+signature or the docstring's closing quotes, with no newline: SmolLM2's tokenizer merges a newline
+with the next line's indentation, so the model writes that token itself.
+
+    from eecore.prompts import heldout_code_prompts
+    prompts = heldout_code_prompts(16)       # 16 strings, spread over jinja2, tqdm and gguf
+"""
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, CorpusFile, build_corpus
+
+__all__ = ["CodePrompt", "heldout_code_prompt_records", "heldout_code_prompts", "function_prompts",
+           "estimate_tokens"]
+
+# GPT-2-style pre-tokenization (SmolLM2's tokenizer: words with their leading space, single digits,
+# punctuation runs, whitespace runs that end before a word's leading space)
+_PIECES = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d]+| ?\d| ?[^\s\w]+|\s+(?!\S)|\s+""")
+
+
+def estimate_tokens(text: str) -> int:
+    """About the number of BPE tokens of `text`, without a tokenizer: one per pre-token, plus one
+    per 4 characters of a long one. On the held-out code it is SmolLM2's count within 10% for most
+    prompts (0.8x to 1.4x at the extremes), and the same on every machine."""
+    return sum(1 + (len(p.strip()) - 1) // 4 if p.strip() else 1 for p in _PIECES.findall(text))
+
+
+@dataclass(frozen=True)
+class CodePrompt:
+    package: str      # the distribution the file belongs to
+    path: str         # the file, relative to site-packages
+    function: str     # qualified name (Class.method)
+    lineno: int       # line of the `def` in the file (1-based)
+    header: str       # decorators, `def` line(s) and docstring: the end of `text`
+    text: str         # the prompt: context lines, then `header`
+    has_docstring: bool
+
+
+def _trivial_body(body: list[ast.stmt]) -> bool:
+    """True for a body with nothing to complete: `pass`, `...`, `raise NotImplementedError`."""
+    if len(body) != 1:
+        return False
+    stmt = body[0]
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and stmt.value.value is Ellipsis:
+        return True
+    if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+        exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return False
+
+
+def _header_parses(header: str) -> bool:
+    """The header is a complete function header: with a body added it parses as one function."""
+    try:
+        tree = ast.parse(textwrap.dedent(header) + "\n    pass\n")
+    except SyntaxError:
+        return False
+    return len(tree.body) == 1 and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+
+
+def function_prompts(text: str, *, max_tokens: int = 110, min_tokens: int = 50, min_body_lines: int = 2,
+                     count: Callable[[str], int] = estimate_tokens) -> list[tuple[str, int, str, str, bool]]:
+    """Every usable function prompt of one file's source, in line order:
+    (qualified name, def line, header, prompt text, has docstring). A function is used when it
+    has a body to complete (at least `min_body_lines` lines after its header, not just `pass`),
+    its header ends with the signature's `:` or the docstring's quotes and fits in `max_tokens`;
+    the prompt is the header plus as many whole preceding statements as fit in `max_tokens`, and
+    at least `min_tokens` long. `count` counts tokens (`estimate_tokens`, or a tokenizer's)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.split("\n")
+    # lines where a statement (or its first decorator) starts: where context may begin
+    starts: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt):
+            starts.add(node.lineno)
+            for dec in getattr(node, "decorator_list", ()):
+                starts.add(dec.lineno)
+    for i, line in enumerate(lines, 1):
+        if line.lstrip().startswith("#"):
+            starts.add(i)
+
+    def span(first: int, last: int) -> str:  # lines first..last, 1-based, inclusive
+        return "\n".join(lines[first - 1:last])
+
+    out = []
+
+    def visit(node: ast.AST, qual: str, cls: Optional[ast.ClassDef]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{qual}{child.name}.", child)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                consider(child, qual, cls)
+                visit(child, f"{qual}{child.name}.", None)
+
+    def consider(fn, qual: str, cls: Optional[ast.ClassDef]) -> None:
+        body = fn.body
+        doc = ast.get_docstring(fn, clean=False) is not None
+        first_body = body[1] if doc and len(body) > 1 else (None if doc else body[0])
+        if first_body is None or _trivial_body(body[1:] if doc else body):
+            return
+        if first_body.lineno == fn.lineno:  # `def f(): return x`
+            return
+        if doc:
+            end = body[0].end_lineno
+        else:  # the signature's last line: drop blank and comment lines before the body
+            end = first_body.lineno - 1
+            while end > fn.lineno and (not lines[end - 1].strip() or lines[end - 1].lstrip().startswith("#")):
+                end -= 1
+        if fn.end_lineno - end < min_body_lines:
+            return
+        first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+        header = span(first, end).rstrip()
+        if not header.endswith((":", '"""', "'''")) or count(header) > max_tokens or not _header_parses(header):
+            return
+        # context: whole statements before the header, within the class for a method
+        floor = cls.lineno if cls is not None else 1
+        begin = first
+        for s in range(first - 1, floor - 1, -1):
+            if count(span(s, end)) > max_tokens:
+                break
+            if s in starts:
+                begin = s
+        prompt = span(begin, end)
+        prompt = prompt.strip("\n").rstrip()
+        if cls is not None and begin > cls.lineno:  # the class line did not fit: lead with it when
+            class_line = lines[cls.lineno - 1]   # the context starts with one of its members
+            indent = len(lines[fn.lineno - 1]) - len(lines[fn.lineno - 1].lstrip())
+            if (class_line.rstrip().endswith(":") and len(prompt) - len(prompt.lstrip(" ")) == indent
+                    and count(class_line + "\n" + prompt) <= max_tokens):
+                prompt = class_line + "\n" + prompt
+        if count(prompt) < min_tokens:
+            return
+        out.append((qual + fn.name, fn.lineno, header, prompt, doc))
+
+    visit(tree, "", None)
+    return out
+
+
+def _spread(items: list, k: int) -> list:
+    """k items evenly spaced over `items` (all of them when there are no more than k)."""
+    if k >= len(items):
+        return list(items)
+    return [items[(2 * i + 1) * len(items) // (2 * k)] for i in range(k)]
+
+
+def heldout_code_prompt_records(n: int = 16, *, packages: Iterable[str] = DEFAULT_HELDOUT_PACKAGES,
+                                max_tokens: int = 110, min_tokens: int = 50,
+                                count: Callable[[str], int] = estimate_tokens,
+                                files: Optional[list[CorpusFile]] = None) -> list[CodePrompt]:
+    """`n` code-completion prompts (module doc) from the held-out packages, with where each comes
+    from. Deterministic: every usable function in (package, file, line) order, evenly spaced picks
+    in each package, the packages' shares as equal as their functions allow, interleaved package by
+    package. Lengths are `min_tokens`..`max_tokens` as `count` counts them (`estimate_tokens` by
+    default, so the prompts do not depend on a model: about 60 to 120 SmolLM2 tokens). `files`:
+    the held-out files to use instead of `build_corpus((), packages).heldout`."""
+    if n < 0:
+        raise ValueError(f"heldout_code_prompts: n must be >= 0, got {n!r}")
+    if not 0 < min_tokens <= max_tokens:
+        raise ValueError(f"heldout_code_prompts: need 0 < min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    packages = list(packages)
+    if files is None:
+        files = build_corpus((), packages).heldout
+    per_package: dict[str, list[CodePrompt]] = {p: [] for p in packages}
+    seen: set[str] = set()
+    for f in files:
+        for name, lineno, header, text, doc in function_prompts(f.text, max_tokens=max_tokens,
+                                                                min_tokens=min_tokens, count=count):
+            if text in seen:
+                continue
+            seen.add(text)
+            per_package.setdefault(f.package, []).append(CodePrompt(f.package, f.path, name, lineno, header, text, doc))
+    # shares: n split as evenly as possible; a package short of functions leaves its rest to others
+    shares = {p: 0 for p in per_package}
+    left = n
+    while left > 0:
+        open_ = [p for p in per_package if shares[p] < len(per_package[p])]
+        if not open_:
+            break
+        for p in open_:
+            if left == 0:
+                break
+            shares[p] += 1
+            left -= 1
+    picked = {p: _spread(per_package[p], shares[p]) for p in per_package}
+    out = []
+    for i in range(max((len(v) for v in picked.values()), default=0)):
+        out.extend(v[i] for v in picked.values() if i < len(v))
+    return out
+
+
+def heldout_code_prompts(n: int = 16, **kwargs) -> list[str]:
+    """The texts of `heldout_code_prompt_records(n, **kwargs)`."""
+    return [r.text for r in heldout_code_prompt_records(n, **kwargs)]
