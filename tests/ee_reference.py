@@ -19,7 +19,7 @@ import torch.nn.functional as F
 class ReferenceEarlyExit:
     def __init__(self, hf_model, measure: str = "softmax", threshold: float = 0.5, min_exit_layer: int = 1,
                  check_every: int = 1, exit_layer: int | None = None, rule: str = "all", decay=None,
-                 classifier=None):
+                 classifier=None, exit_logits=None):
         self.m = hf_model.model
         self.lm_head = hf_model.lm_head
         self.cfg = hf_model.config
@@ -27,6 +27,8 @@ class ReferenceEarlyExit:
         self.measure, self.threshold, self.rule = measure, threshold, rule
         self.min_exit_layer, self.check_every, self.exit_layer = min_exit_layer, check_every, exit_layer
         self.decay, self.classifier = decay, classifier
+        # {E: fn(h) -> logits}: the exit heads of exit adapters; only their layers are checked
+        self.exit_logits = exit_logits or {}
         self.heads = self.cfg.num_attention_heads
         self.kv_heads = self.cfg.num_key_value_heads
         self.head_dim = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.heads
@@ -59,12 +61,14 @@ class ReferenceEarlyExit:
         h = h + layer.self_attn.o_proj(attn)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def _logits(self, h):
+    def _logits(self, h, E=None):
+        if E in self.exit_logits:
+            return self.exit_logits[E](h)
         return self.lm_head(self.m.norm(h))
 
     def _confidence(self, E, h, prev):
         if self.measure == "softmax":
-            top2 = self._logits(h).softmax(-1).topk(2).values
+            top2 = self._logits(h, E).softmax(-1).topk(2).values
             return float(top2[0] - top2[1])
         if self.measure == "cosine":
             return float(F.cosine_similarity(prev, h, dim=0))
@@ -79,7 +83,8 @@ class ReferenceEarlyExit:
 
     def _checked(self, E):
         return self.measure != "static" and E < self.L and E >= self.min_exit_layer \
-            and (E - self.min_exit_layer) % self.check_every == 0
+            and (E - self.min_exit_layer) % self.check_every == 0 \
+            and (not self.exit_logits or E in self.exit_logits)
 
     # ---- generation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -123,7 +128,7 @@ class ReferenceEarlyExit:
                     k, v = self._kv(self.m.layers[j], hb, pos[b])
                     caches[b][j][0].append(k)
                     caches[b][j][1].append(v)
-                last[b] = int(self._logits(hb).argmax())
+                last[b] = int(self._logits(hb, E).argmax())
                 tokens[b].append(last[b])
                 exits[b].append(E)
         return tokens, exits

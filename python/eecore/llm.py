@@ -171,7 +171,7 @@ def _strategy(early_exit, speculative, num_layers, adapters):
         from eecore.exits.decoder import EarlyExitDecoder
 
         early_exit.validate_for(num_layers)
-        return (lambda runner, sampler: EarlyExitDecoder(runner, sampler, early_exit)), 1
+        return (lambda runner, sampler: EarlyExitDecoder(runner, sampler, early_exit, adapters)), 1
     if speculative is not None:
         from eecore.speculative import SelfSpeculativeDecoder
 

@@ -71,3 +71,20 @@ class ClassifierConfidence(ConfidenceMeasure):
     def __call__(self, exit_layer, hidden, previous):
         w1, b1, w2, b2 = self.classifier.weights(exit_layer)
         return ops.mlp_confidence(self.normed(hidden), w1, b1, w2, b2)
+
+
+class AdapterSoftmaxGap(ConfidenceMeasure):
+    """The softmax top-2 gap read through an exit adapter (eecore.models.exit_adapter.DraftHead):
+    the adapter block, the final norm and the draft vocabulary's rows of the LM head. Only the
+    layers that have an adapter can be checked. The top-1 of the last call is a token id."""
+
+    def __init__(self, draft_heads: dict):
+        self.draft_heads = draft_heads
+        self.top1: Optional[torch.Tensor] = None
+
+    def available_at(self, exit_layer):
+        return exit_layer in self.draft_heads
+
+    def __call__(self, exit_layer, hidden, previous):
+        gap, self.top1 = self.draft_heads[exit_layer].top2_gap(hidden)
+        return gap

@@ -26,40 +26,53 @@ from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
 from eecore.exits.classifier import ExitClassifier
-from eecore.exits.confidence import ClassifierConfidence, ConfidenceMeasure, HiddenCosine, SoftmaxGap
+from eecore.exits.confidence import (AdapterSoftmaxGap, ClassifierConfidence, ConfidenceMeasure, HiddenCosine,
+                                     SoftmaxGap)
 from eecore.exits.config import EarlyExitConfig
 from eecore.exits.thresholds import ThresholdSchedule
+from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.models.llama import AttentionInputs
 
 
-def build_measure(config: EarlyExitConfig, runner: ModelRunner, max_rows: int) -> Optional[ConfidenceMeasure]:
+def build_measure(config: EarlyExitConfig, runner: ModelRunner, max_rows: int,
+                  draft_heads: Optional[dict] = None) -> Optional[ConfidenceMeasure]:
     model = runner.model
     if config.measure == "static":
         return None
     if config.measure == "softmax":
-        return SoftmaxGap(model, max_rows)
+        return AdapterSoftmaxGap(draft_heads) if draft_heads else SoftmaxGap(model, max_rows)
     if config.measure == "cosine":
         return HiddenCosine()
     classifier = ExitClassifier.load(config.classifier_path, model.config.hidden_size, model.num_layers, model.dtype)
     return ClassifierConfidence(model, classifier, max_rows)
 
 
-def checked_layers(config: EarlyExitConfig, measure: Optional[ConfidenceMeasure], num_layers: int) -> list[int]:
-    """Exit layers E (1..L-1) at which confidence is measured."""
+def checked_layers(config: EarlyExitConfig, measure: Optional[ConfidenceMeasure], num_layers: int,
+                   draft_heads: Optional[dict] = None) -> list[int]:
+    """Exit layers E (1..L-1) at which confidence is measured: with exit adapters, only theirs."""
     if measure is None:
         return []
-    return [e for e in range(config.min_exit_layer, num_layers, config.check_every) if measure.available_at(e)]
+    return [e for e in range(config.min_exit_layer, num_layers, config.check_every)
+            if measure.available_at(e) and (not draft_heads or e in draft_heads)]
 
 
 class EarlyExitDecoder(DecodeStrategy):
-    def __init__(self, runner: ModelRunner, sampler: Sampler, config: EarlyExitConfig):
+    """`adapters` (eecore.models.exit_adapter.ExitAdapters): a row that exits at a layer with an
+    exit adapter reads its token through it (and the draft vocabulary); with adapter blocks, only
+    their layers are checked, and the softmax measure reads through them too. The skipped layers'
+    K/V still come from the exit hidden state itself, the residual stream those layers read."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, config: EarlyExitConfig,
+                 adapters: Optional[ExitAdapters] = None):
         super().__init__(runner, sampler)
         model = runner.model
         rows = runner.builder.max_seqs
         dev = model.device
         self.config = config
-        self.measure = build_measure(config, runner, rows)
-        self.checks = frozenset(checked_layers(config, self.measure, self.num_layers))
+        self.draft_heads = {} if adapters is None else \
+            {E: DraftHead(model, E, adapters, rows) for E in adapters.exit_layers()}
+        self.measure = build_measure(config, runner, rows, self.draft_heads)
+        self.checks = frozenset(checked_layers(config, self.measure, self.num_layers, self.draft_heads))
         self.thresholds = ThresholdSchedule(config, self.num_layers, rows, dev)
         d = model.config.hidden_size
         self._status = torch.zeros(rows, dtype=torch.bool, device=dev)
@@ -162,7 +175,7 @@ class EarlyExitDecoder(DecodeStrategy):
 
     def _keep_top1(self, rows: torch.Tensor, leaving) -> None:
         """Remember the softmax check's top-1 of exiting rows: their greedy token, for free."""
-        if isinstance(self.measure, SoftmaxGap):
+        if isinstance(self.measure, (SoftmaxGap, AdapterSoftmaxGap)):
             self._exit_top1.index_copy_(0, rows, self.measure.top1[leaving])
             self._top1_valid = True
 
@@ -186,13 +199,20 @@ class EarlyExitDecoder(DecodeStrategy):
                 if r:
                     tokens[i] = top1[i]
         need = [i for i, r in enumerate(reuse) if not r]
-        if need:
-            rows = exit_hidden if len(need) == len(seqs) else \
-                exit_hidden.index_select(0, torch.tensor(need, device=exit_hidden.device))
-            sampled, lps = self.sampler.sample(self.runner.logits(rows), [seqs[i] for i in need])
-            for i, t, lp in zip(need, sampled, lps):
+        # rows read their logits through the exit adapter of their exit layer, if it has one
+        heads = sorted({self._head_layer(exit_layers[i]) for i in need}, key=lambda e: -1 if e is None else e)
+        for head in heads:
+            group = [i for i in need if self._head_layer(exit_layers[i]) == head]
+            rows = exit_hidden if len(group) == len(seqs) else \
+                exit_hidden.index_select(0, torch.tensor(group, device=exit_hidden.device))
+            logits = self.runner.logits(rows) if head is None else self.draft_heads[head].logits(rows)
+            sampled, lps = self.sampler.sample(logits, [seqs[i] for i in group])
+            for i, t, lp in zip(group, sampled, lps):
                 tokens[i], logprobs[i] = t, lp
         return tokens, logprobs
+
+    def _head_layer(self, exit_layer: int) -> Optional[int]:
+        return exit_layer if exit_layer in self.draft_heads else None
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         n = seq.stats.get("ee_tokens", 0)

@@ -123,7 +123,10 @@ class ExitAdapters:
         blocks = {}
         for name in tensors:
             if name.startswith("exit."):
-                E = int(name.split(".")[1])
+                parts = name.split(".")
+                if len(parts) != 3 or not parts[1].isdigit() or parts[2] not in ("norm", "gate_up", "down"):
+                    raise ValueError(f"{path}: tensor {name!r} is not named exit.<layer>.norm|gate_up|down")
+                E = int(parts[1])
                 if E not in blocks:
                     try:
                         blocks[E] = AdapterBlock(*(tensors[f"exit.{E}.{n}"] for n in ("norm", "gate_up", "down")))
@@ -137,8 +140,9 @@ class ExitAdapters:
 
     def validate(self, source: str = "ExitAdapters") -> None:
         for E, b in self.blocks.items():
-            d = b.norm.shape[0]
-            if b.norm.dim() != 1 or b.gate_up.shape != (2 * b.hidden, d) or b.down.shape != (d, b.hidden):
+            ranks_ok = b.norm.dim() == 1 and b.gate_up.dim() == 2 and b.down.dim() == 2
+            d = b.norm.shape[0] if ranks_ok else -1
+            if not ranks_ok or b.gate_up.shape != (2 * b.hidden, d) or b.down.shape != (d, b.hidden):
                 raise ValueError(f"{source}: exit {E} has inconsistent shapes norm {tuple(b.norm.shape)}, "
                                  f"gate_up {tuple(b.gate_up.shape)}, down {tuple(b.down.shape)}")
         if self.vocab is not None:

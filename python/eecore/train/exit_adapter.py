@@ -71,19 +71,39 @@ class AdapterTrainConfig:
             raise ValueError(f"draft_vocab must be >= 0, got {self.draft_vocab!r}")
         if not self.lr > 0 or not self.temperature > 0:
             raise ValueError("lr and temperature must be > 0")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
 
 
 # ---- data ------------------------------------------------------------------------------------
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what decides a tokenizer's output: its full serialization where it has one
+    (eecore's Tokenizer and HF fast tokenizers wrap a `tokenizers.Tokenizer`), else its class and
+    the tokens of a probe text."""
+    backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        spec = backend.to_str()
+    else:
+        probe = "def f(x):\n    return x * 2  # héllo, 12345 \u65e5\u672c\n\n\tclass A: pass\n"
+        spec = type(tokenizer).__qualname__ + repr(list(tokenizer.encode(probe, add_special_tokens=False)))
+    return hashlib.sha256(spec.encode()).hexdigest()[:16]
+
+
 def tokenize_file(tokenizer, path: str, cache_dir: Optional[str] = None) -> np.ndarray:
-    """The token stream (int32) of a UTF-8 text file, cached in `cache_dir` under the text's hash."""
+    """The token stream (int32) of a UTF-8 text file, cached in `cache_dir` under the hashes of the
+    text and of the tokenizer (the same corpus tokenized for another model is another stream)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     cache = None
     if cache_dir is not None:
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        cache = os.path.join(cache_dir, f"tokens-{digest}.npy")
+        cache = os.path.join(cache_dir, f"tokens-{digest}-{tokenizer_fingerprint(tokenizer)}.npy")
         if os.path.exists(cache):
             return np.load(cache)
     # in pieces: one encode call over tens of MB holds every offset in memory at once
@@ -102,8 +122,9 @@ def tokenize_file(tokenizer, path: str, cache_dir: Optional[str] = None) -> np.n
 
 
 def frequent_tokens(tokens: np.ndarray, vocab_size: int, k: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """The k most frequent token ids of a stream (ties to the lower id), plus `always` (the EOS
-    tokens, which a draft must be able to propose), sorted."""
+    """k token ids, sorted: `always` (the EOS tokens, which a draft must be able to propose; ids
+    outside the vocabulary are ignored), then the most frequent other ids of the stream (ties to the
+    lower id) up to k in all. More than k only when `always` alone holds more."""
     counts = np.bincount(tokens, minlength=vocab_size)[:vocab_size]
     order = np.lexsort((np.arange(vocab_size), -counts))
     keep = [int(t) for t in always if 0 <= t < vocab_size]
@@ -253,12 +274,22 @@ class AdapterTrainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "config": dataclasses.asdict(self.config), "history": self.history,
                 "blocks": {E: [t.detach().clone() for t in b.tensors()] for E, b in self.blocks.items()},
-                "optimizer": self.optimizer.state_dict(), "vocab": self.vocab}
+                "optimizer": self.optimizer.state_dict(), "vocab": self.vocab,
+                "model": model_fingerprint(self.llm.model)}
 
     def load_state_dict(self, state: dict) -> None:
         saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()}
         if saved != dataclasses.asdict(self.config) | {"exit_layers": tuple(self.config.exit_layers)}:
             raise ValueError(f"checkpoint was made with another configuration: {saved}")
+        vocab = state.get("vocab")
+        if (vocab is None) != (self.vocab is None) or (vocab is not None and not torch.equal(vocab, self.vocab)):
+            raise ValueError("checkpoint was made with another draft vocabulary "
+                             f"({'none' if vocab is None else len(vocab)} ids there, "
+                             f"{'none' if self.vocab is None else len(self.vocab)} here)")
+        model = state.get("model")  # absent from checkpoints written before it was recorded
+        if model is not None and model != model_fingerprint(self.llm.model):
+            raise ValueError(f"checkpoint was made for another model: {model}, "
+                             f"this one is {model_fingerprint(self.llm.model)}")
         with torch.no_grad():
             for E, tensors in state["blocks"].items():
                 for param, value in zip(self.blocks[E].tensors(), tensors):
@@ -282,7 +313,10 @@ def train(llm, tokens: np.ndarray, config: AdapterTrainConfig, *, vocab: Optiona
     """Trains (or resumes) to `config.steps`; `stop_after` ends early after that many steps of this
     call (the tests' interruption). `log(record)` receives each step's record."""
     trainer = AdapterTrainer(llm, config, vocab)
-    ckpt = os.path.join(checkpoint_dir, "last.pt") if checkpoint_dir else None
+    ckpt = None
+    if checkpoint_dir:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        ckpt = os.path.join(checkpoint_dir, "last.pt")
     if ckpt and os.path.exists(ckpt):
         trainer.load_state_dict(torch.load(ckpt, weights_only=False))
     eval_windows = None
