@@ -82,10 +82,34 @@ def alternate_with_hf(llm, hf, prompts: list[list[int]], params, max_new_tokens:
     return statistics.median(t_ee), statistics.median(t_hf), outs, hf_outs
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which decides what a CPU figure means."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bench_prompt_ids(tokenizer, kind: str, n: int) -> list[list[int]]:
+    """`n` prompts as token ids: "chat" (the CLI's bench prompts in the chat template, cycled) or
+    "code" (held-out function starts, raw text: code completion, the exit adapters' domain)."""
+    if kind == "chat":
+        return [chat_prompt_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+    if kind == "code":
+        from eecore.prompts import heldout_code_prompts
+
+        return [tokenizer.encode(t) for t in heldout_code_prompts(n)]
+    raise ValueError(f"prompts must be 'chat' or 'code', got {kind!r}")
+
+
 def save_results(name: str, payload: dict) -> str:
     os.makedirs(RESULTS_DIR, exist_ok=True)
     date = datetime.date.today().isoformat()
-    payload = dict(payload, date=date, machine=platform.processor() or platform.machine(),
+    payload = dict(payload, date=date, machine=cpu_model(),
                    cpu_count=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads())
     path = os.path.join(RESULTS_DIR, f"{name}-{date}.json")
     with open(path, "w") as f:

@@ -13,7 +13,10 @@ For each configuration it reports:
 A threshold of 1.0 never exits: those rows measure the pure cost of the checks.
 
     python bench/early_exit_sweep.py [--max-tokens 64] [--batch-sizes 1 8] [--repeats 3] [--quick]
-writes bench/results/cpu-early-exit-<date>.{json,png}
+                                     [--prompts chat|code] [--exit-adapter [FILE]] [--out-name NAME]
+writes bench/results/cpu-early-exit-<date>.{json,png}. With `--exit-adapter` (the shipped adapters
+without FILE) exiting tokens read through the exit adapters: the sweep is then static exits at the
+adapter layers and the softmax gap (read through the adapters) at every adapter layer.
 """
 from __future__ import annotations
 
@@ -22,11 +25,21 @@ import os
 import statistics
 
 import eecore
-from common import PROMPTS, RESULTS_DIR, chat_prompt_ids, save_results, timed
+from common import RESULTS_DIR, bench_prompt_ids, cpu_model, save_results, timed
 from roofline import weight_bytes_ideal_speedup
 from rouge import rouge_l
 
 L = 30  # SmolLM2-135M
+
+
+def adapter_configs(exit_layers: list[int], quick: bool):
+    """With exit adapters: static exits at their layers, and the softmax gap checked at each."""
+    out = [("static", f"E={E}", dict(measure="static", exit_layer=E)) for E in exit_layers]
+    for rule in ("all", "compact"):
+        for t in ([0.4, 1.0] if quick else [0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]):
+            out.append(("softmax", f"t={t} {rule}", dict(measure="softmax", threshold=t, min_exit_layer=exit_layers[0],
+                                                         batch_rule=rule)))
+    return out
 
 
 def configs(classifier_path: str, quick: bool):
@@ -92,12 +105,23 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per configuration; medians")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompts", choices=["chat", "code"], default="chat",
+                    help="the CLI's chat prompts, or held-out code-completion prompts")
+    ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
+                    help="exit adapters (the shipped ones without FILE): tokens read through them")
+    ap.add_argument("--out-name", default=None, help="results file prefix (default: cpu-early-exit[-adapter][-code])")
     args = ap.parse_args()
-    classifier = ensure_classifier(os.path.join(RESULTS_DIR, "smollm2-exit-classifier.safetensors"))
     params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     base = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
-    prompts_all = [chat_prompt_ids(base.tokenizer, p) for p in PROMPTS]
+    if args.exit_adapter:
+        adapters = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, exit_adapter=args.exit_adapter)
+        sweep = adapter_configs(adapters.exit_adapters.exit_layers(), args.quick)
+        del adapters
+    else:
+        sweep = configs(ensure_classifier(os.path.join(RESULTS_DIR, "smollm2-exit-classifier.safetensors")), args.quick)
+    prompts_all = bench_prompt_ids(base.tokenizer, args.prompts, max(args.batch_sizes + [2]))
+    print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
     rows = []
     for batch in args.batch_sizes:
         prompts = prompts_all[:batch] if batch > 1 else prompts_all[:2]
@@ -106,8 +130,9 @@ def main():
         print(f"\nbatch {batch}")
         print(f"{'measure':<11}{'config':<16}{'tok/s':>8}{'full':>7}{'speedup':>8}{'ideal':>7}{'realised':>9}"
               f"{'EE rate':>8}{'layers':>7}{'wasted':>7}{'ROUGE-L':>8}{'bw ideal':>9}{'realised':>9}")
-        for measure_name, label, kw in configs(classifier, args.quick):
-            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, early_exit=eecore.EarlyExitConfig(**kw))
+        for measure_name, label, kw in sweep:
+            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, early_exit=eecore.EarlyExitConfig(**kw),
+                             exit_adapter=args.exit_adapter)
             llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))
             r = measure_pair(llm, base, groups, params, args.repeats)
             speedup = r["tok_s"] / r["full_tok_s"]
@@ -124,8 +149,11 @@ def main():
             print(f"{measure_name:<11}{label:<16}{r['tok_s']:8.1f}{r['full_tok_s']:7.1f}{speedup:8.2f}{ideal:7.2f}"
                   f"{speedup / ideal:9.2f}{r['ee_rate']:8.2f}{r['mean_layers']:7.1f}{wasted:>7}{rouge:8.3f}"
                   f"{bw_ideal:9.2f}{speedup / bw_ideal:9.2f}", flush=True)
-    path = save_results("cpu-early-exit", dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens,
-                                                repeats=args.repeats, full_depth_layers=L, rows=rows))
+    name = args.out_name or "-".join(["cpu-early-exit"] + (["adapter"] if args.exit_adapter else [])
+                                     + (["code"] if args.prompts == "code" else []))
+    path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens, prompts=args.prompts,
+                                   exit_adapter=args.exit_adapter, repeats=args.repeats, full_depth_layers=L,
+                                   rows=rows))
     plot(rows, path.replace(".json", ".png"))
     print(f"\nresults: {path}")
 

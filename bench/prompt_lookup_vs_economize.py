@@ -22,27 +22,21 @@ full-depth greedy run per prompt, the tokens per verify round that lookup drafts
 each (min_ngram, max_ngram, d) (greedy output does not depend on the drafts, so this is exact and
 needs no timing).
 
-Held-out code prompts come from `eecore.prompts.heldout_code_prompts(n)` when it exists; otherwise
-from the source of packages held out of training (jinja2, tqdm, gguf): a file's text up to and
-including a `def` line and its docstring, its last `--prompt-chars` characters.
+Held-out code prompts come from `eecore.prompts.heldout_code_prompts(n)`: function starts from
+the packages held out of the exit adapters' training corpus (jinja2, tqdm, gguf).
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 import os
-import platform
 import statistics
 import sys
 
 import torch
 
 import eecore
-from common import save_results, timed
-
-HELDOUT_PACKAGES = ("jinja2", "tqdm", "gguf")
-
+from common import cpu_model, save_results, timed
+from eecore.prompts import heldout_code_prompts
 
 def _version(package: str):
     from importlib.metadata import PackageNotFoundError, version
@@ -51,74 +45,6 @@ def _version(package: str):
         return version(package)
     except PackageNotFoundError:
         return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def local_code_prompts(n: int, max_chars: int = 1500) -> list[str]:
-    """`n` code-completion prompts from the held-out packages' source: a file's text up to and
-    including a function's `def` line and docstring (its last `max_chars` characters, cut at a line
-    start). Deterministic: files in sorted order, functions spread over the files."""
-    per_package: list[list[list[str]]] = []
-    for name in HELDOUT_PACKAGES:
-        candidates: list[list[str]] = []
-        per_package.append(candidates)
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        root = spec.submodule_search_locations[0]
-        for dirpath, _, files in sorted(os.walk(root)):
-            for fname in sorted(files):
-                if not fname.endswith(".py"):
-                    continue
-                with open(os.path.join(dirpath, fname), encoding="utf-8") as f:
-                    text = f.read()
-                try:
-                    tree = ast.parse(text)
-                except SyntaxError:
-                    continue
-                lines = text.splitlines(keepends=True)
-                prompts = []
-                for node in ast.walk(tree):
-                    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
-                        continue
-                    if len(node.body) < 2 or node.body[0].end_lineno - node.lineno > 30:
-                        continue  # a body to complete, and a docstring of sensible length
-                    head = "".join(lines[: node.body[0].end_lineno])
-                    if len(head) < max_chars // 2:
-                        continue  # too little context before it
-                    cut = head[-max_chars:]
-                    prompts.append(cut[cut.index("\n") + 1:] if "\n" in cut else cut)
-                prompts.sort(key=len)
-                if prompts:
-                    candidates.append(prompts)
-    # files of the packages interleaved, so a few prompts already cover every package
-    candidates = [files[i] for i in range(max(map(len, per_package), default=0))
-                  for files in per_package if i < len(files)]
-    out, i = [], 0
-    while len(out) < n and any(candidates):  # round robin over the files
-        file_prompts = candidates[i % len(candidates)]
-        if file_prompts:
-            out.append(file_prompts.pop(len(file_prompts) // 2))
-        i += 1
-    return out
-
-
-def code_prompts(n: int, max_chars: int) -> tuple[list[str], str]:
-    try:
-        from eecore.prompts import heldout_code_prompts
-    except ImportError:
-        return local_code_prompts(n, max_chars), "local: " + ", ".join(HELDOUT_PACKAGES)
-    return list(heldout_code_prompts(n))[:n], "eecore.prompts.heldout_code_prompts"
 
 
 def hf_model():
@@ -225,7 +151,6 @@ def sweep_ngrams(args, prompts_ids):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--prompt-chars", type=int, default=1500, help="characters of code context per prompt")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-speculations", type=int, default=4, help="d: draft tokens per round (economize: d+1 cycle)")
@@ -247,7 +172,7 @@ def main():
     d = args.num_speculations
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
-    texts, source = code_prompts(args.num_prompts, args.prompt_chars)
+    texts, source = heldout_code_prompts(args.num_prompts), "eecore.prompts.heldout_code_prompts"
     full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=max(1, len(texts)))
     prompts = [full.tokenizer.encode(t) for t in texts]
     print(f"{len(prompts)} code prompts ({source}), {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "

@@ -11,10 +11,11 @@ the LM head).
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
                                      [--draft layer|lookup|hybrid] [--exit-adapter [FILE]]
-                                     [--batch-sizes 1 8] [--no-hf] [--out-name NAME]
+                                     [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
 prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
-adapters (the shipped ones without FILE) for the layer drafts.
+adapters (the shipped ones without FILE) for the layer drafts. `--prompts code` runs held-out
+code-completion prompts (eecore.prompts) instead of the CLI's chat prompts.
 writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth `--repeats` times; ratios are of the medians, and the
@@ -31,7 +32,7 @@ import torch
 import eecore
 from eecore.cli import parse_min_acceptance
 from eecore.speculative.guard import break_even_acceptance
-from common import PROMPTS, chat_prompt_ids, hf_generate_greedy, hf_model_from_loaded, save_results, timed
+from common import bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
 
 def eecore_run(llm, prompts, params, batch):
@@ -75,6 +76,8 @@ def main():
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
     ap.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default="layer",
                     help="where drafts come from (SelfSpeculativeConfig(draft=...))")
+    ap.add_argument("--prompts", choices=["chat", "code"], default="chat",
+                    help="the CLI's chat prompts, or held-out code-completion prompts")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters for layer drafts: the ones shipped for the default model (no FILE), or a file")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
@@ -92,7 +95,8 @@ def main():
     hf = hf_model_from_loaded(loaded)
     del loaded
     full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
-    prompts_all = [chat_prompt_ids(full.tokenizer, p) for p in PROMPTS]
+    prompts_all = bench_prompt_ids(full.tokenizer, args.prompts, max(args.batch_sizes + [args.num_prompts_batch1]))
+    print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
     params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     full.generate(prompts_all[:1], eecore.SamplingParams(max_tokens=4))
 
@@ -147,9 +151,10 @@ def main():
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])
+                                     + (["code"] if args.prompts == "code" else [])
                                      + (["guard"] if args.min_acceptance is not None else []))
     path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens, draft=args.draft,
-                                   exit_adapter=args.exit_adapter, min_acceptance=args.min_acceptance,
+                                   prompts=args.prompts, exit_adapter=args.exit_adapter, min_acceptance=args.min_acceptance,
                                    repeats=args.repeats, rows=rows))
     print(f"\nresults: {path}")
 
