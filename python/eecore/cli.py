@@ -30,14 +30,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
     e = p.add_argument_group("early exit")
     e.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
-    e.add_argument("--threshold", type=float, nargs="+", default=[0.9],
-                   help="one value, or one per layer")
+    e.add_argument("--threshold", type=_threshold_arg, nargs="+", default=[0.9],
+                   help="one value, one per layer, or a thresholds file from `eecore calibrate` (which also "
+                        "sets the measure and exit settings it was calibrated for)")
     e.add_argument("--exit-layer", type=int, default=None,
                    help="static exit layer, or the speculation draft depth (not used by --draft lookup)")
-    e.add_argument("--min-exit-layer", type=int, default=1)
-    e.add_argument("--check-every", type=int, default=1)
+    # None: EarlyExitConfig's default, or the thresholds file's value
+    e.add_argument("--min-exit-layer", type=int, default=None, help="(default: 1)")
+    e.add_argument("--check-every", type=int, default=None, help="(default: 1)")
     e.add_argument("--decay", type=float, default=None, help="CALM's decaying-threshold tau")
-    e.add_argument("--batch-rule", choices=["all", "compact"], default="all")
+    e.add_argument("--batch-rule", choices=["all", "compact"], default=None, help="(default: all)")
     e.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
 
     s = p.add_argument_group("self-speculation (LayerSkip)")
@@ -57,6 +59,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
 
 
+def _threshold_arg(text: str):
+    """`--threshold`: a number, or the path of a thresholds file (`eecore calibrate --out`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -73,18 +83,25 @@ def build_llm(args):
     early_exit = speculative = None
     if args.early_exit and args.speculate:
         raise SystemExit("eecore: choose --early-exit or --speculate, not both")
-    if args.early_exit:
-        threshold = args.threshold[0] if len(args.threshold) == 1 else args.threshold
-        early_exit = eecore.EarlyExitConfig(
-            measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
-            min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
-            batch_rule=args.batch_rule, classifier_path=args.classifier)
-    if args.speculate:
-        speculative = speculative_config(args)
-    return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
-                      speculative=speculative, exit_adapter=args.exit_adapter,
-                      max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
-                      block_size=args.block_size)
+    threshold = args.threshold[0] if len(args.threshold) == 1 else args.threshold
+    if any(isinstance(t, str) for t in args.threshold) and not isinstance(threshold, str):
+        raise SystemExit("eecore: --threshold takes numbers, or a single thresholds file")
+    from eecore.exits.thresholds_file import ThresholdsFileError
+
+    try:
+        if args.early_exit or isinstance(threshold, str):  # a thresholds file knows its measure
+            early_exit = eecore.EarlyExitConfig(
+                measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
+                min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
+                batch_rule=args.batch_rule, classifier_path=args.classifier)
+        if args.speculate:
+            speculative = speculative_config(args)
+        return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
+                          speculative=speculative, exit_adapter=args.exit_adapter,
+                          max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                          block_size=args.block_size)
+    except ThresholdsFileError as exc:  # a wrong or mismatched file: a message, not a traceback
+        raise SystemExit(f"eecore: {exc}") from None
 
 
 def speculative_config(args):
@@ -197,6 +214,9 @@ def make_parser() -> argparse.ArgumentParser:
     _add_model_flags(b)
     _add_sampling_flags(b, max_tokens=128)
     b.set_defaults(func=cmd_bench)
+    from eecore.calibrate_cli import add_parser as add_calibrate_parser
+
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -81,7 +81,8 @@ class LLM:
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.dtype, self.device)
         del loaded
         self.exit_adapters = resolve_exit_adapters(exit_adapter, model, self.model)
-        strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters)
+        strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,
+                                        self.model)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -164,13 +165,14 @@ class LLM:
         return text[: len(text) - hold] if hold > 0 else text
 
 
-def _strategy(early_exit, speculative, num_layers, adapters):
+def _strategy(early_exit, speculative, num_layers, adapters, model=None):
     from eecore.engine.decoding import FullDepthDecoder
 
     if early_exit is not None:
         from eecore.exits.decoder import EarlyExitDecoder
 
         early_exit.validate_for(num_layers)
+        early_exit.check_model(model, adapters)
         return (lambda runner, sampler: EarlyExitDecoder(runner, sampler, early_exit, adapters)), 1
     if speculative is not None:
         from eecore.speculative import SelfSpeculativeDecoder

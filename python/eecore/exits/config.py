@@ -2,7 +2,8 @@
 how a batch decides to exit."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 MEASURES = ("softmax", "cosine", "classifier", "static")
@@ -18,7 +19,13 @@ class EarlyExitConfig:
                     state; weights from `classifier_path`), or "static" (always exit at
                     `exit_layer`).
     threshold:      a row exits at a checked layer once its confidence is > threshold. A scalar,
-                    or one value per layer: `threshold[E - 1]` applies to the check at exit layer E.
+                    or one value per layer: `threshold[E - 1]` applies to the check at exit layer E,
+                    or the path of a thresholds file made by `eecore calibrate` (see
+                    eecore.exits.thresholds_file). A file supplies the threshold(s) and the settings
+                    they were calibrated for (measure, min_exit_layer, check_every, decay,
+                    batch_rule): leave those unset, or set them to the file's values; any other
+                    value is a ValueError, as is a model (or set of exit adapters) other than the
+                    calibrated one when the LLM is built.
     exit_layer:     the static exit layer E (layers 0..E-1 run); only for measure="static".
     min_exit_layer: the first exit layer at which a check runs (E >= min_exit_layer).
     check_every:    check only every k-th layer from min_exit_layer on.
@@ -32,16 +39,26 @@ class EarlyExitConfig:
     the layer loop, so per-request measures would not be well defined under the "all" rule.
     """
 
-    measure: str = "softmax"
-    threshold: Union[float, Sequence[float]] = 0.9
+    # None on measure / min_exit_layer / check_every / batch_rule means "the default" (softmax, 1,
+    # 1, all), or the thresholds file's value: a file can only fill in what was left unset.
+    measure: Optional[str] = None
+    threshold: Union[float, Sequence[float], str, os.PathLike] = 0.9
     exit_layer: Optional[int] = None
-    min_exit_layer: int = 1
-    check_every: int = 1
+    min_exit_layer: Optional[int] = None
+    check_every: Optional[int] = None
     decay: Optional[float] = None
-    batch_rule: str = "all"
+    batch_rule: Optional[str] = None
     classifier_path: Optional[str] = None
+    # the path and contents of the thresholds file `threshold` named, if it named one
+    threshold_file: Optional[str] = field(default=None, init=False, compare=False)
+    calibration: Optional[dict] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if isinstance(self.threshold, (str, os.PathLike)):
+            self._load_thresholds_file(os.fspath(self.threshold))
+        for name, default in (("measure", "softmax"), ("min_exit_layer", 1), ("check_every", 1), ("batch_rule", "all")):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         if self.measure not in MEASURES:
             raise ValueError(f"EarlyExitConfig: 'measure' must be one of {MEASURES}, got {self.measure!r}")
         if self.batch_rule not in BATCH_RULES:
@@ -63,6 +80,26 @@ class EarlyExitConfig:
             raise ValueError(f"EarlyExitConfig: 'check_every' must be an int >= 1, got {self.check_every!r}")
         if self.decay is not None and self.decay < 0:
             raise ValueError(f"EarlyExitConfig: 'decay' must be >= 0 or None, got {self.decay!r}")
+
+    def _load_thresholds_file(self, path: str) -> None:
+        from eecore.exits import thresholds_file
+
+        data = thresholds_file.load(path)
+        for name in ("measure", "min_exit_layer", "check_every", "batch_rule", "decay"):
+            if getattr(self, name) is None:
+                setattr(self, name, data[name])
+        thresholds_file.check_config(data, path, measure=self.measure, batch_rule=self.batch_rule,
+                                     min_exit_layer=self.min_exit_layer, check_every=self.check_every,
+                                     decay=self.decay, classifier_path=self.classifier_path)
+        self.threshold = data["threshold"]
+        self.threshold_file, self.calibration = path, data
+
+    def check_model(self, model, adapters=None) -> None:
+        """A thresholds file must have been calibrated on this model, with these exit adapters."""
+        if self.calibration is not None:
+            from eecore.exits import thresholds_file
+
+            thresholds_file.check_model(self.calibration, self.threshold_file, model, adapters)
 
     def validate_for(self, num_layers: int) -> None:
         """Checks that depend on the model."""
