@@ -183,17 +183,19 @@ def test_too_few_prompts_is_a_clear_error(models):
         calibrate(_llm(models["exact"]), PROMPTS[:10], _settings())
 
 
-def test_record_predicts_the_decoder(models):
+@pytest.mark.parametrize("decay", [None, 3.0])
+def test_record_predicts_the_decoder(models, decay):
     """Where the exit state is the full-depth state (exact model, checks at >= EXACT_FROM), teacher
-    forcing is exact, so the record's exits are the decoder's: same mean exit layer per threshold."""
+    forcing is exact, so the record's exits are the decoder's: same mean exit layer per threshold
+    (and per CALM decay schedule)."""
     llm = _llm(models["exact"])
     settings = _settings(min_exit_layer=EXACT_FROM, measure="softmax")
     rec = calibrate(llm, PROMPTS, settings).record
     values = [0.999, 0.9, 0.6, 0.3]
-    _, predicted = token_losses(rec, layer_thresholds(rec, values))
+    _, predicted = token_losses(rec, layer_thresholds(rec, values), decay, MAX_TOKENS)
     for value, mean in zip(values, predicted.tolist()):
         ee = eecore.EarlyExitConfig(measure="softmax", threshold=value, min_exit_layer=EXACT_FROM,
-                                    batch_rule="compact")
+                                    batch_rule="compact", decay=decay)
         outs = _llm(models["exact"], ee).generate(PROMPTS, greedy(MAX_TOKENS))
         layers = [e for o in outs for e in o.exit_layers]
         assert sum(layers) / len(layers) == pytest.approx(mean)
@@ -262,6 +264,27 @@ def test_exit_adapter_identity_is_checked(models, tmp_path):
         _llm(models["exact"], eecore.EarlyExitConfig(threshold=path), exit_adapter=file_b)
     with pytest.raises(ValueError, match="calibrated with exit adapters"):
         _llm(models["exact"], eecore.EarlyExitConfig(threshold=path))
+
+
+def test_classifier_and_decay_calibration(models, tmp_path):
+    from eecore.exits.classifier import ExitClassifier
+
+    def classifier(seed):
+        g = torch.Generator().manual_seed(seed)
+        path = str(tmp_path / f"c{seed}.safetensors")
+        ExitClassifier(64, {"shared": (torch.randn(8, 64, generator=g), torch.randn(8, generator=g),
+                                       torch.randn(8, generator=g), torch.randn(1, generator=g))}).save(path)
+        return path
+    mine, other = classifier(0), classifier(1)
+    result = calibrate(_llm(models["exact"]), PROMPTS, _settings(measure="classifier", classifier_path=mine,
+                                                                 min_exit_layer=EXACT_FROM, decay=2.0))
+    assert result.passed and result.data["decay"] == 2.0
+    path = str(tmp_path / "t.json")
+    thresholds_file.save(result.data, path)
+    config = eecore.EarlyExitConfig(threshold=path, classifier_path=mine)
+    assert config.measure == "classifier" and config.decay == 2.0 and config.min_exit_layer == EXACT_FROM
+    with pytest.raises(ValueError, match="another exit classifier"):
+        eecore.EarlyExitConfig(threshold=path, classifier_path=other)
 
 
 @pytest.mark.parametrize("edit, match", [
