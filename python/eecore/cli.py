@@ -208,6 +208,9 @@ def make_parser() -> argparse.ArgumentParser:
     _add_model_flags(g)
     _add_sampling_flags(g, max_tokens=128)
     g.set_defaults(func=cmd_generate)
+    from eecore.eval_cli import add_parser as add_eval_parser  # `eecore eval` lives in its own module
+
+    add_eval_parser(sub)
     b = sub.add_parser("bench", help="measure decode throughput")
     b.add_argument("--num-prompts", type=int, default=8)
     b.add_argument("--chat", choices=["auto", "on", "off"], default="auto")

@@ -14,6 +14,10 @@ with the next line's indentation, so the model writes that token itself.
 
     from eecore.prompts import heldout_code_prompts
     prompts = heldout_code_prompts(16)       # 16 strings, spread over jinja2, tqdm and gguf
+
+English prose prompts (`prose_prompts`, `prose_prompt_records`) come from the project descriptions
+(dist-info METADATA) of eecore's installed runtime dependencies: a paragraph of plain prose is cut
+after its first sentence(s), and the rest of the paragraph is kept as the reference continuation.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from typing import Callable, Iterable, Optional
 from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, CorpusFile, build_corpus
 
 __all__ = ["CodePrompt", "heldout_code_prompt_records", "heldout_code_prompts", "function_prompts",
-           "estimate_tokens"]
+           "estimate_tokens", "ProsePrompt", "prose_paragraphs", "prose_prompt_records", "prose_prompts",
+           "runtime_dependencies"]
 
 # GPT-2-style pre-tokenization (SmolLM2's tokenizer: words with their leading space, single digits,
 # punctuation runs, whitespace runs that end before a word's leading space)
@@ -211,3 +216,167 @@ def heldout_code_prompt_records(n: int = 16, *, packages: Iterable[str] = DEFAUL
 def heldout_code_prompts(n: int = 16, **kwargs) -> list[str]:
     """The texts of `heldout_code_prompt_records(n, **kwargs)`."""
     return [r.text for r in heldout_code_prompt_records(n, **kwargs)]
+
+
+# ---- English prose -----------------------------------------------------------------------------
+# A paragraph is prose when none of its lines starts like markup (heading, list, quote, table, rst
+# directive, indented code) and, once inline markup is unwrapped, nothing code- or link-like is left.
+_MARKUP_LINE = re.compile(r"^\s*(?:[#*>|=+~`-]|\.\.|\d+[.)]\s|\t|    )")
+_INLINE_MARKUP = [
+    (re.compile(r"!?\[([^\]]*)\]\([^)]*\)"), r"\1"),       # [text](url)
+    (re.compile(r":\w+:`([^`]*)`"), r"\1"),                  # :role:`text`
+    (re.compile(r"`+([^`]*)`+_?"), r"\1"),                    # `code`, ``code``, `link`_
+    (re.compile(r"\*\*([^*]+)\*\*"), r"\1"),                 # **bold**
+    (re.compile(r"(?<!\w)\*([^*]+)\*(?!\w)"), r"\1"),          # *emphasis*
+    (re.compile(r"(?<=\w)_(?=[\s.,;:!?)]|$)"), ""),            # rst link reference name_
+]
+_NOT_PROSE = re.compile(r"https?:|www\.|[<>|{}\[\]\\@#^~_=]|::|\.py\b|\w\(")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+
+
+@dataclass(frozen=True)
+class ProsePrompt:
+    package: str      # the distribution whose description the paragraph comes from
+    text: str         # the prompt: the paragraph's first sentence(s)
+    reference: str    # the rest of the paragraph (what its author wrote next), without the leading space
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement(spec: str) -> Optional[str]:
+    """The distribution a requirement names, or None when its marker leaves it out here (an extra's
+    requirement, or one for another platform or Python)."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # no `packaging`: keep plain requirements, drop every marked one
+        name, _, marker = spec.partition(";")
+        match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", name)
+        return match.group(1) if match and not marker.strip() else None
+    req = Requirement(spec)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        return None
+    return req.name
+
+
+def runtime_dependencies(root: str = "eecore") -> list[str]:
+    """The installed distributions that `root` needs at run time, directly or through others
+    (extras left out), `root` itself excluded; normalized names, sorted."""
+    from importlib import metadata
+
+    seen: set[str] = set()
+    todo = [root]
+    while todo:
+        name = _normalize(todo.pop())
+        if name in seen:
+            continue
+        try:
+            requires = metadata.distribution(name).requires or []
+        except metadata.PackageNotFoundError:  # a requirement that is not installed has no text
+            continue
+        seen.add(name)
+        todo.extend(r for r in (_requirement(spec) for spec in requires) if r is not None)
+    seen.discard(_normalize(root))
+    return sorted(seen)
+
+
+def prose_paragraphs(description: str, *, min_words: int = 30) -> list[str]:
+    """The plain-prose paragraphs of a Markdown or reStructuredText description, each on one line:
+    at least `min_words` words and two sentences, ending with a period, mostly letters, not shouted
+    (license disclaimers in capitals)."""
+    out = []
+    for block in re.split(r"\n\s*\n", description):
+        lines = block.strip("\n").split("\n")
+        if not block.strip() or any(_MARKUP_LINE.match(line) for line in lines):
+            continue
+        text = " ".join(block.split())
+        for pattern, replacement in _INLINE_MARKUP:
+            text = pattern.sub(replacement, text)
+        words = text.split()
+        if _NOT_PROSE.search(text) or not text.endswith(".") or len(words) < min_words:
+            continue
+        if sum(c.isalpha() or c.isspace() for c in text) < 0.9 * len(text):
+            continue
+        if sum(w.isupper() and len(w) > 1 for w in words) > 0.2 * len(words):
+            continue
+        if len(_SENTENCE_END.split(text)) < 2:
+            continue
+        out.append(text)
+    return out
+
+
+def _split_paragraph(text: str, min_prompt_words: int) -> Optional[tuple[str, str]]:
+    """(the shortest run of leading sentences with `min_prompt_words` words, the rest), or None
+    when nothing would be left for the reference."""
+    sentences = _SENTENCE_END.split(text)
+    for k in range(1, len(sentences)):
+        head = " ".join(sentences[:k])
+        if len(head.split()) >= min_prompt_words:
+            return head, " ".join(sentences[k:])
+    return None
+
+
+def _description(package: str) -> str:
+    from importlib import metadata
+
+    meta = metadata.distribution(package).metadata
+    return meta.get_payload() or meta.get("Description") or ""
+
+
+def prose_prompt_records(n: int = 16, *, packages: Optional[Iterable[str]] = None, min_words: int = 30,
+                         min_prompt_words: int = 12) -> list[ProsePrompt]:
+    """`n` English prose prompts with reference continuations, from the project descriptions of
+    `packages` (default: `runtime_dependencies()`, what installing eecore installed). No network:
+    the text is the dist-info METADATA already on disk, so the prompts are the same on every
+    machine with the same package versions. A paragraph (`prose_paragraphs`) is cut after the
+    first sentences that reach `min_prompt_words` words: they are the prompt, the rest of the
+    paragraph the reference. Picks are spread evenly over each package's paragraphs, the packages'
+    shares as equal as their paragraphs allow, interleaved package by package (in name order);
+    fewer than `n` when there are not enough paragraphs."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"prose_prompts: n must be an int >= 0, got {n!r}")
+    if min_prompt_words < 1 or min_words <= min_prompt_words:
+        raise ValueError(f"prose_prompts: need 1 <= min_prompt_words < min_words, got {min_prompt_words}, "
+                         f"{min_words}")
+    names = runtime_dependencies() if packages is None else sorted({_normalize(p) for p in packages})
+    per_package: dict[str, list[ProsePrompt]] = {}
+    seen: set[str] = set()   # the same boilerplate paragraph in several descriptions counts once
+    for name in names:
+        try:
+            description = _description(name)
+        except Exception:  # not installed, or metadata without a description: no prose from it
+            continue
+        for paragraph in prose_paragraphs(description, min_words=min_words):
+            split = _split_paragraph(paragraph, min_prompt_words)
+            if split is None or paragraph in seen:
+                continue
+            seen.add(paragraph)
+            per_package.setdefault(name, []).append(ProsePrompt(name, split[0], split[1]))
+    return _balanced_picks(per_package, n)
+
+
+def _balanced_picks(per_package: dict[str, list], n: int) -> list:
+    """`n` items: each group's share as equal as the groups' sizes allow (a short group leaves its
+    rest to the others), evenly spaced within a group, interleaved group by group."""
+    shares = {p: 0 for p in per_package}
+    left = n
+    while left > 0:
+        open_ = [p for p in per_package if shares[p] < len(per_package[p])]
+        if not open_:
+            break
+        for p in open_:
+            if left == 0:
+                break
+            shares[p] += 1
+            left -= 1
+    picked = [_spread(per_package[p], shares[p]) for p in per_package]
+    out = []
+    for i in range(max((len(v) for v in picked), default=0)):
+        out.extend(v[i] for v in picked if i < len(v))
+    return out
+
+
+def prose_prompts(n: int = 16, **kwargs) -> list[str]:
+    """The texts of `prose_prompt_records(n, **kwargs)`."""
+    return [r.text for r in prose_prompt_records(n, **kwargs)]
