@@ -216,6 +216,10 @@ def test_cli_prompt_errors_are_messages(tiny, tmp_path):
     bad.write_text('{"prompt": "a"}\nnot json\n', encoding="utf-8")
     with pytest.raises(SystemExit, match=r"eecore eval: --prompts: prompt file '.*bad\.jsonl' line 2"):
         cli.main(["eval", "--model", tiny, "--device", "cpu", "--prompts", str(bad)])
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 600 + "\n", encoding="utf-8")  # past the tiny model's 512 positions
+    with pytest.raises(SystemExit, match=r"--prompts .*long\.txt: prompt 0: .* tokens do not fit"):
+        cli.main(["eval", "--model", tiny, "--device", "cpu", "--prompts", str(long), "--chat", "off"])
     with pytest.raises(SystemExit, match="--num-prompts must be >= 1"):
         cli.main(["eval", "--model", tiny, "--prompts", str(bad), "--num-prompts", "0"])
 
@@ -225,6 +229,7 @@ def test_cli_prompt_errors_are_messages(tiny, tmp_path):
     (["--early-exit", "softmax", "--sweep-exit-layer", "1"], "--sweep-exit-layer needs --early-exit static"),
     (["--early-exit", "static", "--exit-layer", "5"], "static E=5: .*exit_layer"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--early-exit", "static", "--sweep-exit-layer", "1", "--sweep-threshold", "0.5"], "do not combine"),
 ])
 def test_cli_bad_strategy_flags(tiny, prompt_file, flags, message):
     with pytest.raises(SystemExit, match=message):
@@ -244,3 +249,39 @@ def test_builtin_code_set_has_no_references():
     assert builtin and len(items) == 2 and all(i.reference is None for i in items)
     with pytest.raises(PromptFileError, match="positive int"):
         load_prompt_set("code", 0)
+
+
+# ---- exit adapters -----------------------------------------------------------------------------
+def test_exit_adapter_rows(tiny, prompt_file, tmp_path):
+    """`--exit-adapter FILE` reaches both kinds of strategy: a static exit at an adapter layer reads
+    through it, and self-speculation drafting through it still writes full depth's tokens."""
+    import numpy as np
+
+    from eecore.train.exit_adapter import AdapterTrainConfig, frequent_tokens, train
+
+    llm = eecore.LLM(tiny, dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=32,
+                     max_model_len=17)
+    tokens = (np.random.default_rng(0).zipf(1.3, 2000) % 320).astype(np.int32)
+    config = AdapterTrainConfig(exit_layers=(1,), adapter_hidden=8, draft_vocab=32, seq_len=16, batch_size=2,
+                                steps=2, lr=1e-2, warmup=1, seed=0)
+    adapters = train(llm, tokens, config, vocab=frequent_tokens(tokens, 320, 32, (2,))).adapters({"test": True})
+    path = str(tmp_path / "adapters.safetensors")
+    adapters.save(path)
+    del llm
+
+    data = run_eval(tiny, tmp_path, "--prompts", prompt_file, "--chat", "off", "--exit-adapter", path,
+                    "--early-exit", "static", "--exit-layer", "1", "--repeats", "1")
+    (row,) = data["rows"]
+    assert row["label"] == "static E=1 +adapter" and data["exit_adapter"] == path
+    assert row["early_exit_rate"] == 1.0 and row["mean_layers_per_token"] == 1.0
+    data = run_eval(tiny, tmp_path, "--prompts", prompt_file, "--chat", "off", "--exit-adapter", path,
+                    "--speculate", "--exit-layer", "1", "--repeats", "1")
+    (row,) = data["rows"]
+    assert row["label"] == "speculate layer E=1 d=4 +adapter"
+    assert row["token_agreement"] == 1.0 and row["exact_match"] == 1.0
+
+
+def test_builtin_prose_set_end_to_end(tiny, tmp_path):
+    data = run_eval(tiny, tmp_path, "--prompts", "prose", "--num-prompts", "2", "--repeats", "1")
+    assert data["prompts"] == dict(source="prose", count=2, chat="off", with_references=2)  # completions: no template
+    assert data["rows"][0]["rouge_l_to_reference"] is not None

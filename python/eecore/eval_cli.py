@@ -10,7 +10,6 @@ and ROUGE-L 1.0, speed-up about 1). One result row per strategy; sweeps make sev
   --sweep-threshold T ...   one row per threshold (each replaces --threshold; --threshold keeps its
                             meaning everywhere: one value, one per layer, or a thresholds file)
   --sweep-exit-layer E ...  one row per static exit layer or draft depth (each replaces --exit-layer)
-Both together give every combination.
 
 Prompts (--prompts): "code" (held-out code-completion prompts, eecore.prompts), "prose" (English
 paragraphs from the descriptions of installed dependencies, with their continuations as
@@ -102,7 +101,10 @@ def _one_strategy(args):
 
 
 def strategies_from_args(args) -> list:
-    """One Strategy per row: the flags as given, or one per value of each sweep (every combination)."""
+    """One Strategy per row: the flags as given, or one per value of the sweep."""
+    if args.sweep_threshold is not None and args.sweep_exit_layer is not None:
+        # thresholds belong to a confidence measure, exit layers to static exits and speculation
+        _fail("--sweep-threshold and --sweep-exit-layer do not combine; sweep one of them")
     if args.sweep_threshold is not None and (args.early_exit in (None, "static")):
         _fail("--sweep-threshold needs --early-exit softmax, cosine or classifier")
     if args.sweep_exit_layer is not None and args.early_exit != "static" and not (
@@ -111,7 +113,7 @@ def strategies_from_args(args) -> list:
     thresholds = [[t] for t in args.sweep_threshold] if args.sweep_threshold else [args.threshold]
     exit_layers = args.sweep_exit_layer or [args.exit_layer]
     out = []
-    for threshold, exit_layer in itertools.product(thresholds, exit_layers):
+    for threshold, exit_layer in itertools.product(thresholds, exit_layers):  # one of them has one value
         setting = copy.copy(args)
         setting.threshold, setting.exit_layer = threshold, exit_layer
         out.append(_one_strategy(setting))
@@ -153,6 +155,11 @@ def cmd_eval(args) -> int:
     prompts = [cli._prompt(base, item.prompt, chat) for item in items]
     references = [item.reference for item in items]
     params = cli._sampling(args)
+    for i, prompt in enumerate(prompts):  # too long for the context, say: a message before any run
+        try:
+            base.engine.validate(prompt, params, i)
+        except ValueError as exc:
+            _fail(f"--prompts {args.prompts}: {exc}")
     rows = []
     with tqdm(total=len(strategies) * args.repeats * 2, desc="eval", unit="run", file=sys.stderr) as bar:
         for strategy in strategies:
