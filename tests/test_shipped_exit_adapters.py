@@ -1,0 +1,51 @@
+"""The exit adapters shipped inside the package for the embedded SmolLM2-135M-Instruct: the file
+loads, fits the model it was trained for, and `LLM(exit_adapter=True)` runs with it."""
+import os
+
+import pytest
+import torch
+
+import eecore
+from eecore.models.exit_adapter import SHIPPED_FILE, DraftHead, ExitAdapters
+from engine_utils import greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return ExitAdapters.load(SHIPPED_FILE)
+
+
+def test_the_file_is_in_the_package_and_small(shipped):
+    assert os.path.getsize(SHIPPED_FILE) <= 25 * 2 ** 20  # the issue's budget for a shipped file
+    assert shipped.exit_layers() == [8, 12, 16]
+    assert shipped.vocab is not None and len(shipped.vocab) == 8192
+    # the card's figures come from the training run recorded in the file
+    info = shipped.info
+    assert info["trained_tokens"] > 0 and set(info["final_heldout"]) == {"8", "12", "16"}
+
+
+def test_it_fits_the_embedded_model(shipped):
+    llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2, exit_adapter=True)
+    assert llm.exit_adapters.exit_layers() == shipped.exit_layers()
+    shipped.check_model(llm.model)  # fingerprint, width, layers, token ids
+    # trained adapters are not the identity: they move the exit's distribution
+    head = DraftHead(llm.model, 12, shipped, max_rows=1)
+    h = torch.randn(1, llm.model.config.hidden_size)
+    assert not torch.allclose(head.adapted(h), h)
+
+
+def test_speculation_and_early_exit_with_the_shipped_adapters():
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2).generate(prompts, greedy(24))
+    spec = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2, exit_adapter=True,
+                      speculative=eecore.SelfSpeculativeConfig(exit_layer=12, num_speculations=3))
+    outs = spec.generate(prompts, greedy(24))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    # a trained draft is accepted more often than never
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    ee = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2, exit_adapter=True,
+                    early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=16))
+    outs = ee.generate(prompts, greedy(8))
+    assert all(o.exit_layers[1:] == [16] * 7 for o in outs)
