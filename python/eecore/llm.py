@@ -7,6 +7,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from eecore.engine.llm_engine import EngineConfig, LLMEngine
+from eecore.engine.streaming import DeltaTracker
 from eecore.exits.config import EarlyExitConfig
 from eecore.outputs import RequestDelta, RequestOutput
 from eecore.sampling_params import SamplingParams
@@ -107,36 +108,33 @@ class LLM:
     def generate_stream(self, prompts: Prompts,
                         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
                         ) -> Iterator[RequestDelta]:
-        """Yields each request's new tokens and text as soon as a step produces them."""
+        """Yields each request's new tokens and text as soon as a step produces them (the last
+        delta of a request carries its metrics)."""
         seqs = self._add_all(prompts, sampling_params)
-        sent_tokens = [0] * len(seqs)
-        sent_text = [""] * len(seqs)
+        tracker = DeltaTracker(self.engine)
         while self.engine.has_unfinished():
             for seq in self.engine.step():
-                i = seq.request_index
-                text = self.engine.stopper.final_text(seq) if seq.is_finished else self._stable_text(seq)
-                if not text.startswith(sent_text[i]):  # a stop string took back text: send none of it again
-                    text = sent_text[i]
-                new_ids = seq.output_token_ids[sent_tokens[i]:]
-                if not new_ids and not seq.is_finished:
-                    continue
-                yield RequestDelta(index=i, token_ids=new_ids, text=text[len(sent_text[i]):],
-                                   exit_layers=seq.exit_layers[sent_tokens[i]:], finished=seq.is_finished,
-                                   finish_reason=seq.finish_reason)
-                sent_tokens[i], sent_text[i] = seq.num_output_tokens, text
+                delta = tracker.delta(seq)
+                if delta is not None:
+                    yield delta
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
-        if self.tokenizer is None:
-            raise ValueError("LLM.chat: this model has no tokenizer / chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        # the template already wrote the special tokens: encoding must not add a second BOS
-        outs = self.generate([self.tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params)
-        for out, text in zip(outs, texts):
+        prompts = [self.chat_prompt(c) for c in conversations]
+        outs = self.generate([ids for _, ids in prompts], sampling_params)
+        for out, (text, _) in zip(outs, prompts):
             out.prompt = text
         return outs
+
+    def chat_prompt(self, conversation: list[dict]) -> tuple[str, list[int]]:
+        """One conversation through the chat template: its text and token ids."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat: this model has no tokenizer / chat template")
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        # the template already wrote the special tokens: encoding must not add a second BOS
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _add_all(self, prompts: Prompts, sampling_params):
@@ -156,14 +154,6 @@ class LLM:
         # Validate every request before any is queued: a bad one fails the call, not the engine.
         encoded = [self.engine.validate(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
         return [self.engine.enqueue(p, ids, sp, i) for i, (p, ids, sp) in enumerate(zip(prompts, encoded, params))]
-
-    def _stable_text(self, seq) -> str:
-        """Text that later tokens cannot change: no half-decoded character, no possible stop-string start."""
-        text = self.engine.stopper.detokenize(seq)
-        text = text.rstrip("\ufffd")
-        hold = max((len(s) for s in seq.params.stop), default=1) - 1
-        return text[: len(text) - hold] if hold > 0 else text
-
 
 def _strategy(early_exit, speculative, num_layers, adapters, model=None):
     from eecore.engine.decoding import FullDepthDecoder

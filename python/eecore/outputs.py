@@ -28,3 +28,7 @@ class RequestDelta:
     exit_layers: list[int]
     finished: bool
     finish_reason: Optional[str] = None
+    # per new token, when SamplingParams.logprobs is set: {token_id: logprob}
+    logprobs: Optional[list[dict[int, float]]] = None
+    # on the last delta of a request, when the streamer asked for them: as RequestOutput.metrics
+    metrics: Optional[dict[str, float]] = None

@@ -114,6 +114,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def abort_request(self, seq: Sequence) -> bool:
+        """Ends an unfinished request between steps (finish reason "abort"): it leaves the waiting
+        queue or the running batch and its KV blocks are free at once. False if it had finished."""
+        if seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -151,10 +159,13 @@ class LLMEngine:
             seq.append_token(token.token_id, token.exit_layer, token.logprobs)
             reason = self.stopper.check(seq)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.sampler.release(seq)
-                self.strategy.release(seq)
+                self._finish(seq, reason)
                 return
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sampler.release(seq)
+        self.strategy.release(seq)
 
     # ---- outputs ---------------------------------------------------------------------------
     def output(self, seq: Sequence) -> RequestOutput:

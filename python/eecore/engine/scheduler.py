@@ -125,10 +125,13 @@ class Scheduler:
 
     # ---- completion ------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends `seq` wherever it is (running, or waiting: an aborted request) and frees its blocks."""
         seq.finish(reason)
         self.blocks.free(seq)
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + sum(1 for s in self.running if s.status != SequenceStatus.FINISHED)
