@@ -220,6 +220,9 @@ def make_parser() -> argparse.ArgumentParser:
     from eecore.calibrate_cli import add_parser as add_calibrate_parser
 
     add_calibrate_parser(sub)
+    from eecore.serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

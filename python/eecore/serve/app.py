@@ -1,0 +1,371 @@
+"""The OpenAI-compatible HTTP layer (FastAPI): it parses and validates requests, hands sequences to
+the AsyncEngine and turns its deltas into responses or server-sent events (sse-starlette). It never
+touches the engine's state or a tensor.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus). Every error has OpenAI's shape; user input gets a 4xx.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eecore.sampling_params import SamplingParams
+from eecore.serve import responses as R
+from eecore.serve.async_engine import (AsyncEngine, EngineError, QueueFullError, RequestHandle,
+                                       ShuttingDownError, SubRequest)
+from eecore.serve.metrics import CONTENT_TYPE
+from eecore.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+logger = logging.getLogger("eecore.serve")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+SHUTDOWN_GRACE_S = 5.0              # an open stream's time to send its last chunk after SIGTERM
+
+
+def default_model_name(model: Optional[str]) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None) -> FastAPI:
+    """The server's ASGI app over a (not yet started) AsyncEngine; its lifespan starts and stops
+    the engine thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="eecore", version=_version(), lifespan=lifespan)
+    app.state.engine = engine
+    _add_error_handlers(app)
+
+    async def check_api_key(authorization: Optional[str] = Header(None)):
+        expected = f"Bearer {api_key}".encode()
+        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+            raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
+    service = _Service(engine, model_name)
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": service.created,
+                                            "owned_by": "eecore", "max_model_len": engine.max_model_len}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await service.completions(body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await service.chat(body, request)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if engine.shutting_down:
+            raise APIError(503, "the server is shutting down", type="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+# ---- requests → sequences → responses ----------------------------------------------------------
+
+
+class _Service:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.created = R.now()
+        self.logprobs = R.Logprobs(engine.tokenizer)
+        self.speculative = engine.engine.strategy.lookahead > 1
+
+    # ---- endpoints -------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        prompts = [(p, self._encode(p, i, "prompt")) for i, p in enumerate(body.prompt)]
+        subs = self._subrequests(body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
+        run = _Run(self, "text_completion", R.new_id("cmpl"), body, subs, sum(len(ids) for _, ids in prompts),
+                   top_logprobs=body.logprobs)
+        return await run.respond(request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        conversation = [m.as_template_dict() for m in body.messages]
+        try:
+            _, ids = self.engine.llm.chat_prompt(conversation)
+        except Exception as exc:  # no template, or the template refused the conversation
+            raise APIError(400, f"messages: the chat template cannot format them: {exc}", param="messages") \
+                from None
+        ids = self._encode(ids, 0, "messages")
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise APIError(400, "pass max_tokens or max_completion_tokens, not both", param="max_tokens")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        subs = self._subrequests(body, [(None, ids)], None, top, max_tokens)
+        run = _Run(self, "chat.completion", R.new_id("chatcmpl"), body, subs, len(ids), top_logprobs=top)
+        return await run.respond(request)
+
+    # ---- validation ------------------------------------------------------------------------
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _encode(self, prompt, index: int, param: str) -> list[int]:
+        try:
+            return self.engine.engine.encode_prompt(prompt, index)
+        except (ValueError, TypeError) as exc:
+            message = str(exc) if param == "prompt" else str(exc).replace(f"prompt {index}:", f"{param}:")
+            raise APIError(400, message, param=param) from None
+
+    def _subrequests(self, body, prompts, default_max_tokens: Optional[int], logprobs: Optional[int],
+                     max_tokens: Optional[int] = None) -> list[SubRequest]:
+        max_tokens = max_tokens if max_tokens is not None else body.max_tokens
+        limit = self.engine.max_model_len
+        subs = []
+        for i, (prompt, ids) in enumerate(prompts):
+            room = limit - len(ids)
+            want = max_tokens if max_tokens is not None else min(default_max_tokens or room, room)
+            if want > room:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                    f"{len(ids)} tokens, so at most {room} can be generated, but {want} were asked "
+                                    f"for", param="max_tokens")
+            for j in range(body.n):
+                subs.append(SubRequest(prompt if isinstance(prompt, str) else None, ids,
+                                       self._sampling(body, want, logprobs, j), i * body.n + j))
+        return subs
+
+    @staticmethod
+    def _sampling(body, max_tokens: int, logprobs: Optional[int], j: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0),
+                seed=None if body.seed is None else body.seed + j, stop=body.stop,
+                stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, logprobs=logprobs)
+        except ValueError as exc:  # a combination the schema let through
+            message = str(exc).replace("SamplingParams: ", "")
+            param = message.split("'")[1] if message.count("'") >= 2 else None
+            raise APIError(400, message, param=param) from None
+
+
+class _Run:
+    """One request in the engine, rendered as a whole response or as a stream."""
+
+    def __init__(self, service: _Service, obj: str, request_id: str, body, subs: list[SubRequest],
+                 prompt_tokens: int, top_logprobs: Optional[int]):
+        self.s = service
+        self.engine = service.engine
+        self.obj = obj
+        self.chat = obj == "chat.completion"
+        self.id = request_id
+        self.body = body
+        self.subs = subs
+        self.created = R.now()
+        self.top = top_logprobs
+        self.usage = R.Usage(self.engine.num_layers, prompt_tokens, service.speculative)
+        self.offsets = [0] * len(subs)   # completions logprobs: text offset per choice
+        self.handle: Optional[RequestHandle] = None
+
+    async def respond(self, request: Request):
+        try:
+            self.handle = self.engine.add(self.subs)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), type="service_unavailable", code="server_overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except ShuttingDownError as exc:
+            raise APIError(503, str(exc), type="service_unavailable") from None
+        if self.body.stream:
+            return EventSourceResponse(self._events(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S,
+                                       client_close_handler_callable=self._client_closed)
+        return await self._whole(request)
+
+    # ---- streaming -------------------------------------------------------------------------
+    async def _client_closed(self, message) -> None:
+        self.engine.abort(self.handle)
+
+    async def _events(self):
+        finished = False
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        try:
+            if self.chat:
+                for sub in self.subs:
+                    yield self._json(self._chunk(sub.index, "", None, None, role=True), include_usage)
+            async for d in self.handle.deltas():
+                self.usage.add(d)
+                lp = self._logprobs(d)
+                if d.text or d.finished or lp is not None:
+                    yield self._json(self._chunk(d.index, d.text, lp, d.finish_reason if d.finished else None),
+                                     include_usage)
+            finished = True
+            if include_usage:
+                yield json.dumps(R.usage_chunk(self.id, self.created, self.s.model_name, self._chunk_object(),
+                                               self.usage))
+            yield "[DONE]"
+        except EngineError as exc:
+            finished = True
+            yield json.dumps(error_body(str(exc), "server_error"))
+        finally:
+            if not finished:  # the client went away, or the server is stopping the stream
+                self.engine.abort(self.handle)
+
+    def _chunk(self, index: int, text: str, logprobs, finish_reason, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return R.chat_chunk(self.id, self.created, self.s.model_name, index, delta, logprobs, finish_reason)
+        return R.completion_chunk(self.id, self.created, self.s.model_name, index, text, logprobs, finish_reason)
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    @staticmethod
+    def _json(chunk: dict, include_usage: bool) -> str:
+        if include_usage:
+            chunk["usage"] = None
+        return json.dumps(chunk)
+
+    def _logprobs(self, d) -> Optional[dict]:
+        if self.top is None or not d.token_ids:
+            return None
+        if self.chat:
+            return self.s.logprobs.chat(d, self.top)
+        out, self.offsets[d.index] = self.s.logprobs.completion(d, self.offsets[d.index])
+        return out
+
+    # ---- whole responses -------------------------------------------------------------------
+    async def _whole(self, request: Request):
+        texts = [""] * len(self.subs)
+        reasons: list[Optional[str]] = [None] * len(self.subs)
+        logprobs: list[Optional[dict]] = [None] * len(self.subs)
+
+        async def consume():
+            async for d in self.handle.deltas():
+                self.usage.add(d)
+                texts[d.index] += d.text
+                lp = self._logprobs(d)
+                if lp is not None:
+                    logprobs[d.index] = _merge_logprobs(logprobs[d.index], lp)
+                if d.finished:
+                    reasons[d.index] = d.finish_reason
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not consumer.done():  # the client went away before its answer: free its sequences now
+            consumer.cancel()
+            self.engine.abort(self.handle)
+            return Response(status_code=499)
+        try:
+            consumer.result()
+        except EngineError as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        if "abort" in reasons and self.engine.shutting_down:
+            raise APIError(503, "the server is shutting down", type="service_unavailable")
+        choices = []
+        for i in range(len(self.subs)):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                "logprobs": logprobs[i], "finish_reason": reasons[i]})
+            else:
+                choices.append({"index": i, "text": texts[i], "logprobs": logprobs[i], "finish_reason": reasons[i]})
+        return {"id": self.id, "object": self.obj, "created": self.created, "model": self.s.model_name,
+                "choices": choices, "usage": self.usage.body()}
+
+
+def _merge_logprobs(acc: Optional[dict], new: dict) -> dict:
+    if acc is None:
+        return new
+    for key, values in new.items():
+        acc[key] = acc[key] + values
+    return acc
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client closed the connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- errors in OpenAI's shape -------------------------------------------------------------------
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+
+def _validation_message(errors) -> tuple[str, Optional[str]]:
+    """The first schema error as '<param path>: <what is wrong>', and the top-level param."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [p for p in e.get("loc", ()) if p != "body"]
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if e.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', msg)}", None
+    if e.get("type") == "extra_forbidden" and loc:
+        return f"{_path(loc)}: unknown or unsupported parameter", str(loc[0])
+    if not loc:
+        head = msg.split(":", 1)[0]
+        return msg, head if head.isidentifier() and head != msg else None
+    return f"{_path(loc)}: {msg}", str(loc[0])
+
+
+def _path(loc) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _version() -> str:
+    from eecore import __version__
+
+    return __version__

@@ -1,0 +1,61 @@
+"""`eecore serve`: the model and strategy flags of `eecore generate`, plus the server's own."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from eecore import cli
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    cli._add_model_flags(p)  # --max-num-seqs is the running batch
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("EECORE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EECORE_API_KEY, else none)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="sequences that may wait for a place in the batch; beyond it requests get 503")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id of the API (default: the model file or folder name)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from eecore.serve import AsyncEngine, build_app, default_model_name
+
+    if args.max_waiting_requests < 1:
+        raise SystemExit("eecore: --max-waiting-requests must be at least 1")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = cli.build_llm(args)
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests)
+    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=30)
+    server = _server(config, engine)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; let it land on a
+    # no-op so that a SIGINT / SIGTERM shutdown exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0
+
+
+def _server(config, engine):
+    """uvicorn's server, which on SIGINT / SIGTERM also ends the engine's requests, so that open
+    streams close at once (finish reason "abort", then [DONE]) instead of running to their end."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
