@@ -1,0 +1,97 @@
+"""Helpers for server tests: a live uvicorn server in a thread on 127.0.0.1 and a free port, an
+OpenAI client for it, and the offline results it must reproduce."""
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import uvicorn
+
+import eecore
+from eecore.serve import AsyncEngine, build_app
+
+MODEL = "tiny"
+
+
+class LiveServer:
+    """`with LiveServer(llm) as srv:` serves `llm` at `srv.url` until the block ends."""
+
+    def __init__(self, llm, *, max_waiting: int = 256, api_key: str | None = None, model_name: str = MODEL):
+        self.llm = llm
+        self.engine = AsyncEngine(llm, max_waiting=max_waiting)
+        self.app = build_app(self.engine, model_name, api_key=api_key)
+        self.model_name = model_name
+
+    def __enter__(self) -> "LiveServer":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "the test server did not stop"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                                  timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics").text)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """The metrics once no sequence runs or waits (client disconnects are noticed asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["eecore_num_requests_running"] == 0 and m["eecore_num_requests_waiting"] == 0) \
+                    or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format → {name{labels}: value} (comment lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def tiny_llm(path: str, **kw) -> eecore.LLM:
+    kw = {"dtype": "float32", "device": "cpu", "block_size": 8, "num_blocks": 512, **kw}
+    return eecore.LLM(path, **kw)
+
+
+def greedy_params(max_tokens: int, **kw) -> eecore.SamplingParams:
+    return eecore.SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **kw})
+
+
+def error_of(response: httpx.Response) -> dict:
+    """The OpenAI-shaped error of a response, checked for its shape."""
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert re.search(r"\S", body["error"]["message"])
+    return body["error"]
