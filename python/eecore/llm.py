@@ -64,8 +64,8 @@ class LLM:
                  block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
                  seed: int = 0):
+        from eecore.models.build import build_model
         from eecore.models.exit_adapter import resolve_exit_adapters
-        from eecore.models.llama import LlamaModel
         from eecore.models.loader import load_model
 
         if early_exit is not None and speculative is not None:
@@ -79,7 +79,7 @@ class LLM:
         loaded = load_model(model, dtype=self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.state_dict, self.dtype, self.device)
+        self.model = build_model(loaded, self.dtype, self.device)
         del loaded
         self.exit_adapters = resolve_exit_adapters(exit_adapter, model, self.model)
         strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,

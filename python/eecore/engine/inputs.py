@@ -54,6 +54,9 @@ class InputBuilder:
         self._h_qsl = host(max_seqs + 1, torch.int32)
         self._h_last = host(max_seqs, torch.int64)
         self._h_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
+        # encoder-decoder models: each row's cross-attention blocks and encoder length
+        self._h_cross_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
+        self._h_cross_lens = host(max_seqs, torch.int32)
         self.device = device
         if device.type == "cpu":
             self._d = None
@@ -62,7 +65,8 @@ class InputBuilder:
 
     def _host_buffers(self) -> dict[str, torch.Tensor]:
         return dict(tokens=self._h_tokens, positions=self._h_positions, slots=self._h_slots,
-                    seq_lens=self._h_seq_lens, qsl=self._h_qsl, last=self._h_last, tables=self._h_tables)
+                    seq_lens=self._h_seq_lens, qsl=self._h_qsl, last=self._h_last, tables=self._h_tables,
+                    cross_tables=self._h_cross_tables, cross_lens=self._h_cross_lens)
 
     def build(self, rows: list[Row]) -> StepInputs:
         B = len(rows)
@@ -96,8 +100,26 @@ class InputBuilder:
         views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
                      seq_lens=self._h_seq_lens[:B], qsl=self._h_qsl[: B + 1], last=self._h_last[:B],
                      tables=self._h_tables[: B * width].view(B, width))
+        if rows and rows[0].seq.encoder_token_ids is not None:
+            views.update(self._cross_views(rows))
         if self._d is not None:
             views = {k: self._d[k][: v.numel()].view(v.shape).copy_(v, non_blocking=True) for k, v in views.items()}
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
-                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens))
+                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens),
+                               cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"], row_lens=lens)
+
+    def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models)."""
+        B = len(rows)
+        width = max(len(r.seq.cross_block_table) for r in rows) or 1
+        if width > self.max_blocks:
+            raise RuntimeError(f"an encoder input needs {width} cross-attention blocks; the engine allows "
+                               f"{self.max_blocks} per sequence")
+        tables = self._h_cross_tables.numpy()[: B * width].reshape(B, width)
+        tables.fill(-1)
+        lens = self._h_cross_lens.numpy()
+        for b, row in enumerate(rows):
+            tables[b, : len(row.seq.cross_block_table)] = row.seq.cross_block_table
+            lens[b] = len(row.seq.encoder_token_ids)
+        return dict(cross_tables=self._h_cross_tables[: B * width].view(B, width), cross_lens=self._h_cross_lens[:B])

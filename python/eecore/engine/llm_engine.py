@@ -12,6 +12,7 @@ import torch
 
 from eecore.engine.block_manager import BlockManager
 from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
+from eecore.engine.encoder_decoder import check_request_fits, encoder_decoder_sequence
 from eecore.engine.inputs import Row
 from eecore.engine.kv_cache import KVCache
 from eecore.engine.runner import ModelRunner
@@ -56,7 +57,9 @@ class LLMEngine:
             num_layers=mc.num_layers, block_size=config.block_size, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, dtype=model.dtype, device=model.device,
             memory_fraction=config.kv_cache_memory_fraction,
-            max_useful_tokens=config.max_num_seqs * (max_len + lookahead), num_blocks=config.num_blocks)
+            # an encoder-decoder request also holds up to max_len encoder tokens of cross-attention K/V
+            max_useful_tokens=config.max_num_seqs * (max_len + lookahead) * (2 if model.is_encoder_decoder else 1),
+            num_blocks=config.num_blocks)
         # A lone sequence must always fit, or preemption could not make progress.
         self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
         if self.max_model_len < 2:
@@ -106,11 +109,17 @@ class LLMEngine:
     def validate(self, prompt: Union[str, list[int]], params: SamplingParams, index: int = 0) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"prompt {index}: sampling params must be a SamplingParams, got {type(params).__name__}")
-        return self.encode_prompt(prompt, index)
+        ids = self.encode_prompt(prompt, index)
+        if self.model.is_encoder_decoder:
+            check_request_fits(self.model, self.blocks, ids, params, index, self.max_model_len,
+                               self.strategy.lookahead)
+        return ids
 
     def enqueue(self, prompt: Union[str, list[int]], token_ids: list[int], params: SamplingParams,
                 index: int) -> Sequence:
-        seq = Sequence(token_ids, params, request_index=index, prompt=prompt if isinstance(prompt, str) else None)
+        text = prompt if isinstance(prompt, str) else None
+        seq = encoder_decoder_sequence(self.model, token_ids, params, index, text) if self.model.is_encoder_decoder \
+            else Sequence(token_ids, params, request_index=index, prompt=text)
         self.scheduler.add(seq)
         return seq
 
@@ -170,7 +179,7 @@ class LLMEngine:
     # ---- outputs ---------------------------------------------------------------------------
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
-            prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids), text=self.stopper.final_text(seq),
+            prompt=seq.prompt, prompt_token_ids=list(seq.input_token_ids), text=self.stopper.final_text(seq),
             token_ids=list(seq.output_token_ids), exit_layers=list(seq.exit_layers),
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason, metrics=self.metrics(seq))
@@ -178,7 +187,7 @@ class LLMEngine:
     def metrics(self, seq: Sequence) -> dict[str, float]:
         t = seq.times
         n = seq.num_output_tokens
-        m: dict[str, float] = {"num_prompt_tokens": seq.num_prompt_tokens, "num_output_tokens": n,
+        m: dict[str, float] = {"num_prompt_tokens": len(seq.input_token_ids), "num_output_tokens": n,
                                "num_preemptions": seq.num_preemptions}
         if t.first_token is not None and t.first_scheduled is not None:
             m["ttft_s"] = t.first_token - t.arrival

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from eecore.engine.inputs import InputBuilder, Row, StepInputs
 from eecore.engine.kv_cache import KVCache
-from eecore.models.llama import AttentionInputs, LlamaModel, Workspace
+from eecore.models.llama import AttentionInputs, LlamaModel
 
 
 class ModelRunner:
@@ -22,7 +23,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv = kv_cache
         self.num_layers = model.num_layers
-        self.ws = Workspace(model.config, max_tokens, model.dtype, model.device)
+        self.ws = model.new_workspace(max_tokens)
         self.builder = InputBuilder(max_tokens, max_seqs, max_blocks_per_seq, kv_cache.block_size, model.device)
         d, vocab = model.config.hidden_size, model.config.vocab_size
         self._head_in = torch.empty(max_logit_rows, d, dtype=model.dtype, device=model.device)
@@ -33,7 +34,26 @@ class ModelRunner:
         self.layer_tokens = [0] * model.num_layers
 
     def prepare(self, rows: list[Row]) -> StepInputs:
-        return self.builder.build(rows)
+        inputs = self.builder.build(rows)
+        if self.model.is_encoder_decoder:
+            self._encode_starting(rows)
+        return inputs
+
+    def _encode_starting(self, rows: list[Row]) -> None:
+        """Encoder-decoder models: a row at position 0 starts its prefill (first admission, or
+        readmission after a preemption dropped its blocks), so its request's encoder runs now, once,
+        and writes every decoder layer's cross-attention K/V into the request's cross blocks."""
+        seqs = [r.seq for r in rows if r.start == 0]
+        if not seqs:
+            return
+        bs = self.kv.block_size
+        slots = []
+        for seq in seqs:
+            pos = np.arange(len(seq.encoder_token_ids))
+            slots.append(np.asarray(seq.cross_block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.model.device)
+        encoded = self.model.encode([s.encoder_token_ids for s in seqs])
+        self.model.write_cross_kv(self.kv.tensor, encoded, slot_mapping)
 
     def embed(self, inputs: StepInputs) -> torch.Tensor:
         """The residual stream `[T, d]` of this step, initialized with the token embeddings."""

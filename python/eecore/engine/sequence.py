@@ -37,11 +37,17 @@ class Sequence:
     """
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_index: int = 0,
-                 prompt: Optional[str] = None):
+                 prompt: Optional[str] = None, encoder_token_ids: Optional[list[int]] = None):
         self.seq_id = next(_ids)
         self.request_index = request_index
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        # Encoder-decoder models (T5): the request's prompt feeds the encoder, and the decoder's
+        # tokens (`prompt_token_ids`, then the outputs) start from the decoder start token. The
+        # encoder output's cross-attention K/V live in blocks of their own, held from admission
+        # (or readmission after a preemption) to the end of the request.
+        self.encoder_token_ids = None if encoder_token_ids is None else list(encoder_token_ids)
+        self.cross_block_table: list[int] = []
         self.output_token_ids: list[int] = []
         self.params = params
         self.status = SequenceStatus.WAITING
@@ -61,6 +67,12 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The request's prompt as the user gave it: the encoder's input for an encoder-decoder
+        model, else the decoder prompt."""
+        return self.prompt_token_ids if self.encoder_token_ids is None else self.encoder_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +117,7 @@ class Sequence:
         """Preemption by recomputation: the KV is dropped; outputs so far are kept."""
         self.status = SequenceStatus.WAITING
         self.block_table = []
+        self.cross_block_table = []
         self.num_computed_tokens = 0
         self.num_preemptions += 1
 

@@ -80,7 +80,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: model_type {model_type!r} is not supported; eecore loads "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3, Mistral, Qwen2, SmolLM2)")
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3, Mistral, Qwen2, SmolLM2) and t5, mt5 "
+                "(T5ForConditionalGeneration, from HF directories)")
         architectures = d.get("architectures") or []
         wanted = SUPPORTED_ARCHITECTURES[model_type]
         if architectures and not any(a in wanted for a in architectures):

@@ -45,6 +45,10 @@ class AttentionInputs:
     seq_lens: torch.Tensor         # int32 [B]
     query_start_loc: torch.Tensor  # int32 [B + 1]
     max_query_len: int
+    # Encoder-decoder models only (T5): each row's cross-attention blocks, which hold the K/V of
+    # its encoder output in every decoder layer, and the encoder length. None for decoder-only.
+    cross_block_table: Optional[torch.Tensor] = None  # int32 [B, Wc]
+    cross_seq_lens: Optional[torch.Tensor] = None     # int32 [B]
 
 
 class Workspace:
@@ -69,6 +73,8 @@ class Workspace:
 
 
 class LlamaModel:
+    is_encoder_decoder = False
+
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device):
         self.config = config
@@ -111,6 +117,9 @@ class LlamaModel:
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    def new_workspace(self, max_tokens: int) -> Workspace:
+        return Workspace(self.config, max_tokens, self.dtype, self.device)
 
     # ---- pieces ----------------------------------------------------------------------------
     def embed_tokens(self, token_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

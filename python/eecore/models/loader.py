@@ -6,7 +6,8 @@
 
 Every path produces the same thing: a `ModelConfig`, a state dict in HF Llama naming with exactly
 the tensors that config implies (checked), in the requested dtype, and a `Tokenizer` (or None
-when an HF directory ships no tokenizer.json). transformers is never imported here.
+when an HF directory ships no tokenizer.json). An HF directory of a T5 encoder-decoder gives a
+`T5Config` and the HF T5 names instead (see t5_weights.py). transformers is never imported here.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch
 from eecore.models.config import ModelConfig, token_id_tuple
 from eecore.models.errors import (CorruptCheckpointError, DefaultModelNotInstalledError, ModelNotFoundError,
                                   UnsupportedModelError)
+from eecore.models.t5_config import T5Config, is_t5_config
+from eecore.models.t5_weights import normalize_t5_state_dict
 from eecore.models.tokenizer import Tokenizer
 from eecore.models.weights import check_state_dict
 
@@ -33,8 +36,8 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 @dataclass
 class LoadedModel:
-    config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
+    config: ModelConfig | T5Config
+    state_dict: dict[str, torch.Tensor]  # HF names (Llama or T5 layout); lm_head.weight absent when tied
     tokenizer: Tokenizer | None
     source: str  # the file or directory loaded
 
@@ -94,7 +97,9 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ModelNotFoundError(f"{path}: no config.json; expected an HF model directory or a .gguf file")
-    config = ModelConfig.from_hf_dict(_read_json(config_file), source=config_file)
+    raw = _read_json(config_file)
+    config = T5Config.from_hf_dict(raw, config_file) if is_t5_config(raw) else \
+        ModelConfig.from_hf_dict(raw, source=config_file)
     tokenizer = Tokenizer.from_hf_dir(path)
     config = config.replace(eos_token_ids=_all_eos_ids(path, config, tokenizer))
 
@@ -103,6 +108,9 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
         state_dict.update(_read_shard(shard, names, dtype))
     for name in [n for n in state_dict if n.endswith(_IGNORED_SUFFIXES)]:
         del state_dict[name]
+    if isinstance(config, T5Config):
+        normalize_t5_state_dict(state_dict, config, path)
+        return LoadedModel(config, state_dict, tokenizer, path)
     if config.tie_word_embeddings:
         # Some tied checkpoints still store the head; the decoder uses embed_tokens either way.
         state_dict.pop("lm_head.weight", None)

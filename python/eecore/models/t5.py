@@ -1,0 +1,211 @@
+"""T5 (v1.1 and the original) on the eecore ops: an encoder that runs once per request, and a
+decoder exposed one piece at a time exactly like `LlamaModel` (embed, layer i, final norm, LM
+head, kv_fill), so the runner, the early-exit decoder and the measures drive it unchanged.
+
+Each decoder layer reads two kinds of paged blocks of the same KV tensor (one layer's slice each):
+- its self-attention K/V, at the sequence's `block_table` (causal, with the relative position
+  bias handed to `paged_attention` as a per-distance table; no RoPE);
+- the cross-attention K/V of the request's encoder output, at the sequence's own
+  `cross_block_table` (non-causal). They are written once, at the start of the prefill, by
+  `write_cross_kv` for every decoder layer with one GEMM, and never change.
+T5 attention has no 1/sqrt(D) scaling (it is folded into the trained weights).
+
+Early exit: the skipped layers' self-attention K/V come from the exit hidden state through
+`kv_fill` (no RoPE, no bias); their cross-attention K/V are already in the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from eecore import ops
+from eecore.models.llama import AttentionInputs
+from eecore.models.relative_position import causal_bias_table
+from eecore.models.t5_config import T5Config
+from eecore.models.t5_encoder import T5Encoder
+
+_WEIGHT_ALIGNMENT = 64  # as LlamaModel: the CPU kernels stream weights with 64-byte vector loads
+
+
+@dataclass
+class DecoderLayerWeights:
+    self_norm: torch.Tensor   # [d]
+    qkv: torch.Tensor         # [3 inner, d]
+    self_o: torch.Tensor      # [d, inner]
+    cross_norm: torch.Tensor  # [d]
+    cross_q: torch.Tensor     # [inner, d]
+    cross_o: torch.Tensor     # [d, inner]
+    ff_norm: torch.Tensor     # [d]
+    wi: torch.Tensor          # [2 ff, d] (gated: wi_0 then wi_1) or [ff, d]
+    wo: torch.Tensor          # [d, ff]
+
+
+class T5Workspace:
+    """Decoder activation buffers for up to `max_tokens` rows, allocated once per engine."""
+
+    def __init__(self, config: T5Config, max_tokens: int, dtype: torch.dtype, device: torch.device):
+        c = config
+
+        def buf(width):
+            return torch.empty(max_tokens, width, dtype=dtype, device=device)
+
+        self.max_tokens = max_tokens
+        self.hidden = buf(c.hidden_size)
+        self.normed = buf(c.hidden_size)
+        self.qkv = buf(3 * c.inner_size)
+        self.q = buf(c.inner_size)
+        self.attn = buf(c.inner_size)
+        self.o = buf(c.hidden_size)
+        self.ff = buf((2 if c.gated else 1) * c.intermediate_size)
+        self.act = buf(c.intermediate_size)
+
+
+class T5Model:
+    is_encoder_decoder = True
+
+    def __init__(self, config: T5Config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_layers = config.num_layers
+        self.eps = config.rms_norm_eps
+        c = config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            tensor = state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+            if tensor.device.type == "cpu" and tensor.data_ptr() % _WEIGHT_ALIGNMENT:
+                tensor = tensor.clone()
+            return tensor
+
+        self.embed = take("shared.weight")
+        self.lm_head = take("lm_head.weight") if "lm_head.weight" in state_dict else self.embed
+        final_norm = take("decoder.final_layer_norm.weight")
+        if c.scale_decoder_outputs:
+            # The original T5 multiplies the decoder output by d_model^-0.5 before its tied head.
+            # Folded into the final norm's gain, every reader of the final-normed state (logits,
+            # the softmax and classifier measures, the fused lm_head_top2_gap) sees it for free.
+            final_norm = (final_norm.float() * c.hidden_size ** -0.5).to(dtype)
+        self.final_norm = final_norm
+        self.layers: list[DecoderLayerWeights] = []
+        cross_kv = []
+        for i in range(c.num_layers):
+            p = f"decoder.block.{i}.layer."
+            ff = p + "2.DenseReluDense."
+            wi = torch.cat([take(ff + "wi_0.weight"), take(ff + "wi_1.weight")]) if c.gated else take(ff + "wi.weight")
+            self.layers.append(DecoderLayerWeights(
+                self_norm=take(p + "0.layer_norm.weight"),
+                qkv=torch.cat([take(p + f"0.SelfAttention.{n}.weight") for n in "qkv"]),
+                self_o=take(p + "0.SelfAttention.o.weight"),
+                cross_norm=take(p + "1.layer_norm.weight"),
+                cross_q=take(p + "1.EncDecAttention.q.weight"),
+                cross_o=take(p + "1.EncDecAttention.o.weight"),
+                ff_norm=take(p + "2.layer_norm.weight"), wi=wi, wo=take(ff + "wo.weight")))
+            cross_kv += [take(p + "1.EncDecAttention.k.weight"), take(p + "1.EncDecAttention.v.weight")]
+        # [L * 2 * inner, d]: every decoder layer's cross-attention K and V projections, so the
+        # encoder output becomes the cross K/V of all layers in one GEMM.
+        self.cross_kv_weight = torch.cat(cross_kv).contiguous()
+        self.self_bias = causal_bias_table(
+            take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"), c.num_buckets,
+            c.max_distance)
+        self.encoder = T5Encoder(c, take)
+        self.act = _activation_(c.activation)
+        self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    def new_workspace(self, max_tokens: int) -> T5Workspace:
+        return T5Workspace(self.config, max_tokens, self.dtype, self.device)
+
+    def decoder_prompt(self) -> list[int]:
+        """The decoder's prompt: T5 starts every output with its decoder start token (pad)."""
+        return [self.config.decoder_start_token_id]
+
+    # ---- the encoder -------------------------------------------------------------------------
+    def encode(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """The encoder output of each request, concatenated: `[sum(len), d]`."""
+        return self.encoder(self.embed, token_lists)
+
+    def write_cross_kv(self, kv_cache: torch.Tensor, encoder_out: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Every decoder layer's cross-attention K/V of `encoder_out [T, d]` into `kv_cache`
+        (`[L, 2, NB, BS, H, D]`) at `slot_mapping [T]` (the requests' cross blocks)."""
+        c = self.config
+        L, T = c.num_layers, encoder_out.shape[0]
+        kv = F.linear(encoder_out, self.cross_kv_weight).view(T, L, 2, c.num_heads, c.head_dim)
+        flat = kv_cache.view(L, 2, -1, c.num_heads, c.head_dim)  # slots of every block in a row
+        flat[:, :, slot_mapping] = kv.permute(1, 2, 0, 3, 4).to(kv_cache.dtype)
+
+    # ---- decoder pieces (the LlamaModel interface) ------------------------------------------
+    def embed_tokens(self, token_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.embed, 0, token_ids, out=out)
+
+    def layer(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, ws: T5Workspace) -> torch.Tensor:
+        """Decoder block `i` on `hidden [T, d]` in place, writing this step's self-attention K/V."""
+        if attn.cross_block_table is None:
+            raise ValueError("T5Model.layer: the attention inputs carry no cross-attention blocks "
+                             "(the sequences were not given encoder inputs)")
+        c, w, T = self.config, self.layers[i], hidden.shape[0]
+        H, D, inner = c.num_heads, c.head_dim, c.inner_size
+
+        x = ops.rms_norm(ws.normed[:T], hidden, w.self_norm, self.eps)
+        qkv = ops.linear(ws.qkv[:T], x, w.qkv)
+        q = qkv[:, :inner].view(T, H, D)
+        k = qkv[:, inner:2 * inner].view(T, H, D)
+        v = qkv[:, 2 * inner:].view(T, H, D)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = ws.attn[:T].view(T, H, D)
+        ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
+                            attn.max_query_len, 1.0, True, self.self_bias)
+        o = ops.linear(ws.o[:T], out.view(T, inner), w.self_o)
+        ops.fused_add_rms_norm(o, hidden, w.cross_norm, self.eps)  # hidden += self-attn; o = norm(hidden)
+
+        q = ops.linear(ws.q[:T], o, w.cross_q).view(T, H, D)
+        ops.paged_attention(out, q, k_cache, v_cache, attn.cross_block_table, attn.cross_seq_lens,
+                            attn.query_start_loc, attn.max_query_len, 1.0, False, None)
+        o = ops.linear(ws.o[:T], out.view(T, inner), w.cross_o)
+        ops.fused_add_rms_norm(o, hidden, w.ff_norm, self.eps)  # hidden += cross-attn; o = norm(hidden)
+
+        h = ops.linear(ws.ff[:T], o, w.wi)
+        if c.gated:
+            gate, up = h.chunk(2, dim=-1)
+            self.act(gate)
+            h = torch.mul(gate, up, out=ws.act[:T])
+        else:
+            self.act(h)
+        return ops.linear(hidden, h, w.wo, accumulate=True)  # hidden += feed-forward
+
+    def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(out, hidden, self.final_norm, self.eps)
+
+    def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return ops.linear(out, normed, self.lm_head)
+
+    # ---- early exit support ----------------------------------------------------------------
+    def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every decoder layer's self-attention K and V projections stacked `[L, 2 inner, d]`, with
+        that layer's self-attention norm gain folded in; no biases (T5 has none)."""
+        if self._kv_fill_weights is None:
+            inner = self.config.inner_size
+            weight = torch.stack([(w.qkv[inner:].float() * w.self_norm.float()).to(self.dtype) for w in self.layers])
+            self._kv_fill_weights = (weight.contiguous(), None)
+        return self._kv_fill_weights
+
+    def fill_kv(self, kv_cache: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, start_layer: torch.Tensor) -> None:
+        weight, _ = self.kv_fill_weights()
+        # No RoPE: T5's positions enter through the attention bias, not the keys.
+        ops.kv_fill(kv_cache, hidden, weight, None, None, positions, slot_mapping, start_layer, self.eps, True)
+
+
+def _activation_(name: str):
+    """The feed-forward activation, in place on the workspace buffer."""
+    if name == "relu":
+        return torch.relu_
+    if name == "silu":
+        return lambda x: F.silu(x, inplace=True)
+    approximate = "tanh" if name == "gelu_new" else "none"
+    return lambda x: torch.ops.aten.gelu_(x, approximate=approximate)
