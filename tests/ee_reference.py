@@ -24,14 +24,30 @@ class ReferenceEarlyExit:
         self.lm_head = hf_model.lm_head
         self.cfg = hf_model.config
         self.L = self.cfg.num_hidden_layers
+        self._settings(measure, threshold, min_exit_layer, check_every, exit_layer, rule, decay, classifier,
+                       exit_logits)
+        self.heads = self.cfg.num_attention_heads
+        self.kv_heads = self.cfg.num_key_value_heads
+        self.head_dim = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.heads
+
+    def _settings(self, measure, threshold, min_exit_layer, check_every, exit_layer, rule, decay, classifier,
+                  exit_logits):
         self.measure, self.threshold, self.rule = measure, threshold, rule
         self.min_exit_layer, self.check_every, self.exit_layer = min_exit_layer, check_every, exit_layer
         self.decay, self.classifier = decay, classifier
         # {E: fn(h) -> logits}: the exit heads of exit adapters; only their layers are checked
         self.exit_logits = exit_logits or {}
-        self.heads = self.cfg.num_attention_heads
-        self.kv_heads = self.cfg.num_key_value_heads
-        self.head_dim = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.heads
+
+    # ---- model hooks (tests/t5_ee_reference.py overrides them for T5) -------------------------
+    def _embed(self, token):
+        return self.m.embed_tokens.weight[token]
+
+    def _final_norm(self, h):
+        return self.m.norm(h)
+
+    def _new_cache(self, b):
+        """Row b's cache: per layer, the lists of its K and V vectors."""
+        return [([], []) for _ in range(self.L)]
 
     # ---- one layer, one row ---------------------------------------------------------------
     def _rope(self, x, pos):
@@ -64,7 +80,7 @@ class ReferenceEarlyExit:
     def _logits(self, h, E=None):
         if E in self.exit_logits:
             return self.exit_logits[E](h)
-        return self.lm_head(self.m.norm(h))
+        return self.lm_head(self._final_norm(h))
 
     def _confidence(self, E, h, prev):
         if self.measure == "softmax":
@@ -73,7 +89,7 @@ class ReferenceEarlyExit:
         if self.measure == "cosine":
             return float(F.cosine_similarity(prev, h, dim=0))
         w1, b1, w2, b2 = self.classifier[E]
-        z = torch.relu(w1 @ self.m.norm(h) + b1)
+        z = torch.relu(w1 @ self._final_norm(h) + b1)
         return float(torch.sigmoid(w2 @ z + b2[0]))
 
     def _threshold(self, t, max_tokens):
@@ -90,12 +106,12 @@ class ReferenceEarlyExit:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: int):
         B, L = len(prompts), self.L
-        caches = [[([], []) for _ in range(L)] for _ in range(B)]
+        caches = [self._new_cache(b) for b in range(B)]
         tokens, exits = [[] for _ in range(B)], [[] for _ in range(B)]
         last = []
         for b, prompt in enumerate(prompts):  # prefill: every layer, token by token
             for pos, tok in enumerate(prompt):
-                h = self.m.embed_tokens.weight[tok]
+                h = self._embed(tok)
                 for i in range(L):
                     h = self._layer(i, h, pos, caches[b])
             last.append(int(self._logits(h).argmax()))
@@ -103,7 +119,7 @@ class ReferenceEarlyExit:
             exits[b].append(L)
         for t in range(1, max_tokens):
             pos = [len(p) + t - 1 for p in prompts]
-            h = [self.m.embed_tokens.weight[last[b]] for b in range(B)]
+            h = [self._embed(last[b]) for b in range(B)]
             status, exit_at, exit_h = [False] * B, [None] * B, [None] * B
             for E in range(1, L + 1):
                 for b in range(B):

@@ -33,7 +33,6 @@ def make_tiny_t5(tmp_path, variant: str = "v1.1", *, d_model: int = 32, d_kv: in
     """Save a random T5 ("v1.1" or "original") under tmp_path; return (path, hf_model).
     Small `num_buckets`/`max_distance` make the bias saturate within short test sequences."""
     import transformers
-    from safetensors.torch import save_file
 
     if variant not in ("v1.1", "original"):
         raise ValueError(f"variant must be 'v1.1' or 'original', got {variant!r}")
@@ -57,12 +56,24 @@ def make_tiny_t5(tmp_path, variant: str = "v1.1", *, d_model: int = 32, d_kv: in
             # embedding back from the residual stream and repeats it; a smaller one lets the
             # layers decide, so greedy outputs vary and a wrong layer shows.
             model.shared.weight.mul_(0.1)
-        if v11:
+        else:
             # transformers 5 ties T5's head to the embedding even for v1.1; the released v1.1
             # checkpoints have a head of their own, so give the oracle one.
             model.lm_head.weight = torch.nn.Parameter(0.2 * torch.randn(vocab_size, d_model, generator=generator))
 
     path = Path(tmp_path) / (subdir or f"tiny-t5-{variant}")
+    save_tiny_t5(model, path)
+    if with_tokenizer:
+        write_t5_tokenizer(path, vocab_size)
+    return str(path), model
+
+
+def save_tiny_t5(model, path) -> None:
+    """(Re)write `model`'s config.json and model.safetensors in the released checkpoints' spelling."""
+    from safetensors.torch import save_file
+
+    v11 = model.config.feed_forward_proj == "gated-gelu"
+    path = Path(path)
     model.save_pretrained(path)
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
                if k not in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}
@@ -78,9 +89,6 @@ def make_tiny_t5(tmp_path, variant: str = "v1.1", *, d_model: int = 32, d_kv: in
     raw["tie_word_embeddings"] = not v11
     with open(path / "config.json", "w") as f:
         json.dump(raw, f, indent=2)
-    if with_tokenizer:
-        write_t5_tokenizer(path, vocab_size)
-    return str(path), model
 
 
 def write_t5_tokenizer(path, vocab_size: int) -> None:

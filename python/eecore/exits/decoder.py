@@ -181,10 +181,13 @@ class EarlyExitDecoder(DecodeStrategy):
 
     def _rows_of(self, attn: AttentionInputs, keep: torch.Tensor) -> AttentionInputs:
         """The attention inputs of a subset of decode rows (one query token per row)."""
+        cross = attn.cross_block_table is not None  # encoder-decoder: the rows' cross-attention blocks too
         return AttentionInputs(
             positions=attn.positions.index_select(0, keep), slot_mapping=attn.slot_mapping.index_select(0, keep),
             block_table=attn.block_table.index_select(0, keep), seq_lens=attn.seq_lens.index_select(0, keep),
-            query_start_loc=self._row_offsets[: keep.shape[0] + 1], max_query_len=1)
+            query_start_loc=self._row_offsets[: keep.shape[0] + 1], max_query_len=1,
+            cross_block_table=attn.cross_block_table.index_select(0, keep) if cross else None,
+            cross_seq_lens=attn.cross_seq_lens.index_select(0, keep) if cross else None)
 
     def _tokens(self, seqs, exit_hidden, exit_layers):
         """Greedy rows that exited at a softmax check reuse its top-1; the others need logits."""

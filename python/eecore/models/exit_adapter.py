@@ -246,6 +246,9 @@ def resolve_exit_adapters(spec, model_path, model) -> Optional[ExitAdapters]:
     or the path of an adapter file; checked against `model`."""
     if spec is None or spec is False:
         return None
+    if getattr(model, "is_encoder_decoder", False):
+        raise ValueError("LLM: 'exit_adapter' is for decoder-only models; exit adapters are not trained for "
+                         "encoder-decoders such as T5 (use early_exit, or a CALM classifier)")
     if spec is True:
         if model_path is not None:
             raise ValueError("LLM: exit_adapter=True loads the adapters shipped for the default model "
