@@ -13,6 +13,7 @@ import uvicorn
 
 import eecore
 from eecore.serve import AsyncEngine, build_app
+from eecore.serve.metrics import parse_metrics
 
 MODEL = "tiny"
 
@@ -67,16 +68,6 @@ class LiveServer:
                     or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text format → {name{labels}: value} (comment lines skipped)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def tiny_llm(path: str, **kw) -> eecore.LLM:

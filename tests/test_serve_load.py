@@ -30,19 +30,21 @@ def _workload(n: int, seed: int):
     return prompts, lengths
 
 
-async def _stream(client, prompt, max_tokens: int, **extra) -> tuple[str, str, int]:
-    """(text, finish reason, completion tokens) of one streamed completion."""
+async def _stream(client, prompt, max_tokens: int, logprobs=None):
+    """(text, finish reason, token strings (with logprobs), usage) of one streamed completion."""
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True, **extra})
-    text, reason, tokens = "", None, None
+                                             logprobs=logprobs, extra_body={"ignore_eos": True})
+    text, reason, tokens, usage = "", None, [], None
     async for chunk in stream:
         if chunk.choices:
             text += chunk.choices[0].text
             reason = chunk.choices[0].finish_reason or reason
+            if chunk.choices[0].logprobs:
+                tokens += chunk.choices[0].logprobs.tokens
         else:
-            tokens = chunk.usage.completion_tokens
-    return text, reason, tokens
+            usage = chunk.usage
+    return text, reason, tokens, usage
 
 
 def test_64_concurrent_streams_equal_offline_and_share_steps(tiny_path):
@@ -59,7 +61,7 @@ def test_64_concurrent_streams_equal_offline_and_share_steps(tiny_path):
         m = srv.wait_idle()
     assert [r[0] for r in results] == expected
     assert all(r[1] == "length" for r in results)
-    assert [r[2] for r in results] == lengths
+    assert [r[3].completion_tokens for r in results] == lengths
     assert m["eecore_step_num_requests_max"] > 1           # continuous batching: steps were shared
     assert m["eecore_generation_tokens_total"] == sum(lengths)
     assert m['eecore_requests_finished_total{finish_reason="length"}'] == 64
@@ -113,7 +115,8 @@ def test_disconnects_and_bad_requests_under_load(tiny_path):
     with LiveServer(llm) as srv:
         results = asyncio.run(run(srv))
         m = srv.wait_idle()
-        good, quit, bads = results[:48], results[48:64], results[64:]
+        good, quitters_seen, bads = results[:48], results[48:64], results[64:]
+        assert all(seen >= 2 for seen in quitters_seen)        # they left mid-stream, after some chunks
         assert [r[0] for r in good] == expected                # every other stream is intact
         assert all(r[1] == "length" for r in good)
         assert all(bads)                                       # every bad request got its 4xx
@@ -149,24 +152,8 @@ STRATEGIES = {
 }
 
 
-async def _stream_tokens(client, prompt, n):
-    """(text, token strings, usage) of one streamed completion with logprobs=0."""
-    stream = await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True, logprobs=0,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    tokens, text, usage = [], "", None
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            if chunk.choices[0].logprobs:
-                tokens += chunk.choices[0].logprobs.tokens
-        else:
-            usage = chunk.usage
-    return text, tokens, usage
-
-
 def _check_against_offline(results, offline, tokenizer, speculative: bool):
-    for (text, tokens, usage), out in zip(results, offline):
+    for (text, _, tokens, usage), out in zip(results, offline):
         assert text == out.text
         assert tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
         assert usage.completion_tokens == len(out.token_ids)
@@ -184,7 +171,7 @@ def test_strategies_behind_the_server_stream_the_offline_tokens(peaky_path, stra
 
     async def run(srv):
         client = srv.async_client()
-        return await asyncio.gather(*(_stream_tokens(client, p, n) for p, n in zip(prompts, lengths)))
+        return await asyncio.gather(*(_stream(client, p, n, logprobs=0) for p, n in zip(prompts, lengths)))
 
     llm = tiny_llm(peaky_path, max_num_seqs=8, **STRATEGIES[strategy])
     with LiveServer(llm) as srv:
@@ -208,7 +195,7 @@ def test_batch_exit_rule_one_request_at_a_time(peaky_path):
 
     async def run(srv):
         client = srv.async_client()
-        return [await _stream_tokens(client, p, n) for p, n in zip(prompts, lengths)]
+        return [await _stream(client, p, n, logprobs=0) for p, n in zip(prompts, lengths)]
 
     llm = tiny_llm(peaky_path, **config)
     with LiveServer(llm) as srv:

@@ -110,7 +110,7 @@ class LLM:
                         ) -> Iterator[RequestDelta]:
         """Yields each request's new tokens and text as soon as a step produces them (the last
         delta of a request carries its metrics)."""
-        seqs = self._add_all(prompts, sampling_params)
+        self._add_all(prompts, sampling_params)
         tracker = DeltaTracker(self.engine)
         while self.engine.has_unfinished():
             for seq in self.engine.step():

@@ -102,3 +102,13 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The samples of a /metrics page as {'name{labels}': value} (for clients, tests and benches)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
