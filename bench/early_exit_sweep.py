@@ -25,9 +25,9 @@ import os
 import statistics
 
 import eecore
+from eecore.rouge import rouge_l
 from common import RESULTS_DIR, bench_prompt_ids, cpu_model, save_results, timed
 from roofline import weight_bytes_ideal_speedup
-from rouge import rouge_l
 
 L = 30  # SmolLM2-135M
 

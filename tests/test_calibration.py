@@ -361,16 +361,20 @@ def test_cli_reports_no_threshold_and_fails(models, tmp_path, capsys):
     assert "n >= 459 prompts" in capsys.readouterr().err
 
 
-def test_prompt_files(tmp_path):
-    from eecore.calibrate_cli import read_prompts
+def test_cli_reads_eval_prompt_files_and_rejects_bad_ones(models, tmp_path, capsys):
+    """calibrate reads the same prompt files as `eecore eval` (eecore.prompt_files), and a bad one
+    is a clear error with exit code 2 before anything runs."""
+    from eecore.cli import main
 
-    text = tmp_path / "p.txt"
-    text.write_text("first prompt\n\nsecond prompt\n")
-    assert read_prompts(str(text)) == ["first prompt", "second prompt"]
+    common = ["--model", models["exact"], "--dtype", "float32", "--device", "cpu", "--num-blocks", "256",
+              "--block-size", "4", "--measure", "cosine", "--tolerance", "0.1", "--epsilon", "0.1",
+              "--out", str(tmp_path / "t.json"), "--max-tokens", "4", "--chat", "off"]
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": 3}\n')
-    with pytest.raises(ValueError, match="line 2 must be an object with a string \"prompt\""):
-        read_prompts(str(jl))
+    assert main(["calibrate", "--prompts", str(jl)] + common) == 2
+    assert 'line 2 must have a non-empty string "prompt"' in capsys.readouterr().err
     jl.write_text('{"prompt": "a"\n')
-    with pytest.raises(ValueError, match="line 1 is not valid JSON"):
-        read_prompts(str(jl))
+    assert main(["calibrate", "--prompts", str(jl)] + common) == 2
+    assert "line 1 is not valid JSON" in capsys.readouterr().err
+    assert main(["calibrate", "--prompts", str(tmp_path / "missing.txt")] + common) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -2,41 +2,15 @@
 thresholds (CALM's Learn-then-Test; eecore.exits.calibrator), written to a thresholds file that
 `eecore generate/bench --threshold FILE` and `EarlyExitConfig(threshold=FILE)` load.
 
-Prompt files:
-- text: one prompt per line; blank lines are skipped (a prompt spanning lines needs JSONL);
-- JSONL (a `.jsonl` file, or any file whose first non-blank line starts with "{"): one object per
-  line with a string "prompt" (an optional "reference" is accepted and ignored: calibration
-  compares with the model's own full-depth output, not with a reference).
+Prompt files are `eecore eval`'s (eecore.prompt_files: one prompt per line, or JSONL objects with
+a "prompt"). A "reference" is accepted and ignored: calibration compares with the model's own
+full-depth output, not with a reference.
 The prompts must be drawn like the ones the thresholds will serve (the guarantee assumes i.i.d.).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-
-
-def read_prompts(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise ValueError(f"--prompts: file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    nonblank = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    if not nonblank:
-        raise ValueError(f"--prompts: {path!r} holds no prompts")
-    if not (path.endswith(".jsonl") or nonblank[0][1].lstrip().startswith("{")):
-        return [line for _, line in nonblank]
-    prompts = []
-    for number, line in nonblank:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--prompts: {path!r} line {number} is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise ValueError(f"--prompts: {path!r} line {number} must be an object with a string \"prompt\"")
-        prompts.append(obj["prompt"])
-    return prompts
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -86,6 +60,7 @@ def cmd_calibrate(args) -> int:
     from eecore.cli import _prompt
     from eecore.exits import thresholds_file
     from eecore.exits.calibrator import CalibrationSettings, calibrate
+    from eecore.prompt_files import read_prompt_file
 
     try:
         candidates = None
@@ -99,7 +74,7 @@ def cmd_calibrate(args) -> int:
             decay=args.decay, p_value=args.p_value, consistency=args.consistency, text_loss=args.text_loss,
             family=args.family, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, candidates=candidates)
         settings.early_exit()  # the early-exit settings' own checks, before loading anything
-        texts = read_prompts(args.prompts)
+        texts = [p.prompt for p in read_prompt_file(args.prompts)]
         llm = eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
                          max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size)
         prompts = [_prompt(llm, p, args.chat) for p in texts]

@@ -3,7 +3,7 @@ implementation of the ROUGE paper's scores), on whitespace tokens.
 
 Why whitespace tokens: rouge-score's default tokenizer lowercases and keeps only [a-z0-9] runs, so
 `x = f(a)` and `x == f[a]` would score 1.0: wrong for code, where case and punctuation are the
-output. Splitting on whitespace keeps every character, and matches bench/rouge.py and the seed
+output. Splitting on whitespace keeps every character, and matches the seed
 paper's "To Full" column (ROUGE-L of an early-exit output against the full model's output).
 
 Two empty texts are identical outputs and score 1.0 (rouge-score would say 0.0); one empty text

@@ -40,6 +40,7 @@ from eecore.exits import calibration as ltt
 from eecore.exits.calibration_data import CalibrationRecord, full_thresholds, layer_thresholds, record, token_losses
 from eecore.exits.config import EarlyExitConfig
 from eecore.exits.thresholds_file import adapter_identity, file_sha256, model_identity
+from eecore.rouge import rouge_l
 from eecore.sampling_params import SamplingParams
 
 CONSISTENCY = ("token", "text")
@@ -218,22 +219,9 @@ def _maybe_binarize(losses: torch.Tensor, s: CalibrationSettings) -> torch.Tenso
 # ---- text consistency -------------------------------------------------------------------------
 
 def rouge_l_f1(a: list[int], b: list[int]) -> float:
-    """ROUGE-L F1 of two token sequences (longest common subsequence); 1.0 for two empty ones."""
-    if not a and not b:
-        return 1.0
-    if not a or not b:
-        return 0.0
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    lcs = prev[-1]
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(a), lcs / len(b)
-    return 2 * precision * recall / (precision + recall)
+    """ROUGE-L F1 of two token-id sequences (eecore.rouge on the ids written as words): token ids,
+    not text, so that two outputs that decode alike but differ in tokens still count as different."""
+    return rouge_l(" ".join(map(str, a)), " ".join(map(str, b)))
 
 
 def text_loss(kind: str, output: list[int], reference: list[int]) -> float:
