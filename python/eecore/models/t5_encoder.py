@@ -3,8 +3,9 @@
 The encoder's attention is bidirectional with a relative position bias that depends on the sign of
 q - k, which `paged_attention` (bias by non-negative distance) does not express, and its output is
 needed only once, so it runs as dense padded attention (`scaled_dot_product_attention` with the
-bias plus a key-padding mask as the float mask) over the requests that start together. Its K/V
-are never cached: the decoder reads the encoder only through the cross-attention K/V that
+bias plus a key-padding mask as the float mask) over the requests that start together. Everything
+else (projections, feed-forward, norms) runs on the packed tokens, so a ragged batch spends no
+GEMM work on padding. Its K/V are never cached: the decoder reads the encoder only through the cross-attention K/V that
 `T5Model.write_cross_kv` computes from this output.
 """
 from __future__ import annotations
@@ -73,24 +74,38 @@ class T5Encoder:
         """The encoder output of every request, concatenated in order: `[sum(len), d]`."""
         c = self.config
         device = embed.device
-        lengths = torch.tensor([len(t) for t in token_lists], device=device)
-        B, S = len(token_lists), int(lengths.max())
-        ids = torch.zeros(B, S, dtype=torch.long, device=device)
-        for b, tokens in enumerate(token_lists):  # one copy per request, not per token
-            ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=device)
-        valid = torch.arange(S, device=device)[None, :] < lengths[:, None]  # [B, S]
-        hidden = embed[ids]
+        lengths = [len(t) for t in token_lists]
+        B, S = len(token_lists), max(lengths)
+        flat_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long, device=device)
+        hidden = embed.index_select(0, flat_ids)  # [T, d]: packed, no padding rows
         bias = bidirectional_bias(self.bias_weight, S, c.num_buckets, c.max_distance)  # [H, S, S]
-        key_mask = torch.zeros(B, 1, 1, S, device=device).masked_fill(~valid[:, None, None, :], float("-inf"))
-        mask = (bias[None] + key_mask).to(hidden.dtype)  # [B, H, S, S]
         H, D = c.num_heads, c.head_dim
+        # The projections and the feed-forward (nearly all the flops) run on the packed rows; only
+        # attention needs the [B, S] layout. A ragged batch scatters its q/k/v rows into padded
+        # rows and gathers the attention output back, so no GEMM ever multiplies a padding row.
+        ragged = any(n != S for n in lengths)
+        if ragged:
+            lens = torch.tensor(lengths, device=device)
+            valid = torch.arange(S, device=device)[None, :] < lens[:, None]  # [B, S]
+            rows = valid.flatten().nonzero().squeeze(1)  # the padded row of each packed token
+            key_mask = torch.zeros(B, 1, 1, S, device=device).masked_fill(~valid[:, None, None, :], float("-inf"))
+            mask = (bias[None] + key_mask).to(hidden.dtype)  # [B, H, S, S]
+            padded = hidden.new_zeros(B * S, 3 * H * D)
+        else:
+            mask = bias[None].to(hidden.dtype)
         for w in self.layers:
             x = t5_rms_norm(hidden, w.attn_norm, self.eps)
-            q, k, v = F.linear(x, w.qkv).view(B, S, 3, H, D).permute(2, 0, 3, 1, 4)  # each [B, H, S, D]
+            qkv = F.linear(x, w.qkv)  # [T, 3 inner]
+            if ragged:
+                padded[rows] = qkv
+                qkv = padded
+            q, k, v = qkv.view(B, S, 3, H, D).permute(2, 0, 3, 1, 4)  # each [B, H, S, D]
             # T5 folds the 1/sqrt(D) scaling into its weights: the scores are unscaled.
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(B, S, H * D), w.o)
+            attn = attn.transpose(1, 2).reshape(B * S, H * D)
+            if ragged:
+                attn = attn[rows]
+            hidden = hidden + F.linear(attn, w.o)
             x = t5_rms_norm(hidden, w.ff_norm, self.eps)
             hidden = hidden + feed_forward(x, w.wi, w.wo, c.gated, self.act)
-        hidden = t5_rms_norm(hidden, self.final_norm, self.eps)
-        return hidden[valid]
+        return t5_rms_norm(hidden, self.final_norm, self.eps)
