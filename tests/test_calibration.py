@@ -161,6 +161,22 @@ def test_exact_model_calibrates_to_exits(exact_softmax, models):
         (EXACT_FROM * MAX_TOKENS - EXACT_FROM + NUM_LAYERS) / MAX_TOKENS)  # the first token runs all layers
 
 
+def test_reused_record_gives_the_same_calibration_and_is_checked(exact_softmax, models):
+    llm = _llm(models["exact"])
+    rec = exact_softmax.record
+    for tolerance in (0.1, 0.2, 0.3):  # several tolerances and rules from one full-depth pass
+        for rule in ("all", "compact"):
+            again = calibrate(llm, PROMPTS, _settings(tolerance=tolerance, batch_rule=rule))
+            reused = calibrate(llm, PROMPTS, _settings(tolerance=tolerance, batch_rule=rule), reuse=rec)
+            assert reused.data == again.data
+    for wrong in (dict(measure="cosine"), dict(max_tokens=MAX_TOKENS + 1), dict(ignore_eos=False),
+                  dict(min_exit_layer=EXACT_FROM)):
+        with pytest.raises(ValueError, match="reused record"):
+            calibrate(llm, PROMPTS, _settings(**wrong), reuse=rec)
+    with pytest.raises(ValueError, match="reused record"):
+        calibrate(llm, PROMPTS[:-1], _settings(), reuse=rec)
+
+
 def test_per_layer_family_and_text_consistency(models):
     prompts = random_prompts(320, [3 + i % 7 for i in range(60)], seed=1)
     per_layer = calibrate(_llm(models["exact"]), prompts, _settings(family="per-layer", tolerance=0.15))

@@ -42,6 +42,11 @@ class CalibrationRecord:
     num_layers: int
     prompts: list[PromptRecord]
     outputs: list[list[int]]   # the full-depth greedy outputs
+    # what the confidences are of and how the outputs were generated: a record is reusable only
+    # under the same ones (eecore.exits.calibrator.calibrate's `reuse`)
+    measure: Optional[str] = None
+    max_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +79,8 @@ def record(llm, prompts: list, config: EarlyExitConfig, max_tokens: int, ignore_
     for out in outs:
         prompt_ids, output = out.prompt_token_ids, out.token_ids
         records.append(_record_one(engine, model, measure, heads, layers, prompt_ids, output, chunk, normed))
-    return CalibrationRecord(layers, L, records, [o.token_ids for o in outs])
+    return CalibrationRecord(layers, L, records, [o.token_ids for o in outs], config.measure, max_tokens,
+                             ignore_eos)
 
 
 def _record_one(engine, model, measure, heads, layers, prompt_ids, output, chunk, normed) -> PromptRecord:

@@ -123,9 +123,14 @@ def _fmt(t) -> str:
     return f"{t:.6g}" if isinstance(t, (int, float)) else "per-layer [" + ", ".join(f"{x:.3g}" for x in t) + "]"
 
 
-def calibrate(llm, prompts: Sequence, settings: CalibrationSettings, prompts_file: Optional[str] = None) -> Calibration:
+def calibrate(llm, prompts: Sequence, settings: CalibrationSettings, prompts_file: Optional[str] = None,
+              reuse: Optional[CalibrationRecord] = None) -> Calibration:
     """Calibrates on `prompts` (strings or token ids) with `llm`, built with no early exit (and the
-    exit adapters to calibrate, if any). Returns whether a threshold passed, and the file content."""
+    exit adapters to calibrate, if any). Returns whether a threshold passed, and the file content.
+
+    `reuse`: the record of an earlier token-consistency calibration (`Calibration.record`) on the
+    same llm and prompts with the same measure, checked layers, max_tokens and ignore_eos, so that
+    several tolerances or batch rules cost one full-depth pass (the record depends on none of them)."""
     from eecore.engine.decoding import FullDepthDecoder
 
     if not isinstance(llm.engine.strategy, FullDepthDecoder):
@@ -143,7 +148,9 @@ def calibrate(llm, prompts: Sequence, settings: CalibrationSettings, prompts_fil
     config.validate_for(llm.model.num_layers)
     cands = settings.candidates or ltt.default_candidates()
     if settings.consistency == "token":
-        rec = record(llm, prompts, config, settings.max_tokens, settings.ignore_eos)
+        if reuse is not None:
+            _check_reusable(reuse, prompts, settings, llm.model.num_layers, llm.engine.runner, llm.exit_adapters)
+        rec = reuse or record(llm, prompts, config, settings.max_tokens, settings.ignore_eos)
         result, mean_layers, threshold, n_used = _token_ltt(rec, cands, settings)
         tokens = rec.num_tokens
     else:
@@ -155,6 +162,20 @@ def calibrate(llm, prompts: Sequence, settings: CalibrationSettings, prompts_fil
     # start of the sequence, not an answer
     passed = result.chosen is not None and not (settings.decay is None and _never_exits(result.chosen))
     return Calibration(passed, data, rec)
+
+
+def _check_reusable(rec: CalibrationRecord, prompts: list, s: CalibrationSettings, num_layers: int, runner,
+                    adapters) -> None:
+    from eecore.exits.decoder import build_measure, checked_layers
+
+    config = s.early_exit()
+    heads = {E: None for E in adapters.exit_layers()} if adapters is not None else {}
+    layers = checked_layers(config, build_measure(config, runner, 1, heads), num_layers, heads)
+    mine = (len(prompts), num_layers, layers, s.measure, s.max_tokens, s.ignore_eos)
+    theirs = (len(rec.prompts), rec.num_layers, rec.checked_layers, rec.measure, rec.max_tokens, rec.ignore_eos)
+    if mine != theirs:
+        raise ValueError(f"calibrate: the reused record (prompts, layers, checked layers, measure, max_tokens, "
+                         f"ignore_eos = {theirs}) was not made for this calibration {mine}")
 
 
 def _never_exits(threshold) -> bool:
@@ -188,7 +209,7 @@ def _token_ltt(rec: CalibrationRecord, cands: list[float], s: CalibrationSetting
 
 def _subset(rec: CalibrationRecord, idx: list[int]) -> CalibrationRecord:
     return CalibrationRecord(rec.checked_layers, rec.num_layers, [rec.prompts[i] for i in idx],
-                             [rec.outputs[i] for i in idx])
+                             [rec.outputs[i] for i in idx], rec.measure, rec.max_tokens, rec.ignore_eos)
 
 
 def _per_layer_family(rec: CalibrationRecord, shape: list[int], cands: list[float]) -> list[list[float]]:
