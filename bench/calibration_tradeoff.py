@@ -31,7 +31,7 @@ from eecore.exits import thresholds_file
 from eecore.exits.calibrator import CalibrationSettings, calibrate
 from eecore.exits.config import EarlyExitConfig
 from eecore.prompts import heldout_code_prompts
-from common import RESULTS_DIR, cpu_model, save_results
+from common import cpu_model, save_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLASSIFIER = os.path.join(HERE, "results", "smollm2-exit-classifier.safetensors")
@@ -86,7 +86,6 @@ def main():
     # a KV cache for the batch, not one sized from free memory: every evaluated strategy gets its own
     base = eecore.LLM(dtype="float32", device="cpu", exit_adapter=args.exit_adapter, max_num_seqs=args.batch_size,
                       num_blocks=512)
-    adapters = base.exit_adapters
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     folder = tempfile.mkdtemp(prefix="eecore-thresholds-")
     print(f"CPU: {cpu_model()}; {len(calibration)} calibration and {len(evaluation)} evaluation prompts "
