@@ -18,7 +18,8 @@ def tiny(request, tmp_path_factory):
 
 
 def _llm(path, draft, E=2, d=4, **kw):
-    spec = {k: kw.pop(k) for k in list(kw) if k.startswith("lookup_") or k in ("min_acceptance", "probe_every")}
+    spec = {k: kw.pop(k) for k in list(kw)
+            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "layer_speculations")}
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
                       speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d, draft=draft, **spec),
                       **kw)
@@ -151,6 +152,29 @@ def test_hybrid_mixes_lookup_and_layer_drafts_in_one_round(tiny):
     # every layer saw every position exactly once
     counts = llm.engine.runner.layer_tokens
     assert len(set(counts)) == 1, counts
+
+
+def test_hybrid_layer_drafts_have_their_own_length(tiny):
+    path, hf = tiny
+    prompts = repetitive_prompts(hf.config.vocab_size, 4, seed=5)
+    prompts += [list(range(3 + 11 * i, 3 + 11 * i + 9)) for i in range(4)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
+    llm = _llm(path, "hybrid", E=2, d=4, layer_speculations=1, lookup_min_ngram=2)
+    strategy, layer_lengths, lookup_lengths = llm.engine.strategy, [], []
+    draft = strategy._draft
+
+    def spy(seqs, lookup, budgets):
+        drafts, probs = draft(seqs, lookup, budgets)
+        layer_lengths.extend(len(d) for d, b in zip(drafts, budgets) if b)
+        lookup_lengths.extend(len(d) for d in lookup)
+        return drafts, probs
+    strategy._draft = spy
+    assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == expected
+    assert layer_lengths and max(layer_lengths) == 1
+    assert max(lookup_lengths) > 1  # lookup drafts keep num_speculations
+    for batch in (1, 3):  # batch invariance
+        llm = _llm(path, "hybrid", E=2, d=4, layer_speculations=2, max_num_seqs=batch)
+        assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == expected
 
 
 def test_hybrid_guard_gates_layer_drafts_only(tiny):
@@ -314,6 +338,13 @@ def test_bad_lookup_config():
         eecore.SelfSpeculativeConfig(draft="lookup", min_acceptance="break-even")
     with pytest.raises(ValueError, match="'draft_threshold' applies to layer drafts"):
         eecore.SelfSpeculativeConfig(draft="lookup", draft_threshold=0.5)
+    with pytest.raises(ValueError, match="'layer_speculations' applies to draft='hybrid' only"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, layer_speculations=1)
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(ValueError, match=r"'layer_speculations' must be an int in \[1, num_speculations=4\]"):
+            eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, num_speculations=4, layer_speculations=bad)
+    assert eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, layer_speculations=2).layer_draft_length == 2
+    assert eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2).layer_draft_length == 4
     config = eecore.SelfSpeculativeConfig(draft="lookup")  # no exit layer needed
     assert config.exit_layer is None and not config.uses_layers
     config.validate_for(4)
@@ -337,6 +368,11 @@ def test_cli_draft_flags(tiny, capsys, monkeypatch):
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "hybrid", "--exit-layer", "2"]) == 0
     assert cli.speculative_config(seen[-1]).draft == "hybrid"
+    assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                     "--draft", "hybrid", "--exit-layer", "2", "--layer-speculations", "1"]) == 0
+    assert cli.speculative_config(seen[-1]).layer_speculations == 1
+    with pytest.raises(SystemExit, match="'layer_speculations' applies to draft='hybrid' only"):
+        cli.main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--layer-speculations", "1"])
     with pytest.raises(SystemExit, match="--draft hybrid needs --exit-layer"):
         cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "hybrid"])
     with pytest.raises(SystemExit, match="--speculate needs --exit-layer"):

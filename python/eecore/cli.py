@@ -53,6 +53,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--lookup-max-ngram", type=int, default=None,
                    help="longest n-gram prompt lookup matches, tried first (default: SelfSpeculativeConfig's)")
     s.add_argument("--num-speculations", type=int, default=4)
+    s.add_argument("--layer-speculations", type=int, default=None,
+                   help="--draft hybrid: the longest layer-E draft (default: --num-speculations, then the "
+                        "lookup drafts' bound alone)")
     s.add_argument("--draft-threshold", type=float, default=None)
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
@@ -116,7 +119,7 @@ def speculative_config(args):
     try:
         return eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
                                             draft_threshold=args.draft_threshold, min_acceptance=args.min_acceptance,
-                                            draft=args.draft, **lookup)
+                                            draft=args.draft, layer_speculations=args.layer_speculations, **lookup)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

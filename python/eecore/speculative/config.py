@@ -28,6 +28,12 @@ class SelfSpeculativeConfig:
       - "hybrid": per sequence and round, a lookup draft when the sequence has a match, a layer-E
         draft otherwise (so `exit_layer` is required).
 
+    layer_speculations: hybrid only: the longest layer-E draft (default: num_speculations, which
+        then bounds the lookup drafts alone). The two kinds pay at different lengths: a wrong
+        lookup token costs one verify row, a wrong layer token E layers and a draft head. On
+        SmolLM2-135M with its shipped exit adapters, lookup drafts pay at d=4 and layer-8 drafts
+        only at d=1 (bench/prompt_lookup_vs_economize.py --layer-speculations).
+
     lookup_min_ngram, lookup_max_ngram: the n-gram sizes the lookup tries (1 <= min <= max). The
     defaults (1, 3) come from `bench/prompt_lookup_vs_economize.py --sweep-ngrams` (SmolLM2-135M,
     8 held-out code prompts, 64 greedy tokens, d=4): min 1 emits 2.13 tokens per verify round,
@@ -54,6 +60,7 @@ class SelfSpeculativeConfig:
     min_acceptance: Optional[Union[float, str]] = None
     probe_every: int = 8
     draft: str = "layer"
+    layer_speculations: Optional[int] = None
     lookup_min_ngram: int = 1
     lookup_max_ngram: int = 3
 
@@ -70,6 +77,13 @@ class SelfSpeculativeConfig:
         if not _is_int(self.num_speculations) or self.num_speculations < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'num_speculations' must be an int >= 1, "
                              f"got {self.num_speculations!r}")
+        if self.layer_speculations is not None:
+            if self.draft != "hybrid":
+                raise ValueError(f"SelfSpeculativeConfig: 'layer_speculations' applies to draft='hybrid' only "
+                                 f"(draft={self.draft!r} drafts num_speculations tokens), got {self.layer_speculations!r}")
+            if not _is_int(self.layer_speculations) or not 1 <= self.layer_speculations <= self.num_speculations:
+                raise ValueError(f"SelfSpeculativeConfig: 'layer_speculations' must be an int in [1, num_speculations="
+                                 f"{self.num_speculations}], got {self.layer_speculations!r}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
         if self.min_acceptance is not None and self.min_acceptance != BREAK_EVEN and not (
@@ -99,6 +113,11 @@ class SelfSpeculativeConfig:
     @property
     def uses_lookup(self) -> bool:
         return self.draft != "layer"
+
+    @property
+    def layer_draft_length(self) -> int:
+        """The longest draft layer E makes."""
+        return self.layer_speculations or self.num_speculations
 
     def validate_for(self, num_layers: int, adapters: Optional[ExitAdapters] = None) -> None:
         if not self.uses_layers:

@@ -48,6 +48,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         super().__init__(runner, sampler)
         self.config = config
         self.num_drafts = config.num_speculations
+        self.layer_drafts = config.layer_draft_length
         self.lookahead = config.num_speculations + 1
         self._plain = FullDepthDecoder(runner, sampler)
         model = runner.model
@@ -65,7 +66,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.draft_head = DraftHead(model, self.exit_layer, adapters, rows)
         floor = config.min_acceptance
         if floor == BREAK_EVEN:
-            floor = break_even_acceptance(model, self.exit_layer, self.num_drafts, self.draft_head.weight_bytes())
+            floor = break_even_acceptance(model, self.exit_layer, self.layer_drafts, self.draft_head.weight_bytes())
         self.guard = None if floor is None else \
             SpeculationGuard(model, rows, floor, config.probe_every, self.draft_head)
 
@@ -81,7 +82,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 if lookup[b]:
                     continue
                 if self.guard is None or self.guard.allows(seq):
-                    layer_budgets[b] = budgets[b]
+                    layer_budgets[b] = min(budgets[b], self.layer_drafts)
                 elif self.guard.wants_shadow(seq):
                     shadowed.append(b)
         if not any(layer_budgets) and not any(lookup):
