@@ -14,7 +14,8 @@ configuration over the whole prompt set, its tok/s and its ratios to HF and to e
 whether its tokens equal HF's greedy tokens (eecore full depth's without `hf`).
 
     python bench/prompt_lookup_vs_economize.py [--num-prompts 8] [--max-tokens 64] [--repeats 3]
-        [--num-speculations 4] [--min-ngram 1] [--max-ngram 3] [--exit-layer 12] [--exit-adapter [FILE]]
+        [--num-speculations 4] [--min-ngram 1] [--max-ngram 3] [--exit-layer 12] [--layer-speculations D]
+        [--exit-adapter [FILE]]
         [--economize-match earliest|latest] [--configs hf economize full lookup hybrid] [--out-name NAME]
 
 writes bench/results/cpu-prompt-lookup-<date>.json. `--sweep-ngrams` instead measures, from one
@@ -157,6 +158,8 @@ def main():
     ap.add_argument("--min-ngram", type=int, default=None, help="default: SelfSpeculativeConfig's")
     ap.add_argument("--max-ngram", type=int, default=None, help="default: SelfSpeculativeConfig's")
     ap.add_argument("--exit-layer", type=int, default=12, help="layer drafts of the hybrid")
+    ap.add_argument("--layer-speculations", type=int, default=None,
+                    help="the hybrid's longest layer draft (default: --num-speculations)")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters for the hybrid's layer drafts: the shipped ones (no FILE), or a file")
     ap.add_argument("--economize-match", choices=["earliest", "latest"], default="earliest",
@@ -204,7 +207,8 @@ def main():
         runners["lookup"] = eecore_runner(llm, args.max_tokens, stats.setdefault("lookup", {}))
     if "hybrid" in args.configs:
         llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, exit_adapter=args.exit_adapter,
-                         speculative=eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=args.exit_layer, **spec))
+                         speculative=eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=args.exit_layer,
+                                                                  layer_speculations=args.layer_speculations, **spec))
         runners["hybrid"] = eecore_runner(llm, args.max_tokens, stats.setdefault("hybrid", {}))
 
     names = list(runners)
@@ -245,7 +249,8 @@ def main():
     path = save_results(args.out_name, dict(
         model="SmolLM2-135M-Instruct", dtype="float32", batch=1, cpu=cpu_model(), prompts=source,
         reference="hf" if "hf" in outputs else "full" if "full" in outputs else None, prompt_texts=texts, num_prompts=len(prompts), max_tokens=args.max_tokens, repeats=args.repeats,
-        num_speculations=d, min_ngram=lo, max_ngram=hi, economize_match=args.economize_match,
+        num_speculations=d, layer_speculations=args.layer_speculations, min_ngram=lo, max_ngram=hi,
+        economize_match=args.economize_match,
         economize_version=_version("economize"), exit_layer=args.exit_layer,
         exit_adapter=args.exit_adapter, rows=rows))
     print(f"\nresults: {path}")
