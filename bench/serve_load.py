@@ -77,8 +77,18 @@ class Server:
                 self.proc.kill()
 
 
-def eecore_server(strategy: str, max_num_seqs: int) -> Server:
-    return Server([sys.executable, "-m", "eecore.cli", "serve", "--max-num-seqs", str(max_num_seqs),
+def engine_flags(args) -> list[str]:
+    """The batch flags given to this bench; none means `eecore serve`'s own defaults."""
+    flags = []
+    if args.max_num_seqs is not None:
+        flags += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags
+
+
+def eecore_server(strategy: str, args) -> Server:
+    return Server([sys.executable, "-m", "eecore.cli", "serve", *engine_flags(args),
                    "--max-waiting-requests", "4096", "--log-level", "warning", *STRATEGIES[strategy]])
 
 
@@ -188,7 +198,8 @@ def _engine_figures(before: dict, after: dict) -> dict:
     tokens = d("eecore_generation_tokens_total")
     steps = d("eecore_engine_steps_total")
     drafted = d("eecore_spec_draft_tokens_total")
-    return {"mean_layers_per_token": d("eecore_layers_run_total") / tokens if tokens else math.nan,
+    return {"mixed_step_fraction": d("eecore_engine_mixed_steps_total") / steps if steps else math.nan,
+            "mean_layers_per_token": d("eecore_layers_run_total") / tokens if tokens else math.nan,
             "early_exit_rate": d("eecore_early_exit_tokens_total") / tokens if tokens else math.nan,
             "acceptance_rate": d("eecore_spec_accepted_tokens_total") / drafted if drafted else None,
             "mean_requests_per_step": d("eecore_step_num_requests_sum") / steps if steps else math.nan}
@@ -215,13 +226,14 @@ def goals(rows: list[dict]) -> dict:
 def markdown(payload: dict) -> str:
     out = [f"# eecore serve under load ({payload['machine']}, {payload['cpu_count']} cores, {payload['date']})",
            "", f"Reproduce: `{payload['command']}`", "",
-           f"Load average (1 min) before / after the run: {payload.get('load_average', '?')}.", "",
+           f"Load average (1 min) before / after the run: {payload.get('load_average', '?')}. "
+           f"Server batch flags: {' '.join(payload.get('engine_flags') or []) or 'the eecore serve defaults'}.", "",
            f"{payload['prompts']} prompts (bench_prompt_ids), {payload['max_tokens']} output tokens per request "
            f"(ignore_eos), greedy; requests per scenario: max({payload['min_requests']}, 2 x concurrency); "
            "ITL = gap between streamed chunks.", "",
            "| server | strategy | clients | rate (req/s) | tok/s | req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-           "| TPOT | layers/token | early-exit | acceptance | seqs/step |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| TPOT | layers/token | early-exit | acceptance | seqs/step | mixed steps |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for server, strategies in payload["results"].items():
         for strategy, block in strategies.items():
             for r in block["rows"]:
@@ -231,7 +243,8 @@ def markdown(payload: dict) -> str:
                     f"{r['requests_per_s']:.2f} | {r['ttft_p50_s'] * 1e3:.0f} ms | {r['ttft_p99_s'] * 1e3:.0f} ms | "
                     f"{r['itl_p50_s'] * 1e3:.1f} ms | {r['itl_p99_s'] * 1e3:.1f} ms | {r['tpot_mean_s'] * 1e3:.1f} ms | "
                     f"{r.get('mean_layers_per_token', math.nan):.1f} | {r.get('early_exit_rate', math.nan):.2f} | "
-                    f"{'-' if acc is None else f'{acc:.2f}'} | {r.get('mean_requests_per_step', math.nan):.1f} |")
+                    f"{'-' if acc is None else f'{acc:.2f}'} | {r.get('mean_requests_per_step', math.nan):.1f} | "
+                    f"{r.get('mixed_step_fraction', math.nan):.0%} |")
     out += ["", "Goals (rate inf, highest vs lowest concurrency): throughput >= 4x, p99 ITL <= 3x.", "",
             "| server | strategy | throughput ratio | met | p99 ITL ratio | met |", "|---|---|---|---|---|---|"]
     for server, strategies in payload["results"].items():
@@ -255,6 +268,10 @@ def main() -> None:
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=None, help="requests per scenario (default: see --min-requests)")
     p.add_argument("--prompts", choices=["chat", "code"], default="chat")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the server's running batch (default: eecore serve's default)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the server's token budget per step (default: eecore serve's default)")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--out-name", default="serve_load")
     args = p.parse_args()
@@ -264,11 +281,10 @@ def main() -> None:
     load_before = os.getloadavg()
     tokenizer = load_model(None).tokenizer
     prompt_pool = bench_prompt_ids(tokenizer, args.prompts, 64)
-    max_seqs = max(args.concurrency)
     results: dict = {"eecore": {}}
     for strategy in args.strategies:
         print(f"eecore serve, {strategy}:", flush=True)
-        server = eecore_server(strategy, max_seqs)
+        server = eecore_server(strategy, args)
         try:
             asyncio.run(run_scenario(server.url, "SmolLM2-135M-Instruct", prompt_pool[:2], 8, 2, math.inf,
                                      {"ignore_eos": True}, 0))  # warm-up
@@ -299,7 +315,7 @@ def main() -> None:
     payload = {"benchmark": "serve_load", "command": "python bench/serve_load.py " + " ".join(sys.argv[1:]),
                "prompts": args.prompts, "max_tokens": args.max_tokens, "min_requests": args.min_requests,
                "concurrency": args.concurrency, "rates": [str(r) for r in args.rates], "results": results,
-               "llama_cpp": llama_note,
+               "llama_cpp": llama_note, "engine_flags": engine_flags(args),
                # other work on a shared machine moves every figure: the 1-minute load before and after
                "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
     path = save_results(args.out_name, payload)

@@ -60,6 +60,21 @@ def _long_stream(url: str, results: list, i: int) -> None:
     results[i] = events
 
 
+def _wait_for_requests(url: str, n: int, timeout: float = 30.0) -> None:
+    """Until the server has taken `n` requests (running, waiting for a place in the batch, or
+    finished), so that none of them arrives after the signal (a loaded machine may be slow to send)."""
+    from eecore.serve.metrics import parse_metrics
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = parse_metrics(httpx.get(f"{url}/metrics", timeout=5).text)
+        finished = sum(v for k, v in m.items() if k.startswith("eecore_requests_finished_total"))
+        if m["eecore_num_requests_running"] + m["eecore_num_requests_waiting"] + finished >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never took {n} requests")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_under_load_ends_streams_and_exits_0(tiny_path, sig):
     proc, url = _start(tiny_path)
@@ -70,7 +85,7 @@ def test_signal_under_load_ends_streams_and_exits_0(tiny_path, sig):
         threads = [threading.Thread(target=_long_stream, args=(url, results, i)) for i in range(12)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # the streams are under way
+        _wait_for_requests(url, 1 + 12)  # the "Hello" request and every stream
         start = time.monotonic()
         proc.send_signal(sig)
         status = proc.wait(timeout=15)

@@ -17,12 +17,27 @@ def parse_min_acceptance(text: str):
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'break-even', got {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-num-seqs", type=positive_int, default=32,
+                   help="sequences in the running batch (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=1024,
+                   help="tokens one step computes: the decodes first, prefill chunks share the rest, so a "
+                        "longer prompt is split over steps (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
@@ -101,7 +116,8 @@ def build_llm(args):
             speculative = speculative_config(args)
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
                           speculative=speculative, exit_adapter=args.exit_adapter,
-                          max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          num_blocks=args.num_blocks,
                           block_size=args.block_size)
     except ThresholdsFileError as exc:  # a wrong or mismatched file: a message, not a traceback
         raise SystemExit(f"eecore: {exc}") from None

@@ -31,7 +31,10 @@ class EngineConfig:
     num_blocks: Optional[int] = None            # explicit KV size; else from the memory budget
     kv_cache_memory_fraction: float = 0.3       # of the memory free at start-up
     max_num_seqs: int = 32                      # running sequences per step
-    max_num_batched_tokens: int = 1024          # tokens per prefill step (longer prompts are chunked)
+    # tokens per step, decodes first: prefill chunks get the rest (longer prompts are chunked)
+    max_num_batched_tokens: int = 1024
+    # let prefill chunks ride in the decode step when the strategy can (see Scheduler)
+    mixed_steps: bool = True
     max_model_len: Optional[int] = None         # prompt + output; defaults to the model's context
     seed: int = 0                               # for sampled requests without their own seed
 
@@ -40,6 +43,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"'{name}' must be a positive int, got {value!r}")
+        if not isinstance(self.mixed_steps, bool):
+            raise ValueError(f"'mixed_steps' must be a bool, got {self.mixed_steps!r}")
 
 
 StrategyBuilder = Callable[[ModelRunner, Sampler], DecodeStrategy]
@@ -67,7 +72,6 @@ class LLMEngine:
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 model.dtype, model.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead)
         self.runner = ModelRunner(
             model, self.kv_cache,
             max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs * lookahead),
@@ -76,8 +80,11 @@ class LLMEngine:
             max_model_len=self.max_model_len)
         self.sampler = Sampler(model.device, config.seed)
         self.strategy = strategy(self.runner, self.sampler)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead,
+                                   mixed=config.mixed_steps and self.strategy.supports_mixed_steps)
         eos = tuple(mc.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.stopper = StopChecker(tokenizer, eos, self.max_model_len)
+        self.last_step = None  # the ScheduledStep `step` last ran (the server's metrics read it)
 
     # ---- requests --------------------------------------------------------------------------
     def encode_prompt(self, prompt: Union[str, list[int]], index: int = 0) -> list[int]:
@@ -137,21 +144,37 @@ class LLMEngine:
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Runs one iteration; returns the sequences that gained tokens or finished."""
-        step = self.scheduler.schedule()
-        if step is None or not step.seqs:
+        step = self.last_step = self.scheduler.schedule()
+        if step is None or step.is_empty:
             return []
-        if step.is_prefill:
-            return self._prefill(step.seqs, step.num_new_tokens)
-        results = self.strategy.decode(step.seqs)
-        for seq, tokens in zip(step.seqs, results):
+        if not step.decodes:
+            return self._prefill(step.prefills, step.prefill_tokens)
+        if step.prefills:
+            return self._mixed(step.decodes, step.prefills, step.prefill_tokens)
+        results = self.strategy.decode(step.decodes)
+        for seq, tokens in zip(step.decodes, results):
             self._append(seq, tokens)
             if not seq.is_finished and self.strategy.lookahead > 1:
                 self.blocks.shrink(seq, seq.num_tokens)  # give back blocks of rejected drafts
-        return step.seqs
+        return step.decodes
+
+    def _mixed(self, decodes: list[Sequence], prefills: list[Sequence], counts: list[int]) -> list[Sequence]:
+        """Decodes and prefill chunks in one pass (a strategy with `supports_mixed_steps`)."""
+        results, firsts = self.strategy.decode_mixed(decodes, self._chunk_rows(prefills, counts))
+        for seq, tokens in zip(decodes, results):
+            self._append(seq, tokens)
+        started = [(s, t) for s, t in zip(prefills, firsts) if t is not None]
+        for seq, token in started:
+            self._append(seq, [token])
+        return decodes + [s for s, _ in started]
+
+    @staticmethod
+    def _chunk_rows(seqs: list[Sequence], counts: list[int]) -> list[Row]:
+        return [Row(s, s.num_computed_tokens, s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n))
+                for s, n in zip(seqs, counts)]
 
     def _prefill(self, seqs: list[Sequence], counts: list[int]) -> list[Sequence]:
-        rows = [Row(s, s.num_computed_tokens, s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n))
-                for s, n in zip(seqs, counts)]
+        rows = self._chunk_rows(seqs, counts)
         inputs, hidden = self.runner.forward(rows)
         done = [i for i, s in enumerate(seqs) if not s.in_prefill]
         if not done:

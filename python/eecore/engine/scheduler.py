@@ -1,13 +1,24 @@
 """Iteration-level (Orca-style) scheduling over the paged KV cache. No tensor code here.
 
-Every step is either a prefill step or a decode step:
-- prefill: sequences still in their prefill phase, then newly admitted ones (FCFS), each given a
-  chunk of at most the remaining token budget, so a long prompt is split over several steps;
-- decode: every running sequence advances by one model iteration (one token, or one draft and
-  verify round in self-speculation, which needs `lookahead` slots).
-Prefill runs first whenever some work is admissible: it keeps the running batch full. When a
-decode step runs out of blocks, the newest running sequence is preempted (its KV is dropped and
-recomputed on readmission) rather than failing the step.
+One step is planned under a token budget (`max_num_batched_tokens`) and a bound on the running
+batch (`max_num_seqs`), in first-come-first-served order:
+1. decodes: every running sequence past its prefill advances by one model iteration (one token,
+   or one draft-and-verify round in self-speculation, which needs `lookahead` slots). Decodes are
+   never deferred; their tokens are charged to the budget first;
+2. prefill chunks: what is left of the budget goes to running sequences still in their prefill,
+   then to newly admitted ones, each given a chunk of at most the remaining budget, so a long
+   prompt is split over several steps.
+
+With `mixed=True` (a strategy whose decode step can carry prefill rows: full depth) both kinds
+ride in the same step, so a request that arrives costs the running streams a bounded amount of
+extra work in one step instead of a whole prefill step of its own (chunked prefill as vLLM's
+scheduler does it). Otherwise (early exit, self-speculation: their decode iteration is one token
+or one draft run per row) a step is either prefill or decode, and when both have work the kinds
+alternate, so a running stream waits at most one budget-bounded prefill step between tokens.
+
+When a sequence needs blocks that are not free, the newest running sequence is preempted (its
+KV is dropped and recomputed on readmission) rather than failing the step; a step that preempted
+admits nobody new, so freed blocks go to the sequences already running.
 """
 from __future__ import annotations
 
@@ -20,27 +31,40 @@ from eecore.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledStep:
-    is_prefill: bool
-    seqs: list[Sequence]
-    # Tokens each sequence computes in this step (prefill chunks; 1 per sequence for decode).
-    num_new_tokens: list[int]
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[Sequence] = field(default_factory=list)
+    # Prompt tokens each prefill sequence computes in this step (its chunk).
+    prefill_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Tokens one decode computes at most (1; d + 1 for a self-speculation round).
+    decode_cost: int = 1
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decodes + self.prefills
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        """Tokens the step computes at most (a speculation round may verify fewer)."""
+        return len(self.decodes) * self.decode_cost + sum(self.prefill_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: int = 1):
+                 lookahead: int = 1, mixed: bool = True):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Slots a decode step may write past the pending token (self-speculation drafts ahead).
         self.lookahead = lookahead
+        self.mixed = mixed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._last_was_prefill = False  # alternation of split (not mixed) steps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -49,73 +73,91 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- planning --------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
-        step = self._schedule_prefill()
-        if step is not None:
-            return step
-        return self._schedule_decode()
+        """The next step, or None when there is nothing to run. A step may be empty when all it
+        did was preempt (its `preempted` says which)."""
+        if not self.has_work:
+            return None
+        decode, prefill = True, True
+        if not self.mixed:
+            # one kind per step: prefill when there is prefill work, unless the last step was a
+            # prefill and some stream is waiting for its next token
+            has_decodes = any(not s.in_prefill for s in self.running)
+            has_prefill = any(s.in_prefill for s in self.running) or self._can_admit()
+            prefill = has_prefill and not (has_decodes and self._last_was_prefill)
+            decode = not prefill
+        step = self._plan(decode, prefill)
+        if step.is_empty and not self.mixed and prefill and not step.preempted:
+            step = self._plan(True, False)  # no prefill fitted (blocks): run the decodes instead
+        if step.is_empty and not step.preempted:
+            return None
+        self._last_was_prefill = bool(step.prefills) and not step.decodes
+        return step
 
-    # ---- prefill ---------------------------------------------------------------------------
-    def _schedule_prefill(self) -> ScheduledStep | None:
-        budget = self.max_num_batched_tokens
-        seqs, counts = [], []
-        for seq in self.running:  # unfinished chunked prefills first
-            if budget == 0:
-                break
-            if seq.in_prefill:
-                n = self._chunk(seq, budget)
-                if n == 0:
-                    break
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
+    def _plan(self, decode: bool, prefill: bool) -> ScheduledStep:
+        step = ScheduledStep(decode_cost=self.lookahead)
+        # Decodes are charged first; in a split prefill step the whole budget is the prefill's.
+        num_decodes = sum(1 for s in self.running if not s.in_prefill) if decode else 0
+        budget = max(self.max_num_batched_tokens - num_decodes * self.lookahead, 0)
+        queue = list(self.running)  # oldest first; victims of preemption come off the tail
+        while queue:
+            seq = queue.pop(0)
+            if not seq.in_prefill:
+                if decode and self._reserve(seq, seq.num_tokens + self.lookahead - 1, queue, step):
+                    step.decodes.append(seq)
+            elif prefill and budget > 0:
+                n = self._chunk(seq, budget, queue, step)
+                if n:
+                    step.prefills.append(seq)
+                    step.prefill_tokens.append(n)
+                    budget -= n
+        if prefill and not step.preempted:
+            self._admit(budget, step)
+        return step
+
+    def _reserve(self, seq: Sequence, num_tokens: int, queue: list[Sequence], step: ScheduledStep) -> bool:
+        """Grows `seq` to `num_tokens` slots, preempting the newest sequences not yet planned
+        (`queue`'s tail), and `seq` itself as the last resort (then False)."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = queue.pop() if queue else seq
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_tokens)
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int, queue: list[Sequence], step: ScheduledStep) -> int:
+        """Tokens of a running prefill that fit the budget and the free blocks (at least one, by
+        preemption if need be; 0 if `seq` itself had to go); grows its table."""
+        start = seq.num_computed_tokens
+        if not self._reserve(seq, start + 1, queue, step):
+            return 0
+        # its cross-attention blocks (encoder-decoder) were taken at admission: only self-attention
+        # slots are left to find
+        room = (self.blocks.num_free_blocks + len(seq.block_table)) * self.blocks.block_size - start
+        n = min(seq.prefill_target - start, budget, room)
+        self.blocks.grow(seq, start + n)
+        return n
+
+    def _admit(self, budget: int, step: ScheduledStep) -> None:
+        """Newly admitted sequences (FCFS), each with a first chunk of what is left of the budget."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            target = seq.num_tokens
-            first_chunk = min(target, budget)
-            if not self.blocks.can_grow(seq, first_chunk):
+            first = min(seq.num_tokens, budget)
+            if not self.blocks.can_grow(seq, first):
                 break
             self.waiting.popleft()
             seq.start_prefill()
             self.running.append(seq)
-            n = self._chunk(seq, budget)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-        if not seqs:
-            return None
-        return ScheduledStep(is_prefill=True, seqs=seqs, num_new_tokens=counts)
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq`'s prefill that fit the budget and the free blocks; grows its table."""
-        n = min(seq.prefill_target - seq.num_computed_tokens, budget)
-        while n > 0 and not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
-            n = (self.blocks.num_free_blocks + len(seq.block_table)) * self.blocks.block_size - seq.num_computed_tokens
-        if n > 0:
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
-        return max(n, 0)
-
-    # ---- decode ----------------------------------------------------------------------------
-    def _schedule_decode(self) -> ScheduledStep | None:
-        preempted: list[Sequence] = []
-        scheduled: list[Sequence] = []
-        queue = list(self.running)
-        while queue:
-            seq = queue.pop(0)
-            need = seq.num_tokens + self.lookahead - 1
-            while not self.blocks.can_grow(seq, need):
-                victim = queue.pop() if queue else seq  # newest first; self as the last resort
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.blocks.grow(seq, need)
-                scheduled.append(seq)
-        if not scheduled:
-            return ScheduledStep(is_prefill=False, seqs=[], num_new_tokens=[], preempted=preempted) if preempted else None
-        return ScheduledStep(is_prefill=False, seqs=scheduled, num_new_tokens=[1] * len(scheduled),
-                             preempted=preempted)
+            self.blocks.grow(seq, first)
+            step.prefills.append(seq)
+            step.prefill_tokens.append(first)
+            budget -= first
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -215,7 +215,7 @@ class AsyncEngine:
                 self._live.pop(handle.request_id, None)
                 out.append((handle, error))
             return
-        self.metrics.observe_step(len(seqs))
+        self.metrics.observe_step(len(seqs), self.engine.last_step)
         for seq in seqs:
             self._route(seq, out)
 

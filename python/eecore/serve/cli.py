@@ -8,10 +8,20 @@ import signal
 
 from eecore import cli
 
+# Serving defaults: latency over throughput. Each running sequence makes a CPU decode step longer
+# (a step of 30 rows costs ~5x a step of 1), so a bounded running batch keeps the inter-token
+# latency within a few single-stream steps while batching still pays; the token budget bounds the
+# prefill work a step carries beside the decodes (one prompt of the usual chat size fits whole).
+# Measured in bench/results/serve_load-*.md; `eecore generate` / `bench` keep their larger batch.
+SERVE_MAX_NUM_SEQS = 8
+SERVE_MAX_NUM_BATCHED_TOKENS = 64
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
-    cli._add_model_flags(p)  # --max-num-seqs is the running batch
+    cli._add_model_flags(p)
+    # --max-num-seqs is the running batch, --max-num-batched-tokens the tokens of one step
+    p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)

@@ -52,6 +52,11 @@ class ServerMetrics:
         self.steps = Counter("eecore_engine_steps", "Engine steps that produced tokens", registry=r)
         self.step_seqs = Histogram("eecore_step_num_requests", "Sequences that gained tokens in one engine step",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.mixed_steps = Counter("eecore_engine_mixed_steps", "Engine steps that ran prefill chunks beside "
+                                   "decodes", registry=r)
+        self.step_tokens = Histogram("eecore_step_num_tokens", "Tokens one engine step computed (decodes and "
+                                     "prefill chunks; a speculation round counts d + 1)",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r)
         self.max_step_seqs = Gauge("eecore_step_num_requests_max", "Most sequences that gained tokens in one step",
                                    registry=r)
         self.ttft = Histogram("eecore_time_to_first_token_seconds", "Time to first token (finished requests)",
@@ -66,7 +71,12 @@ class ServerMetrics:
         self.blocks_free.set(free)
         self.blocks_used.set(engine.blocks.num_blocks - free)
 
-    def observe_step(self, num_seqs: int) -> None:
+    def observe_step(self, num_seqs: int, step=None) -> None:
+        """`step`: the engine's ScheduledStep, for the mixed-step and token counts."""
+        if step is not None and not step.is_empty:
+            self.step_tokens.observe(step.num_tokens)
+            if step.decodes and step.prefills:
+                self.mixed_steps.inc()
         if num_seqs == 0:
             return
         self.steps.inc()
