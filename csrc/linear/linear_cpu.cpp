@@ -21,6 +21,10 @@ constexpr int64_t kStreamingMaxRows = 16;
 // Output columns per parallel task, and the multiply-adds below which one thread does it all.
 constexpr int64_t kTileCols = 64;
 constexpr int64_t kMinMacsPerThread = 1 << 18;
+// fp32 partial results a thread keeps on its stack (64 KiB): it hands dot_rows as many of its
+// columns at once as fit, so the weight streams in long runs (dot_rows reads a call's rows as four
+// sequential streams; one 64-column tile per call would cut them to 16 rows each).
+constexpr int64_t kAccFloats = 16384;
 
 template <typename scalar_t>
 void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, const scalar_t* bias,
@@ -32,14 +36,16 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor
   const int64_t ldo = out.stride(0);
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / std::max<int64_t>(1, M * K * kTileCols));
+  const int64_t run = kAccFloats / M / kTileCols * kTileCols;  // columns per dot_rows call (M <= 16: >= 1024)
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    float acc[kStreamingMaxRows * kTileCols];  // on the stack: no allocation per call
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t j0 = t * kTileCols, nj = std::min(kTileCols, N - j0);
-      cpu::dot_rows(h.row(0), h.ld(), M, w + j0 * K, K, nj, K, acc, kTileCols);
+    float acc[kAccFloats];  // on the stack: no allocation per call
+    const int64_t last = std::min(N, end * kTileCols);
+    for (int64_t j0 = begin * kTileCols; j0 < last; j0 += run) {
+      const int64_t nj = std::min(run, last - j0);
+      cpu::dot_rows(h.row(0), h.ld(), M, w + j0 * K, K, nj, K, acc, nj);
       for (int64_t i = 0; i < M; ++i) {
         scalar_t* dst = o + i * ldo + j0;
-        const float* src = acc + i * kTileCols;
+        const float* src = acc + i * nj;
         for (int64_t j = 0; j < nj; ++j) {
           float v = src[j];
           if (bias != nullptr) v += static_cast<float>(bias[j0 + j]);
