@@ -115,7 +115,8 @@ def test_sampled_requests_with_seeds_are_unchanged_by_mixing(tiny_path):
 
 
 STRATEGIES = {
-    "early_exit": {"early_exit": eecore.EarlyExitConfig(measure="softmax", threshold=0.05)},
+    "early_exit_compact": {"early_exit": eecore.EarlyExitConfig(measure="softmax", threshold=0.05,
+                                                                batch_rule="compact")},
     "speculate": {"speculative": eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=3)},
 }
 
@@ -148,6 +149,49 @@ def test_strategies_without_mixed_steps_alternate_bounded_prefill_and_decode_ste
 
 def test_full_depth_declares_mixed_steps():
     assert FullDepthDecoder.supports_mixed_steps
+
+
+EARLY_EXIT_MIXED = {
+    # exits at layer 2 of 4 for every token: static, and rule "all" with a threshold every row
+    # passes at the first check (the softmax top-1 there is the static exit's token)
+    "static": (eecore.EarlyExitConfig(measure="static", exit_layer=2), eecore.EarlyExitConfig(measure="static",
+                                                                                             exit_layer=2)),
+    "all_exits_at_first_check": (eecore.EarlyExitConfig(measure="softmax", threshold=0.0, min_exit_layer=2),
+                                 eecore.EarlyExitConfig(measure="static", exit_layer=2)),
+    # rule "all" with a threshold no row passes: full depth
+    "all_never_confident": (eecore.EarlyExitConfig(measure="softmax", threshold=1.0), None),
+}
+
+
+@pytest.mark.parametrize("case", list(EARLY_EXIT_MIXED))
+def test_early_exit_mixed_steps_keep_the_tokens_of_each_request_alone(tiny_path, case):
+    config, reference_config = EARLY_EXIT_MIXED[case]
+    prompts = random_prompts(VOCAB, [6, 31, 12, 25, 3], seed=17)
+    params = [greedy(12) for _ in prompts]
+    reference = _llm(tiny_path, max_num_seqs=1, early_exit=reference_config) if reference_config else \
+        _llm(tiny_path, max_num_seqs=1)
+    expected = [reference.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    llm = _llm(tiny_path, max_num_seqs=4, max_num_batched_tokens=10, early_exit=config)
+    assert llm.engine.strategy.supports_mixed_steps and llm.engine.scheduler.mixed
+    steps = _record_steps(llm.engine)
+    engine = llm.engine
+    seqs = [engine.add_request(prompts[0], params[0], 0)]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(p, sp, i + 1) for i, (p, sp) in enumerate(zip(prompts[1:], params[1:]))]
+    while engine.has_unfinished():
+        engine.step()
+    assert any(d and p for _, d, p, _ in steps)
+    assert all(t <= 10 for *_, t in steps)
+    for seq, out in zip(seqs, expected):
+        assert seq.output_token_ids == out.token_ids
+        assert seq.exit_layers == out.exit_layers  # the first token (prefill) ran all 4 layers
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_early_exit_rule_compact_has_no_mixed_steps(tiny_path):
+    llm = _llm(tiny_path, **STRATEGIES["early_exit_compact"])
+    assert not llm.engine.strategy.supports_mixed_steps and not llm.engine.scheduler.mixed
 
 
 @pytest.mark.parametrize("name,value", [("max_num_batched_tokens", 0), ("max_num_batched_tokens", -3),

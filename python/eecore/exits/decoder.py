@@ -12,6 +12,12 @@ One iteration decodes one token for every running sequence:
    state (per-row start layers), then the final norm and LM head make the logits.
 
 Exit layers count layers that ran (E means layers 0..E-1; L is full depth).
+
+Mixed steps (static exits and rule "all"): prefill chunks ride in the iteration as the last rows.
+Every row runs the layers together until the decode rows exit; the chunks then go on alone through
+the remaining layers (their K/V must be full depth). Confidence is measured on the decode rows
+only, so a decode row exits where it would have without the chunks. Rule "compact" (rows leave one
+by one) keeps one-kind steps.
 """
 from __future__ import annotations
 
@@ -84,6 +90,8 @@ class EarlyExitDecoder(DecodeStrategy):
         self._previous = torch.empty(rows, d, dtype=model.dtype, device=dev) \
             if self.measure is not None and self.measure.needs_previous_hidden else None
         self._row_offsets = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self._tail_offsets = torch.empty(rows + 1, dtype=torch.int32, device=dev)
+        self.supports_mixed_steps = self.measure is None or config.batch_rule == "all"
 
     # ---- the iteration ---------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
@@ -96,7 +104,8 @@ class EarlyExitDecoder(DecodeStrategy):
         if self.measure is None:
             exit_hidden = self._run_static(hidden, inputs.attn, exit_layer)
         elif self.config.batch_rule == "all":
-            exit_hidden = self._run_all_rule(seqs, hidden, inputs.attn, exit_layer)
+            self._run_all_rule(seqs, hidden, inputs.attn, exit_layer)
+            exit_hidden = hidden
         else:
             exit_hidden = self._run_compact_rule(seqs, hidden, inputs.attn, exit_layer)
 
@@ -113,27 +122,80 @@ class EarlyExitDecoder(DecodeStrategy):
         exit_layer.fill_(E)
         return hidden
 
-    def _run_all_rule(self, seqs, hidden, attn, exit_layer):
-        """The seed's rule: rows stay in the batch until every row is confident."""
+    def _run_all_rule(self, seqs, hidden, attn, exit_layer) -> int:
+        """The seed's rule: rows stay in the batch until every row is confident. The first
+        len(seqs) rows of `hidden` are the decode rows (any rows after them are prefill chunks of a
+        mixed step, which run along and are never measured). Returns the layers that ran."""
         B = len(seqs)
         status, active, wasted = self._status[:B].zero_(), self._active[:B], self._wasted[:B].zero_()
         self.thresholds.start_iteration(seqs)
         self._top1_valid = False
+        ran = self.num_layers
         for E in range(1, self.num_layers + 1):
             wasted += status  # rows already confident run this layer for nothing
-            previous = self._remember(hidden, E)
+            previous = self._remember(hidden[:B], E)
             self.runner.run_layers(hidden, attn, E - 1, E)
             if E in self.checks:
-                confidence = self.measure(E, hidden, previous)
+                confidence = self.measure(E, hidden[:B], previous)
                 remaining = ops.accept_update(status, confidence, self.thresholds.at(E), active)
                 if int(remaining) == 0:
                     exit_layer.fill_(E)
                     self._keep_top1(torch.arange(B, device=hidden.device), slice(None))
+                    ran = E
                     break
         for seq, w in zip(seqs, wasted.tolist()):
             seq.stats["ee_wasted_layers"] = seq.stats.get("ee_wasted_layers", 0) + w
             seq.stats["ee_tokens"] = seq.stats.get("ee_tokens", 0) + 1
-        return hidden
+        return ran
+
+    # ---- mixed steps -----------------------------------------------------------------------
+    def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]
+                     ) -> tuple[list[list[Token]], list[Optional[Token]]]:
+        B, L = len(seqs), self.num_layers
+        rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs] + prefill_rows
+        inputs = self.runner.prepare(rows)
+        hidden = self.runner.embed(inputs)
+        attn = inputs.attn
+        exit_layer = self._exit_layer[:B].fill_(L)
+        if self.measure is None:
+            self._run_static(hidden, attn, exit_layer)
+            ran = self.config.exit_layer
+        else:
+            ran = self._run_all_rule(seqs, hidden, attn, exit_layer)
+        if ran < L:  # the chunks, the last rows, go on alone (in place: the decode rows keep their state)
+            self.runner.run_layers(hidden[B:], self._tail_rows(attn, B, max(len(r.tokens) for r in prefill_rows)),
+                                   ran, L)
+        for row in rows:
+            row.seq.num_computed_tokens = row.start + len(row.tokens)
+        exit_layers = exit_layer.tolist()
+        if ran < L:
+            self.runner.model.fill_kv(self.runner.kv.tensor, hidden[:B], attn.positions[:B], attn.slot_mapping[:B],
+                                      exit_layer)
+        tokens, logprobs = self._tokens(seqs, hidden[:B], exit_layers)
+        decoded = [[Token(t, e, lp)] for t, e, lp in zip(tokens, exit_layers, logprobs)]
+        # chunks that complete their prompt: the first output token, from full depth
+        done = [j for j, r in enumerate(prefill_rows) if not r.seq.in_prefill]
+        firsts: list[Optional[Token]] = [None] * len(prefill_rows)
+        if done:
+            last = inputs.last_rows[[B + j for j in done]]
+            sampled, lps = self.sampler.sample(self.runner.logits(hidden.index_select(0, last)),
+                                               [prefill_rows[j].seq for j in done])
+            for j, t, lp in zip(done, sampled, lps):
+                firsts[j] = Token(t, L, lp)
+        return decoded, firsts
+
+    def _tail_rows(self, attn: AttentionInputs, first: int, max_query_len: int) -> AttentionInputs:
+        """The attention inputs of rows first.. (the prefill chunks of a mixed step). The decode
+        rows before them have one token each, so the chunks' tokens start at row `first`."""
+        n = attn.seq_lens.shape[0] - first
+        offsets = torch.sub(attn.query_start_loc[first:], first, out=self._tail_offsets[: n + 1])
+        cross = attn.cross_block_table is not None  # encoder-decoder: the rows' cross-attention blocks too
+        return AttentionInputs(
+            positions=attn.positions[first:], slot_mapping=attn.slot_mapping[first:],
+            block_table=attn.block_table[first:], seq_lens=attn.seq_lens[first:], query_start_loc=offsets,
+            max_query_len=max_query_len,
+            cross_block_table=attn.cross_block_table[first:] if cross else None,
+            cross_seq_lens=attn.cross_seq_lens[first:] if cross else None)
 
     def _run_compact_rule(self, seqs, hidden, attn, exit_layer):
         """Confident rows leave at their own layer; the rest continue as a compacted batch."""

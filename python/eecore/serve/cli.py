@@ -13,8 +13,8 @@ from eecore import cli
 # latency within a few single-stream steps while batching still pays; the token budget bounds the
 # prefill work a step carries beside the decodes (one prompt of the usual chat size fits whole).
 # Measured in bench/results/serve_load-*.md; `eecore generate` / `bench` keep their larger batch.
-SERVE_MAX_NUM_SEQS = 8
-SERVE_MAX_NUM_BATCHED_TOKENS = 64
+SERVE_MAX_NUM_SEQS = 16
+SERVE_MAX_NUM_BATCHED_TOKENS = 24
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
