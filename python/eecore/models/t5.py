@@ -61,6 +61,40 @@ class T5Workspace:
         self.o = buf(c.hidden_size)
         self.ff = buf((2 if c.gated else 1) * c.intermediate_size)
         self.act = buf(c.intermediate_size)
+        self._config = c
+        self._views: dict[int, LayerViews] = {}
+
+    def views(self, T: int) -> "LayerViews":
+        """The views of these buffers that a decoder layer over T rows reads and writes, made once
+        per T: a decode step runs every layer on the same T, and slicing a dozen tensors per layer
+        in Python cost about a tenth of a batch-1 step of T5-small."""
+        views = self._views.get(T)
+        if views is None:
+            if len(self._views) >= 64:  # prefill chunks of many sizes: keep the cache bounded
+                self._views.clear()
+            views = self._views[T] = LayerViews(self, self._config, T)
+        return views
+
+
+class LayerViews:
+    """One row count's views of a T5Workspace (no storage of their own)."""
+
+    def __init__(self, ws: T5Workspace, c: T5Config, T: int):
+        H, D, inner = c.num_heads, c.head_dim, c.inner_size
+        self.normed = ws.normed[:T]
+        self.qkv = ws.qkv[:T]
+        self.q = self.qkv[:, :inner].view(T, H, D)
+        self.k = self.qkv[:, inner:2 * inner].view(T, H, D)
+        self.v = self.qkv[:, 2 * inner:].view(T, H, D)
+        self.attn = ws.attn[:T].view(T, H, D)
+        self.attn_flat = ws.attn[:T]
+        self.o = ws.o[:T]
+        self.cross_q_flat = ws.q[:T]
+        self.cross_q = self.cross_q_flat.view(T, H, D)
+        self.ff = ws.ff[:T]
+        if c.gated:
+            self.gate, self.up = self.ff.chunk(2, dim=-1)
+            self.act = ws.act[:T]
 
 
 class T5Model:
@@ -148,32 +182,27 @@ class T5Model:
         if attn.cross_block_table is None:
             raise ValueError("T5Model.layer: the attention inputs carry no cross-attention blocks "
                              "(the sequences were not given encoder inputs)")
-        c, w, T = self.config, self.layers[i], hidden.shape[0]
-        H, D, inner = c.num_heads, c.head_dim, c.inner_size
+        c, w = self.config, self.layers[i]
+        v = ws.views(hidden.shape[0])
 
-        x = ops.rms_norm(ws.normed[:T], hidden, w.self_norm, self.eps)
-        qkv = ops.linear(ws.qkv[:T], x, w.qkv)
-        q = qkv[:, :inner].view(T, H, D)
-        k = qkv[:, inner:2 * inner].view(T, H, D)
-        v = qkv[:, 2 * inner:].view(T, H, D)
-        ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = ws.attn[:T].view(T, H, D)
-        ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
+        x = ops.rms_norm(v.normed, hidden, w.self_norm, self.eps)
+        ops.linear(v.qkv, x, w.qkv)
+        ops.reshape_and_cache(v.k, v.v, k_cache, v_cache, attn.slot_mapping)
+        ops.paged_attention(v.attn, v.q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
                             attn.max_query_len, 1.0, True, self.self_bias)
-        o = ops.linear(ws.o[:T], out.view(T, inner), w.self_o)
+        o = ops.linear(v.o, v.attn_flat, w.self_o)
         ops.fused_add_rms_norm(o, hidden, w.cross_norm, self.eps)  # hidden += self-attn; o = norm(hidden)
 
-        q = ops.linear(ws.q[:T], o, w.cross_q).view(T, H, D)
-        ops.paged_attention(out, q, k_cache, v_cache, attn.cross_block_table, attn.cross_seq_lens,
+        ops.linear(v.cross_q_flat, o, w.cross_q)
+        ops.paged_attention(v.attn, v.cross_q, k_cache, v_cache, attn.cross_block_table, attn.cross_seq_lens,
                             attn.query_start_loc, attn.max_query_len, 1.0, False, None)
-        o = ops.linear(ws.o[:T], out.view(T, inner), w.cross_o)
+        o = ops.linear(v.o, v.attn_flat, w.cross_o)
         ops.fused_add_rms_norm(o, hidden, w.ff_norm, self.eps)  # hidden += cross-attn; o = norm(hidden)
 
-        h = ops.linear(ws.ff[:T], o, w.wi)
+        h = ops.linear(v.ff, o, w.wi)
         if c.gated:
-            gate, up = h.chunk(2, dim=-1)
-            self.act(gate)
-            h = torch.mul(gate, up, out=ws.act[:T])
+            self.act(v.gate)
+            h = torch.mul(v.gate, v.up, out=v.act)
         else:
             self.act(h)
         return ops.linear(hidden, h, w.wo, accumulate=True)  # hidden += feed-forward
