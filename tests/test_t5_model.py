@@ -206,3 +206,17 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     _edit_config(path, num_decoder_layers=3, d_ff=50)
     with pytest.raises(CorruptCheckpointError, match="DenseReluDense.*shape"):
         _llm(path)
+
+
+def test_sentencepiece_only_directory_warns_and_takes_token_ids(tmp_path):
+    """spiece.model without tokenizer.json: a clear warning at load, token-id prompts still work,
+    a text prompt is refused."""
+    path, hf = make_tiny_t5(tmp_path, "v1.1")
+    os.remove(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "spiece.model"), "wb") as f:
+        f.write(b"not read")
+    with pytest.warns(UserWarning, match=r"spiece\.model but no tokenizer\.json.*save_pretrained"):
+        llm = _llm(path)
+    assert llm.generate(_prompts(hf, [5]), greedy(3))[0].token_ids
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("a text prompt", greedy(3))

@@ -145,10 +145,18 @@ class Scheduler:
         return n
 
     def _admit(self, budget: int, step: ScheduledStep) -> None:
-        """Newly admitted sequences (FCFS), each with a first chunk of what is left of the budget."""
+        """Newly admitted sequences (FCFS), each with a first chunk of what is left of the budget.
+
+        An encoder-decoder request runs its whole encoder in the step that admits it (the encoder is
+        not chunked), so its encoder tokens are charged to the budget as well: a batch of long inputs
+        is spread over several steps. One whose encoder alone exceeds what is left waits for a step
+        with no other prefill, which admits it whatever its length, so that it cannot starve."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             first = min(seq.num_tokens, budget)
+            encoder = seq.num_encoder_tokens
+            if encoder and first + encoder > budget and step.prefills:
+                break
             if not self.blocks.can_grow(seq, first):
                 break
             self.waiting.popleft()
@@ -157,7 +165,7 @@ class Scheduler:
             self.blocks.grow(seq, first)
             step.prefills.append(seq)
             step.prefill_tokens.append(first)
-            budget -= first
+            budget -= first + encoder
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -79,6 +79,11 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_encoder_tokens(self) -> int:
+        """Tokens the encoder runs on when the request is admitted (0 for a decoder-only model)."""
+        return 0 if self.encoder_token_ids is None else len(self.encoder_token_ids)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

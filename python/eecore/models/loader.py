@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,8 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
     config = T5Config.from_hf_dict(raw, config_file) if is_t5_config(raw) else \
         ModelConfig.from_hf_dict(raw, source=config_file)
     tokenizer = Tokenizer.from_hf_dir(path)
+    if tokenizer is None:
+        _warn_sentencepiece_only(path)
     config = config.replace(eos_token_ids=_all_eos_ids(path, config, tokenizer))
 
     state_dict = {}
@@ -116,6 +119,18 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
         state_dict.pop("lm_head.weight", None)
     check_state_dict(state_dict, config, path)
     return LoadedModel(config, state_dict, tokenizer, path)
+
+
+def _warn_sentencepiece_only(path: str) -> None:
+    """A directory with only a SentencePiece model (T5's spiece.model, Llama's tokenizer.model) and
+    no tokenizer.json loads without a tokenizer: token-id prompts work, text prompts are refused.
+    Say so at load time, with the one-line conversion, rather than leave only the later error."""
+    found = [n for n in ("spiece.model", "tokenizer.model") if os.path.isfile(os.path.join(path, n))]
+    if found:
+        warnings.warn(
+            f"{path}: has {found[0]} but no tokenizer.json; eecore reads tokenizers' tokenizer.json only, so this "
+            f"model takes token-id prompts but no text. To add text, write tokenizer.json once with transformers: "
+            f"AutoTokenizer.from_pretrained({path!r}).save_pretrained({path!r})", UserWarning, stacklevel=3)
 
 
 def _all_eos_ids(path: str, config: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
