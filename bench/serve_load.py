@@ -10,6 +10,9 @@ same GGUF file and the table gets the throughput ratio; otherwise that row is sk
 
     python bench/serve_load.py                          # the default grid, about 10 minutes on 2 cores
     python bench/serve_load.py --concurrency 1 32 --rates inf --max-tokens 32 --strategies full
+
+The server runs with `eecore serve`'s own batch defaults (--max-num-seqs, --max-num-batched-tokens)
+unless this script is given other values for them.
 """
 from __future__ import annotations
 
@@ -227,7 +230,8 @@ def markdown(payload: dict) -> str:
     out = [f"# eecore serve under load ({payload['machine']}, {payload['cpu_count']} cores, {payload['date']})",
            "", f"Reproduce: `{payload['command']}`", "",
            f"Load average (1 min) before / after the run: {payload.get('load_average', '?')}. "
-           f"Server batch flags: {' '.join(payload.get('engine_flags') or []) or 'the eecore serve defaults'}.", "",
+           f"Server batch flags: {' '.join(payload.get('engine_flags') or []) or 'the eecore serve defaults'}. "
+           f"OMP_NUM_THREADS: {payload.get('omp_num_threads') or 'unset (torch uses every core)'}.", "",
            f"{payload['prompts']} prompts (bench_prompt_ids), {payload['max_tokens']} output tokens per request "
            f"(ignore_eos), greedy; requests per scenario: max({payload['min_requests']}, 2 x concurrency); "
            "ITL = gap between streamed chunks.", "",
@@ -316,6 +320,7 @@ def main() -> None:
                "prompts": args.prompts, "max_tokens": args.max_tokens, "min_requests": args.min_requests,
                "concurrency": args.concurrency, "rates": [str(r) for r in args.rates], "results": results,
                "llama_cpp": llama_note, "engine_flags": engine_flags(args),
+               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                # other work on a shared machine moves every figure: the 1-minute load before and after
                "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
     path = save_results(args.out_name, payload)
