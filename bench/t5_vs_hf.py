@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import tempfile
 
@@ -91,6 +92,7 @@ def main():
     args = ap.parse_args()
 
     rows = []
+    load_before = os.getloadavg()  # the machine is shared: say how loaded it was
     for shape in args.models:
         hf = random_t5(shape)
         L = hf.config.num_decoder_layers
@@ -134,7 +136,9 @@ def main():
                   f"({row['hf_truncated_tok_s']:.1f} tok/s)", flush=True)
     path = save_results(args.out_name, dict(
         weights="random (HF init; v1.1 head N(0, 0.05))", dtype="float32", max_tokens=args.max_tokens,
-        prompt_len=args.prompt_len, repeats=args.repeats, rows=rows))
+        prompt_len=args.prompt_len, repeats=args.repeats, rows=rows,
+        load_average_1_5_15min=dict(start=[round(x, 2) for x in load_before],
+                                    end=[round(x, 2) for x in os.getloadavg()])))
     print(f"results: {path}")
 
 
