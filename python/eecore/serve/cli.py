@@ -14,7 +14,7 @@ from eecore import cli
 # prefill work a step carries beside the decodes (one prompt of the usual chat size fits whole).
 # Measured in bench/results/serve_load-*.md; `eecore generate` / `bench` keep their larger batch.
 SERVE_MAX_NUM_SEQS = 16
-SERVE_MAX_NUM_BATCHED_TOKENS = 24
+SERVE_MAX_NUM_BATCHED_TOKENS = 20
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
