@@ -19,10 +19,7 @@ import torch.nn.functional as F
 from eecore import ops
 from eecore.models.config import ModelConfig
 from eecore.models.rope import cos_sin_cache
-
-
-# Byte alignment of the weights the CPU kernels stream (a cache line; see LlamaModel's take).
-_WEIGHT_ALIGNMENT = 64
+from eecore.models.weights import weight_taker
 
 
 @dataclass
@@ -85,17 +82,7 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
         c = config
 
-        def take(name: str) -> torch.Tensor:
-            if name not in state_dict:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            tensor = state_dict[name].to(device=self.device, dtype=dtype).contiguous()
-            # The CPU kernels stream weights with 32- and 64-byte vector loads. A weight that starts
-            # off a 64-byte boundary splits those loads across cache lines: numpy's buffers (the
-            # GGUF reader's) are only 16-byte aligned, and they made SmolLM2's o_proj and down
-            # projections stream 25-40% slower. torch's own allocations are 64-byte aligned.
-            if tensor.device.type == "cpu" and tensor.data_ptr() % _WEIGHT_ALIGNMENT:
-                tensor = tensor.clone()
-            return tensor
+        take = weight_taker(state_dict, dtype, self.device)
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")

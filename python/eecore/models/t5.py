@@ -26,8 +26,7 @@ from eecore.models.llama import AttentionInputs
 from eecore.models.relative_position import causal_bias_table
 from eecore.models.t5_config import T5Config
 from eecore.models.t5_encoder import T5Encoder
-
-_WEIGHT_ALIGNMENT = 64  # as LlamaModel: the CPU kernels stream weights with 64-byte vector loads
+from eecore.models.weights import weight_taker
 
 
 @dataclass
@@ -109,13 +108,7 @@ class T5Model:
         self.eps = config.rms_norm_eps
         c = config
 
-        def take(name: str) -> torch.Tensor:
-            if name not in state_dict:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            tensor = state_dict[name].to(device=self.device, dtype=dtype).contiguous()
-            if tensor.device.type == "cpu" and tensor.data_ptr() % _WEIGHT_ALIGNMENT:
-                tensor = tensor.clone()
-            return tensor
+        take = weight_taker(state_dict, dtype, self.device)
 
         self.embed = take("shared.weight")
         self.lm_head = take("lm_head.weight") if "lm_head.weight" in state_dict else self.embed

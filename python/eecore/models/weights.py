@@ -5,6 +5,8 @@ dict without defensive code: every tensor it needs is there, with the right shap
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from eecore.models.config import ModelConfig
@@ -55,3 +57,24 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig, s
         if tuple(state_dict[name].shape) != shape:
             raise CorruptCheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(state_dict[name].shape)}, expected {shape} from the config")
+
+
+# The CPU kernels stream weights with 32- and 64-byte vector loads. A weight that starts off a
+# 64-byte boundary splits those loads across cache lines: numpy's buffers (the GGUF reader's) are
+# only 16-byte aligned, and they made SmolLM2's o_proj and down projections stream 25-40% slower.
+# torch's own allocations are 64-byte aligned.
+WEIGHT_ALIGNMENT = 64
+
+
+def weight_taker(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> Callable[[str], torch.Tensor]:
+    """`take(name)`: the checkpoint tensor `name` as a model keeps it (on `device`, in `dtype`,
+    contiguous, 64-byte aligned on the CPU), or a ValueError naming the missing tensor."""
+    def take(name: str) -> torch.Tensor:
+        if name not in state_dict:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        tensor = state_dict[name].to(device=device, dtype=dtype).contiguous()
+        if tensor.device.type == "cpu" and tensor.data_ptr() % WEIGHT_ALIGNMENT:
+            tensor = tensor.clone()
+        return tensor
+    return take
