@@ -40,6 +40,17 @@ def _record_steps(engine) -> list:
     return steps
 
 
+def _run_with_late_arrivals(engine, prompts, params) -> list:
+    """The first request decodes alone for 3 steps, then the rest arrive at once; runs to the end."""
+    seqs = [engine.add_request(prompts[0], params[0], 0)]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(p, sp, i + 1) for i, (p, sp) in enumerate(zip(prompts[1:], params[1:]))]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
 def _alone(path, prompts, params) -> list[list[int]]:
     llm = _llm(path, max_num_seqs=1)
     return [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
@@ -131,12 +142,7 @@ def test_strategies_without_mixed_steps_alternate_bounded_prefill_and_decode_ste
     assert not llm.engine.strategy.supports_mixed_steps and not llm.engine.scheduler.mixed
     engine = llm.engine
     steps = _record_steps(engine)
-    seqs = [engine.add_request(prompts[0], params[0], 0)]
-    for _ in range(3):
-        engine.step()
-    seqs += [engine.add_request(p, sp, i + 1) for i, (p, sp) in enumerate(zip(prompts[1:], params[1:]))]
-    while engine.has_unfinished():
-        engine.step()
+    seqs = _run_with_late_arrivals(engine, prompts, params)
     assert [s.output_token_ids for s in seqs] == expected
     assert not any(d and p for _, d, p, _ in steps)
     assert all(t <= 8 for _, d, p, t in steps if p)  # prefill steps keep to the budget
@@ -175,12 +181,7 @@ def test_early_exit_mixed_steps_keep_the_tokens_of_each_request_alone(tiny_path,
     assert llm.engine.strategy.supports_mixed_steps and llm.engine.scheduler.mixed
     steps = _record_steps(llm.engine)
     engine = llm.engine
-    seqs = [engine.add_request(prompts[0], params[0], 0)]
-    for _ in range(3):
-        engine.step()
-    seqs += [engine.add_request(p, sp, i + 1) for i, (p, sp) in enumerate(zip(prompts[1:], params[1:]))]
-    while engine.has_unfinished():
-        engine.step()
+    seqs = _run_with_late_arrivals(engine, prompts, params)
     assert any(d and p for _, d, p, _ in steps)
     assert all(t <= 10 for *_, t in steps)
     for seq, out in zip(seqs, expected):
