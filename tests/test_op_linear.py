@@ -14,7 +14,7 @@ def _case(device, dtype, rows, k, n, bias, row_stride=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 24, 25, 40])
 # (2050, 70): hidden rows too long for L1 are cut into chunks of the length (cpu_dots.h), and
 # 2050 leaves a tail that is not a whole vector step in the last chunk
 @pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (64, 1), (2050, 70)])
