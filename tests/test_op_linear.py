@@ -15,9 +15,9 @@ def _case(device, dtype, rows, k, n, bias, row_stride=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 24, 25, 40])
-# (2050, 70): hidden rows too long for L1 are cut into chunks of the length (cpu_dots.h), and
-# 2050 leaves a tail that is not a whole vector step in the last chunk
-@pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (64, 1), (2050, 70)])
+# (4100, 70): from 8 rows the hidden rows pass kHiddenChunkBytes and are cut into chunks of the
+# length (cpu_dots.h), and 4100 leaves a tail that is not a whole vector step in the last chunk
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (64, 1), (4100, 70)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_reference(device, dtype, rows, k, n, bias):
     inp, weight, b = _case(device, dtype, rows, k, n, bias, row_stride=k + 3)

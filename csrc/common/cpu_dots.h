@@ -44,11 +44,13 @@ using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_
 // hidden rows: at B = 8 this runs 1.3-1.5x faster than no software prefetch (1 KiB ahead gets
 // only half of that). Prefetches never fault, so running past the end of the weight is harmless.
 constexpr int64_t kPrefetchBytes = 8192;
-// Hidden rows up to this size are kept whole beside a weight slice while the weight streams past;
-// larger ones are cut into chunks of the length (see dot_rows). Chunking makes each pass read
-// part-rows (a strided pattern), so it only pays once the rows crowd out the slice: 8 fp32 rows of
-// 768 (24 KiB, T5-base at batch 8) ran 10% faster whole than in two chunks on a 32 KiB-L1 Zen 3.
-constexpr int64_t kHiddenChunkBytes = 28 * 1024;
+// Hidden rows up to this size are kept whole while the weight streams past; larger ones are cut
+// into chunks of the length (see dot_rows). Only the slice (16 KiB) and one group's rows must sit
+// in L1; the other groups' rows wait in L2, so the bound is set by L2 (half of 256 KiB, the
+// smallest common one). Chunking makes each pass read part-rows (a strided pattern) and moves the
+// prefetch to the same position one slice on: with a 28 KiB bound (fit in L1 beside the slice),
+// SmolLM2's projections at 16-24 rows ran 1.1-1.3x slower than whole on a Zen 3 (1 and 2 threads).
+constexpr int64_t kHiddenChunkBytes = 128 * 1024;
 
 // The hidden rows in the form dot_rows reads them against `w_t` weights: the caller's own rows,
 // without a copy, where their type already is dot_input_t, else an fp32 copy made once (each
@@ -272,10 +274,10 @@ void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, i
               int64_t ldo) {
   static_assert(std::is_same_v<h_t, dot_input_t<h_t, w_t>>, "dot_rows: hidden rows must be fp32, or bf16 "
                 "against bf16 weights on a CPU with AVX512-BF16 (see dot_input_t)");
-  // The hidden rows are re-read for every slice of weight rows, so they should stay in L1 beside
-  // the slice. Where they would not (e.g. 8 bf16 rows of 2048), the length is cut into chunks that
-  // do, and the partial dot products are summed in `out`; the prefetches then run one slice ahead
-  // at the same position instead of further along the stream (read in a later chunk).
+  // The hidden rows are re-read for every slice of weight rows, so they should stay in cache (see
+  // kHiddenChunkBytes). Where they would not (e.g. 16 fp32 rows of 4096), the length is cut into
+  // chunks that do, and the partial dot products are summed in `out`; the prefetches then run one
+  // slice ahead at the same position instead of further along the stream (read in a later chunk).
   const int64_t hidden_bytes = m * d * static_cast<int64_t>(sizeof(h_t));
   const int64_t chunks = (hidden_bytes + kHiddenChunkBytes - 1) / kHiddenChunkBytes;
   const bool chunked = chunks > 1;
