@@ -115,7 +115,8 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32])
     ap.add_argument("--chunk", type=int, default=16, help="prompt tokens in the timed mixed step")
-    ap.add_argument("--steps", type=int, default=12, help="timed steps per point (median kept)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per point and round (median kept)")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over all batch sizes (median kept)")
     ap.add_argument("--gen-tokens", type=int, default=48, help="generated tokens per request (serve_load's 48)")
     ap.add_argument("--prompt-tokens", type=float, default=None,
                     help="prompt tokens per request (default: the mean of serve_load's chat prompts)")
@@ -137,10 +138,16 @@ def main():
         torch.set_num_threads(threads)
         timer.decode_step_s(1, 4)  # warm-up at this thread count
         peak = gemm_peak_gflops()
+        # rounds over all batch sizes, medians kept: a burst of load on a shared machine then
+        # hits one round of every row count rather than every measurement of one
+        samples = {rows: ([], []) for rows in args.rows}
+        for _ in range(args.rounds):
+            for rows in args.rows:
+                samples[rows][0].append(timer.decode_step_s(rows, args.steps))
+                samples[rows][1].append(timer.mixed_step_s(rows, args.chunk, max(3, args.steps // 3)))
         points = []
         for rows in args.rows:
-            t_dec = timer.decode_step_s(rows, args.steps)
-            t_mix = timer.mixed_step_s(rows, args.chunk, max(3, args.steps // 3))
+            t_dec, t_mix = (statistics.median(v) for v in samples[rows])
             t_tok = max(0.0, (t_mix - t_dec) / args.chunk)
             points.append(dict(rows=rows, decode_step_ms=1e3 * t_dec, mixed_step_ms=1e3 * t_mix,
                                prefill_token_ms=1e3 * t_tok,
@@ -177,7 +184,7 @@ def main():
 def _markdown(payload: dict, args) -> str:
     lines = [f"# Engine step cost against batch size ({cpu_model()}, {os.cpu_count()} cores)", "",
              f"Reproduce: `python bench/step_cost.py --threads {' '.join(map(str, args.threads))} "
-             f"--rows {' '.join(map(str, args.rows))}`", "",
+             f"--rows {' '.join(map(str, args.rows))} --rounds {args.rounds}`", "",
              f"SmolLM2-135M fp32, full depth. Load average before / after: {payload['load_average']}. "
              f"Serving model: {payload['prompt_tokens']:.0f} prompt tokens per {payload['gen_tokens']} generated "
              "(serve_load's chat prompts); each step of R decodes carries R x P / G prefill tokens.", ""]

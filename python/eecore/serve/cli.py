@@ -9,12 +9,15 @@ import signal
 from eecore import cli
 
 # Serving defaults: latency over throughput. Each running sequence makes a CPU decode step longer
-# (a step of 30 rows costs ~5x a step of 1), so a bounded running batch keeps the inter-token
-# latency within a few single-stream steps while batching still pays; the token budget bounds the
-# prefill work a step carries beside the decodes (one prompt of the usual chat size fits whole).
-# Measured in bench/results/serve_load-*.md; `eecore generate` / `bench` keep their larger batch.
-SERVE_MAX_NUM_SEQS = 16
-SERVE_MAX_NUM_BATCHED_TOKENS = 20
+# (bench/step_cost.py: on a 2-core Zen 3 a step of 12 rows costs 1.7-2.5x a step of 1, a step of
+# 32 rows 5-9x), so a bounded running batch keeps the inter-token latency within a few
+# single-stream steps while batching still pays; the token budget bounds the prefill work a step
+# carries beside the decodes. At 32 clients, 12 sequences and 16 tokens kept the p99 ITL within
+# 3x one client's at 1 and 2 threads with the most throughput of the settings tried (16/20,
+# 16/24, 24/32 gave as much or less throughput at 3.7-5.6x the ITL): bench/results/serve_load-*.md.
+# `eecore generate` / `bench` keep their larger batch.
+SERVE_MAX_NUM_SEQS = 12
+SERVE_MAX_NUM_BATCHED_TOKENS = 16
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
