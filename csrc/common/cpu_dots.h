@@ -39,11 +39,14 @@ using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_
                                            std::is_same_v<w_t, c10::BFloat16>,
                                        c10::BFloat16, float>;
 
-// How far ahead of the loads each weight row is prefetched. The weight comes from DRAM, and on
-// its own the hardware prefetcher lets memory idle while a slice is reused from L1 by the later
-// hidden rows: at B = 8 this runs 1.3-1.5x faster than no software prefetch (1 KiB ahead gets
-// only half of that). Prefetches never fault, so running past the end of the weight is harmless.
-constexpr int64_t kPrefetchBytes = 8192;
+// How far ahead of the loads each weight row is prefetched (batches of 2 or more rows). The weight
+// comes from DRAM, and on its own the hardware prefetcher lets memory idle while a slice is reused
+// from L1 by the later hidden rows. The distance is short because the four streams' prefetches
+// land in L1 beside the slice and the current group's rows: with the 3 x 4 blocks on a Zen 3,
+// 1-2 KiB ahead ran SmolLM2's projections at 8-24 rows 1.2-1.3x faster than 8 KiB (which had
+// been best for the old 4 x 4 blocks), and 4 KiB was already as slow as 8. Prefetches never fault,
+// so running past the end of the weight is harmless.
+constexpr int64_t kPrefetchBytes = 2048;
 // Hidden rows up to this size are kept whole while the weight streams past; larger ones are cut
 // into chunks of the length (see dot_rows). Only the slice (16 KiB) and one group's rows must sit
 // in L1; the other groups' rows wait in L2, so the bound is set by L2 (half of 256 KiB, the
