@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -52,8 +53,11 @@ class Server:
     def __init__(self, argv: list[str], health: str = "/health", timeout: float = 180.0):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # stderr goes to a file, not a pipe: nobody reads a pipe while the server runs, and a server
+        # that logs more than the pipe holds (llama.cpp's start-up dump does) would block on it
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(argv + ["--port", str(self.port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=self.log, text=True)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -62,8 +66,10 @@ class Server:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                tail = self.log.read()[-2000:]
                 self.stop()
-                raise RuntimeError(f"server {argv} did not start: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"server {argv} did not start: {tail}")
             time.sleep(0.3)
 
     def metrics(self) -> dict[str, float]:
@@ -78,6 +84,7 @@ class Server:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
 
 
 def engine_flags(args) -> list[str]:
@@ -100,14 +107,17 @@ def llama_cpp_server(model_path: str, n_ctx: int) -> Server | None:
 
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
         return None
+    # --interrupt_requests False: by default a new request cancels the one being generated, which
+    # would cut concurrent streams short; its server runs one request at a time either way
     return Server([sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--host", "127.0.0.1",
-                   "--n_ctx", str(n_ctx), "--n_threads", str(os.cpu_count()), "--model_alias", "model"],
+                   "--n_ctx", str(n_ctx), "--n_threads", str(os.cpu_count()), "--model_alias", "model",
+                   "--interrupt_requests", "False"],
                   health="/v1/models")
 
 
 # ---- the load generator ------------------------------------------------------------------------
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int, extra: dict, t0: float) -> dict:
+async def _one(client, model: str, prompt: list[int] | str, max_tokens: int, extra: dict, t0: float) -> dict:
     sent = time.perf_counter()
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True}, extra_body=extra)
@@ -306,7 +316,11 @@ def main() -> None:
         else:
             print("llama-cpp-python server, full depth:", flush=True)
             try:
-                rows = run_grid(server.url, "model", prompt_pool, args, {})
+                # llama-cpp-python's server takes text prompts only: the same chat-templated prompts
+                # as text, special tokens included (its tokenizer parses them back); no ignore_eos
+                # there, so a stream may end early and throughput counts the tokens it returned
+                texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompt_pool]
+                rows = run_grid(server.url, "model", texts, args, {})
             finally:
                 server.stop()
             results["llama.cpp"] = {"full": {"rows": rows, "goals": goals(rows)}}
