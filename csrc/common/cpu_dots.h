@@ -236,9 +236,11 @@ inline void dot_rows_mr(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, in
   }
 }
 
-// Hidden rows per block. A block keeps kGroupRows x kStreams fp32 accumulators, its hidden vectors
-// and one weight vector in registers: 4 x 4 + 4 + 1 of AVX-512's 32, 3 x 4 + 3 + 1 of AVX2's 16
-// (where 4 x 4 spilled accumulators every step, and batches of 12-16 rows ran 1.2-1.3x slower).
+// Hidden rows per block. A block keeps kGroupRows x kStreams fp32 accumulators in registers beside
+// its operands: AVX-512's 32 registers hold a 4 x 4 block as the compiler schedules it (untimed
+// here: no AVX-512 machine was at hand); AVX2's 16 hold the pinned 3 x 4 block exactly (16 + 4 + 1
+// did not fit: 4 x 4 spilled accumulators every step, and batches of 12-16 rows ran 1.2-1.3x
+// slower).
 #if defined(__AVX512F__)
 constexpr int64_t kGroupRows = 4;
 #else
