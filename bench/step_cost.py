@@ -3,7 +3,7 @@
 Iteration-level batching pays only while a step with R decode rows costs much less than R steps
 of one row. This measures, on SmolLM2-135M (fp32, CPU, full depth), in one process:
 
-- the decode-only step time at R running sequences (R = 1, 2, 4, ... --max-rows);
+- the decode-only step time at R running sequences (R in --rows, default 1 to 32);
 - the cost a prefill token adds to a step (a mixed step of R decode rows and a chunk of C prompt
   tokens, against the decode-only step at the same R);
 - the compute roofline: the multiply-adds per token over the fastest GEMM this CPU runs (torch.mm
@@ -20,7 +20,7 @@ prompt), so
 and the ratios against R = 1 say whether any max-num-seqs / token budget can meet "throughput at
 32 clients >= 4x one client" together with "p99 ITL <= 3x one client".
 
-    python bench/step_cost.py [--threads 1 2] [--max-rows 32] [--prompt-tokens P] [--gen-tokens 48]
+    python bench/step_cost.py [--threads 1 2] [--rows 1 2 4 8 12 16 24 32] [--rounds 3] [--prompt-tokens P]
 
 writes bench/results/step_cost-<date>.{json,md}.
 """
@@ -34,7 +34,7 @@ import time
 import torch
 
 import eecore
-from common import RESULTS_DIR, bench_prompt_ids, cpu_model, save_results
+from common import bench_prompt_ids, cpu_model, save_results
 
 
 def gemm_peak_gflops(repeats: int = 10) -> float:

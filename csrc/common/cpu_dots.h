@@ -140,8 +140,8 @@ struct DotLanes<c10::BFloat16, c10::BFloat16> {
 // Keeps a loaded vector in a register. Left alone, GCC re-reads the hidden and weight vectors from
 // memory as the operand of every FMA that uses them (and spills accumulators around the loop):
 // the 3 x 4 block then issues 15 loads per 12 FMAs, and on a Zen 3 ran at 44 GFLOP/s from L1
-// against 62-68 with its operands pinned; streaming a decode batch's weights from DRAM at 12-32
-// rows, 1.2-1.35x faster. The empty asm only claims to modify the register; it emits nothing.
+// against 62-68 with its operands pinned; streaming a decode batch's weights from DRAM at 12-24
+// rows, 1.15-1.3x faster. The empty asm only claims to modify the register; it emits nothing.
 #if EECORE_VEC8_AVX2
 inline void pin_register(Vec8& v) { asm volatile("" : "+x"(v.v)); }
 #else
