@@ -1,4 +1,5 @@
-"""linear against eecore.reference: both CPU paths (weight streaming for few rows, GEMM above)."""
+"""linear against eecore.reference: every CPU path (weight streaming for few rows, in row blocks for
+more, GEMM above kBlockedMaxRows)."""
 import pytest
 import torch
 
@@ -14,7 +15,8 @@ def _case(device, dtype, rows, k, n, bias, row_stride=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 24, 25, 40])
+# rows 25-48: row blocks (linear_cpu.cpp: 25 -> 15 + 10, 40 -> 21 + 19, 47 -> 18 + 18 + 11); 49: GEMM
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 24, 25, 40, 47, 48, 49])
 # (4100, 70): from 8 rows the hidden rows pass kHiddenChunkBytes and are cut into chunks of the
 # length (cpu_dots.h), and 4100 leaves a tail that is not a whole vector step in the last chunk
 @pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (64, 1), (4100, 70)])

@@ -1,6 +1,7 @@
 // linear on the CPU. Decode-sized inputs (a few rows) stream the weight once through the shared
 // "few rows x many weight rows" dot kernel, in parallel over weight-row tiles, with the bias and
-// the residual accumulation fused into the store; larger inputs are a GEMM, where BLAS is good.
+// the residual accumulation fused into the store; prompt-sized inputs stream it once per block of
+// rows; large inputs are a GEMM, where BLAS is good.
 //
 // Why a kernel of our own for few rows: a decode step of a small model is a chain of
 // matrix-vector-like products bound by reading the weights, and BLAS small-M paths on many CPUs
@@ -18,9 +19,18 @@ namespace {
 // Up to this many rows the weight-streaming kernel beats a GEMM (measured on AVX2 machines,
 // bench/test_bench_linear.py): it keeps every hidden row in registers/L1 per weight slice. On a
 // Zen 3 with SmolLM2's weights streaming from DRAM (1 thread), at 17-24 rows (a decode batch plus
-// the prompt chunk of a mixed step) it ran 42-48 GFLOP/s against BLAS's 26-45; from 32 rows the
-// GEMM catches up, and at 48 it wins.
+// the prompt chunk of a mixed step) it ran 42-48 GFLOP/s against BLAS's 26-45. Past it, one pass
+// holds too many rows for the hidden chunk (kHiddenChunkBytes) and L2: the rows go in blocks.
 constexpr int64_t kStreamingMaxRows = 24;
+// Up to this many rows (a batch of verification rows, a short prompt or chunk) the input is cut
+// into blocks of at most kRowBlock rows, near-equal and a whole number of the kernel's row groups
+// where possible, and each block streams the weight as above. BLAS's small-M GEMM stays below the
+// blocks there: on a Zen 3 (SmolLM2's projections, weights from DRAM, runs alternated) blocks ran
+// 1.55x / 1.33x / 1.20x BLAS's speed at 25 / 32 / 48 rows on 2 threads and 1.22x / 1.10x / 0.97x
+// on 1; at 85 rows they tie on 2 threads and BLAS wins on 1, and from 128 rows BLAS wins
+// (136 GFLOP/s against 120 on 2 threads).
+constexpr int64_t kBlockedMaxRows = 48;
+constexpr int64_t kRowBlock = 21;
 // Output columns per parallel task, and the multiply-adds below which one thread does it all.
 constexpr int64_t kTileCols = 64;
 constexpr int64_t kMinMacsPerThread = 1 << 18;
@@ -29,14 +39,16 @@ constexpr int64_t kMinMacsPerThread = 1 << 18;
 // sequential streams; one 64-column tile per call would cut them to 16 rows each).
 constexpr int64_t kAccFloats = 16384;
 
+// Rows [r0, r0 + M) of `input` into the same rows of `out`.
 template <typename scalar_t>
 void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, const scalar_t* bias,
-                      bool accumulate, const LinearDims& dims) {
-  const int64_t M = dims.rows, K = dims.in, N = dims.out;
-  const cpu::DotInput<scalar_t, scalar_t> h(input.const_data_ptr<scalar_t>(), input.stride(0), M, K);
+                      bool accumulate, int64_t r0, int64_t M, const LinearDims& dims) {
+  const int64_t K = dims.in, N = dims.out;
+  const cpu::DotInput<scalar_t, scalar_t> h(input.const_data_ptr<scalar_t>() + r0 * input.stride(0),
+                                            input.stride(0), M, K);
   const scalar_t* w = weight.const_data_ptr<scalar_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t ldo = out.stride(0);
+  scalar_t* o = out.data_ptr<scalar_t>() + r0 * ldo;
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / std::max<int64_t>(1, M * K * kTileCols));
   const int64_t run = kAccFloats / M / kTileCols * kTileCols;  // columns per dot_rows call (M <= 24: >= 640)
@@ -64,11 +76,20 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
                 const std::optional<at::Tensor>& bias, bool accumulate) {
   const LinearDims dims = check_linear_args(out, input, weight, bias);
   if (dims.rows == 0 || dims.out == 0) return;
-  if (dims.rows > kStreamingMaxRows || dims.in == 0) return linear_with_gemm(out, input, weight, bias, accumulate);
+  if (dims.rows > kBlockedMaxRows || dims.in == 0) return linear_with_gemm(out, input, weight, bias, accumulate);
   const bool has_bias = bias.has_value() && bias->defined();
+  const int64_t M = dims.rows;
+  int64_t block = M;
+  if (M > kStreamingMaxRows) {
+    const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+    const int64_t even = (M + blocks - 1) / blocks;
+    const int64_t grouped = (even + cpu::kGroupRows - 1) / cpu::kGroupRows * cpu::kGroupRows;
+    block = std::min(grouped, kStreamingMaxRows);
+  }
   EECORE_DISPATCH_FLOAT(input.scalar_type(), "eecore::linear", [&] {
-    linear_streaming<scalar_t>(out, input, weight, has_bias ? bias->const_data_ptr<scalar_t>() : nullptr,
-                               accumulate, dims);
+    const scalar_t* b = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
+    for (int64_t r0 = 0; r0 < M; r0 += block)
+      linear_streaming<scalar_t>(out, input, weight, b, accumulate, r0, std::min(block, M - r0), dims);
   });
 }
 
