@@ -19,7 +19,8 @@ def tiny(request, tmp_path_factory):
 
 def _llm(path, draft, E=2, d=4, **kw):
     spec = {k: kw.pop(k) for k in list(kw)
-            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "layer_speculations")}
+            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "layer_speculations",
+                                                "disable_by_batch_size")}
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
                       speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d, draft=draft, **spec),
                       **kw)
@@ -319,7 +320,36 @@ def test_hybrid_sampling_preserves_the_full_model_law(tiny_vocab):
 # ---- configuration and CLI ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("draft", ["lookup", "hybrid", "layer"])
+def test_disable_by_batch_size_runs_plain_mixed_steps_above_it(tiny, draft):
+    path, hf = tiny
+    prompts = repetitive_prompts(hf.config.vocab_size, 6, seed=11)
+    params = [greedy(10 + 4 * (i % 3)) for i in range(6)]
+    full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
+    expected = [o.token_ids for o in full.generate(prompts, params)]
+    llm = _llm(path, draft, E=2, d=3, disable_by_batch_size=2, max_num_batched_tokens=16)
+    engine, calls = llm.engine, {"plain": [], "mixed": [], "spec": []}
+    for name, method in (("plain", "decode_plain"), ("mixed", "decode_mixed"), ("spec", "decode")):
+        original = getattr(engine.strategy, method)
+        setattr(engine.strategy, method,
+                lambda seqs, *rest, _f=original, _n=name: (calls[_n].append(len(seqs)), _f(seqs, *rest))[1])
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    # above 2 decoding sequences: plain steps, some of them carrying prompt chunks; at 2 or
+    # fewer (the batch draining at the end): speculation rounds
+    assert calls["plain"] + calls["mixed"] and all(n > 2 for n in calls["plain"] + calls["mixed"])
+    assert calls["mixed"]
+    assert calls["spec"] and all(n <= 2 for n in calls["spec"])
+    assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+    for o in outs:  # plain rounds count as verify steps that emit one token
+        assert o.metrics["num_accepted_tokens"] + o.metrics["num_verify_steps"] == len(o.token_ids) - 1
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 def test_bad_lookup_config():
+    for bad in (0, -1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="'disable_by_batch_size' must be an int >= 1 or None"):
+            eecore.SelfSpeculativeConfig(draft="lookup", disable_by_batch_size=bad)
     with pytest.raises(ValueError, match="'draft' must be one of layer, lookup, hybrid"):
         eecore.SelfSpeculativeConfig(exit_layer=2, draft="ngram")
     with pytest.raises(ValueError, match="'exit_layer' is required with draft='layer'"):
@@ -371,6 +401,12 @@ def test_cli_draft_flags(tiny, capsys, monkeypatch):
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "hybrid", "--exit-layer", "2", "--layer-speculations", "1"]) == 0
     assert cli.speculative_config(seen[-1]).layer_speculations == 1
+    assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                     "--draft", "lookup", "--disable-by-batch-size", "3"]) == 0
+    assert cli.speculative_config(seen[-1]).disable_by_batch_size == 3
+    with pytest.raises(SystemExit, match="'disable_by_batch_size' must be an int >= 1"):
+        cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup",
+                  "--disable-by-batch-size", "0"])
     with pytest.raises(SystemExit, match="'layer_speculations' applies to draft='hybrid' only"):
         cli.main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--layer-speculations", "1"])
     with pytest.raises(SystemExit, match="--draft hybrid needs --exit-layer"):

@@ -48,7 +48,7 @@ def _check_invariants(sched: Scheduler, step) -> None:
     assert len(step.seqs) == len(set(id(s) for s in step.seqs)) <= sched.max_num_seqs
     for seq in step.decodes:  # a decode is one pending token, its slots reserved
         assert not seq.in_prefill and seq.num_pending_tokens == 1
-        assert len(seq.block_table) * sched.blocks.block_size >= seq.num_tokens + sched.lookahead - 1
+        assert len(seq.block_table) * sched.blocks.block_size >= seq.num_tokens + step.decode_cost - 1
     for seq, n in zip(step.prefills, step.prefill_tokens):
         assert seq.in_prefill and 0 < n <= seq.prefill_target - seq.num_computed_tokens
         assert len(seq.block_table) * sched.blocks.block_size >= seq.num_computed_tokens + n
@@ -102,6 +102,32 @@ def test_speculative_lookahead_reserves_slots_and_counts_against_the_budget():
     steps = _run(sched, max_tokens=6, add_at={0: seqs})
     assert all(s.decode_cost == 3 for s in steps)
     assert any(len(s.decodes) == 3 for s in steps)
+
+
+def test_plain_above_plans_plain_mixed_steps_while_the_batch_is_large():
+    # self-speculation's disable_by_batch_size: above 2 decodes a step reserves one slot per decode
+    # and may carry prompt chunks; at 2 or fewer it looks ahead and keeps the kinds apart
+    sched = Scheduler(BlockManager(400, 4), max_num_seqs=6, max_num_batched_tokens=12, lookahead=3, mixed=False,
+                      plain_above=2, plain_mixed=True)
+    seqs = [_seq(5 + 3 * i) for i in range(6)]
+    steps = _run(sched, max_tokens=8 + 2, add_at={0: seqs[:2], 4: seqs[2:]})
+    plain = [s for s in steps if s.decodes and s.decode_cost == 1]
+    ahead = [s for s in steps if s.decodes and s.decode_cost == 3]
+    assert plain and ahead
+    assert all(len(s.decodes) > 2 for s in plain) and all(len(s.decodes) <= 2 for s in ahead)
+    assert any(s.prefills for s in plain)          # mixed
+    assert not any(s.prefills for s in ahead)      # split, as the speculative strategy needs
+    assert all(s.num_tokens <= 12 for s in plain)
+    assert all(q.num_output_tokens == 10 for q in seqs)
+
+
+def test_plain_steps_stay_split_without_plain_mixed():
+    sched = Scheduler(BlockManager(400, 4), max_num_seqs=6, max_num_batched_tokens=12, lookahead=3, mixed=False,
+                      plain_above=1)
+    seqs = [_seq(6) for _ in range(4)]
+    steps = _run(sched, max_tokens=6, add_at={0: seqs[:2], 3: seqs[2:]})
+    assert any(s.decode_cost == 1 and len(s.decodes) > 1 for s in steps)
+    assert not any(s.decodes and s.prefills for s in steps)
 
 
 def test_preemption_under_mixed_steps_drops_the_newest_and_readmits_it():

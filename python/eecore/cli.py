@@ -71,6 +71,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--layer-speculations", type=int, default=None,
                    help="--draft hybrid: the longest layer-E draft (default: --num-speculations, then the "
                         "lookup drafts' bound alone)")
+    s.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="run plain full-depth steps while more than N sequences decode: in a large batch "
+                        "verifying drafts costs arithmetic, not only weight reads (default: never)")
     s.add_argument("--draft-threshold", type=float, default=None)
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
@@ -135,7 +138,8 @@ def speculative_config(args):
     try:
         return eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
                                             draft_threshold=args.draft_threshold, min_acceptance=args.min_acceptance,
-                                            draft=args.draft, layer_speculations=args.layer_speculations, **lookup)
+                                            draft=args.draft, layer_speculations=args.layer_speculations,
+                                            disable_by_batch_size=args.disable_by_batch_size, **lookup)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

@@ -29,10 +29,16 @@ class DecodeStrategy:
     the running sequences and computes prefill chunks of others beside them, so the scheduler may
     put both in one step. A strategy without it (early exit: rows leave the layer loop early;
     self-speculation: draft passes over the first E layers) gets steps of one kind only.
+
+    `plain_above`: a strategy that looks ahead (lookahead > 1) but runs plain full-depth steps
+    when more than this many sequences decode (None: never). The scheduler plans such a step with
+    one slot per decode and may mix prompt chunks into it; the engine then calls `decode_plain`
+    (or `decode_mixed`), and the strategy must decode one token per sequence there.
     """
 
     lookahead = 1
     supports_mixed_steps = False
+    plain_above: Optional[int] = None
 
     def __init__(self, runner: ModelRunner, sampler: Sampler):
         self.runner = runner
@@ -41,6 +47,11 @@ class DecodeStrategy:
 
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         raise NotImplementedError
+
+    def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
+        """One token per sequence, at full depth (a step the scheduler planned without lookahead;
+        see `plain_above`)."""
+        return self.decode(seqs)
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]
                      ) -> tuple[list[list[Token]], list[Optional[Token]]]:

@@ -81,7 +81,8 @@ class LLMEngine:
         self.sampler = Sampler(model.device, config.seed)
         self.strategy = strategy(self.runner, self.sampler)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead,
-                                   mixed=config.mixed_steps and self.strategy.supports_mixed_steps)
+                                   mixed=config.mixed_steps and self.strategy.supports_mixed_steps,
+                                   plain_above=self.strategy.plain_above, plain_mixed=config.mixed_steps)
         eos = tuple(mc.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.stopper = StopChecker(tokenizer, eos, self.max_model_len)
         self.last_step = None  # the ScheduledStep `step` last ran (the server's metrics read it)
@@ -151,7 +152,10 @@ class LLMEngine:
             return self._prefill(step.prefills, step.prefill_tokens)
         if step.prefills:
             return self._mixed(step.decodes, step.prefills, step.prefill_tokens)
-        results = self.strategy.decode(step.decodes)
+        if step.decode_cost < self.strategy.lookahead:  # planned without lookahead (plain_above)
+            results = self.strategy.decode_plain(step.decodes)
+        else:
+            results = self.strategy.decode(step.decodes)
         for seq, tokens in zip(step.decodes, results):
             self._append(seq, tokens)
             if not seq.is_finished and self.strategy.lookahead > 1:

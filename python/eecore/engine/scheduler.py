@@ -15,6 +15,9 @@ extra work in one step instead of a whole prefill step of its own (chunked prefi
 scheduler does it). Otherwise (early exit, self-speculation: their decode iteration is one token
 or one draft run per row) a step is either prefill or decode, and when both have work the kinds
 alternate, so a running stream waits at most one budget-bounded prefill step between tokens.
+A strategy with `plain_above` (self-speculation's disable_by_batch_size) runs plain full-depth
+steps while more sequences than that decode: those steps reserve one slot per decode and, with
+`plain_mixed`, take prompt chunks beside the decodes.
 
 When a sequence needs blocks that are not free, the newest running sequence is preempted (its
 KV is dropped and recomputed on readmission) rather than failing the step; a step that preempted
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from eecore.engine.block_manager import BlockManager
 from eecore.engine.sequence import Sequence, SequenceStatus
@@ -55,13 +59,17 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: int = 1, mixed: bool = True):
+                 lookahead: int = 1, mixed: bool = True, plain_above: Optional[int] = None,
+                 plain_mixed: bool = False):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Slots a decode step may write past the pending token (self-speculation drafts ahead).
         self.lookahead = lookahead
         self.mixed = mixed
+        # More decodes than this: a plain step (lookahead 1), mixed if plain_mixed (None: never)
+        self.plain_above = plain_above
+        self.plain_mixed = plain_mixed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False  # alternation of split (not mixed) steps
@@ -80,16 +88,19 @@ class Scheduler:
         if not self.has_work:
             return None
         decode, prefill = True, True
-        if not self.mixed:
+        num_decodes = sum(1 for s in self.running if not s.in_prefill)
+        plain = self.plain_above is not None and num_decodes > self.plain_above
+        mixed = self.mixed or (plain and self.plain_mixed)
+        lookahead = 1 if plain else self.lookahead
+        if not mixed:
             # one kind per step: prefill when there is prefill work, unless the last step was a
             # prefill and some stream is waiting for its next token
-            has_decodes = any(not s.in_prefill for s in self.running)
             has_prefill = any(s.in_prefill for s in self.running) or self._can_admit()
-            prefill = has_prefill and not (has_decodes and self._last_was_prefill)
+            prefill = has_prefill and not (num_decodes and self._last_was_prefill)
             decode = not prefill
-        step = self._plan(decode, prefill)
-        if step.is_empty and not self.mixed and prefill and not step.preempted:
-            step = self._plan(True, False)  # no prefill fitted (blocks): run the decodes instead
+        step = self._plan(decode, prefill, lookahead)
+        if step.is_empty and not mixed and prefill and not step.preempted:
+            step = self._plan(True, False, lookahead)  # no prefill fitted (blocks): run the decodes instead
         if step.is_empty and not step.preempted:
             return None
         self._last_was_prefill = bool(step.prefills) and not step.decodes
@@ -98,16 +109,16 @@ class Scheduler:
     def _can_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
-    def _plan(self, decode: bool, prefill: bool) -> ScheduledStep:
-        step = ScheduledStep(decode_cost=self.lookahead)
+    def _plan(self, decode: bool, prefill: bool, lookahead: int) -> ScheduledStep:
+        step = ScheduledStep(decode_cost=lookahead)
         # Decodes are charged first; in a split prefill step the whole budget is the prefill's.
         num_decodes = sum(1 for s in self.running if not s.in_prefill) if decode else 0
-        budget = max(self.max_num_batched_tokens - num_decodes * self.lookahead, 0)
+        budget = max(self.max_num_batched_tokens - num_decodes * lookahead, 0)
         queue = list(self.running)  # oldest first; victims of preemption come off the tail
         while queue:
             seq = queue.pop(0)
             if not seq.in_prefill:
-                if decode and self._reserve(seq, seq.num_tokens + self.lookahead - 1, queue, step):
+                if decode and self._reserve(seq, seq.num_tokens + lookahead - 1, queue, step):
                     step.decodes.append(seq)
             elif prefill and budget > 0:
                 n = self._chunk(seq, budget, queue, step)

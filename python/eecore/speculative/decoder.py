@@ -51,6 +51,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.layer_drafts = config.layer_draft_length
         self.lookahead = config.num_speculations + 1
         self._plain = FullDepthDecoder(runner, sampler)
+        self.plain_above = config.disable_by_batch_size
         model = runner.model
         rows = runner.builder.max_seqs
         self.lookup = PromptLookup(config.lookup_min_ngram, config.lookup_max_ngram) if config.uses_lookup else None
@@ -113,6 +114,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             results.append(tokens)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         return results
+
+    # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------
+    def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
+        for seq in seqs:
+            self._count(seq, False, 0, 0)
+        return self._plain.decode(seqs)
+
+    def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]):
+        for seq in seqs:
+            self._count(seq, False, 0, 0)
+        return self._plain.decode_mixed(seqs, prefill_rows)
 
     def _record_shadow(self, seqs, rows: list[int], logit_rows: list[int], logits: torch.Tensor) -> None:
         """The shadow check for seqs[b], b in `rows` (sequences that drafted nothing, so slot 0
