@@ -180,7 +180,8 @@ def test_models_health_and_metrics(server):
     m = server.wait_idle()
     for name in ("eecore_num_requests_running", "eecore_num_requests_waiting", "eecore_generation_tokens_total",
                  "eecore_kv_blocks_used", "eecore_kv_blocks_free", "eecore_early_exit_rate",
-                 "eecore_mean_layers_per_token", "eecore_spec_acceptance_rate", "eecore_step_num_requests_max"):
+                 "eecore_mean_layers_per_token", "eecore_spec_acceptance_rate", "eecore_step_num_requests_max",
+                 "eecore_prefix_cache_hit_tokens", "eecore_kv_blocks_cached"):
         assert name in m, name
     assert m["eecore_kv_blocks_used"] == 0 and m["eecore_kv_blocks_free"] == 512
     assert m["eecore_mean_layers_per_token"] == 3.0
@@ -328,3 +329,19 @@ def test_full_waiting_queue_gets_503_and_the_rest_complete(tiny_path, oracle):
     with LiveServer(llm, max_waiting=2) as srv:
         assert asyncio.run(scenario(srv)) == expected
         assert srv.metrics()["eecore_requests_rejected_overload_total"] == 1
+
+
+def test_prefix_caching_behind_the_server(tiny_path, oracle):
+    # chat requests share the template's first tokens: later ones take them from the cache, and
+    # every output still equals the offline engine's
+    prompts = [f"question {i}: " + "tell me about the weather " * (2 + i % 3) for i in range(6)]
+    with LiveServer(tiny_llm(tiny_path, block_size=4, enable_prefix_caching=True)) as srv:
+        client = srv.client()
+        for prompt in prompts + prompts[:2]:
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+            expected = oracle.generate([prompt], greedy_params(5))[0]
+            assert out.choices[0].text == expected.text
+        m = srv.wait_idle()
+    assert m["eecore_prefix_cache_hit_tokens"] > 0
+    assert m["eecore_prefix_cache_query_tokens"] >= m["eecore_prefix_cache_hit_tokens"]
+    assert m["eecore_kv_blocks_cached"] > 0 and m["eecore_kv_blocks_used"] == 0

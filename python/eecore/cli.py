@@ -40,6 +40,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "longer prompt is split over steps (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="share the K/V of full blocks of prompt tokens between requests, so a common prefix "
+                        "(a system prompt) is computed once (default: off; eecore serve: on)")
     g.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                    help="exit adapters: the ones shipped for the default model (no FILE), or a file")
 
@@ -120,8 +123,8 @@ def build_llm(args):
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
                           speculative=speculative, exit_adapter=args.exit_adapter,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          num_blocks=args.num_blocks,
-                          block_size=args.block_size)
+                          num_blocks=args.num_blocks, block_size=args.block_size,
+                          enable_prefix_caching=args.enable_prefix_caching)
     except ThresholdsFileError as exc:  # a wrong or mismatched file: a message, not a traceback
         raise SystemExit(f"eecore: {exc}") from None
 

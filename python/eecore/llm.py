@@ -63,7 +63,7 @@ class LLM:
                  exit_adapter: Union[None, bool, str] = None, *,
                  block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
-                 mixed_steps: bool = True, seed: int = 0):
+                 mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
         from eecore.models.build import build_model
         from eecore.models.exit_adapter import resolve_exit_adapters
         from eecore.models.loader import load_model
@@ -87,7 +87,8 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            mixed_steps=mixed_steps, seed=seed), strategy=strategy, lookahead=lookahead)
+            mixed_steps=mixed_steps, enable_prefix_caching=enable_prefix_caching, seed=seed),
+            strategy=strategy, lookahead=lookahead)
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Prompts, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -36,6 +36,9 @@ class EngineConfig:
     # let prefill chunks ride in the decode step when the strategy can (see Scheduler)
     mixed_steps: bool = True
     max_model_len: Optional[int] = None         # prompt + output; defaults to the model's context
+    # share the K/V of full blocks of prompt tokens between requests (decoder-only models; see
+    # BlockManager): a common system prompt is computed once
+    enable_prefix_caching: bool = False
     seed: int = 0                               # for sampled requests without their own seed
 
     def __post_init__(self):
@@ -43,8 +46,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"'{name}' must be a positive int, got {value!r}")
-        if not isinstance(self.mixed_steps, bool):
-            raise ValueError(f"'mixed_steps' must be a bool, got {self.mixed_steps!r}")
+        for name in ("mixed_steps", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"'{name}' must be a bool, got {getattr(self, name)!r}")
 
 
 StrategyBuilder = Callable[[ModelRunner, Sampler], DecodeStrategy]
@@ -71,7 +75,8 @@ class LLMEngine:
             raise ValueError(f"a KV cache of {num_blocks} blocks of {config.block_size} tokens is too small")
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 model.dtype, model.device)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size,
+                                   prefix_caching=config.enable_prefix_caching and not model.is_encoder_decoder)
         self.runner = ModelRunner(
             model, self.kv_cache,
             max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs * lookahead),

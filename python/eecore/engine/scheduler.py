@@ -87,6 +87,9 @@ class Scheduler:
         did was preempt (its `preempted` says which)."""
         if not self.has_work:
             return None
+        if self.blocks.prefix_caching:  # what the last step's prefill computed can now be shared
+            for seq in self.running:
+                self.blocks.cache_computed(seq)
         decode, prefill = True, True
         num_decodes = sum(1 for s in self.running if not s.in_prefill)
         plain = self.plain_above is not None and num_decodes > self.plain_above
@@ -164,16 +167,20 @@ class Scheduler:
         with no other prefill, which admits it whatever its length, so that it cannot starve."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            first = min(seq.num_tokens, budget)
             encoder = seq.num_encoder_tokens
-            if encoder and first + encoder > budget and step.prefills:
+            if encoder and min(seq.num_tokens, budget) + encoder > budget and step.prefills:
                 break
-            if not self.blocks.can_grow(seq, first):
+            # the prefix cache may hold its first blocks (never all of it: the last token must run
+            # to give the first output's logits)
+            cached = self.blocks.share_cached_prefix(seq, seq.num_tokens - 1)
+            first = min(seq.num_tokens - cached, budget)
+            if not self.blocks.can_grow(seq, cached + first):
+                self.blocks.free(seq)  # give the shared blocks back; it waits
                 break
             self.waiting.popleft()
-            seq.start_prefill()
+            seq.start_prefill(cached)
             self.running.append(seq)
-            self.blocks.grow(seq, first)
+            self.blocks.grow(seq, cached + first)
             step.prefills.append(seq)
             step.prefill_tokens.append(first)
             budget -= first + encoder

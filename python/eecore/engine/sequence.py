@@ -52,6 +52,8 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # prefix-cache digests of the leading full blocks of block_table (see BlockManager)
+        self.block_digests: list[bytes] = []
         self.num_computed_tokens = 0
         self.prefill_target = 0
         self.exit_layers: list[int] = []
@@ -110,10 +112,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def start_prefill(self) -> None:
-        """(Re)admission: everything known so far is computed again from scratch."""
+    def start_prefill(self, cached_tokens: int = 0) -> None:
+        """(Re)admission: everything known so far is computed again, after the first
+        `cached_tokens` whose K/V the prefix cache holds."""
         self.status = SequenceStatus.RUNNING
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = cached_tokens
         self.prefill_target = self.num_tokens
         if self.times.first_scheduled is None:
             self.times.first_scheduled = time.perf_counter()
@@ -122,6 +125,7 @@ class Sequence:
         """Preemption by recomputation: the KV is dropped; outputs so far are kept."""
         self.status = SequenceStatus.WAITING
         self.block_table = []
+        self.block_digests = []
         self.cross_block_table = []
         self.num_computed_tokens = 0
         self.num_preemptions += 1

@@ -24,7 +24,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     cli._add_model_flags(p)
     # --max-num-seqs is the running batch, --max-num-batched-tokens the tokens of one step
-    p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+    # and requests share the K/V of common prompt prefixes (a chat template's system prompt), as in vLLM
+    p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS,
+                   enable_prefix_caching=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)

@@ -62,6 +62,13 @@ class ServerMetrics:
         self.ttft = Histogram("eecore_time_to_first_token_seconds", "Time to first token (finished requests)",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self._max_step = 0
+        # prefix caching (gauges mirroring the block manager's running totals)
+        self.prefix_query = Gauge("eecore_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
+                                  "cache at admission", registry=r)
+        self.prefix_hits = Gauge("eecore_prefix_cache_hit_tokens", "Prompt tokens whose K/V the prefix cache "
+                                 "held at admission", registry=r)
+        self.cached_blocks = Gauge("eecore_kv_blocks_cached", "KV cache blocks named by the prefix cache "
+                                   "(reusable; counted as free when no request holds them)", registry=r)
 
     # ---- engine thread ---------------------------------------------------------------------
     def update_engine(self, engine, num_waiting: int) -> None:
@@ -70,6 +77,9 @@ class ServerMetrics:
         free = engine.blocks.num_free_blocks
         self.blocks_free.set(free)
         self.blocks_used.set(engine.blocks.num_blocks - free)
+        self.prefix_query.set(engine.blocks.prefix_query_tokens)
+        self.prefix_hits.set(engine.blocks.prefix_hit_tokens)
+        self.cached_blocks.set(engine.blocks.num_cached_blocks)
 
     def observe_step(self, num_seqs: int, step=None) -> None:
         """`step`: the engine's ScheduledStep, for the mixed-step and token counts."""
