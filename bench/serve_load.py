@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import math
 import os
 import random
@@ -98,6 +99,8 @@ def engine_flags(args) -> list[str]:
         flags += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.max_num_batched_tokens is not None:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_prefix_caching:
+        flags += ["--no-enable-prefix-caching"]
     return flags
 
 
@@ -198,6 +201,10 @@ def run_grid(url: str, model: str, prompt_pool: list[list[int]], args, extra: di
             n = num_requests(c, args)
             prompts = [prompt_pool[i % len(prompt_pool)] for i in range(n)]
             before = server.metrics() if server is not None else {}
+            # the client's own full collections (its imports are long-lived too) would show up as
+            # inter-token gaps of 100+ ms that the server never caused
+            gc.collect()
+            gc.freeze()
             row = asyncio.run(run_scenario(url, model, prompts, args.max_tokens, c, rate, extra, seed=c))
             row.update(concurrency=c, rate="inf" if math.isinf(rate) else rate)
             if server is not None:
@@ -219,7 +226,10 @@ def _engine_figures(before: dict, after: dict) -> dict:
             "mean_layers_per_token": d("eecore_layers_run_total") / tokens if tokens else math.nan,
             "early_exit_rate": d("eecore_early_exit_tokens_total") / tokens if tokens else math.nan,
             "acceptance_rate": d("eecore_spec_accepted_tokens_total") / drafted if drafted else None,
-            "mean_requests_per_step": d("eecore_step_num_requests_sum") / steps if steps else math.nan}
+            "mean_requests_per_step": d("eecore_step_num_requests_sum") / steps if steps else math.nan,
+            # gauges of running totals, so the same difference applies
+            "prefix_cache_hit_rate": (d("eecore_prefix_cache_hit_tokens") / d("eecore_prefix_cache_query_tokens")
+                                      if d("eecore_prefix_cache_query_tokens") else None)}
 
 
 def _line(row: dict) -> str:
@@ -250,19 +260,19 @@ def markdown(payload: dict) -> str:
            f"(ignore_eos), greedy; requests per scenario: max({payload['min_requests']}, 2 x concurrency); "
            "ITL = gap between streamed chunks.", "",
            "| server | strategy | clients | rate (req/s) | tok/s | req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-           "| TPOT | layers/token | early-exit | acceptance | seqs/step | mixed steps |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| TPOT | layers/token | early-exit | acceptance | seqs/step | mixed steps | prefix cache hits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for server, strategies in payload["results"].items():
         for strategy, block in strategies.items():
             for r in block["rows"]:
-                acc = r.get("acceptance_rate")
+                acc, hits = r.get("acceptance_rate"), r.get("prefix_cache_hit_rate")
                 out.append(
                     f"| {server} | {strategy} | {r['concurrency']} | {r['rate']} | {r['throughput_tok_s']:.1f} | "
                     f"{r['requests_per_s']:.2f} | {r['ttft_p50_s'] * 1e3:.0f} ms | {r['ttft_p99_s'] * 1e3:.0f} ms | "
                     f"{r['itl_p50_s'] * 1e3:.1f} ms | {r['itl_p99_s'] * 1e3:.1f} ms | {r['tpot_mean_s'] * 1e3:.1f} ms | "
                     f"{r.get('mean_layers_per_token', math.nan):.1f} | {r.get('early_exit_rate', math.nan):.2f} | "
                     f"{'-' if acc is None else f'{acc:.2f}'} | {r.get('mean_requests_per_step', math.nan):.1f} | "
-                    f"{r.get('mixed_step_fraction', math.nan):.0%} |")
+                    f"{r.get('mixed_step_fraction', math.nan):.0%} | {'-' if hits is None else f'{hits:.0%}'} |")
     out += ["", "Goals (rate inf, highest vs lowest concurrency): throughput >= 4x, p99 ITL <= 3x.", "",
             "| server | strategy | throughput ratio | met | p99 ITL ratio | met |", "|---|---|---|---|---|---|"]
     for server, strategies in payload["results"].items():
@@ -291,6 +301,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the server's token budget per step (default: eecore serve's default)")
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="run eecore serve without prefix caching (its default is on)")
     p.add_argument("--out-name", default="serve_load")
     args = p.parse_args()
 

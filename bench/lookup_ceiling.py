@@ -1,0 +1,164 @@
+"""How many tokens per verify round can drafts that run no layer reach on held-out code? Exact, no
+timing: greedy output does not depend on the drafts, so one full-depth greedy run per prompt says
+what any drafter would have had accepted in every round.
+
+Drafters compared (SmolLM2-135M, fp32, held-out code prompts, `--max-tokens` greedy tokens):
+- `prompt`: eecore's prompt lookup (eecore.speculative.drafters.NgramIndex, min/max n-gram 1/3),
+  d tokens per round;
+- `prompt, k candidates`: the k most recent distinct continuations of the matched n-grams, all
+  verified at once (tree verification), counted as the best of them: what multi-candidate lookup
+  could add at k x d verify rows;
+- `prompt + corpus`: where the prompt has no match, a static n-gram table of the training corpus
+  (eecore.train.corpus, 12.6 M tokens, llama.cpp's `lookup-static` idea): the most frequent next
+  token after the last 3, 2 or 1 tokens, chained, kept while seen >= `min_count` times and
+  >= `min_share` of that context's continuations.
+
+    python bench/lookup_ceiling.py [--num-prompts 40] [--max-tokens 64] [--drafts 4 6 8]
+
+writes bench/results/lookup-ceiling-<date>.json. The verify cost of a round is not modelled: on
+2 CPU cores, 1-6 rows cost about the same (1.0-1.16x a one-row step), 7-10 rows 1.4-1.55x.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import eecore
+from common import cpu_model, save_results
+from eecore.prompts import heldout_code_prompts
+from eecore.speculative.drafters import NgramIndex
+
+SEPARATOR = 65535  # between files in the token stream (not a SmolLM2 token id)
+
+
+def corpus_tokens(tokenizer) -> np.ndarray:
+    from eecore.train.corpus import build_corpus
+
+    texts = [f.text for f in build_corpus().train]
+    pieces = []
+    for i in range(0, len(texts), 256):
+        for enc in tokenizer.backend.encode_batch(texts[i:i + 256], add_special_tokens=False):
+            pieces += [np.asarray(enc.ids, dtype=np.uint64), np.asarray([SEPARATOR], dtype=np.uint64)]
+    return np.concatenate(pieces)
+
+
+class CorpusNgrams:
+    """Most frequent continuation of every 1-, 2- and 3-token context of the corpus (ids < 2^16,
+    so a context and its next token pack into one uint64)."""
+
+    def __init__(self, ids: np.ndarray):
+        self.tables = {}
+        for n in (1, 2, 3):
+            count = ids.size - n
+            key, bad = np.zeros(count, dtype=np.uint64), np.zeros(count, dtype=bool)
+            for j in range(n + 1):
+                part = ids[j:j + count]
+                bad |= part == SEPARATOR
+                key = (key << np.uint64(16)) | part
+            pairs, counts = np.unique(key[~bad], return_counts=True)
+            context = pairs >> np.uint64(16)
+            starts = np.r_[0, np.nonzero(np.diff(context))[0] + 1]
+            order = np.lexsort((counts, context))  # within a context, the most frequent last
+            best = order[np.r_[starts[1:], context.size] - 1]
+            self.tables[n] = (context[starts], (pairs[best] & np.uint64(0xFFFF)).astype(np.int64), counts[best],
+                              np.add.reduceat(counts, starts))
+
+    def next_token(self, tokens: list[int], min_count: int, min_share: float):
+        for n in (3, 2, 1):
+            if len(tokens) < n:
+                continue
+            key = 0
+            for t in tokens[-n:]:
+                key = (key << 16) | t
+            contexts, best, best_count, total = self.tables[n]
+            i = int(np.searchsorted(contexts, np.uint64(key)))
+            if i < contexts.size and contexts[i] == key:
+                ok = best_count[i] >= min_count and best_count[i] / total[i] >= min_share
+                return int(best[i]) if ok else None
+        return None
+
+
+def candidates(tokens: list[int], d: int, k: int, lo: int = 1, hi: int = 3) -> list[list[int]]:
+    found: list[list[int]] = []
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for s in range(len(tokens) - n - 1, -1, -1):
+            if tokens[s:s + n] == suffix:
+                c = tokens[s + n:s + n + d]
+                if c and c not in found:
+                    found.append(c)
+                    if len(found) == k:
+                        return found
+    return found
+
+
+def rounds(refs, propose) -> dict:
+    """Simulated verify rounds: `propose(context, index) -> list of candidate drafts`."""
+    num_rounds = emitted = rows = 0
+    for prompt, out in refs:
+        index = NgramIndex(1, 3)
+        index.extend(prompt)
+        pos = 0
+        while pos < len(out):
+            drafts = propose(prompt + out[:pos], index)
+            best = 0
+            for draft in drafts:
+                a = 0
+                while a < len(draft) and pos + a < len(out) - 1 and draft[a] == out[pos + a]:
+                    a += 1
+                best = max(best, a)
+            index.extend(out[pos:pos + best + 1])
+            pos += best + 1
+            num_rounds += 1
+            emitted += best + 1
+            rows += 1 + sum(len(d) for d in drafts)
+    return dict(tokens_per_round=emitted / num_rounds, rows_per_round=rows / num_rounds)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--drafts", type=int, nargs="+", default=[4, 6, 8])
+    ap.add_argument("--out-name", default="lookup-ceiling")
+    args = ap.parse_args()
+
+    llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
+    prompts = [llm.tokenizer.encode(t) for t in heldout_code_prompts(args.num_prompts)]
+    outs = llm.generate(prompts, eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    refs = [(p, o.token_ids) for p, o in zip(prompts, outs)]
+    print(f"CPU: {cpu_model()}; {len(refs)} held-out code prompts, {args.max_tokens} greedy tokens; "
+          f"building the corpus n-gram table ...", flush=True)
+    corpus = CorpusNgrams(corpus_tokens(llm.tokenizer))
+
+    def chain(context, first, d, min_count, min_share):
+        draft = list(first)
+        while len(draft) < d:
+            t = corpus.next_token(context + draft, min_count, min_share)
+            if t is None:
+                break
+            draft.append(t)
+        return draft
+
+    rows = []
+    for d in args.drafts:
+        configs = {"prompt": lambda ctx, ix, d=d: [ix.propose(d)]}
+        for k in (2, 3):
+            configs[f"prompt, {k} candidates"] = lambda ctx, ix, d=d, k=k: candidates(ctx, d, k)
+        for min_count, min_share in ((2, 0.3), (4, 0.6)):
+            configs[f"prompt + corpus (count >= {min_count}, share >= {min_share})"] = (
+                lambda ctx, ix, d=d, c=min_count, s=min_share: [ix.propose(d) or chain(ctx, [], d, c, s)])
+        configs["corpus only (count >= 2, share >= 0.3)"] = lambda ctx, ix, d=d: [chain(ctx, [], d, 2, 0.3)]
+        for name, propose in configs.items():
+            row = dict(d=d, drafter=name, **rounds(refs, propose))
+            rows.append(row)
+            print(f"d={d} {name:45s} {row['tokens_per_round']:.3f} tokens/round, "
+                  f"{row['rows_per_round']:.2f} verify rows/round", flush=True)
+    path = save_results(args.out_name, dict(model="SmolLM2-135M-Instruct", prompts="eecore.prompts.heldout_code_prompts",
+                                            num_prompts=len(refs), max_tokens=args.max_tokens, rows=rows))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
