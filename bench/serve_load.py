@@ -1,6 +1,8 @@
 """Serving under load: `eecore serve` (a separate process) driven by the openai client with open-loop
-Poisson arrivals at several rates, capped at 1, 8 and 32 requests in flight, over the same prompt
-set as the other benches (bench_prompt_ids). Reports TTFT and inter-token latency (p50, p99),
+Poisson arrivals at several rates, capped at 1, 8 and 32 requests in flight, over the chat prompts
+of the other benches (bench_prompt_ids), each request's message numbered so that requests share
+the chat template's system prompt and nothing more (eecore serve caches prefixes; --repeat-prompts
+sends the 8 prompts cycled as they are). Reports TTFT and inter-token latency (p50, p99),
 time per output token and throughput, for full depth, early exit and self-speculation, and checks
 the batching goals: at 32 clients throughput >= 4x and p99 inter-token latency <= 3x the
 single-client figures (both with requests arriving back to back, rate inf).
@@ -31,7 +33,7 @@ import time
 
 import httpx
 
-from common import RESULTS_DIR, bench_prompt_ids, cpu_model, save_results
+from common import PROMPTS, RESULTS_DIR, bench_prompt_ids, chat_prompt_ids, cpu_model, save_results
 
 STRATEGIES = {
     "full": [],
@@ -296,6 +298,10 @@ def main() -> None:
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=None, help="requests per scenario (default: see --min-requests)")
     p.add_argument("--prompts", choices=["chat", "code"], default="chat")
+    p.add_argument("--repeat-prompts", action="store_true",
+                   help="send the 8 chat prompts as they are, cycled (before prefix caching the default); by "
+                        "default each request's message starts with its own number, so requests share the chat "
+                        "template's system prompt and nothing else, and the prefix cache cannot serve repeats")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the server's running batch (default: eecore serve's default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -310,7 +316,10 @@ def main() -> None:
 
     load_before = os.getloadavg()
     tokenizer = load_model(None).tokenizer
-    prompt_pool = bench_prompt_ids(tokenizer, args.prompts, 64)
+    if args.prompts == "chat" and not args.repeat_prompts:
+        prompt_pool = [chat_prompt_ids(tokenizer, f"({i}) {PROMPTS[i % len(PROMPTS)]}") for i in range(64)]
+    else:
+        prompt_pool = bench_prompt_ids(tokenizer, args.prompts, 64)
     results: dict = {"eecore": {}}
     for strategy in args.strategies:
         print(f"eecore serve, {strategy}:", flush=True)
@@ -347,7 +356,9 @@ def main() -> None:
     print(llama_note)
 
     payload = {"benchmark": "serve_load", "command": "python bench/serve_load.py " + " ".join(sys.argv[1:]),
-               "prompts": args.prompts, "max_tokens": args.max_tokens, "min_requests": args.min_requests,
+               "prompts": args.prompts + (" (repeated)" if args.repeat_prompts or args.prompts != "chat" else
+                                          " (numbered: unique after the system prompt)"),
+               "max_tokens": args.max_tokens, "min_requests": args.min_requests,
                "concurrency": args.concurrency, "rates": [str(r) for r in args.rates], "results": results,
                "llama_cpp": llama_note, "engine_flags": engine_flags(args),
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
