@@ -13,12 +13,13 @@ from eecore import cli
 # (bench/step_cost.py: on a 2-core Zen 3 a step of 12 rows costs 1.7-2.5x a step of 1, a step of
 # 32 rows 5-9x), so a bounded running batch keeps the inter-token latency within a few
 # single-stream steps while batching still pays; the token budget bounds the prefill work a step
-# carries beside the decodes. At 32 clients, 12 sequences and 16 tokens kept the p99 ITL within
-# 3x one client's at 1 and 2 threads with the most throughput of the settings tried (16/20,
-# 16/24, 24/32 gave as much or less throughput at 3.7-5.6x the ITL): bench/results/serve_load-*.md.
-# `eecore generate` / `bench` keep their larger batch.
-SERVE_MAX_NUM_SEQS = 12
-SERVE_MAX_NUM_BATCHED_TOKENS = 16
+# carries beside the decodes. With prefix caching (a chat template's system prompt computed once),
+# 10 sequences and 12 tokens kept the p99 ITL at 32 clients within 2.0-2.4x one client's in 3 of 3
+# runs on 2 cores, at 4.5-5.3x its throughput; 12 and 16 gave 4.6-5.2x throughput but 2.8-3.1x the
+# ITL (bench/results/serve_load-10-12-*.md, serve_load-defaults-10-12-rep*.md, serve_load-unique-rep*.md). `eecore generate` / `bench`
+# keep their larger batch.
+SERVE_MAX_NUM_SEQS = 10
+SERVE_MAX_NUM_BATCHED_TOKENS = 12
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
