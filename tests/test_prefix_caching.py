@@ -176,6 +176,7 @@ def test_a_shared_prefix_is_computed_once(tiny):
     # each later prompt runs only what follows its 16 cached tokens (plus 1 decode step each)
     assert computed == sum(len(p) - 16 for p in prompts[1:]) + 3
     assert llm.engine.blocks.prefix_hit_tokens == 3 * 16
+    assert llm.engine.blocks.prefix_query_tokens == sum(len(p) - 1 for p in prompts)  # one lookup each
 
 
 def test_sampled_outputs_with_a_seed_are_the_same_with_the_cache(tiny):

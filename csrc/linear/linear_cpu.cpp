@@ -6,9 +6,9 @@
 // Why a kernel of our own for few rows: a decode step of a small model is a chain of
 // matrix-vector-like products bound by reading the weights, and BLAS small-M paths on many CPUs
 // stay well below the memory bandwidth (and widen 16-bit weights through a copy).
-#include <ATen/Parallel.h>
-
 #include <atomic>
+
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "common/cpu_dots.h"

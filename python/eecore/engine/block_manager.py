@@ -138,10 +138,13 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_digests.append(digest)
             parent = digest
-        hit = len(seq.block_table) * bs
-        self.prefix_query_tokens += max_tokens
-        self.prefix_hit_tokens += hit
-        return hit
+        return len(seq.block_table) * bs
+
+    def record_prefix_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Counts an admitted request's lookup (a request that had to wait looks up again)."""
+        if self.prefix_caching:
+            self.prefix_query_tokens += query_tokens
+            self.prefix_hit_tokens += hit_tokens
 
     def cache_computed(self, seq: Sequence) -> None:
         """Names the full blocks of `seq` that its prefill has computed, so later requests with

@@ -178,6 +178,7 @@ class Scheduler:
                 self.blocks.free(seq)  # give the shared blocks back; it waits
                 break
             self.waiting.popleft()
+            self.blocks.record_prefix_lookup(seq.num_tokens - 1, cached)
             seq.start_prefill(cached)
             self.running.append(seq)
             self.blocks.grow(seq, cached + first)

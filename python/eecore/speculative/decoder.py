@@ -88,8 +88,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                     shadowed.append(b)
         if not any(layer_budgets) and not any(lookup):
             # nobody drafts this round (no match, the guard, or last tokens): a plain step
-            for seq in seqs:
-                self._count(seq, False, 0, 0)
+            self._count_plain(seqs)
             if not shadowed:
                 return self._plain.decode(seqs)
             # the guard's shadow check wants layer-E states: tap them on the way through
@@ -117,14 +116,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------
     def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
-        for seq in seqs:
-            self._count(seq, False, 0, 0)
+        self._count_plain(seqs)
         return self._plain.decode(seqs)
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]):
+        self._count_plain(seqs)
+        return self._plain.decode_mixed(seqs, prefill_rows)
+
+    def _count_plain(self, seqs: list[Sequence]) -> None:
+        """A round in which nobody drafted: one verify step of one token each."""
         for seq in seqs:
             self._count(seq, False, 0, 0)
-        return self._plain.decode_mixed(seqs, prefill_rows)
 
     def _record_shadow(self, seqs, rows: list[int], logit_rows: list[int], logits: torch.Tensor) -> None:
         """The shadow check for seqs[b], b in `rows` (sequences that drafted nothing, so slot 0
