@@ -65,7 +65,7 @@ class LLM:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
                  mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
         from eecore.models.build import build_model
-        from eecore.models.exit_adapter import resolve_exit_adapters
+        from eecore.models.exit_adapter import load_exit_adapters
         from eecore.models.loader import load_model
 
         if early_exit is not None and speculative is not None:
@@ -79,9 +79,12 @@ class LLM:
         loaded = load_model(model, dtype=self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
+        # before the build: an exit-ready file may carry LoRA pairs to merge into the base weights
+        self.exit_adapters = load_exit_adapters(exit_adapter, model, loaded)
         self.model = build_model(loaded, self.dtype, self.device)
         del loaded
-        self.exit_adapters = resolve_exit_adapters(exit_adapter, model, self.model)
+        if self.exit_adapters is not None:
+            self.exit_adapters.check_model(self.model)
         strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,
                                         self.model)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(

@@ -14,10 +14,20 @@ scores only those K rows of the LM head (FR-Spec's idea), which is most of a dra
 small model (SmolLM2's head is 21% of its bytes). Verification always uses the full head, so the
 output never changes. A draft vocabulary also works with no adapter (`ExitAdapters(vocab=...)`).
 
+An exit-ready model may also reshape the base itself (`eecore.train.exit_ready`: LayerSkip's recipe
+on LoRA pairs, so the early layers learn to be read early). Its file then carries the LoRA pairs
+too, and loading it merges them into the base weights before the model is built
+(eecore.models.lora): full depth is then the trained model, and its quality is what the model card
+measures against the original.
+
 File format (safetensors, `save` / `load`):
     exit.{E}.norm [d], exit.{E}.gate_up [2m, d], exit.{E}.down [d, m]   one block per exit layer E
     draft_vocab int32 [K]                                                 optional
-    metadata: format, base (the model fingerprint, see `model_fingerprint`), info (JSON: training)
+    lora.{module path}.a [r, in], lora.{module path}.b [out, r]          optional (format 2 only)
+    metadata: format, base (the model fingerprint, see `model_fingerprint`), info (JSON: training),
+              lora_scale (format 2)
+Format 1 files have no LoRA pairs; a file with pairs is format 2, so that an eecore that predates
+them refuses it instead of drafting for a base it would not have merged.
 """
 from __future__ import annotations
 
@@ -30,8 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
+from eecore.models.lora import LoraDeltas
 
 FORMAT = "eecore-exit-adapter-1"
+FORMAT_LORA = "eecore-exit-adapter-2"  # with LoRA pairs merged into the base at load
 # The exit adapters trained by eecore for the default model, shipped inside the package.
 SHIPPED_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                             "smollm2-135m-instruct-exit-adapters.safetensors")
@@ -90,6 +102,8 @@ class ExitAdapters:
     vocab: Optional[torch.Tensor] = None     # int64 [K], sorted token ids
     base: dict = field(default_factory=dict)  # model_fingerprint of the model they were trained for
     info: dict = field(default_factory=dict)  # how they were made (data, tokens, steps, losses)
+    lora: Optional[LoraDeltas] = None         # base-weight deltas, merged at load (module doc)
+    source: str = field(default="exit adapter", compare=False)  # the file, for error messages
 
     def exit_layers(self) -> list[int]:
         return sorted(self.blocks)
@@ -103,8 +117,11 @@ class ExitAdapters:
                 tensors[f"exit.{E}.{name}"] = t.detach().contiguous().cpu()
         if self.vocab is not None:
             tensors["draft_vocab"] = self.vocab.to(torch.int32).contiguous().cpu()
-        save_file(tensors, path, metadata={"format": FORMAT, "base": json.dumps(self.base),
-                                           "info": json.dumps(self.info)})
+        metadata = {"format": FORMAT, "base": json.dumps(self.base), "info": json.dumps(self.info)}
+        if self.lora is not None:
+            tensors.update(self.lora.tensors())
+            metadata.update(format=FORMAT_LORA, lora_scale=repr(float(self.lora.scale)))
+        save_file(tensors, path, metadata=metadata)
 
     @classmethod
     def load(cls, path: str) -> "ExitAdapters":
@@ -118,8 +135,19 @@ class ExitAdapters:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as exc:  # safetensors raises its own error types for a malformed header
             raise ValueError(f"{path}: not a safetensors exit adapter file ({exc})") from exc
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        if meta.get("format") not in (FORMAT, FORMAT_LORA):
+            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} or {FORMAT_LORA!r}")
+        lora = None
+        if meta["format"] == FORMAT_LORA:
+            try:
+                scale = float(meta.get("lora_scale", "nan"))
+            except ValueError:
+                scale = float("nan")
+            lora = LoraDeltas.from_tensors(tensors, scale, path)
+            if not lora.pairs:
+                raise ValueError(f"{path}: format {FORMAT_LORA!r} but no lora.* tensors")
+        elif any(name.startswith("lora.") for name in tensors):
+            raise ValueError(f"{path}: format {FORMAT!r} cannot hold lora.* tensors (they need {FORMAT_LORA!r})")
         blocks = {}
         for name in tensors:
             if name.startswith("exit."):
@@ -134,7 +162,7 @@ class ExitAdapters:
                         raise ValueError(f"{path}: exit {E} lacks tensor {exc}") from None
         vocab = tensors.get("draft_vocab")
         out = cls(blocks, None if vocab is None else vocab.long(), json.loads(meta.get("base", "{}")),
-                  json.loads(meta.get("info", "{}")))
+                  json.loads(meta.get("info", "{}")), lora, path)
         out.validate(path)
         return out
 
@@ -150,8 +178,9 @@ class ExitAdapters:
             if v.dim() != 1 or v.numel() == 0 or bool((v[1:] <= v[:-1]).any()):
                 raise ValueError(f"{source}: draft_vocab must be a non-empty, strictly increasing list of token ids")
 
-    def check_model(self, model, source: str = "exit adapter") -> None:
+    def check_model(self, model, source: Optional[str] = None) -> None:
         """Raises unless these adapters fit `model` (shape, fingerprint, layer and token ranges)."""
+        source = source or self.source
         if self.base:
             check_fingerprint(self.base, model, source)
         c = model.config
@@ -241,12 +270,12 @@ class DraftHead:
         return columns if self.vocab is None else self.vocab[columns]
 
 
-def resolve_exit_adapters(spec, model_path, model) -> Optional[ExitAdapters]:
-    """`LLM(exit_adapter=...)`: None or False (none), True (the ones shipped for the default model)
-    or the path of an adapter file; checked against `model`."""
+def _adapter_path(spec, model_path, is_encoder_decoder: bool) -> Optional[str]:
+    """The adapter file `LLM(exit_adapter=spec)` names: None for None or False, the shipped file for
+    True, else the path given."""
     if spec is None or spec is False:
         return None
-    if getattr(model, "is_encoder_decoder", False):
+    if is_encoder_decoder:
         raise ValueError("LLM: 'exit_adapter' is for decoder-only models; exit adapters are not trained for "
                          "encoder-decoders such as T5 (use early_exit, or a CALM classifier)")
     if spec is True:
@@ -255,9 +284,37 @@ def resolve_exit_adapters(spec, model_path, model) -> Optional[ExitAdapters]:
                              f"(SmolLM2-135M-Instruct), not for {model_path!r}; pass an adapter file instead")
         if not os.path.isfile(SHIPPED_FILE):
             raise FileNotFoundError(f"the shipped exit adapter file {SHIPPED_FILE} is missing; reinstall eecore")
-        spec = SHIPPED_FILE
+        return SHIPPED_FILE
     if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(f"LLM: 'exit_adapter' must be None, True or a file path, got {type(spec).__name__}")
-    adapters = ExitAdapters.load(os.fspath(spec))
-    adapters.check_model(model, os.fspath(spec))
+    return os.fspath(spec)
+
+
+def load_exit_adapters(spec, model_path, loaded) -> Optional[ExitAdapters]:
+    """`LLM(exit_adapter=spec)` before the model is built, from `loaded` (an
+    eecore.models.loader.LoadedModel): loads the file and merges its LoRA pairs, if any, into
+    `loaded.state_dict`. Check the built model with `check_model` next."""
+    from eecore.models.t5_config import T5Config
+
+    path = _adapter_path(spec, model_path, isinstance(loaded.config, T5Config))
+    if path is None:
+        return None
+    adapters = ExitAdapters.load(path)
+    if adapters.lora is not None:
+        adapters.lora.merge_into(loaded.state_dict, path)
+    return adapters
+
+
+def resolve_exit_adapters(spec, model_path, model) -> Optional[ExitAdapters]:
+    """Loads adapters for an already built `model` and checks them against it (benches that build
+    their own model). A file with LoRA pairs is refused: its blocks were trained on the merged base,
+    which only `load_exit_adapters` gives, before the model is built (as `eecore.LLM` does)."""
+    path = _adapter_path(spec, model_path, getattr(model, "is_encoder_decoder", False))
+    if path is None:
+        return None
+    adapters = ExitAdapters.load(path)
+    if adapters.lora is not None:
+        raise ValueError(f"{path}: carries LoRA pairs for the base weights, which are merged before the model is "
+                         "built; load it with eecore.LLM(exit_adapter=...)")
+    adapters.check_model(model, path)
     return adapters

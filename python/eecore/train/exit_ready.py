@@ -1,0 +1,386 @@
+"""Train an exit-ready model: LayerSkip's recipe on LoRA pairs of the base, with exit adapters, all
+distilled from the original model.
+
+Exit adapters on a frozen base (eecore.train.exit_adapter) stop improving near 0.36-0.46 top-1
+agreement on SmolLM2-135M: the early layers' states hold too little of what the last layer will
+say. This recipe lets the base change, cheaply enough to ship: LoRA pairs (eecore.models.lora) on
+every projection of every layer, trained together with the exit adapters, so the early layers learn
+to carry what their exits need while the later layers keep full depth on course.
+
+One step, on a batch of token windows:
+- teacher: the original model (eecore's engine, no grad) gives its last-layer logits;
+- student: the Hugging Face twin of the same weights with the LoRA pairs (peft), run with
+  LayerSkip's per-sample layer dropout (eecore.train.layerskip), gives every layer's state;
+- loss = KL(teacher || student's last layer), which keeps full depth close to the original
+  (distillation, not the data's next token: the exit-ready model should say what the original says)
+  + e_scale * sum over the enabled exits E of KL(teacher || exit E), each exit read through its
+  adapter, the final norm and the draft-vocabulary rows of the head, as inference reads it.
+  Which exits are enabled at a step follows LayerSkip's exit curricula ("none", "rotational",
+  "gradual") over the exit layers.
+
+The result is one adapter file (format 2): the adapter blocks, the draft vocabulary and the LoRA
+pairs, which `eecore.LLM(exit_adapter=FILE)` merges into the base weights when it loads them.
+
+Resumable: `<checkpoint_dir>/last.pt` holds the LoRA pairs, the adapters, the optimizer and the
+history; the batch and the layer-dropout draws of step t are functions of (seed, t), so a resumed
+run ends with the weights of an uninterrupted one.
+
+    python -m eecore.train.corpus --out corpus/
+    python -m eecore.train.exit_ready --corpus corpus/ --checkpoint-dir ckpt/ --out exit-ready.safetensors \\
+        --init-adapters shipped [--device cuda --dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eecore.models.exit_adapter import SHIPPED_FILE, AdapterBlock, ExitAdapters, model_fingerprint
+from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
+from eecore.train.early_exit_loss import EXIT_CURRICULA, exit_curriculum
+from eecore.train.exit_adapter import (TeacherPass, batch_windows, distillation_loss, exit_logits, frequent_tokens,
+                                       init_block, tokenize_file)
+from eecore.train.layerskip import forward_with_layer_dropout
+from eecore.train.layer_dropout import dropout_rates
+
+
+@dataclass(frozen=True)
+class ExitReadyConfig:
+    exit_layers: tuple[int, ...] = (8, 12, 16)
+    adapter_hidden: int = 1536
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    draft_vocab: int = 8192       # K; 0 keeps the full vocabulary
+    seq_len: int = 256
+    batch_size: int = 4
+    steps: int = 1000
+    lr: float = 2e-4              # of the LoRA pairs
+    adapter_lr: float = 5e-4      # of the exit adapters
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    p_max: float = 0.0            # LayerSkip's layer dropout (see the module doc)
+    e_scale: float = 1.0          # weight of each enabled exit's loss against the last layer's
+    exit_curriculum: str = "none"
+    rotation: int = 2
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.exit_layers or any(not isinstance(E, int) or E < 1 for E in self.exit_layers):
+            raise ValueError(f"exit_layers must be a non-empty list of ints >= 1, got {self.exit_layers!r}")
+        for name in ("adapter_hidden", "lora_rank", "seq_len", "batch_size", "steps", "rotation"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("lr", "adapter_lr", "temperature", "max_grad_norm", "lora_alpha"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.p_max <= 1.0 or not self.e_scale >= 0.0:
+            raise ValueError(f"p_max must be in [0, 1] and e_scale >= 0, got {self.p_max!r}, {self.e_scale!r}")
+        if self.exit_curriculum not in EXIT_CURRICULA:
+            raise ValueError(f"exit_curriculum must be one of {EXIT_CURRICULA}, got {self.exit_curriculum!r}")
+        if self.draft_vocab < 0 or self.warmup < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("draft_vocab and warmup must be >= 0, min_lr_ratio in [0, 1]")
+
+
+def hf_twin(model):
+    """A Hugging Face LlamaForCausalLM (fp32) with exactly the weights of eecore's LlamaModel `model`:
+    what autograd trains, since eecore's inference ops have no backward."""
+    import transformers
+
+    c = model.config
+    if c.architecture != "llama" or c.attention_bias:
+        raise ValueError(f"exit-ready training supports Llama models, got {c.architecture!r}")
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=False)
+    hf = transformers.LlamaForCausalLM(config)
+    q_end, k_end = c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim
+    state = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.final_norm}
+    if not c.tie_word_embeddings:
+        state["lm_head.weight"] = model.lm_head
+    for i, w in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        gate, up = w.gate_up.chunk(2)
+        state.update({p + "input_layernorm.weight": w.input_norm, p + "post_attention_layernorm.weight": w.post_norm,
+                      p + "self_attn.q_proj.weight": w.qkv[:q_end], p + "self_attn.k_proj.weight": w.qkv[q_end:k_end],
+                      p + "self_attn.v_proj.weight": w.qkv[k_end:], p + "self_attn.o_proj.weight": w.o_proj,
+                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": w.down})
+    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing if k != "lm_head.weight"):
+        raise RuntimeError(f"hf_twin: missing {missing}, unexpected {unexpected}")
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.float().eval()
+
+
+def _module_path(peft_name: str) -> Optional[tuple[str, str]]:
+    """("model.layers.3.self_attn.q_proj", "a"|"b") for a peft LoRA parameter name, else None."""
+    for which, tag in (("a", ".lora_A."), ("b", ".lora_B.")):
+        if tag in peft_name:
+            path = peft_name.split(tag)[0]
+            return path.removeprefix("base_model.model."), which
+    return None
+
+
+class ExitReadyTrainer:
+    """The LoRA pairs and exit adapters, their optimizer and schedule, and one training step."""
+
+    def __init__(self, llm, config: ExitReadyConfig, vocab: Optional[torch.Tensor],
+                 init_adapters: Optional[ExitAdapters] = None, device: str = "cpu"):
+        from peft import LoraConfig, get_peft_model
+
+        model = llm.model
+        if model.dtype != torch.float32:
+            raise ValueError("ExitReadyTrainer: load the model in float32 for training")
+        for E in config.exit_layers:
+            if E >= model.num_layers:
+                raise ValueError(f"exit layer {E} must be below the model's {model.num_layers} layers")
+        self.llm, self.config, self.vocab, self.device = llm, config, vocab, torch.device(device)
+        self.eps = model.eps
+        self.head = (model.lm_head if vocab is None else model.lm_head.index_select(0, vocab)).to(self.device)
+        self.teacher = TeacherPass(llm, (), model.lm_head)
+        torch.manual_seed(config.seed)  # peft draws the A matrices from torch's global generator
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
+                          target_modules=[t.split(".")[-1] for t in LLAMA_TARGETS])
+        self.student = get_peft_model(hf_twin(model), lora).to(self.device)
+        self.final_norm = self.student.base_model.model.model.norm.weight
+        self.full_head = self.student.base_model.model.lm_head.weight
+        g = torch.Generator().manual_seed(config.seed)
+        self.blocks = {}
+        for E in sorted(config.exit_layers):
+            block = init_block(model.config.hidden_size, config.adapter_hidden, g)
+            if init_adapters is not None and E in init_adapters.blocks:
+                block = AdapterBlock(*(t.float().clone() for t in init_adapters.blocks[E].tensors()))
+            self.blocks[E] = AdapterBlock(*(t.to(self.device) for t in block.tensors()))
+        self.lora_params = {n: p for n, p in self.student.named_parameters() if p.requires_grad}
+        self.adapter_params = [t.requires_grad_() for b in self.blocks.values() for t in b.tensors()]
+        self.optimizer = torch.optim.AdamW([{"params": list(self.lora_params.values()), "lr": config.lr},
+                                            {"params": self.adapter_params, "lr": config.adapter_lr}],
+                                           weight_decay=0.0)
+        self.step = 0
+        self.history: list[dict] = []
+
+    def lr_factor(self, step: int) -> float:
+        c = self.config
+        if step < c.warmup:
+            return (step + 1) / c.warmup
+        progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def enabled_exits(self, step: int) -> list[int]:
+        """The exits whose loss counts at `step`: LayerSkip's curriculum over the exit layers."""
+        exits = sorted(self.blocks)
+        on = exit_curriculum(step, self.config.steps, len(exits) + 1, self.config.exit_curriculum,
+                             self.config.rotation)
+        return [E for E, enabled in zip(exits, on) if enabled]
+
+    def losses(self, windows: torch.Tensor, step: int, train: bool = True) -> dict:
+        """{"final": (KL, agreement), E: (KL, agreement) for each enabled exit}."""
+        _, teacher_logits = self.teacher(windows)
+        teacher_logits = teacher_logits.to(self.device)
+        target = teacher_logits.argmax(-1)
+        c = self.config
+        num_layers = self.llm.model.num_layers
+        rates = dropout_rates(step, c.steps, num_layers, c.p_max, "constant") if train else [0.0] * num_layers
+        generator = torch.Generator().manual_seed(c.seed * 1_000_003 + step + 1)
+        model = self.student.base_model.model
+        states, _ = forward_with_layer_dropout(model, windows.to(self.device), rates, generator)
+        d = states[-1].shape[-1]
+        final = F.rms_norm(states[-1], (d,), self.final_norm, self.eps).reshape(-1, d) @ self.full_head.t()
+        out = {"final": (distillation_loss(final, teacher_logits, c.temperature),
+                         (final.argmax(-1) == target).float().mean().item())}
+        vocab = None if self.vocab is None else self.vocab.to(self.device)
+        teacher_draft = teacher_logits if vocab is None else teacher_logits[:, vocab]
+        for E in (self.enabled_exits(step) if train else sorted(self.blocks)):
+            logits = exit_logits(self.blocks[E], states[E].reshape(-1, d), self.final_norm, self.head, self.eps)
+            picked = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
+            # agreement with the original's token over the full vocabulary, as a draft is judged
+            out[E] = (distillation_loss(logits, teacher_draft, c.temperature),
+                      (picked == target).float().mean().item())
+        return out
+
+    def train_step(self, windows: torch.Tensor) -> dict:
+        factor = self.lr_factor(self.step)
+        for group, base in zip(self.optimizer.param_groups, (self.config.lr, self.config.adapter_lr)):
+            group["lr"] = base * factor
+        self.optimizer.zero_grad(set_to_none=True)
+        per = self.losses(windows, self.step)
+        total = per["final"][0] + self.config.e_scale * sum(l for k, (l, _) in per.items() if k != "final")
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(list(self.lora_params.values()) + self.adapter_params, self.config.max_grad_norm)
+        self.optimizer.step()
+        record = {"step": self.step, "lr_factor": round(factor, 5),
+                  **{f"loss_{k}": round(l.item(), 5) for k, (l, _) in per.items()},
+                  **{f"agree_{k}": round(a, 4) for k, (_, a) in per.items()}}
+        self.history.append(record)
+        self.step += 1
+        return record
+
+    @torch.no_grad()
+    def evaluate(self, windows: torch.Tensor) -> dict:
+        return {str(k): {"loss": round(l.item(), 5), "agreement": round(a, 4)}
+                for k, (l, a) in self.losses(windows, self.step, train=False).items()}
+
+    # ---- checkpoints and export -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "config": dataclasses.asdict(self.config), "history": self.history,
+                "lora": {n: p.detach().cpu().clone() for n, p in self.lora_params.items()},
+                "blocks": {E: [t.detach().cpu().clone() for t in b.tensors()] for E, b in self.blocks.items()},
+                "optimizer": self.optimizer.state_dict(), "vocab": self.vocab,
+                "model": model_fingerprint(self.llm.model)}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()}
+        if saved != dataclasses.asdict(self.config) | {"exit_layers": tuple(self.config.exit_layers)}:
+            raise ValueError(f"checkpoint was made with another configuration: {saved}")
+        vocab = state.get("vocab")
+        if (vocab is None) != (self.vocab is None) or (vocab is not None and not torch.equal(vocab, self.vocab)):
+            raise ValueError("checkpoint was made with another draft vocabulary")
+        if state["model"] != model_fingerprint(self.llm.model):
+            raise ValueError(f"checkpoint was made for another model: {state['model']}")
+        with torch.no_grad():
+            for name, value in state["lora"].items():
+                self.lora_params[name].copy_(value)
+            for E, tensors in state["blocks"].items():
+                for param, value in zip(self.blocks[E].tensors(), tensors):
+                    param.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.history = state["step"], state["history"]
+
+    def save_checkpoint(self, path: str) -> None:
+        tmp = path + ".tmp"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint
+
+    def lora_deltas(self, dtype: torch.dtype = torch.float32) -> LoraDeltas:
+        pairs: dict[str, list] = {}
+        for name, p in self.lora_params.items():
+            path, which = _module_path(name)
+            pairs.setdefault(path, [None, None])["ab".index(which)] = p.detach().cpu().to(dtype)
+        return LoraDeltas({k: (a, b) for k, (a, b) in pairs.items()}, self.config.lora_alpha / self.config.lora_rank)
+
+    def exit_adapters(self, info: dict, dtype: torch.dtype = torch.float32) -> ExitAdapters:
+        blocks = {E: AdapterBlock(*(t.detach().cpu().to(dtype) for t in b.tensors())) for E, b in self.blocks.items()}
+        return ExitAdapters(blocks, self.vocab, model_fingerprint(self.llm.model), info, self.lora_deltas(dtype))
+
+
+def train(llm, tokens: np.ndarray, config: ExitReadyConfig, *, vocab: Optional[torch.Tensor] = None,
+          init_adapters: Optional[ExitAdapters] = None, device: str = "cpu", checkpoint_dir: Optional[str] = None,
+          checkpoint_every: int = 50, heldout: Optional[np.ndarray] = None, eval_every: int = 0, log=None,
+          progress: bool = False, stop_after: Optional[int] = None) -> ExitReadyTrainer:
+    """Trains (or resumes) to `config.steps`; `stop_after` ends early after that many steps of this
+    call (the tests' interruption). `log(record)` receives each step's record."""
+    trainer = ExitReadyTrainer(llm, config, vocab, init_adapters, device)
+    ckpt = os.path.join(checkpoint_dir, "last.pt") if checkpoint_dir else None
+    if ckpt:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        if os.path.exists(ckpt):
+            trainer.load_state_dict(torch.load(ckpt, weights_only=False))
+    eval_windows = None
+    if heldout is not None and eval_every:
+        eval_windows = batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=trainer.step, desc="exit-ready", unit="step")
+    ran = 0
+    while trainer.step < config.steps and (stop_after is None or ran < stop_after):
+        record = trainer.train_step(batch_windows(tokens, trainer.step, config.batch_size, config.seq_len,
+                                                  config.seed))
+        ran += 1
+        if eval_windows is not None and (trainer.step % eval_every == 0 or trainer.step == config.steps):
+            record["heldout"] = trainer.evaluate(eval_windows)
+        if log is not None:
+            log(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix({k: v for k, v in record.items() if k.startswith("agree_")})
+        if ckpt and (trainer.step % checkpoint_every == 0 or trainer.step == config.steps):
+            trainer.save_checkpoint(ckpt)
+    if bar is not None:
+        bar.close()
+    return trainer
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import eecore
+
+    ap = argparse.ArgumentParser(prog="python -m eecore.train.exit_ready", description=__doc__.split("\n")[0])
+    ap.add_argument("--corpus", required=True, help="folder from `python -m eecore.train.corpus`")
+    ap.add_argument("--out", required=True, help="the exit-ready adapter file to write (.safetensors)")
+    ap.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints, the log and the token cache")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--init-adapters", default=None,
+                    help="start the exit adapters from this file ('shipped': the default model's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    d = ExitReadyConfig()
+    ap.add_argument("--exit-layers", type=int, nargs="+", default=list(d.exit_layers))
+    for f in dataclasses.fields(ExitReadyConfig):
+        if f.name == "exit_layers":
+            continue
+        kind = type(getattr(d, f.name))
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(d, f.name))
+    ap.add_argument("--checkpoint-every", type=int, default=25)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    args = ap.parse_args(argv)
+    config = ExitReadyConfig(exit_layers=tuple(args.exit_layers),
+                             **{f.name: getattr(args, f.name) for f in dataclasses.fields(ExitReadyConfig)
+                                if f.name != "exit_layers"})
+    llm = eecore.LLM(args.model, dtype="float32", device="cpu" if args.device == "cpu" else args.device,
+                     max_num_seqs=config.batch_size, max_num_batched_tokens=config.batch_size * config.seq_len,
+                     max_model_len=config.seq_len + 1)
+    tokens = tokenize_file(llm.tokenizer, os.path.join(args.corpus, "train.txt"), args.checkpoint_dir)
+    heldout = tokenize_file(llm.tokenizer, os.path.join(args.corpus, "heldout.txt"), args.checkpoint_dir)
+    vocab = None
+    if config.draft_vocab:
+        vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
+    init = None
+    if args.init_adapters:
+        init = ExitAdapters.load(SHIPPED_FILE if args.init_adapters == "shipped" else args.init_adapters)
+        init.check_model(llm.model)
+        if init.vocab is not None and vocab is not None and not torch.equal(init.vocab, vocab):
+            raise ValueError(f"{args.init_adapters}: its draft vocabulary differs from this corpus's")
+    log_path = os.path.join(args.checkpoint_dir, "train_log.jsonl")
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
+    started = time.time()
+
+    def log(record):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    trainer = train(llm, tokens, config, vocab=vocab, init_adapters=init, device=args.device,
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, heldout=heldout,
+                    eval_every=args.eval_every, log=log, progress=True)
+    with open(os.path.join(args.corpus, "manifest.json")) as f:
+        manifest = json.load(f)
+    info = {"recipe": "LayerSkip on LoRA pairs of every projection + per-exit SwiGLU adapters, "
+                      "KL to the original model's last layer (exits over the draft vocabulary)",
+            "config": dataclasses.asdict(config), "init_adapters": args.init_adapters,
+            "trained_tokens": config.steps * config.batch_size * config.seq_len,
+            "corpus": {k: manifest[k] for k in ("train", "heldout", "versions")},
+            "final_heldout": trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len,
+                                                            config.seed + 1)),
+            "device": args.device, "wall_seconds_this_run": round(time.time() - started, 1)}
+    dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
+    trainer.exit_adapters(info, dtype).save(args.out)
+    print(json.dumps(info["final_heldout"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""The exit-ready recipe with LoRA (eecore.train.exit_ready) on a tiny random Llama, the LoRA pairs
+in the adapter file (format 2, eecore.models.lora), and what LLM(exit_adapter=...) makes of them:
+the merged model against HF transformers with the pairs merged by hand."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import eecore
+from eecore.models.exit_adapter import FORMAT, FORMAT_LORA, ExitAdapters, model_fingerprint, resolve_exit_adapters
+from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
+from eecore.train.exit_adapter import batch_windows, frequent_tokens
+from eecore.train.exit_ready import ExitReadyConfig, ExitReadyTrainer, hf_twin, train
+from engine_utils import greedy, random_prompts
+from model_factory import make_tiny_hf_model
+
+L, VOCAB, D = 4, 320, 64
+B, S = 2, 16
+CONFIG = ExitReadyConfig(exit_layers=(1, 2), adapter_hidden=16, lora_rank=4, lora_alpha=8.0, draft_vocab=48,
+                         seq_len=S, batch_size=B, steps=6, lr=5e-3, adapter_lr=1e-2, warmup=1, seed=0)
+
+
+def _load(path, **kw):
+    return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=B, max_num_batched_tokens=B * S,
+                      max_model_len=S + 1, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, hf_model): a 4-layer random Llama with a scaled-up head (peaked distributions)."""
+    path, hf = make_tiny_hf_model(tmp_path_factory.mktemp("er"), num_layers=L, vocab_size=VOCAB, hidden_size=D)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(25.0)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return _load(tiny[0])
+
+
+@pytest.fixture(scope="module")
+def tokens(llm):
+    """A token stream the tiny model itself generated, so that exits have something to learn."""
+    outs = llm.generate(random_prompts(VOCAB, [3] * 8, seed=3), greedy(40))
+    return np.concatenate([np.asarray(o.prompt_token_ids + o.token_ids, dtype=np.int32) for o in outs])
+
+
+@pytest.fixture(scope="module")
+def vocab(tokens):
+    return frequent_tokens(tokens, VOCAB, CONFIG.draft_vocab, (2,))
+
+
+def _random_lora(rank: int = 3, seed: int = 0, layers=range(L)) -> LoraDeltas:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
+              "self_attn.o_proj": (64, 64), "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64),
+              "mlp.down_proj": (64, 96)}
+    pairs = {}
+    for i in layers:
+        for target in LLAMA_TARGETS:
+            out, inp = shapes[target]
+            pairs[f"model.layers.{i}.{target}"] = (0.3 * torch.randn(rank, inp, generator=g),
+                                                   0.3 * torch.randn(out, rank, generator=g))
+    return LoraDeltas(pairs, scale=0.5)
+
+
+# ---- the file and the merge ----------------------------------------------------------------------
+
+
+def test_lora_file_round_trip_and_format(llm, vocab, tmp_path):
+    from safetensors import safe_open
+
+    lora = _random_lora()
+    path = str(tmp_path / "er.safetensors")
+    ExitAdapters({}, vocab, model_fingerprint(llm.model), {"note": 1}, lora).save(path)
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata()["format"] == FORMAT_LORA
+    back = ExitAdapters.load(path)
+    assert back.lora.scale == 0.5 and set(back.lora.pairs) == set(lora.pairs) and back.lora.rank == 3
+    for k, (a, b) in lora.pairs.items():
+        assert torch.equal(back.lora.pairs[k][0], a) and torch.equal(back.lora.pairs[k][1], b)
+    plain = str(tmp_path / "plain.safetensors")
+    ExitAdapters({}, vocab, model_fingerprint(llm.model)).save(plain)
+    with safe_open(plain, framework="pt") as f:
+        assert f.metadata()["format"] == FORMAT  # no pairs: still format 1, readable by older eecore
+
+
+def test_lora_file_errors(llm, tmp_path):
+    from safetensors.torch import save_file
+
+    a, b = torch.zeros(2, 64), torch.zeros(64, 2)
+    cases = {
+        "lora tensors in format 1": ({"lora.model.layers.0.mlp.up_proj.a": a}, {"format": FORMAT}, "cannot hold"),
+        "no pairs": ({"draft_vocab": torch.arange(4, dtype=torch.int32)}, {"format": FORMAT_LORA, "lora_scale": "1.0"},
+                     "no lora"),
+        "lacks B": ({"lora.model.layers.0.mlp.up_proj.a": a}, {"format": FORMAT_LORA, "lora_scale": "1.0"},
+                    "lacks its B"),
+        "bad name": ({"lora.x.c": a}, {"format": FORMAT_LORA, "lora_scale": "1.0"}, "not named"),
+        "rank mismatch": ({"lora.p.a": a, "lora.p.b": torch.zeros(64, 3)}, {"format": FORMAT_LORA, "lora_scale": "1"},
+                          "inconsistent shapes"),
+        "no scale": ({"lora.p.a": a, "lora.p.b": b}, {"format": FORMAT_LORA}, "scale"),
+        "zero scale": ({"lora.p.a": a, "lora.p.b": b}, {"format": FORMAT_LORA, "lora_scale": "0.0"}, "scale"),
+    }
+    for name, (tensors, meta, match) in cases.items():
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path, metadata=meta)
+        with pytest.raises(ValueError, match=match):
+            ExitAdapters.load(path)
+
+
+def test_lora_for_a_missing_or_misshapen_weight_is_refused(tiny, llm, tmp_path):
+    path, _ = tiny
+    for pairs, match in [({"model.layers.9.mlp.up_proj": (torch.zeros(2, 64), torch.zeros(96, 2))}, "does not have"),
+                         ({"model.layers.0.mlp.up_proj": (torch.zeros(2, 64), torch.zeros(90, 2))}, "shape")]:
+        file = str(tmp_path / "bad.safetensors")
+        ExitAdapters({}, None, model_fingerprint(llm.model), {}, LoraDeltas(pairs, 1.0)).save(file)
+        with pytest.raises(ValueError, match=match):
+            eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file)
+
+
+def test_merged_model_equals_hf_with_the_pairs_merged_by_hand(tiny, llm, tmp_path):
+    """Full depth of LLM(exit_adapter=file with LoRA) is the base with W + scale·B·A: logits and
+    greedy tokens against HF transformers running those weights."""
+    import copy
+
+    path, hf = tiny
+    lora = _random_lora(seed=4)
+    file = str(tmp_path / "merged.safetensors")
+    ExitAdapters({}, None, model_fingerprint(llm.model), {}, lora).save(file)
+    merged = copy.deepcopy(hf)
+    with torch.no_grad():
+        modules = dict(merged.named_modules())
+        for name, (a, b) in lora.pairs.items():
+            modules[name].weight += lora.scale * (b @ a)
+    ids = random_prompts(VOCAB, [9], seed=2)[0]
+    with torch.no_grad():
+        want = merged(torch.tensor([ids])).logits[0, -1]
+        base = hf(torch.tensor([ids])).logits[0, -1]
+    ee = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file)
+    got = ee.generate([ids], eecore.SamplingParams(max_tokens=1, logprobs=VOCAB))[0].logprobs[0]
+    got_lp = torch.tensor([got[t] for t in range(VOCAB)])
+    torch.testing.assert_close(got_lp, torch.log_softmax(want, -1), atol=2e-4, rtol=0)
+    assert (want - base).abs().max() > 1e-2  # the pairs changed the model
+    tokens = merged.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert ee.generate([ids], greedy(8))[0].token_ids == tokens
+
+
+def test_resolve_exit_adapters_refuses_lora_files(llm, tmp_path):
+    file = str(tmp_path / "lora.safetensors")
+    ExitAdapters({}, None, model_fingerprint(llm.model), {}, _random_lora()).save(file)
+    with pytest.raises(ValueError, match="merged before the model is built"):
+        resolve_exit_adapters(file, None, llm.model)
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+
+def test_hf_twin_has_eecore_weights(tiny, llm):
+    _, hf = tiny
+    twin = hf_twin(llm.model)
+    ids = torch.tensor([random_prompts(VOCAB, [12], seed=5)[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(exit_layers=()), "exit_layers"), (dict(lora_rank=0), "lora_rank"), (dict(lr=0.0), "lr"),
+    (dict(p_max=1.5), "p_max"), (dict(exit_curriculum="sometimes"), "exit_curriculum"),
+    (dict(draft_vocab=-1), "draft_vocab")])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(CONFIG, **kwargs)
+
+
+def test_training_lowers_every_exit_loss_and_keeps_full_depth(llm, tokens, vocab):
+    """Step 0 starts from the original model (B = 0: the final KL is 0), and a few steps lower every
+    exit's loss on a fixed batch while the last layer stays close to the original."""
+    trainer = ExitReadyTrainer(llm, dataclasses.replace(CONFIG, steps=12), vocab)
+    batch = batch_windows(tokens, 0, B, S, 0)
+    before = trainer.evaluate(batch)
+    assert before["final"]["loss"] == pytest.approx(0.0, abs=1e-6) and before["final"]["agreement"] == 1.0
+    for _ in range(12):
+        trainer.train_step(batch)
+    after = trainer.evaluate(batch)
+    for E in ("1", "2"):
+        assert after[E]["loss"] < 0.8 * before[E]["loss"], (E, before, after)
+    # the distillation term holds the last layer near the original while the exits move
+    assert after["final"]["loss"] < 0.25 * min(after[E]["loss"] for E in ("1", "2"))
+    assert after["final"]["agreement"] >= 0.9
+
+
+def test_layer_dropout_and_curriculum_take_effect(llm, vocab, tokens):
+    trainer = ExitReadyTrainer(llm, dataclasses.replace(CONFIG, p_max=1.0, exit_curriculum="rotational", rotation=2),
+                               vocab)
+    assert trainer.enabled_exits(0) == [1] and trainer.enabled_exits(1) == [2]  # one exit of two per step
+    record = trainer.train_step(batch_windows(tokens, 0, B, S, 0))
+    assert "loss_1" in record and "loss_2" not in record
+    assert record["loss_final"] > 0  # every layer dropped for every sample: the last layer is off course
+
+
+def test_interrupted_run_resumes_to_the_same_weights_and_exports(tiny, llm, tokens, vocab, tmp_path):
+    whole = train(llm, tokens, CONFIG, vocab=vocab)
+    ckpt = str(tmp_path / "ckpt")
+    part = train(llm, tokens, CONFIG, vocab=vocab, checkpoint_dir=ckpt, checkpoint_every=2, stop_after=3)
+    assert part.step == 3
+    resumed = train(llm, tokens, CONFIG, vocab=vocab, checkpoint_dir=ckpt, checkpoint_every=2)
+    assert resumed.step == CONFIG.steps and len(resumed.history) == CONFIG.steps
+    for name, p in whole.lora_params.items():
+        assert torch.equal(p, resumed.lora_params[name]), name
+    for E in whole.blocks:
+        for x, y in zip(whole.blocks[E].tensors(), resumed.blocks[E].tensors()):
+            assert torch.equal(x, y)
+    # the export: one file that LLM merges, and self-speculation on it equals its own full depth
+    file = str(tmp_path / "exit-ready.safetensors")
+    adapters = whole.exit_adapters({"steps": CONFIG.steps})
+    assert len(adapters.lora.pairs) == L * len(LLAMA_TARGETS) and adapters.lora.scale == 2.0
+    adapters.save(file)
+    path, _ = tiny
+    kw = dict(dtype="float32", device="cpu", exit_adapter=file)
+    prompts = random_prompts(VOCAB, [5, 2], seed=9)
+    full = eecore.LLM(path, **kw).generate(prompts, greedy(8))
+    spec = eecore.LLM(path, speculative=eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=2), **kw)
+    assert [o.token_ids for o in spec.generate(prompts, greedy(8))] == [o.token_ids for o in full]
+    # the merged weights are the trained ones: eecore full depth equals the peft student's
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        want = torch.log_softmax(whole.student(ids).logits[0, -1], -1)
+    got = eecore.LLM(path, **kw).generate([prompts[0]], eecore.SamplingParams(max_tokens=1, logprobs=VOCAB))
+    torch.testing.assert_close(torch.tensor([got[0].logprobs[0][t] for t in range(VOCAB)]), want, atol=2e-4, rtol=0)
+
+
+def test_checkpoint_of_another_configuration_is_refused(llm, tokens, vocab, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(llm, tokens, CONFIG, vocab=vocab, checkpoint_dir=ckpt, checkpoint_every=1, stop_after=1)
+    with pytest.raises(ValueError, match="another configuration"):
+        train(llm, tokens, dataclasses.replace(CONFIG, lora_rank=2), vocab=vocab, checkpoint_dir=ckpt)
+
+
+def test_training_cli_end_to_end(tiny, tmp_path, capsys):
+    """python -m eecore.train.exit_ready on a corpus folder, then the file in LLM(exit_adapter=)."""
+    import json
+
+    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+    from eecore.train.exit_ready import main
+
+    path, _ = tiny
+    code = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * 2)\n"
+    corpus = Corpus(train=[CorpusFile("fake", "a.py", code * 20, "0")],
+                    heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"})
+    write_corpus(corpus, str(tmp_path / "corpus"))
+    out, ckpt = str(tmp_path / "er.safetensors"), str(tmp_path / "ckpt")
+    assert main(["--corpus", str(tmp_path / "corpus"), "--out", out, "--checkpoint-dir", ckpt, "--model", path,
+                 "--exit-layers", "1", "3", "--adapter-hidden", "8", "--lora-rank", "2", "--draft-vocab", "40",
+                 "--seq-len", str(S), "--batch-size", str(B), "--steps", "3", "--warmup", "1", "--device", "cpu",
+                 "--checkpoint-every", "2", "--eval-every", "2"]) == 0
+    adapters = ExitAdapters.load(out)
+    assert adapters.exit_layers() == [1, 3] and adapters.lora.rank == 2 and len(adapters.vocab) == 40
+    assert adapters.info["trained_tokens"] == 3 * B * S and set(adapters.info["final_heldout"]) == {"final", "1", "3"}
+    assert set(json.loads(capsys.readouterr().out.strip().splitlines()[-1])) == {"final", "1", "3"}
+    assert [json.loads(line)["step"] for line in open(f"{ckpt}/train_log.jsonl")] == [0, 1, 2]
+    kw = dict(dtype="float32", device="cpu", exit_adapter=out)
+    prompts = random_prompts(VOCAB, [5, 2], seed=9)
+    spec = eecore.LLM(path, speculative=eecore.SelfSpeculativeConfig(exit_layer=3, num_speculations=2), **kw)
+    assert [o.token_ids for o in spec.generate(prompts, greedy(8))] == \
+        [o.token_ids for o in eecore.LLM(path, **kw).generate(prompts, greedy(8))]
