@@ -44,7 +44,7 @@ import eecore
 from common import save_results
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
-from eecore.models.exit_adapter import DraftHead, ExitAdapters, resolve_exit_adapters
+from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.prompts import heldout_code_prompt_records
 from eecore.speculative import break_even_acceptance
 from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
@@ -182,13 +182,13 @@ def main(argv=None):
     num_blocks = max(batch_tokens, gen_tokens) // block + max(args.windows, len(prompt_ids)) + 16
     llm = eecore.LLM(args.model, dtype="float32", device="cpu", max_num_seqs=max(args.windows, len(prompt_ids)),
                      max_num_batched_tokens=batch_tokens, max_model_len=longest + 1, num_blocks=num_blocks,
-                     block_size=block)
-    model = llm.model
+                     block_size=block, exit_adapter=args.exit_adapter)
+    model = llm.model  # an exit-ready file's LoRA pairs are merged into it: its own curves
     L = model.num_layers
     adapters = None
     adapter_info = None
     if args.exit_adapter:
-        adapters = resolve_exit_adapters(args.exit_adapter, args.model, model)
+        adapters = llm.exit_adapters
         with open(args.exit_adapter, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
         adapter_info = dict(path=os.path.abspath(args.exit_adapter), sha256=digest, exits=adapters.exit_layers(),

@@ -268,3 +268,17 @@ def test_training_cli_end_to_end(tiny, tmp_path, capsys):
     spec = eecore.LLM(path, speculative=eecore.SelfSpeculativeConfig(exit_layer=3, num_speculations=2), **kw)
     assert [o.token_ids for o in spec.generate(prompts, greedy(8))] == \
         [o.token_ids for o in eecore.LLM(path, **kw).generate(prompts, greedy(8))]
+
+
+def test_student_without_its_pairs_is_the_engine_teacher(llm, tokens, vocab):
+    """Off the CPU the teacher is the student with its LoRA pairs switched off: after training
+    moved the pairs, that pass still gives the original model's logits (eecore's engine's)."""
+    trainer = ExitReadyTrainer(llm, CONFIG, vocab)
+    batch = batch_windows(tokens, 0, B, S, 0)
+    for _ in range(3):
+        trainer.train_step(batch)
+    engine = trainer.teacher_logits(batch)
+    trainer.engine_teacher = None
+    torch.testing.assert_close(trainer.teacher_logits(batch), engine, atol=2e-4, rtol=0)
+    with torch.no_grad():
+        assert (trainer.student(batch).logits.reshape(engine.shape) - engine).abs().max() > 1e-3  # the pairs moved

@@ -8,7 +8,9 @@ every projection of every layer, trained together with the exit adapters, so the
 to carry what their exits need while the later layers keep full depth on course.
 
 One step, on a batch of token windows:
-- teacher: the original model (eecore's engine, no grad) gives its last-layer logits;
+- teacher: the original model gives its last-layer logits, without grad: eecore's engine on the
+  CPU (the fastest forward there), the student with its LoRA pairs switched off elsewhere (a GPU,
+  where it runs in bf16 autocast like the student);
 - student: the Hugging Face twin of the same weights with the LoRA pairs (peft), run with
   LayerSkip's per-sample layer dropout (eecore.train.layerskip), gives every layer's state;
 - loss = KL(teacher || student's last layer), which keeps full depth close to the original
@@ -48,7 +50,7 @@ from eecore.models.exit_adapter import SHIPPED_FILE, AdapterBlock, ExitAdapters,
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.early_exit_loss import EXIT_CURRICULA, exit_curriculum
 from eecore.train.exit_adapter import (TeacherPass, batch_windows, distillation_loss, exit_logits, frequent_tokens,
-                                       init_block, tokenize_file)
+                                       init_block, tokenize_file, tokenizer_fingerprint)
 from eecore.train.layerskip import forward_with_layer_dropout
 from eecore.train.layer_dropout import dropout_rates
 
@@ -151,7 +153,9 @@ class ExitReadyTrainer:
         self.llm, self.config, self.vocab, self.device = llm, config, vocab, torch.device(device)
         self.eps = model.eps
         self.head = (model.lm_head if vocab is None else model.lm_head.index_select(0, vocab)).to(self.device)
-        self.teacher = TeacherPass(llm, (), model.lm_head)
+        # the teacher: eecore's engine where it runs (the CPU), else the student without its pairs
+        self.engine_teacher = TeacherPass(llm, (), model.lm_head) if self.device.type == "cpu" else None
+        self.autocast = self.device.type == "cuda"  # bf16 matmuls; every loss is taken in fp32
         torch.manual_seed(config.seed)  # peft draws the A matrices from torch's global generator
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
                           target_modules=[t.split(".")[-1] for t in LLAMA_TARGETS])
@@ -189,23 +193,34 @@ class ExitReadyTrainer:
 
     def losses(self, windows: torch.Tensor, step: int, train: bool = True) -> dict:
         """{"final": (KL, agreement), E: (KL, agreement) for each enabled exit}."""
-        _, teacher_logits = self.teacher(windows)
-        teacher_logits = teacher_logits.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self._losses(windows.to(self.device), step, train)
+
+    @torch.no_grad()
+    def teacher_logits(self, windows: torch.Tensor) -> torch.Tensor:
+        """The original model's last-layer logits `[N, V]` (fp32) of every position of `windows`."""
+        if self.engine_teacher is not None:
+            return self.engine_teacher(windows.cpu())[1].to(self.device)
+        with self.student.disable_adapter():
+            return self.student(windows).logits.float().reshape(-1, self.full_head.shape[0])
+
+    def _losses(self, windows: torch.Tensor, step: int, train: bool) -> dict:
+        teacher_logits = self.teacher_logits(windows)
         target = teacher_logits.argmax(-1)
         c = self.config
         num_layers = self.llm.model.num_layers
         rates = dropout_rates(step, c.steps, num_layers, c.p_max, "constant") if train else [0.0] * num_layers
         generator = torch.Generator().manual_seed(c.seed * 1_000_003 + step + 1)
         model = self.student.base_model.model
-        states, _ = forward_with_layer_dropout(model, windows.to(self.device), rates, generator)
+        states, _ = forward_with_layer_dropout(model, windows, rates, generator)
         d = states[-1].shape[-1]
-        final = F.rms_norm(states[-1], (d,), self.final_norm, self.eps).reshape(-1, d) @ self.full_head.t()
+        final = (F.rms_norm(states[-1], (d,), self.final_norm, self.eps).reshape(-1, d) @ self.full_head.t()).float()
         out = {"final": (distillation_loss(final, teacher_logits, c.temperature),
                          (final.argmax(-1) == target).float().mean().item())}
         vocab = None if self.vocab is None else self.vocab.to(self.device)
         teacher_draft = teacher_logits if vocab is None else teacher_logits[:, vocab]
         for E in (self.enabled_exits(step) if train else sorted(self.blocks)):
-            logits = exit_logits(self.blocks[E], states[E].reshape(-1, d), self.final_norm, self.head, self.eps)
+            logits = exit_logits(self.blocks[E], states[E].reshape(-1, d), self.final_norm, self.head, self.eps).float()
             picked = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
             # agreement with the original's token over the full vocabulary, as a draft is judged
             out[E] = (distillation_loss(logits, teacher_draft, c.temperature),
@@ -280,9 +295,11 @@ class ExitReadyTrainer:
 def train(llm, tokens: np.ndarray, config: ExitReadyConfig, *, vocab: Optional[torch.Tensor] = None,
           init_adapters: Optional[ExitAdapters] = None, device: str = "cpu", checkpoint_dir: Optional[str] = None,
           checkpoint_every: int = 50, heldout: Optional[np.ndarray] = None, eval_every: int = 0, log=None,
-          progress: bool = False, stop_after: Optional[int] = None) -> ExitReadyTrainer:
+          progress: bool = False, stop_after: Optional[int] = None,
+          deadline: Optional[float] = None) -> ExitReadyTrainer:
     """Trains (or resumes) to `config.steps`; `stop_after` ends early after that many steps of this
-    call (the tests' interruption). `log(record)` receives each step's record."""
+    call (the tests' interruption), `deadline` (a time.time()) after the step that passes it, with a
+    checkpoint either way. `log(record)` receives each step's record."""
     trainer = ExitReadyTrainer(llm, config, vocab, init_adapters, device)
     ckpt = os.path.join(checkpoint_dir, "last.pt") if checkpoint_dir else None
     if ckpt:
@@ -302,6 +319,7 @@ def train(llm, tokens: np.ndarray, config: ExitReadyConfig, *, vocab: Optional[t
         record = trainer.train_step(batch_windows(tokens, trainer.step, config.batch_size, config.seq_len,
                                                   config.seed))
         ran += 1
+        out_of_time = deadline is not None and time.time() >= deadline
         if eval_windows is not None and (trainer.step % eval_every == 0 or trainer.step == config.steps):
             record["heldout"] = trainer.evaluate(eval_windows)
         if log is not None:
@@ -309,11 +327,30 @@ def train(llm, tokens: np.ndarray, config: ExitReadyConfig, *, vocab: Optional[t
         if bar is not None:
             bar.update(1)
             bar.set_postfix({k: v for k, v in record.items() if k.startswith("agree_")})
-        if ckpt and (trainer.step % checkpoint_every == 0 or trainer.step == config.steps):
+        if ckpt and (trainer.step % checkpoint_every == 0 or trainer.step == config.steps or out_of_time):
             trainer.save_checkpoint(ckpt)
+        if out_of_time:
+            break
     if bar is not None:
         bar.close()
     return trainer
+
+
+def corpus_tokens(tokenizer, corpus_dir: str, split: str, cache_dir: Optional[str]) -> np.ndarray:
+    """The token stream of a corpus split: `<split>.txt` tokenized (and cached), or `<split>.npy`, a
+    stream tokenized elsewhere (tools/gpu_train_exit_ready.sh carries one to a GPU machine, since the
+    text and the model file do not fit its upload together), checked against this tokenizer."""
+    text = os.path.join(corpus_dir, f"{split}.txt")
+    if os.path.exists(text):
+        return tokenize_file(tokenizer, text, cache_dir)
+    stream = os.path.join(corpus_dir, f"{split}.npy")
+    if not os.path.exists(stream):
+        raise FileNotFoundError(f"{corpus_dir}: has neither {split}.txt nor {split}.npy")
+    with open(os.path.join(corpus_dir, "manifest.json")) as f:
+        made_with = json.load(f).get("tokenizer")
+    if made_with != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"{stream}: tokenized by tokenizer {made_with!r}, this model's is {tokenizer_fingerprint(tokenizer)!r}")
+    return np.load(stream).astype(np.int32)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -337,15 +374,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--stop-after-minutes", type=float, default=None,
+                    help="stop (with a checkpoint) after this long; run again to resume")
     args = ap.parse_args(argv)
     config = ExitReadyConfig(exit_layers=tuple(args.exit_layers),
                              **{f.name: getattr(args, f.name) for f in dataclasses.fields(ExitReadyConfig)
                                 if f.name != "exit_layers"})
-    llm = eecore.LLM(args.model, dtype="float32", device="cpu" if args.device == "cpu" else args.device,
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    # the model is read (and, on the CPU, teaches) on the CPU; the student trains on --device
+    llm = eecore.LLM(args.model, dtype="float32", device="cpu",
                      max_num_seqs=config.batch_size, max_num_batched_tokens=config.batch_size * config.seq_len,
                      max_model_len=config.seq_len + 1)
-    tokens = tokenize_file(llm.tokenizer, os.path.join(args.corpus, "train.txt"), args.checkpoint_dir)
-    heldout = tokenize_file(llm.tokenizer, os.path.join(args.corpus, "heldout.txt"), args.checkpoint_dir)
+    tokens, heldout = (corpus_tokens(llm.tokenizer, args.corpus, split, args.checkpoint_dir) for split in ("train", "heldout"))
     vocab = None
     if config.draft_vocab:
         vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
@@ -363,9 +404,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    deadline = None if args.stop_after_minutes is None else started + 60 * args.stop_after_minutes
     trainer = train(llm, tokens, config, vocab=vocab, init_adapters=init, device=args.device,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, heldout=heldout,
-                    eval_every=args.eval_every, log=log, progress=True)
+                    eval_every=args.eval_every, log=log, progress=True, deadline=deadline)
+    if trainer.step < config.steps:
+        print(f"stopped at step {trainer.step} of {config.steps}; run the same command again to resume")
+        return 3
     with open(os.path.join(args.corpus, "manifest.json")) as f:
         manifest = json.load(f)
     info = {"recipe": "LayerSkip on LoRA pairs of every projection + per-exit SwiGLU adapters, "

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The exit-ready training run (python -m eecore.train.exit_ready) on a lent GPU, where a 15-20 minute
+# run sees ~100x the tokens this project's 2-core CPU can. The device machine has torch, transformers
+# and peft but not the model file, gguf or the corpus, and a call uploads at most 64 MiB with the
+# repository (~22 MiB), so the model (98 MB) and the token stream travel in three parts:
+#
+#   here:    tools/gpu_train_exit_ready.sh pack          # -> .gpu_payload/part{1,2,3} (git-ignored)
+#   device:  three `run` calls back to back (the machine stays warm 30 s between calls), each
+#            carrying one part; the parts stay in the repo's ignored folder there:
+#              carry [".gpu_payload/part1"]  command: tools/gpu_train_exit_ready.sh receive
+#              carry [".gpu_payload/part2"]  command: tools/gpu_train_exit_ready.sh receive
+#              carry [".gpu_payload/part3"]  command: tools/gpu_train_exit_ready.sh train 8
+#            `train MINUTES [ARGS...]` builds eecore, trains for MINUTES (resumable: call it again on
+#            the warm machine to go on; ARGS go to the trainer, e.g. --steps 4000 --batch-size 32) and
+#            puts the log and, when the run is complete, the adapter file (split in 15 MB pieces:
+#            cat exit-ready.safetensors.part* > FILE) into $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PAYLOAD=.gpu_payload
+PY="${PYTHON:-python3}"
+
+pack() {
+  local gguf corpus
+  gguf="$("$PY" -c "from eecore.models.loader import default_model_path; print(default_model_path())")"
+  corpus="$(mktemp -d)"
+  "$PY" -m eecore.train.corpus --out "$corpus" > /dev/null
+  rm -rf "$PAYLOAD" && mkdir -p "$PAYLOAD"/part{1,2} "$PAYLOAD"/part3/corpus
+  # the token streams, tokenized here (uint16: SmolLM2's ids fit), and the corpus manifest with the
+  # tokenizer's fingerprint, which the trainer checks
+  "$PY" - "$corpus" "$PAYLOAD/part3/corpus" <<'EOF'
+import json, sys
+import numpy as np
+import eecore
+from eecore.train.exit_adapter import tokenize_file, tokenizer_fingerprint
+src, dst = sys.argv[1:]
+tok = eecore.LLM(max_num_seqs=1).tokenizer
+for split in ("train", "heldout"):
+    stream = tokenize_file(tok, f"{src}/{split}.txt")
+    assert stream.max() < 65536
+    np.save(f"{dst}/{split}.npy", stream.astype(np.uint16))
+manifest = json.load(open(f"{src}/manifest.json"))
+manifest["tokenizer"] = tokenizer_fingerprint(tok)
+json.dump(manifest, open(f"{dst}/manifest.json", "w"), indent=1)
+EOF
+  xz -T0 -6 "$PAYLOAD/part3/corpus/train.npy"
+  split -n 3 -d "$gguf" "$PAYLOAD/model.gguf.part"
+  mv "$PAYLOAD/model.gguf.part00" "$PAYLOAD/part1/"
+  mv "$PAYLOAD/model.gguf.part01" "$PAYLOAD/part2/"
+  mv "$PAYLOAD/model.gguf.part02" "$PAYLOAD/part3/"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$PAYLOAD/part3" \
+    "gguf==$("$PY" -c "import importlib.metadata as m; print(m.version('gguf'))")"
+  rm -rf "$corpus"
+  du -sh "$PAYLOAD"/part*
+}
+
+receive() {
+  ls -la "$PAYLOAD"/part* 2>/dev/null || { echo "no payload here: carry .gpu_payload/partN"; exit 1; }
+}
+
+train() {
+  local minutes="${1:?train MINUTES [trainer args...]}" out="${OUT:-/tmp/eecore-exit-ready}" work="$PWD/$PAYLOAD/work"
+  shift
+  mkdir -p "$out" "$work/corpus"
+  for part in 1 2 3; do [ -d "$PAYLOAD/part$part" ] || { echo "missing $PAYLOAD/part$part: carry it first"; exit 1; }; done
+  if [ ! -f "$work/model.gguf" ]; then
+    cat "$PAYLOAD"/part1/model.gguf.part00 "$PAYLOAD"/part2/model.gguf.part01 "$PAYLOAD"/part3/model.gguf.part02 \
+      > "$work/model.gguf"
+    cp "$PAYLOAD"/part3/corpus/manifest.json "$PAYLOAD"/part3/corpus/heldout.npy "$work/corpus/"
+    xz -dc "$PAYLOAD"/part3/corpus/train.npy.xz > "$work/corpus/train.npy"
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site "$PAYLOAD"/part3/gguf-*.whl
+  export PYTHONPATH="/tmp/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+  if [ -x /usr/bin/g++ ]; then  # see tools/gpu_check.sh: the image's g++ links libstdc++ statically
+    export CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" LDCXXSHARED="/usr/bin/g++ -shared"
+  fi
+  ls python/eecore/_C*.so > /dev/null 2>&1 || "$PY" setup.py build_ext --inplace > "$out/build.txt" 2>&1
+  local rc=0
+  "$PY" -m eecore.train.exit_ready --model "$work/model.gguf" --corpus "$work/corpus" --checkpoint-dir "$work/ckpt" \
+    --out "$work/exit-ready.safetensors" --init-adapters shipped --device cuda --stop-after-minutes "$minutes" "$@" \
+    2>&1 | tr '\r' '\n' | grep -v "exit-ready: " | tee "$out/train.txt" || rc=$?
+  cp "$work/ckpt/train_log.jsonl" "$out/" 2>/dev/null || true
+  if [ -f "$work/exit-ready.safetensors" ]; then
+    split -b 15M -d "$work/exit-ready.safetensors" "$out/exit-ready.safetensors.part"
+  fi
+  return $rc
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  receive) receive ;;
+  train) shift; train "$@" ;;
+  *) echo "usage: $0 pack | receive | train MINUTES [trainer args]"; exit 2 ;;
+esac
