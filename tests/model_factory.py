@@ -85,6 +85,16 @@ def make_tiny_hf_model(tmp_path, arch: str = "llama", *, tie: bool = False, num_
     return str(path), model
 
 
+def make_peaked_tiny_model(tmp_path, **kwargs):
+    """make_tiny_hf_model with its LM head scaled up 25x and saved again, so its distributions are
+    peaked (HF's 0.02-std init gives near-uniform ones, which leave exits little to learn)."""
+    path, model = make_tiny_hf_model(tmp_path, **kwargs)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.save_pretrained(path)
+    return path, model
+
+
 def write_tiny_tokenizer(path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (SmolLM2-style pre-tokenizer: single digits, then GPT-2's split)
     trained on `_CORPUS`, saved as tokenizer.json + tokenizer_config.json with a ChatML template."""

@@ -19,7 +19,7 @@ from eecore.sampling_params import SamplingParams
 from eecore.train.exit_adapter import (AdapterTrainConfig, AdapterTrainer, TeacherPass, batch_windows,
                                        frequent_tokens, tokenize_file, tokenizer_fingerprint, train)
 from engine_utils import greedy, random_prompts
-from model_factory import make_tiny_hf_model
+from model_factory import make_peaked_tiny_model, make_tiny_hf_model
 
 L, VOCAB, D = 4, 320, 64
 B, S = 2, 16                     # windows per step, window length
@@ -35,13 +35,8 @@ def _load(path, **kw):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(path, hf_model): a 4-layer random Llama whose LM head is scaled up, so its distributions are
-    peaked (HF's 0.02-std init gives near-uniform ones, which would leave little to distil)."""
-    path, hf = make_tiny_hf_model(tmp_path_factory.mktemp("ea"), num_layers=L, vocab_size=VOCAB, hidden_size=D)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(25.0)
-    hf.save_pretrained(path)
-    return path, hf
+    """(path, hf_model): a 4-layer random Llama with peaked distributions."""
+    return make_peaked_tiny_model(tmp_path_factory.mktemp("ea"), num_layers=L, vocab_size=VOCAB, hidden_size=D)
 
 
 @pytest.fixture(scope="module")

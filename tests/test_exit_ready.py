@@ -15,7 +15,7 @@ from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.exit_adapter import batch_windows, frequent_tokens
 from eecore.train.exit_ready import ExitReadyConfig, ExitReadyTrainer, hf_twin, train
 from engine_utils import greedy, random_prompts
-from model_factory import make_tiny_hf_model
+from model_factory import make_peaked_tiny_model
 
 L, VOCAB, D = 4, 320, 64
 B, S = 2, 16
@@ -30,12 +30,8 @@ def _load(path, **kw):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(path, hf_model): a 4-layer random Llama with a scaled-up head (peaked distributions)."""
-    path, hf = make_tiny_hf_model(tmp_path_factory.mktemp("er"), num_layers=L, vocab_size=VOCAB, hidden_size=D)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(25.0)
-    hf.save_pretrained(path)
-    return path, hf
+    """(path, hf_model): a 4-layer random Llama with peaked distributions."""
+    return make_peaked_tiny_model(tmp_path_factory.mktemp("er"), num_layers=L, vocab_size=VOCAB, hidden_size=D)
 
 
 @pytest.fixture(scope="module")

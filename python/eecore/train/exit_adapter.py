@@ -44,6 +44,7 @@ from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import AdapterBlock, ExitAdapters, adapter_reference, model_fingerprint
 from eecore.sampling_params import SamplingParams
+from eecore.train.loop import batch_windows, check_resumable, run, save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -134,15 +135,6 @@ def frequent_tokens(tokens: np.ndarray, vocab_size: int, k: int, always: tuple[i
             break
         chosen.add(int(t))
     return torch.tensor(sorted(chosen), dtype=torch.long)
-
-
-def batch_windows(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Step `step`'s batch [batch_size, seq_len] of windows of the stream, a function of (seed, step)."""
-    if len(tokens) < seq_len:
-        raise ValueError(f"the training text has {len(tokens)} tokens, fewer than seq_len={seq_len}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(tokens) - seq_len + 1, (batch_size,), generator=g).tolist()
-    return torch.from_numpy(np.stack([tokens[s:s + seq_len] for s in starts]).astype(np.int64))
 
 
 # ---- the teacher pass --------------------------------------------------------------------------
@@ -278,18 +270,7 @@ class AdapterTrainer:
                 "model": model_fingerprint(self.llm.model)}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()}
-        if saved != dataclasses.asdict(self.config) | {"exit_layers": tuple(self.config.exit_layers)}:
-            raise ValueError(f"checkpoint was made with another configuration: {saved}")
-        vocab = state.get("vocab")
-        if (vocab is None) != (self.vocab is None) or (vocab is not None and not torch.equal(vocab, self.vocab)):
-            raise ValueError("checkpoint was made with another draft vocabulary "
-                             f"({'none' if vocab is None else len(vocab)} ids there, "
-                             f"{'none' if self.vocab is None else len(self.vocab)} here)")
-        model = state.get("model")  # absent from checkpoints written before it was recorded
-        if model is not None and model != model_fingerprint(self.llm.model):
-            raise ValueError(f"checkpoint was made for another model: {model}, "
-                             f"this one is {model_fingerprint(self.llm.model)}")
+        check_resumable(state, self.config, self.vocab, model_fingerprint(self.llm.model))
         with torch.no_grad():
             for E, tensors in state["blocks"].items():
                 for param, value in zip(self.blocks[E].tensors(), tensors):
@@ -298,9 +279,7 @@ class AdapterTrainer:
         self.step, self.history = state["step"], state["history"]
 
     def save_checkpoint(self, path: str) -> None:
-        tmp = path + ".tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint
+        save_checkpoint(self, path)
 
     def adapters(self, info: dict, dtype: torch.dtype = torch.float32) -> ExitAdapters:
         blocks = {E: AdapterBlock(*(t.detach().to(dtype) for t in b.tensors())) for E, b in self.blocks.items()}
@@ -310,40 +289,10 @@ class AdapterTrainer:
 def train(llm, tokens: np.ndarray, config: AdapterTrainConfig, *, vocab: Optional[torch.Tensor] = None,
           checkpoint_dir: Optional[str] = None, checkpoint_every: int = 50, heldout: Optional[np.ndarray] = None,
           eval_every: int = 0, log=None, progress: bool = False, stop_after: Optional[int] = None) -> AdapterTrainer:
-    """Trains (or resumes) to `config.steps`; `stop_after` ends early after that many steps of this
-    call (the tests' interruption). `log(record)` receives each step's record."""
-    trainer = AdapterTrainer(llm, config, vocab)
-    ckpt = None
-    if checkpoint_dir:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        ckpt = os.path.join(checkpoint_dir, "last.pt")
-    if ckpt and os.path.exists(ckpt):
-        trainer.load_state_dict(torch.load(ckpt, weights_only=False))
-    eval_windows = None
-    if heldout is not None and eval_every:
-        eval_windows = batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=config.steps, initial=trainer.step, desc="exit adapters", unit="step")
-    ran = 0
-    while trainer.step < config.steps and (stop_after is None or ran < stop_after):
-        record = trainer.train_step(batch_windows(tokens, trainer.step, config.batch_size, config.seq_len,
-                                                  config.seed))
-        ran += 1
-        if eval_windows is not None and (trainer.step % eval_every == 0 or trainer.step == config.steps):
-            record["heldout"] = trainer.evaluate(eval_windows)
-        if log is not None:
-            log(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix({k: v for k, v in record.items() if k.startswith("agree_")})
-        if ckpt and (trainer.step % checkpoint_every == 0 or trainer.step == config.steps):
-            trainer.save_checkpoint(ckpt)
-    if bar is not None:
-        bar.close()
-    return trainer
+    """Trains (or resumes) to `config.steps` (eecore.train.loop.run)."""
+    return run(AdapterTrainer(llm, config, vocab), tokens, config, desc="exit adapters", checkpoint_dir=checkpoint_dir,
+               checkpoint_every=checkpoint_every, heldout=heldout, eval_every=eval_every, log=log, progress=progress,
+               stop_after=stop_after)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

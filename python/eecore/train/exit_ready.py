@@ -49,10 +49,11 @@ import torch.nn.functional as F
 from eecore.models.exit_adapter import SHIPPED_FILE, AdapterBlock, ExitAdapters, model_fingerprint
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.early_exit_loss import EXIT_CURRICULA, exit_curriculum
-from eecore.train.exit_adapter import (TeacherPass, batch_windows, distillation_loss, exit_logits, frequent_tokens,
-                                       init_block, tokenize_file, tokenizer_fingerprint)
+from eecore.train.exit_adapter import (TeacherPass, distillation_loss, exit_logits, frequent_tokens, init_block,
+                                       tokenize_file, tokenizer_fingerprint)
 from eecore.train.layerskip import forward_with_layer_dropout
 from eecore.train.layer_dropout import dropout_rates
+from eecore.train.loop import batch_windows, check_resumable, run, save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -258,14 +259,7 @@ class ExitReadyTrainer:
                 "model": model_fingerprint(self.llm.model)}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()}
-        if saved != dataclasses.asdict(self.config) | {"exit_layers": tuple(self.config.exit_layers)}:
-            raise ValueError(f"checkpoint was made with another configuration: {saved}")
-        vocab = state.get("vocab")
-        if (vocab is None) != (self.vocab is None) or (vocab is not None and not torch.equal(vocab, self.vocab)):
-            raise ValueError("checkpoint was made with another draft vocabulary")
-        if state["model"] != model_fingerprint(self.llm.model):
-            raise ValueError(f"checkpoint was made for another model: {state['model']}")
+        check_resumable(state, self.config, self.vocab, model_fingerprint(self.llm.model))
         with torch.no_grad():
             for name, value in state["lora"].items():
                 self.lora_params[name].copy_(value)
@@ -276,9 +270,7 @@ class ExitReadyTrainer:
         self.step, self.history = state["step"], state["history"]
 
     def save_checkpoint(self, path: str) -> None:
-        tmp = path + ".tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint
+        save_checkpoint(self, path)
 
     def lora_deltas(self, dtype: torch.dtype = torch.float32) -> LoraDeltas:
         pairs: dict[str, list] = {}
@@ -297,43 +289,10 @@ def train(llm, tokens: np.ndarray, config: ExitReadyConfig, *, vocab: Optional[t
           checkpoint_every: int = 50, heldout: Optional[np.ndarray] = None, eval_every: int = 0, log=None,
           progress: bool = False, stop_after: Optional[int] = None,
           deadline: Optional[float] = None) -> ExitReadyTrainer:
-    """Trains (or resumes) to `config.steps`; `stop_after` ends early after that many steps of this
-    call (the tests' interruption), `deadline` (a time.time()) after the step that passes it, with a
-    checkpoint either way. `log(record)` receives each step's record."""
-    trainer = ExitReadyTrainer(llm, config, vocab, init_adapters, device)
-    ckpt = os.path.join(checkpoint_dir, "last.pt") if checkpoint_dir else None
-    if ckpt:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        if os.path.exists(ckpt):
-            trainer.load_state_dict(torch.load(ckpt, weights_only=False))
-    eval_windows = None
-    if heldout is not None and eval_every:
-        eval_windows = batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=config.steps, initial=trainer.step, desc="exit-ready", unit="step")
-    ran = 0
-    while trainer.step < config.steps and (stop_after is None or ran < stop_after):
-        record = trainer.train_step(batch_windows(tokens, trainer.step, config.batch_size, config.seq_len,
-                                                  config.seed))
-        ran += 1
-        out_of_time = deadline is not None and time.time() >= deadline
-        if eval_windows is not None and (trainer.step % eval_every == 0 or trainer.step == config.steps):
-            record["heldout"] = trainer.evaluate(eval_windows)
-        if log is not None:
-            log(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix({k: v for k, v in record.items() if k.startswith("agree_")})
-        if ckpt and (trainer.step % checkpoint_every == 0 or trainer.step == config.steps or out_of_time):
-            trainer.save_checkpoint(ckpt)
-        if out_of_time:
-            break
-    if bar is not None:
-        bar.close()
-    return trainer
+    """Trains (or resumes) to `config.steps` (eecore.train.loop.run)."""
+    return run(ExitReadyTrainer(llm, config, vocab, init_adapters, device), tokens, config, desc="exit-ready",
+               checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, heldout=heldout,
+               eval_every=eval_every, log=log, progress=progress, stop_after=stop_after, deadline=deadline)
 
 
 def corpus_tokens(tokenizer, corpus_dir: str, split: str, cache_dir: Optional[str]) -> np.ndarray:
