@@ -94,7 +94,8 @@ def main():
     loaded = load_model(None, dtype=torch.float32)
     hf = hf_model_from_loaded(loaded)
     del loaded
-    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
+    # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into
+    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter)
     prompts_all = bench_prompt_ids(full.tokenizer, args.prompts, max(args.batch_sizes + [args.num_prompts_batch1]))
     print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
     params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
