@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eecore
-from eecore.models.exit_adapter import FORMAT, FORMAT_LORA, ExitAdapters, model_fingerprint, resolve_exit_adapters
+from eecore.models.exit_adapter import FORMAT, FORMAT_LORA, ExitAdapters, model_fingerprint
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.exit_adapter import batch_windows, frequent_tokens
 from eecore.train.exit_ready import ExitReadyConfig, ExitReadyTrainer, hf_twin, train
@@ -144,13 +144,6 @@ def test_merged_model_equals_hf_with_the_pairs_merged_by_hand(tiny, llm, tmp_pat
     assert (want - base).abs().max() > 1e-2  # the pairs changed the model
     tokens = merged.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     assert ee.generate([ids], greedy(8))[0].token_ids == tokens
-
-
-def test_resolve_exit_adapters_refuses_lora_files(llm, tmp_path):
-    file = str(tmp_path / "lora.safetensors")
-    ExitAdapters({}, None, model_fingerprint(llm.model), {}, _random_lora()).save(file)
-    with pytest.raises(ValueError, match="merged before the model is built"):
-        resolve_exit_adapters(file, None, llm.model)
 
 
 # ---- training ------------------------------------------------------------------------------------

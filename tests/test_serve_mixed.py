@@ -34,7 +34,10 @@ def test_streams_arriving_under_load_ride_mixed_steps_and_equal_offline(tmp_path
 
     async def run(srv):
         client = srv.async_client()
-        return await asyncio.gather(*(_stream(client, p, n, 0.02 * i)
+        # arrivals 2 ms apart: many land while the first four stream (4 slots), whatever the
+        # machine's speed, so admissions ride decode steps (20 ms apart let fast machines finish
+        # each stream before the next arrived: no mixed step at all)
+        return await asyncio.gather(*(_stream(client, p, n, 0.002 * i)
                                       for i, (p, n) in enumerate(zip(prompts, lengths))))
 
     with LiveServer(tiny_llm(path, max_num_seqs=4, max_num_batched_tokens=BUDGET)) as srv:

@@ -304,17 +304,3 @@ def load_exit_adapters(spec, model_path, loaded) -> Optional[ExitAdapters]:
         adapters.lora.merge_into(loaded.state_dict, path)
     return adapters
 
-
-def resolve_exit_adapters(spec, model_path, model) -> Optional[ExitAdapters]:
-    """Loads adapters for an already built `model` and checks them against it (benches that build
-    their own model). A file with LoRA pairs is refused: its blocks were trained on the merged base,
-    which only `load_exit_adapters` gives, before the model is built (as `eecore.LLM` does)."""
-    path = _adapter_path(spec, model_path, getattr(model, "is_encoder_decoder", False))
-    if path is None:
-        return None
-    adapters = ExitAdapters.load(path)
-    if adapters.lora is not None:
-        raise ValueError(f"{path}: carries LoRA pairs for the base weights, which are merged before the model is "
-                         "built; load it with eecore.LLM(exit_adapter=...)")
-    adapters.check_model(model, path)
-    return adapters
