@@ -53,7 +53,9 @@ class LLM:
     early_exit / speculative: at most one decoding strategy besides full depth.
     exit_adapter: True (the exit adapters eecore trained for the default model, shipped with it),
         or an adapter file (`python -m eecore.train.exit_adapter`): trained blocks that make the
-        exits read like the last layer, and a draft vocabulary. Full depth is unchanged.
+        exits read like the last layer, and a draft vocabulary. Full depth is unchanged, except
+        with an exit-ready file (`python -m eecore.train.exit_ready`), whose LoRA pairs are merged
+        into the base weights as they load.
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig).
     """
 
