@@ -20,7 +20,7 @@ from model_factory import make_peaked_tiny_model
 L, VOCAB, D = 4, 320, 64
 B, S = 2, 16
 CONFIG = ExitReadyConfig(exit_layers=(1, 2), adapter_hidden=16, lora_rank=4, lora_alpha=8.0, draft_vocab=48,
-                         seq_len=S, batch_size=B, steps=6, lr=5e-3, adapter_lr=1e-2, warmup=1, seed=0)
+                         seq_len=S, batch_size=B, steps=6, lr=5e-3, adapter_lr=1e-2, warmup=1, e_scale=1.0, seed=0)
 
 
 def _load(path, **kw):
@@ -101,6 +101,7 @@ def test_lora_file_errors(llm, tmp_path):
                           "inconsistent shapes"),
         "no scale": ({"lora.p.a": a, "lora.p.b": b}, {"format": FORMAT_LORA}, "scale"),
         "zero scale": ({"lora.p.a": a, "lora.p.b": b}, {"format": FORMAT_LORA, "lora_scale": "0.0"}, "scale"),
+        "infinite scale": ({"lora.p.a": a, "lora.p.b": b}, {"format": FORMAT_LORA, "lora_scale": "inf"}, "scale"),
     }
     for name, (tensors, meta, match) in cases.items():
         path = str(tmp_path / f"{name}.safetensors")

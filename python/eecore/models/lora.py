@@ -11,6 +11,7 @@ Pairs are keyed by the module path of the weight they change, e.g.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ class LoraDeltas:
         return next(iter(self.pairs.values()))[0].shape[0] if self.pairs else 0
 
     def validate(self, source: str = "LoRA") -> None:
-        if not isinstance(self.scale, (int, float)) or not self.scale == self.scale or self.scale == 0:
+        if not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale) or self.scale == 0:
             raise ValueError(f"{source}: LoRA scale must be a non-zero finite number, got {self.scale!r}")
         for path, (a, b) in self.pairs.items():
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] != self.rank:

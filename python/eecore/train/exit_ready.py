@@ -23,13 +23,19 @@ One step, on a batch of token windows:
 The result is one adapter file (format 2): the adapter blocks, the draft vocabulary and the LoRA
 pairs, which `eecore.LLM(exit_adapter=FILE)` merges into the base weights when it loads them.
 
+Defaults, by measurement on SmolLM2-135M (the model card): the exits' loss weighs 0.3 against the
+last layer's (at 1.0 the last layer drifted from the original on 7% of tokens and greedy outputs
+fell to ROUGE-L 0.50 against it; at 0.3 to 3% and 0.68), and layer dropout is off (LayerSkip's
+p_max = 0.1 put the last layer's KL at 0.53 on the first batch: this 30-layer model cannot do
+without its late layers).
+
 Resumable: `<checkpoint_dir>/last.pt` holds the LoRA pairs, the adapters, the optimizer and the
 history; the batch and the layer-dropout draws of step t are functions of (seed, t), so a resumed
 run ends with the weights of an uninterrupted one.
 
     python -m eecore.train.corpus --out corpus/
     python -m eecore.train.exit_ready --corpus corpus/ --checkpoint-dir ckpt/ --out exit-ready.safetensors \\
-        --init-adapters shipped [--device cuda --dtype bfloat16]
+        --init-adapters shipped [--device cuda]
 """
 from __future__ import annotations
 
@@ -71,8 +77,8 @@ class ExitReadyConfig:
     warmup: int = 30
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
-    p_max: float = 0.0            # LayerSkip's layer dropout (see the module doc)
-    e_scale: float = 1.0          # weight of each enabled exit's loss against the last layer's
+    p_max: float = 0.0            # LayerSkip's layer dropout (off: see the module doc)
+    e_scale: float = 0.3          # weight of each enabled exit's loss against the last layer's
     exit_curriculum: str = "none"
     rotation: int = 2
     temperature: float = 1.0
@@ -129,13 +135,12 @@ def hf_twin(model):
     return hf.float().eval()
 
 
-def _module_path(peft_name: str) -> Optional[tuple[str, str]]:
-    """("model.layers.3.self_attn.q_proj", "a"|"b") for a peft LoRA parameter name, else None."""
+def _module_path(peft_name: str) -> tuple[str, str]:
+    """("model.layers.3.self_attn.q_proj", "a"|"b") for a peft LoRA parameter name."""
     for which, tag in (("a", ".lora_A."), ("b", ".lora_B.")):
         if tag in peft_name:
-            path = peft_name.split(tag)[0]
-            return path.removeprefix("base_model.model."), which
-    return None
+            return peft_name.split(tag)[0].removeprefix("base_model.model."), which
+    raise ValueError(f"{peft_name!r} is not a LoRA parameter")
 
 
 class ExitReadyTrainer:
