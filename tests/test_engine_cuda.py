@@ -86,3 +86,22 @@ def test_greedy_self_speculation_is_full_depth_greedy(tiny, E, d):
     spec = _llm(path, speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d))
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in full]
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+def test_input_builder_never_overwrites_a_pending_copy():
+    """Two steps built back to back with no sync between them (self-speculation's last draft pass,
+    then its verify pass) while the stream is busy: the first step must still get its own inputs.
+    Without the wait in InputBuilder.build, the queued copy of step 1 reads the pinned host buffers
+    after step 2 has overwritten them."""
+    from eecore.engine.inputs import InputBuilder, Row
+    from eecore.engine.sequence import Sequence
+
+    builder = InputBuilder(max_tokens=64, max_seqs=4, max_blocks_per_seq=4, block_size=8, device=torch.device("cuda"))
+    seq = Sequence([1, 2, 3], eecore.SamplingParams(max_tokens=4))
+    seq.block_table = [0, 1]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of step 1's copies
+    first = builder.build([Row(seq, 0, [11, 12, 13])])
+    first_tokens = first.token_ids.clone()  # stream-ordered after step 1's copy
+    builder.build([Row(seq, 3, [99])])
+    assert first_tokens.tolist() == [11, 12, 13]

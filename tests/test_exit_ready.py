@@ -244,11 +244,17 @@ def test_training_cli_end_to_end(tiny, tmp_path, capsys):
                     heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"})
     write_corpus(corpus, str(tmp_path / "corpus"))
     out, ckpt = str(tmp_path / "er.safetensors"), str(tmp_path / "ckpt")
-    assert main(["--corpus", str(tmp_path / "corpus"), "--out", out, "--checkpoint-dir", ckpt, "--model", path,
-                 "--exit-layers", "1", "3", "--adapter-hidden", "8", "--lora-rank", "2", "--draft-vocab", "40",
-                 "--seq-len", str(S), "--batch-size", str(B), "--steps", "3", "--warmup", "1", "--device", "cpu",
-                 "--checkpoint-every", "2", "--eval-every", "2"]) == 0
+    args = ["--corpus", str(tmp_path / "corpus"), "--out", out, "--checkpoint-dir", ckpt, "--model", path,
+            "--exit-layers", "1", "3", "--adapter-hidden", "8", "--lora-rank", "2", "--draft-vocab", "40",
+            "--seq-len", str(S), "--batch-size", str(B), "--steps", "3", "--warmup", "1", "--device", "cpu",
+            "--checkpoint-every", "2", "--eval-every", "2"]
+    # a time-boxed run: out of time after its first step, it still exports what it reached
+    assert main(args + ["--stop-after-minutes", "0", "--export-on-stop"]) == 3
+    partial = ExitAdapters.load(out)
+    assert partial.info["trained_steps"] == 1 and partial.info["trained_tokens"] == B * S
+    assert main(args) == 0  # resumes to the end
     adapters = ExitAdapters.load(out)
+    assert adapters.info["trained_steps"] == 3
     assert adapters.exit_layers() == [1, 3] and adapters.lora.rank == 2 and len(adapters.vocab) == 40
     assert adapters.info["trained_tokens"] == 3 * B * S and set(adapters.info["final_heldout"]) == {"final", "1", "3"}
     assert set(json.loads(capsys.readouterr().out.strip().splitlines()[-1])) == {"final", "1", "3"}
@@ -272,3 +278,37 @@ def test_student_without_its_pairs_is_the_engine_teacher(llm, tokens, vocab):
     torch.testing.assert_close(trainer.teacher_logits(batch), engine, atol=2e-4, rtol=0)
     with torch.no_grad():
         assert (trainer.student(batch).logits.reshape(engine.shape) - engine).abs().max() > 1e-3  # the pairs moved
+
+
+def test_second_stage_starts_from_a_file_and_keeps_frozen_layers_and_exits(llm, tokens, vocab):
+    """A second stage (e_scale 0, frozen_layers F) starts from the first stage's pairs and adapters,
+    trains only the pairs of layers >= F toward the original's last layer, and so leaves every exit
+    at E <= F exactly as it was."""
+    first = train(llm, tokens, CONFIG, vocab=vocab)
+    start = first.exit_adapters({})
+    config = dataclasses.replace(CONFIG, e_scale=0.0, frozen_layers=2, steps=4)
+    second = ExitReadyTrainer(llm, config, vocab, init_adapters=start)
+    for name, p in second.lora_params.items():  # it starts where the first stage ended
+        assert torch.equal(p, first.lora_params[name]), name
+    batch = batch_windows(tokens, 0, B, S, 0)
+    before = second.evaluate(batch)
+    for _ in range(config.steps):
+        second.train_step(batch)
+    after = second.evaluate(batch)
+    assert after["final"]["loss"] < before["final"]["loss"]
+    for E in ("1", "2"):  # the exits read layers below F only, and their adapters did not train
+        assert after[E] == before[E]
+    moved = {int(name.split("layers.")[1].split(".")[0])
+             for name, p in second.lora_params.items() if not torch.equal(p, first.lora_params[name])}
+    assert moved == {2, 3}
+    assert second.exit_adapters({}).lora.pairs.keys() == start.lora.pairs.keys()
+
+
+def test_second_stage_refuses_pairs_of_another_shape(llm, vocab):
+    start = ExitAdapters({}, vocab, model_fingerprint(llm.model), {}, _random_lora(rank=3))
+    with pytest.raises(ValueError, match="rank 3"):
+        ExitReadyTrainer(llm, CONFIG, vocab, init_adapters=start)
+    with pytest.raises(ValueError, match="frozen_layers"):
+        ExitReadyConfig(frozen_layers=-1)
+    with pytest.raises(ValueError, match="leaves none"):
+        ExitReadyTrainer(llm, dataclasses.replace(CONFIG, frozen_layers=L), vocab)

@@ -3,6 +3,11 @@ the model reads: token ids, positions, slots, block tables, sequence lengths, qu
 
 The tensors live in buffers allocated once; each step fills a prefix of them from host arrays,
 so stepping allocates no device memory.
+
+On a GPU the host arrays are pinned and copied asynchronously. A step's copy may still be queued
+when the host builds the next step (self-speculation's last draft pass reads nothing back before
+the verify pass is built), so `build` first waits for the previous step's copy: overwriting a
+pinned buffer under a pending copy would hand the earlier step the later step's inputs.
 """
 from __future__ import annotations
 
@@ -59,9 +64,10 @@ class InputBuilder:
         self._h_cross_lens = host(max_seqs, torch.int32)
         self.device = device
         if device.type == "cpu":
-            self._d = None
+            self._d = self._copied = None
         else:
             self._d = {name: torch.empty_like(t, device=device) for name, t in self._host_buffers().items()}
+            self._copied = torch.cuda.Event()  # recorded after each step's copies (module doc)
 
     def _host_buffers(self) -> dict[str, torch.Tensor]:
         return dict(tokens=self._h_tokens, positions=self._h_positions, slots=self._h_slots,
@@ -75,6 +81,8 @@ class InputBuilder:
         if B > self.max_seqs or T > self.max_tokens:
             raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
                                f"{self.max_seqs} / {self.max_tokens}")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
         tokens = self._h_tokens.numpy()
         positions = self._h_positions.numpy()
         slots = self._h_slots.numpy()
@@ -104,6 +112,7 @@ class InputBuilder:
             views.update(self._cross_views(rows))
         if self._d is not None:
             views = {k: self._d[k][: v.numel()].view(v.shape).copy_(v, non_blocking=True) for k, v in views.items()}
+            self._copied.record(torch.cuda.current_stream(self.device))
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
                                seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens),
                                cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"))

@@ -78,6 +78,7 @@ class ExitReadyConfig:
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
     p_max: float = 0.0            # LayerSkip's layer dropout (off: see the module doc)
+    frozen_layers: int = 0        # the LoRA pairs of layers below this one stay as they start
     e_scale: float = 0.3          # weight of each enabled exit's loss against the last layer's
     exit_curriculum: str = "none"
     rotation: int = 2
@@ -97,6 +98,8 @@ class ExitReadyConfig:
             raise ValueError(f"p_max must be in [0, 1] and e_scale >= 0, got {self.p_max!r}, {self.e_scale!r}")
         if self.exit_curriculum not in EXIT_CURRICULA:
             raise ValueError(f"exit_curriculum must be one of {EXIT_CURRICULA}, got {self.exit_curriculum!r}")
+        if self.frozen_layers < 0:
+            raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers!r}")
         if self.draft_vocab < 0 or self.warmup < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("draft_vocab and warmup must be >= 0, min_lr_ratio in [0, 1]")
 
@@ -135,6 +138,11 @@ def hf_twin(model):
     return hf.float().eval()
 
 
+def _layer_index(peft_name: str) -> int:
+    """The decoder layer a peft LoRA parameter belongs to."""
+    return int(_module_path(peft_name)[0].split("layers.")[1].split(".")[0])
+
+
 def _module_path(peft_name: str) -> tuple[str, str]:
     """("model.layers.3.self_attn.q_proj", "a"|"b") for a peft LoRA parameter name."""
     for which, tag in (("a", ".lora_A."), ("b", ".lora_B.")):
@@ -156,6 +164,9 @@ class ExitReadyTrainer:
         for E in config.exit_layers:
             if E >= model.num_layers:
                 raise ValueError(f"exit layer {E} must be below the model's {model.num_layers} layers")
+        if config.frozen_layers >= model.num_layers:
+            raise ValueError(f"frozen_layers={config.frozen_layers} leaves none of the model's "
+                             f"{model.num_layers} layers to train")
         self.llm, self.config, self.vocab, self.device = llm, config, vocab, torch.device(device)
         self.eps = model.eps
         self.head = (model.lm_head if vocab is None else model.lm_head.index_select(0, vocab)).to(self.device)
@@ -175,13 +186,32 @@ class ExitReadyTrainer:
             if init_adapters is not None and E in init_adapters.blocks:
                 block = AdapterBlock(*(t.float().clone() for t in init_adapters.blocks[E].tensors()))
             self.blocks[E] = AdapterBlock(*(t.to(self.device) for t in block.tensors()))
+        # every pair (what checkpoints and exports hold), and those that train
         self.lora_params = {n: p for n, p in self.student.named_parameters() if p.requires_grad}
+        if init_adapters is not None and init_adapters.lora is not None:
+            self._start_from(init_adapters.lora)
+        for name, param in self.lora_params.items():
+            param.requires_grad_(_layer_index(name) >= config.frozen_layers)
+        self.trained_lora = [p for p in self.lora_params.values() if p.requires_grad]
         self.adapter_params = [t.requires_grad_() for b in self.blocks.values() for t in b.tensors()]
-        self.optimizer = torch.optim.AdamW([{"params": list(self.lora_params.values()), "lr": config.lr},
+        self.optimizer = torch.optim.AdamW([{"params": self.trained_lora, "lr": config.lr},
                                             {"params": self.adapter_params, "lr": config.adapter_lr}],
                                            weight_decay=0.0)
         self.step = 0
         self.history: list[dict] = []
+
+    def _start_from(self, lora: LoraDeltas) -> None:
+        """Sets the pairs to `lora`'s (a file's: a second stage of training starts where one ended)."""
+        expected = self.config.lora_alpha / self.config.lora_rank
+        if lora.rank != self.config.lora_rank or not math.isclose(lora.scale, expected):
+            raise ValueError(f"the starting LoRA pairs have rank {lora.rank} and scale {lora.scale}; this run's "
+                             f"are rank {self.config.lora_rank} and scale {expected} (lora_alpha / lora_rank)")
+        with torch.no_grad():
+            for name, param in self.lora_params.items():
+                path, which = _module_path(name)
+                if path not in lora.pairs:
+                    raise ValueError(f"the starting LoRA pairs have none for {path}")
+                param.copy_(lora.pairs[path]["ab".index(which)].float())
 
     def lr_factor(self, step: int) -> float:
         c = self.config
@@ -225,7 +255,13 @@ class ExitReadyTrainer:
                          (final.argmax(-1) == target).float().mean().item())}
         vocab = None if self.vocab is None else self.vocab.to(self.device)
         teacher_draft = teacher_logits if vocab is None else teacher_logits[:, vocab]
-        for E in (self.enabled_exits(step) if train else sorted(self.blocks)):
+        if not train:
+            exits = sorted(self.blocks)
+        elif c.e_scale:
+            exits = self.enabled_exits(step)
+        else:
+            exits = []  # the exits do not train (evaluation still scores them)
+        for E in exits:
             logits = exit_logits(self.blocks[E], states[E].reshape(-1, d), self.final_norm, self.head, self.eps).float()
             picked = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
             # agreement with the original's token over the full vocabulary, as a draft is judged
@@ -241,7 +277,7 @@ class ExitReadyTrainer:
         per = self.losses(windows, self.step)
         total = per["final"][0] + self.config.e_scale * sum(l for k, (l, _) in per.items() if k != "final")
         total.backward()
-        torch.nn.utils.clip_grad_norm_(list(self.lora_params.values()) + self.adapter_params, self.config.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.trained_lora + self.adapter_params, self.config.max_grad_norm)
         self.optimizer.step()
         record = {"step": self.step, "lr_factor": round(factor, 5),
                   **{f"loss_{k}": round(l.item(), 5) for k, (l, _) in per.items()},
@@ -340,6 +376,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--stop-after-minutes", type=float, default=None,
                     help="stop (with a checkpoint) after this long; run again to resume")
+    ap.add_argument("--export-on-stop", action="store_true",
+                    help="when stopped early, write --out anyway from the weights reached (its info records "
+                         "the steps): for a time-boxed run, such as one on a lent GPU")
     args = ap.parse_args(argv)
     config = ExitReadyConfig(exit_layers=tuple(args.exit_layers),
                              **{f.name: getattr(args, f.name) for f in dataclasses.fields(ExitReadyConfig)
@@ -372,15 +411,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     trainer = train(llm, tokens, config, vocab=vocab, init_adapters=init, device=args.device,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, heldout=heldout,
                     eval_every=args.eval_every, log=log, progress=True, deadline=deadline)
-    if trainer.step < config.steps:
+    stopped_early = trainer.step < config.steps
+    if stopped_early:
         print(f"stopped at step {trainer.step} of {config.steps}; run the same command again to resume")
-        return 3
+        if not args.export_on_stop:
+            return 3
     with open(os.path.join(args.corpus, "manifest.json")) as f:
         manifest = json.load(f)
     info = {"recipe": "LayerSkip on LoRA pairs of every projection + per-exit SwiGLU adapters, "
                       "KL to the original model's last layer (exits over the draft vocabulary)",
             "config": dataclasses.asdict(config), "init_adapters": args.init_adapters,
-            "trained_tokens": config.steps * config.batch_size * config.seq_len,
+            "trained_steps": trainer.step, "trained_tokens": trainer.step * config.batch_size * config.seq_len,
             "corpus": {k: manifest[k] for k in ("train", "heldout", "versions")},
             "final_heldout": trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len,
                                                             config.seed + 1)),
@@ -388,7 +429,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
     trainer.exit_adapters(info, dtype).save(args.out)
     print(json.dumps(info["final_heldout"]))
-    return 0
+    return 3 if stopped_early else 0
 
 
 if __name__ == "__main__":
