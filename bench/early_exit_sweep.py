@@ -113,11 +113,11 @@ def main():
     args = ap.parse_args()
     params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
-    base = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
+    # full depth runs the same weights as every configuration: an exit-ready file's LoRA pairs are
+    # merged into both (a file without pairs leaves the base as it is)
+    base = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter)
     if args.exit_adapter:
-        adapters = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, exit_adapter=args.exit_adapter)
-        sweep = adapter_configs(adapters.exit_adapters.exit_layers(), args.quick)
-        del adapters
+        sweep = adapter_configs(base.exit_adapters.exit_layers(), args.quick)
     else:
         sweep = configs(ensure_classifier(os.path.join(RESULTS_DIR, "smollm2-exit-classifier.safetensors")), args.quick)
     prompts_all = bench_prompt_ids(base.tokenizer, args.prompts, max(args.batch_sizes + [2]))
