@@ -23,6 +23,12 @@
 #            most: call it again if it says so) and copies the log and the file into $OUT. Keep a
 #            call in flight all along: an idle machine goes back after 30 s, and the run with it.
 #   Add --export-on-stop to ARGS so that a run the clock stops still writes its file.
+#   A second stage on the same machine starts from the first's file, with a checkpoint folder of its
+#   own (ARGS come after the defaults, so they win), e.g. to pull the last layer back toward the
+#   original while the exits at 8/12/16 stay as they are:
+#     start 8 --init-adapters .gpu_payload/work/exit-ready.safetensors --checkpoint-dir .gpu_payload/work/ckpt2 \
+#       --frozen-layers 16 --e-scale 0 --steps 1500 --batch-size 32 --seq-len 512 --export-on-stop
+#   (its file replaces the first's; its log is ckpt2/train_log.jsonl there, and train.txt here).
 #   Measured on an H100: 32 x 512 tokens a step at 2.9 steps/s (150 K tokens/s).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
