@@ -95,16 +95,22 @@ start() {
   environment
   mkdir -p "$BACKGROUND_OUT"
   build "$BACKGROUND_OUT"
-  OUT="$BACKGROUND_OUT" setsid nohup "$SELF" train "$@" > "$BACKGROUND_OUT/stdout.txt" 2>&1 < /dev/null &
+  rm -f "$BACKGROUND_OUT/exit_code"  # written once the run and its file's split are over
+  OUT="$BACKGROUND_OUT" setsid nohup bash -c '"$0" train "$@"; echo $? > "$OUT/exit_code"' "$SELF" "$@" \
+    > "$BACKGROUND_OUT/stdout.txt" 2>&1 < /dev/null &
   sleep 60
   tail -c 300 "$PAYLOAD/work/ckpt/train_log.jsonl" 2>/dev/null || tail -20 "$BACKGROUND_OUT/stdout.txt"
 }
 
 collect() {
   local waited=0
-  while pgrep -f "$PAYLOAD/work/ckpt" > /dev/null && [ $waited -lt 540 ]; do sleep 5; waited=$((waited + 5)); done
-  if pgrep -f "$PAYLOAD/work/ckpt" > /dev/null; then echo "still training: collect again"; fi
+  while [ ! -f "$BACKGROUND_OUT/exit_code" ] && [ $waited -lt 540 ]; do sleep 5; waited=$((waited + 5)); done
   tail -c 1000 "$BACKGROUND_OUT/stdout.txt"
+  if [ -f "$BACKGROUND_OUT/exit_code" ]; then
+    echo "the run ended with exit code $(cat "$BACKGROUND_OUT/exit_code") (3: stopped by its clock)"
+  else
+    echo "still training: collect again"
+  fi
   cp "$BACKGROUND_OUT"/* "${OUT:?collect runs on the device machine}/"
 }
 

@@ -44,7 +44,7 @@ from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import AdapterBlock, ExitAdapters, adapter_reference, model_fingerprint
 from eecore.sampling_params import SamplingParams
-from eecore.train.loop import batch_windows, check_resumable, run, save_checkpoint
+from eecore.train.loop import batch_windows, restore, run
 
 
 @dataclass(frozen=True)
@@ -270,16 +270,7 @@ class AdapterTrainer:
                 "model": model_fingerprint(self.llm.model)}
 
     def load_state_dict(self, state: dict) -> None:
-        check_resumable(state, self.config, self.vocab, model_fingerprint(self.llm.model))
-        with torch.no_grad():
-            for E, tensors in state["blocks"].items():
-                for param, value in zip(self.blocks[E].tensors(), tensors):
-                    param.copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.history = state["step"], state["history"]
-
-    def save_checkpoint(self, path: str) -> None:
-        save_checkpoint(self, path)
+        restore(self, state)
 
     def adapters(self, info: dict, dtype: torch.dtype = torch.float32) -> ExitAdapters:
         blocks = {E: AdapterBlock(*(t.detach().to(dtype) for t in b.tensors())) for E, b in self.blocks.items()}

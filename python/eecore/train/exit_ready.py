@@ -59,7 +59,7 @@ from eecore.train.exit_adapter import (TeacherPass, distillation_loss, exit_logi
                                        tokenize_file, tokenizer_fingerprint)
 from eecore.train.layerskip import forward_with_layer_dropout
 from eecore.train.layer_dropout import dropout_rates
-from eecore.train.loop import batch_windows, check_resumable, run, save_checkpoint
+from eecore.train.loop import batch_windows, restore, run
 
 
 @dataclass(frozen=True)
@@ -300,18 +300,10 @@ class ExitReadyTrainer:
                 "model": model_fingerprint(self.llm.model)}
 
     def load_state_dict(self, state: dict) -> None:
-        check_resumable(state, self.config, self.vocab, model_fingerprint(self.llm.model))
+        restore(self, state)
         with torch.no_grad():
             for name, value in state["lora"].items():
                 self.lora_params[name].copy_(value)
-            for E, tensors in state["blocks"].items():
-                for param, value in zip(self.blocks[E].tensors(), tensors):
-                    param.copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.history = state["step"], state["history"]
-
-    def save_checkpoint(self, path: str) -> None:
-        save_checkpoint(self, path)
 
     def lora_deltas(self, dtype: torch.dtype = torch.float32) -> LoraDeltas:
         pairs: dict[str, list] = {}

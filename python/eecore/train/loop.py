@@ -2,7 +2,8 @@
 seeded batches, resumable checkpoints, held-out evaluation, a log and a progress bar.
 
 A trainer has `step`, `train_step(windows) -> record`, `evaluate(windows) -> dict`,
-`state_dict()` and `load_state_dict(state)`. The batch of step t is drawn from a generator seeded
+`state_dict()` and `load_state_dict(state)` (which `restore` serves: it also reads the trainer's
+`config`, `vocab`, `llm`, `blocks`, `optimizer` and `history`). The batch of step t is drawn from a generator seeded
 with (seed, t), so no data-loader state needs saving and a resumed run ends with the weights of an
 uninterrupted one.
 """
@@ -15,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from eecore.models.exit_adapter import model_fingerprint
 
 CHECKPOINT = "last.pt"
 
@@ -42,6 +45,18 @@ def check_resumable(state: dict, config, vocab: Optional[torch.Tensor], fingerpr
     model = state.get("model")  # absent from checkpoints written before it was recorded
     if model is not None and model != fingerprint:
         raise ValueError(f"checkpoint was made for another model: {model}, this one is {fingerprint}")
+
+
+def restore(trainer, state: dict) -> None:
+    """Loads what every exit trainer's checkpoint holds (the adapter blocks, the optimizer, the step
+    and the history) after check_resumable; a trainer restores its other parts after this."""
+    check_resumable(state, trainer.config, trainer.vocab, model_fingerprint(trainer.llm.model))
+    with torch.no_grad():
+        for E, tensors in state["blocks"].items():
+            for param, value in zip(trainer.blocks[E].tensors(), tensors):
+                param.copy_(value)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.step, trainer.history = state["step"], state["history"]
 
 
 def save_checkpoint(trainer, path: str) -> None:
