@@ -11,11 +11,14 @@ the LM head).
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
                                      [--draft layer|lookup|hybrid] [--exit-adapter [FILE]]
+                                     [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
                                      [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
 prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
 adapters (the shipped ones without FILE) for the layer drafts. `--prompts code` runs held-out
-code-completion prompts (eecore.prompts) instead of the CLI's chat prompts.
+code-completion prompts (eecore.prompts) instead of the CLI's chat prompts. `--draft-layers separate`
+drafts with a copy of layers 0..E-1 (eecore.speculative.draft_stack) in each of `--draft-dtypes`; an
+exit-ready file's LoRA pairs then change only the copy, so full depth is the original model.
 writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth `--repeats` times; ratios are of the medians, and the
@@ -80,10 +83,17 @@ def main():
                     help="the CLI's chat prompts, or held-out code-completion prompts")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters for layer drafts: the ones shipped for the default model (no FILE), or a file")
+    ap.add_argument("--draft-layers", choices=["shared", "separate"], default="shared",
+                    help="SelfSpeculativeConfig(draft_layers=...)")
+    ap.add_argument("--draft-dtypes", nargs="+", default=[None], choices=[None, "float32", "bfloat16"],
+                    help="--draft-layers separate: the draft copy's dtypes to run (default: the model's)")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
     args = ap.parse_args()
+    separate = args.draft_layers == "separate"
+    if not separate:
+        args.draft_dtypes = [None]
     thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
     layers = args.draft != "lookup"
     if not layers:  # no exit layer, draft threshold or guard: one configuration per d
@@ -94,8 +104,10 @@ def main():
     loaded = load_model(None, dtype=torch.float32)
     hf = hf_model_from_loaded(loaded)
     del loaded
-    # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into
-    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter)
+    # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into,
+    # unless separate draft layers take them (then full depth is the original)
+    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8,
+                      exit_adapter=None if separate else args.exit_adapter)
     prompts_all = bench_prompt_ids(full.tokenizer, args.prompts, max(args.batch_sizes + [args.num_prompts_batch1]))
     print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
     params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -116,13 +128,15 @@ def main():
                 _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
-        print(f"{'E':>3}{'d':>3}{'thr':>5}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
+        print(f"{'E':>3}{'d':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}")
-        for E, d, threshold in itertools.product(args.exit_layers, args.drafts, thresholds):
+        for E, d, threshold, draft_dtype in itertools.product(args.exit_layers, args.drafts, thresholds,
+                                                              args.draft_dtypes):
             llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
-                                 min_acceptance=args.min_acceptance, draft=args.draft))
+                                 min_acceptance=args.min_acceptance, draft=args.draft,
+                                 draft_layers=args.draft_layers, draft_dtype=draft_dtype))
             outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
@@ -130,9 +144,11 @@ def main():
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
             # layer drafts' bandwidth-bound break-even (with the draft head's own bytes); lookup
             # drafts read no weights: theirs is 0
-            head = llm.engine.strategy.draft_head
-            break_even = break_even_acceptance(full.model, E, d, head.weight_bytes()) if layers else 0.0
+            head, stack = llm.engine.strategy.draft_head, llm.engine.strategy.draft_stack
+            break_even = break_even_acceptance(full.model, E, d, head.weight_bytes(),
+                                               None if stack is None else stack.weight_bytes()) if layers else 0.0
             row = dict(batch=batch, draft=args.draft, exit_layer=E, num_speculations=d, draft_threshold=threshold,
+                       draft_layers=args.draft_layers, draft_dtype=draft_dtype,
                        tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
@@ -148,14 +164,16 @@ def main():
                 hf_text = f"{hf_tok_s[E]:.1f}"
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
-            print(f"{E if E is not None else '-':>3}{d:3d}{threshold or '-':>5}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
+            print(f"{E if E is not None else '-':>3}{d:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])
+                                     + (["separate"] if separate else [])
                                      + (["code"] if args.prompts == "code" else [])
                                      + (["guard"] if args.min_acceptance is not None else []))
     path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens, draft=args.draft,
-                                   prompts=args.prompts, exit_adapter=args.exit_adapter, min_acceptance=args.min_acceptance,
+                                   prompts=args.prompts, exit_adapter=args.exit_adapter,
+                                   draft_layers=args.draft_layers, min_acceptance=args.min_acceptance,
                                    repeats=args.repeats, rows=rows))
     print(f"\nresults: {path}")
 

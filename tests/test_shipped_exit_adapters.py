@@ -49,3 +49,27 @@ def test_speculation_and_early_exit_with_the_shipped_adapters():
                     early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=16))
     outs = ee.generate(prompts, greedy(8))
     assert all(o.exit_layers[1:] == [16] * 7 for o in outs)
+
+
+def test_the_draft_layers_file_loads_and_leaves_full_depth_alone():
+    """`exit_adapter=True` with separate draft layers loads the shipped draft-layers file: its LoRA
+    pairs go into the draft copy of layers 0..7 only, so outputs are the original model's."""
+    from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE
+
+    assert os.path.getsize(SHIPPED_DRAFT_FILE) + os.path.getsize(SHIPPED_FILE) <= 25 * 2 ** 20
+    draft = ExitAdapters.load(SHIPPED_DRAFT_FILE)
+    assert draft.exit_layers() == [8] and draft.lora is not None
+    assert {int(p.split("layers.")[1].split(".")[0]) for p in draft.lora.pairs} == set(range(8))
+    prompts = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):"]
+    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2).generate(prompts, greedy(24))
+    spec = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2, exit_adapter=True,
+                      speculative=eecore.SelfSpeculativeConfig(exit_layer=8, num_speculations=2,
+                                                               draft_layers="separate", draft_dtype="bfloat16"))
+    assert spec.exit_adapters.source == SHIPPED_DRAFT_FILE
+    outs = spec.generate(prompts, greedy(24))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    # the copy's layers are the base's plus the pairs; the model's are the base's
+    base = spec.model.layers[0].qkv
+    copy = spec.engine.strategy.draft_stack.model.layers[0].qkv.float()
+    assert not torch.allclose(copy, base, atol=1e-2)
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0

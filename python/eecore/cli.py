@@ -77,6 +77,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
                    help="run plain full-depth steps while more than N sequences decode: in a large batch "
                         "verifying drafts costs arithmetic, not only weight reads (default: never)")
+    s.add_argument("--draft-layers", choices=["shared", "separate"], default="shared",
+                   help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip) or a copy of them with "
+                        "a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the copy "
+                        "alone, and full depth stays the original model")
+    s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="--draft-layers separate: the copy's dtype (default: the model's)")
     s.add_argument("--draft-threshold", type=float, default=None)
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
@@ -142,7 +148,8 @@ def speculative_config(args):
         return eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
                                             draft_threshold=args.draft_threshold, min_acceptance=args.min_acceptance,
                                             draft=args.draft, layer_speculations=args.layer_speculations,
-                                            disable_by_batch_size=args.disable_by_batch_size, **lookup)
+                                            disable_by_batch_size=args.disable_by_batch_size,
+                                            draft_layers=args.draft_layers, draft_dtype=args.draft_dtype, **lookup)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

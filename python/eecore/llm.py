@@ -55,7 +55,9 @@ class LLM:
         or an adapter file (`python -m eecore.train.exit_adapter`): trained blocks that make the
         exits read like the last layer, and a draft vocabulary. Full depth is unchanged, except
         with an exit-ready file (`python -m eecore.train.exit_ready`), whose LoRA pairs are merged
-        into the base weights as they load.
+        into the base weights as they load, or, with
+        `SelfSpeculativeConfig(draft_layers="separate")`, into the draft layers' copy alone (full
+        depth then stays the original model).
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig).
     """
 
@@ -67,8 +69,10 @@ class LLM:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
                  mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
         from eecore.models.build import build_model
+        from eecore.models.config import ModelConfig
         from eecore.models.exit_adapter import load_exit_adapters
         from eecore.models.loader import load_model
+        from eecore.speculative.draft_stack import build_draft_model
 
         if early_exit is not None and speculative is not None:
             raise ValueError("LLM: choose either 'early_exit' or 'speculative', not both")
@@ -81,14 +85,25 @@ class LLM:
         loaded = load_model(model, dtype=self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
+        separate = speculative is not None and speculative.separate_draft_layers
+        if separate and not isinstance(self.config, ModelConfig):
+            raise ValueError("LLM: draft_layers='separate' is for decoder-only models")
         # before the build: an exit-ready file may carry LoRA pairs to merge into the base weights
-        self.exit_adapters = load_exit_adapters(exit_adapter, model, loaded)
+        # (or, with separate draft layers, into their copy alone)
+        self.exit_adapters = load_exit_adapters(exit_adapter, model, loaded, merge_lora=not separate)
         self.model = build_model(loaded, self.dtype, self.device)
-        del loaded
         if self.exit_adapters is not None:
             self.exit_adapters.check_model(self.model)
+        draft_model = None
+        if separate:
+            speculative.validate_for(self.model.num_layers, self.exit_adapters)
+            draft_dtype = self.dtype if speculative.draft_dtype is None else resolve_dtype(speculative.draft_dtype,
+                                                                                          self.device)
+            draft_model = build_draft_model(loaded, speculative.exit_layer, getattr(self.exit_adapters, "lora", None),
+                                            draft_dtype, self.device, getattr(self.exit_adapters, "source", ""))
+        del loaded
         strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,
-                                        self.model)
+                                        self.model, draft_model)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -161,7 +176,7 @@ class LLM:
         encoded = [self.engine.validate(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
         return [self.engine.enqueue(p, ids, sp, i) for i, (p, ids, sp) in enumerate(zip(prompts, encoded, params))]
 
-def _strategy(early_exit, speculative, num_layers, adapters, model=None):
+def _strategy(early_exit, speculative, num_layers, adapters, model=None, draft_model=None):
     from eecore.engine.decoding import FullDepthDecoder
 
     if early_exit is not None:
@@ -174,7 +189,8 @@ def _strategy(early_exit, speculative, num_layers, adapters, model=None):
         from eecore.speculative import SelfSpeculativeDecoder
 
         speculative.validate_for(num_layers, adapters)
-        return (lambda runner, sampler: SelfSpeculativeDecoder(runner, sampler, speculative, adapters)), \
+        return (lambda runner, sampler: SelfSpeculativeDecoder(runner, sampler, speculative, adapters,
+                                                               draft_model)), \
             speculative.num_speculations + 1
     return FullDepthDecoder, 1
 

@@ -45,8 +45,11 @@ from eecore.models.lora import LoraDeltas
 FORMAT = "eecore-exit-adapter-1"
 FORMAT_LORA = "eecore-exit-adapter-2"  # with LoRA pairs merged into the base at load
 # The exit adapters trained by eecore for the default model, shipped inside the package.
-SHIPPED_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                            "smollm2-135m-instruct-exit-adapters.safetensors")
+_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+SHIPPED_FILE = os.path.join(_DATA, "smollm2-135m-instruct-exit-adapters.safetensors")
+# The file for separate draft layers (eecore.speculative.draft_stack): an exit adapter and the LoRA
+# pairs of the layers below it, trained together; full depth never sees the pairs.
+SHIPPED_DRAFT_FILE = os.path.join(_DATA, "smollm2-135m-instruct-draft-layers.safetensors")
 
 
 @dataclass
@@ -107,6 +110,22 @@ class ExitAdapters:
 
     def exit_layers(self) -> list[int]:
         return sorted(self.blocks)
+
+    def for_draft_layers(self, exit_layers: list[int]) -> "ExitAdapters":
+        """The part separate draft layers at `exit_layers` read: those exits' blocks, the vocabulary,
+        and the LoRA pairs of the layers below the deepest of them (a smaller file to ship)."""
+        missing = sorted(set(exit_layers) - set(self.blocks))
+        if not exit_layers or missing:
+            raise ValueError(f"{self.source}: has no exit adapter for exit layers {missing or exit_layers}; "
+                             f"it covers {self.exit_layers()}")
+        below = max(exit_layers)
+        lora = None
+        if self.lora is not None:
+            pairs = {p: ab for p, ab in self.lora.pairs.items()
+                     if int(p.split("layers.")[1].split(".")[0]) < below}
+            lora = LoraDeltas(pairs, self.lora.scale)
+        info = dict(self.info, draft_layers_subset={"exit_layers": sorted(exit_layers), "lora_layers_below": below})
+        return ExitAdapters({E: self.blocks[E] for E in exit_layers}, self.vocab, self.base, info, lora, self.source)
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
@@ -270,9 +289,9 @@ class DraftHead:
         return columns if self.vocab is None else self.vocab[columns]
 
 
-def _adapter_path(spec, model_path, is_encoder_decoder: bool) -> Optional[str]:
+def _adapter_path(spec, model_path, is_encoder_decoder: bool, separate_draft_layers: bool = False) -> Optional[str]:
     """The adapter file `LLM(exit_adapter=spec)` names: None for None or False, the shipped file for
-    True, else the path given."""
+    True (the one for separate draft layers when they are on), else the path given."""
     if spec is None or spec is False:
         return None
     if is_encoder_decoder:
@@ -282,25 +301,31 @@ def _adapter_path(spec, model_path, is_encoder_decoder: bool) -> Optional[str]:
         if model_path is not None:
             raise ValueError("LLM: exit_adapter=True loads the adapters shipped for the default model "
                              f"(SmolLM2-135M-Instruct), not for {model_path!r}; pass an adapter file instead")
-        if not os.path.isfile(SHIPPED_FILE):
-            raise FileNotFoundError(f"the shipped exit adapter file {SHIPPED_FILE} is missing; reinstall eecore")
-        return SHIPPED_FILE
+        shipped = SHIPPED_DRAFT_FILE if separate_draft_layers else SHIPPED_FILE
+        if not os.path.isfile(shipped):
+            raise FileNotFoundError(f"the shipped exit adapter file {shipped} is missing; reinstall eecore")
+        return shipped
     if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(f"LLM: 'exit_adapter' must be None, True or a file path, got {type(spec).__name__}")
     return os.fspath(spec)
 
 
-def load_exit_adapters(spec, model_path, loaded) -> Optional[ExitAdapters]:
+def load_exit_adapters(spec, model_path, loaded, merge_lora: bool = True) -> Optional[ExitAdapters]:
     """`LLM(exit_adapter=spec)` before the model is built, from `loaded` (an
     eecore.models.loader.LoadedModel): loads the file and merges its LoRA pairs, if any, into
-    `loaded.state_dict`. Check the built model with `check_model` next."""
+    `loaded.state_dict` (unless `merge_lora` is False: separate draft layers take them instead, see
+    eecore.speculative.draft_stack, and `spec=True` then means the shipped file for them). Check the
+    built model with `check_model` next."""
     from eecore.models.t5_config import T5Config
 
-    path = _adapter_path(spec, model_path, isinstance(loaded.config, T5Config))
+    path = _adapter_path(spec, model_path, isinstance(loaded.config, T5Config), not merge_lora)
     if path is None:
         return None
     adapters = ExitAdapters.load(path)
     if adapters.lora is not None:
-        adapters.lora.merge_into(loaded.state_dict, path)
+        if merge_lora:
+            adapters.lora.merge_into(loaded.state_dict, path)
+        else:
+            adapters.lora.check_state_dict(loaded.state_dict, path)
     return adapters
 

@@ -8,6 +8,8 @@ from eecore.models.exit_adapter import ExitAdapters
 
 BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
 DRAFT_MODES = ("layer", "lookup", "hybrid")
+DRAFT_LAYERS = ("shared", "separate")
+DRAFT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -52,6 +54,24 @@ class SelfSpeculativeConfig:
     draft_threshold: adaptive draft length for layer drafts (off by default). A sequence stops
     drafting early once the top-1 probability of its draft falls below this value.
 
+    draft_layers: how layer drafts run layers 0..exit_layer-1.
+      - "shared" (LayerSkip, the default): they are the model's own layers, writing the shared KV
+        cache, and verification continues from the exit-query cache through layers E..L-1.
+      - "separate": a copy of layers 0..E-1 of their own, with a KV cache of their own (E more
+        layers of the same paged blocks), drafts; verification runs all L layers of the model
+        over the drafted positions in one varlen pass, as for lookup drafts. Two things follow:
+        the copy may differ from the model, and only the drafts see the difference. An exit-ready
+        file's LoRA pairs (eecore.train.exit_ready) then change the copy alone, so full depth stays
+        the original model bit for bit while the drafts get the trained early layers; and the copy
+        may run in a cheaper dtype (`draft_dtype`). A round reads the same weight bytes as a shared
+        one at equal dtype (d draft passes of E layers plus L layers, against d + 1 passes of E
+        layers plus L - E), and the copy's cache must catch up on tokens it has not seen (the
+        prompt, at a sequence's first layer-draft round: E/L of a prefill). The guard has no
+        shadow check here: its probes draft for real.
+    draft_dtype: "separate" only: the dtype of the draft copy (default: the model's). "bfloat16"
+        halves a float32 model's draft bytes; verification keeps the model's dtype, so outputs are
+        unchanged.
+
     min_acceptance: the speculation guard for layer drafts (off by default): a sequence whose
     running acceptance rate falls below this value stops drafting with the layers, so its rounds
     cost what a full-depth step costs, and drafts again only in probe rounds, at most one per
@@ -72,6 +92,8 @@ class SelfSpeculativeConfig:
     lookup_min_ngram: int = 1
     lookup_max_ngram: int = 3
     disable_by_batch_size: Optional[int] = None
+    draft_layers: str = "shared"
+    draft_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.draft not in DRAFT_MODES:
@@ -111,6 +133,19 @@ class SelfSpeculativeConfig:
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"SelfSpeculativeConfig: 'disable_by_batch_size' must be an int >= 1 or None, "
                              f"got {self.disable_by_batch_size!r}")
+        if self.draft_layers not in DRAFT_LAYERS:
+            raise ValueError(f"SelfSpeculativeConfig: 'draft_layers' must be one of {', '.join(DRAFT_LAYERS)}, "
+                             f"got {self.draft_layers!r}")
+        if self.draft_layers == "separate" and not self.uses_layers:
+            raise ValueError("SelfSpeculativeConfig: draft_layers='separate' applies to layer drafts, and "
+                             "draft='lookup' makes none")
+        if self.draft_dtype is not None:
+            if self.draft_layers != "separate":
+                raise ValueError(f"SelfSpeculativeConfig: 'draft_dtype' applies to draft_layers='separate' only "
+                                 f"(shared draft layers are the model's), got {self.draft_dtype!r}")
+            if self.draft_dtype not in DRAFT_DTYPES:
+                raise ValueError(f"SelfSpeculativeConfig: 'draft_dtype' must be one of {', '.join(DRAFT_DTYPES)} "
+                                 f"or None, got {self.draft_dtype!r}")
         if not _is_int(self.lookup_min_ngram) or self.lookup_min_ngram < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'lookup_min_ngram' must be an int >= 1, "
                              f"got {self.lookup_min_ngram!r}")
@@ -126,6 +161,10 @@ class SelfSpeculativeConfig:
     @property
     def uses_lookup(self) -> bool:
         return self.draft != "layer"
+
+    @property
+    def separate_draft_layers(self) -> bool:
+        return self.draft_layers == "separate"
 
     @property
     def layer_draft_length(self) -> int:

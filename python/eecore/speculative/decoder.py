@@ -21,6 +21,11 @@ One round per running sequence, all sequences together:
 Sequences may draft different numbers of tokens, from different sources: every pass is varlen, so
 nothing is padded.
 
+With `draft_layers="separate"` (eecore.speculative.draft_stack) a copy of layers 0..E-1 with its own
+KV cache makes the layer drafts: d passes (the pending token, then drafts 1..d-1; the copy first
+catches up on tokens it has not run), and verification is the lookup rounds' single full-depth
+varlen pass over every sequence's pending token and drafts.
+
 The guard (eecore.speculative.guard) gates layer drafts only. A lookup draft reads no weights: when
 decoding is bound by reading weights, verifying d+1 tokens costs what decoding 1 costs, so its
 bandwidth-bound break-even acceptance is 0 and a wrong lookup draft costs only the extra compute
@@ -38,13 +43,16 @@ from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
+from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 
 
 class SelfSpeculativeDecoder(DecodeStrategy):
     def __init__(self, runner, sampler: Sampler, config: SelfSpeculativeConfig,
-                 adapters: Optional[ExitAdapters] = None):
+                 adapters: Optional[ExitAdapters] = None, draft_model=None):
+        """`draft_model`: with `config.draft_layers == "separate"`, the copy of layers 0..E-1 that
+        drafts (eecore.speculative.draft_stack.build_draft_model)."""
         super().__init__(runner, sampler)
         self.config = config
         self.num_drafts = config.num_speculations
@@ -57,17 +65,25 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.lookup = PromptLookup(config.lookup_min_ngram, config.lookup_max_ngram) if config.uses_lookup else None
         # lookup-only: no layer drafts, so no exit-query cache, draft head or guard
         self.exit_layer = config.exit_layer if config.uses_layers else None
-        self.draft_head = self.guard = self._exit_states = None
+        self.draft_head = self.guard = self._exit_states = self.draft_stack = None
         if not config.uses_layers:
             return
-        # the exit-query cache: layer-E hidden state of each drafted position, per sequence
-        self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
-                                        device=model.device)
-        # reads draft tokens off layer E: the exit adapter and draft vocabulary when there are any
-        self.draft_head = DraftHead(model, self.exit_layer, adapters, rows)
+        if config.separate_draft_layers != (draft_model is not None):
+            raise ValueError("SelfSpeculativeDecoder: a draft model goes with draft_layers='separate', and only there")
+        if draft_model is not None:
+            self.draft_stack = DraftStack(draft_model, runner, adapters, self.exit_layer)
+            self.draft_head = self.draft_stack.head
+        else:
+            # the exit-query cache: layer-E hidden state of each drafted position, per sequence
+            self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
+                                            device=model.device)
+            # reads draft tokens off layer E: the exit adapter and draft vocabulary when there are any
+            self.draft_head = DraftHead(model, self.exit_layer, adapters, rows)
         floor = config.min_acceptance
         if floor == BREAK_EVEN:
-            floor = break_even_acceptance(model, self.exit_layer, self.layer_drafts, self.draft_head.weight_bytes())
+            floor = break_even_acceptance(
+                model, self.exit_layer, self.layer_drafts, self.draft_head.weight_bytes(),
+                None if self.draft_stack is None else self.draft_stack.weight_bytes())
         self.guard = None if floor is None else \
             SpeculationGuard(model, rows, floor, config.probe_every, self.draft_head)
 
@@ -84,8 +100,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                     continue
                 if self.guard is None or self.guard.allows(seq):
                     layer_budgets[b] = min(budgets[b], self.layer_drafts)
-                elif self.guard.wants_shadow(seq):
-                    shadowed.append(b)
+                elif self.guard.wants_shadow(seq) and self.draft_stack is None:
+                    shadowed.append(b)  # (separate draft layers have no layer-E state to check)
         if not any(layer_budgets) and not any(lookup):
             # nobody drafts this round (no match, the guard, or last tokens): a plain step
             self._count_plain(seqs)
@@ -95,12 +111,12 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
             self._record_shadow(seqs, shadowed, shadowed, logits)
             return results
-        if any(layer_budgets):
+        if any(layer_budgets) and self.draft_stack is None:
             drafts, draft_probs = self._draft(seqs, lookup, layer_budgets)
             logits = self._verify(seqs, drafts)
-        else:  # lookup drafts only: one varlen pass through every layer
-            drafts, draft_probs = lookup, [[None] * len(d) for d in lookup]
-            logits = self._verify_lookup(seqs, lookup, shadowed)
+        else:  # lookup drafts or a separate draft stack's: one varlen pass through every layer
+            drafts, draft_probs = self._draft_separate(seqs, lookup, layer_budgets)
+            logits = self._verify_all(seqs, drafts, shadowed)
         results, offsets, offset = [], [], 0
         for b, (seq, seq_drafts, probs) in enumerate(zip(seqs, drafts, draft_probs)):
             n = len(seq_drafts) + 1
@@ -109,6 +125,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             offset += n
             # positions up to the last accepted draft now hold valid K/V in every layer
             seq.num_computed_tokens += len(tokens)
+            if self.draft_stack is not None and layer_budgets[b]:
+                self.draft_stack.settle(seq)
             self._count(seq, layer_budgets[b] > 0, len(seq_drafts), len(tokens) - 1, bool(lookup[b]))
             results.append(tokens)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
@@ -141,6 +159,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self.guard.release(seq)
         if self.lookup is not None:
             self.lookup.release(seq)
+        if self.draft_stack is not None:
+            self.draft_stack.release(seq)
 
     def _room(self, seq: Sequence) -> int:
         """New tokens this sequence may still get (max_tokens and the context both bound it)."""
@@ -198,6 +218,33 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             live = next_live
         return drafts, draft_probs
 
+    def _draft_separate(self, seqs, lookup, budgets):
+        """Lookup drafts as they are, and layer drafts of up to budgets[b] tokens from the separate
+        draft stack: pass 0 runs what the copy has not seen through the pending token, pass k
+        draft k; the last draft needs no pass (verification runs it through the model)."""
+        drafts: list[list[int]] = [list(d) for d in lookup]
+        draft_probs: list[list] = [[None] * len(d) for d in lookup]  # None: a lookup draft (q one-hot)
+        live = [b for b, n in enumerate(budgets) if n]
+        if not live:
+            return drafts, draft_probs
+        stack = self.draft_stack
+        hidden = stack.first_pass([seqs[b] for b in live])
+        for k in range(1, max(budgets[b] for b in live) + 1):
+            tokens, probs, confident = self._propose(self.draft_head.logits(hidden), [seqs[b] for b in live])
+            next_live = []
+            for b, token, p, ok in zip(live, tokens, probs, confident):
+                if not ok:  # adaptive draft length: a doubtful draft is dropped, drafting stops
+                    continue
+                drafts[b].append(token)
+                draft_probs[b].append(p)
+                if len(drafts[b]) < budgets[b]:
+                    next_live.append(b)
+            live = next_live
+            if not live:
+                break
+            hidden = stack.next_pass([seqs[b] for b in live], k, [drafts[b][-1] for b in live])
+        return drafts, draft_probs
+
     def _propose(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Draft tokens from layer-E logits: argmax, or a draw from the processed distribution q
         (kept for rejection sampling). `confident` is False where the top-1 probability falls
@@ -231,10 +278,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
         return self.runner.logits(hidden)
 
-    def _verify_lookup(self, seqs, lookup, shadowed: list[int]) -> torch.Tensor:
-        """A round with lookup drafts only: every sequence's pending token and drafts through all
-        layers in one varlen pass (layer-E states copied out only for the guard's shadow check)."""
-        rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, lookup)]
+    def _verify_all(self, seqs, drafts, shadowed: list[int]) -> torch.Tensor:
+        """Every sequence's pending token and drafts (lookup drafts, or a separate draft stack's)
+        through all layers in one varlen pass (layer-E states copied out only for the guard's
+        shadow check)."""
+        rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, drafts)]
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         if shadowed:

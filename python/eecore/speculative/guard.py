@@ -43,19 +43,24 @@ def layer_weight_bytes(model, i: int) -> int:
 
 
 def break_even_acceptance(model, exit_layer: int, num_speculations: int,
-                          draft_head_bytes: Optional[int] = None) -> float:
+                          draft_head_bytes: Optional[int] = None, draft_bytes: Optional[int] = None) -> float:
     """The acceptance rate below which self-speculation loses to full depth when decoding is
     bound by reading weights (small batches, on CPUs and GPUs alike): the rate at which a round
     (d + 1 draft passes through layers 0..E-1, d draft LM heads, one verify pass through layers
     E..L-1 and its LM head) emits as many tokens per weight byte as full-depth steps do.
     Acceptances are taken as independent with rate a, so a round emits (1 - a^(d+1)) / (1 - a)
     tokens. `draft_head_bytes`: what a draft token reads past layer E when that is not the LM
-    head (an exit adapter, a draft vocabulary: `DraftHead.weight_bytes`)."""
+    head (an exit adapter, a draft vocabulary: `DraftHead.weight_bytes`). `draft_bytes`: separate
+    draft layers (`DraftStack.weight_bytes`, their head included) make each draft, and a round is
+    then d drafts plus one pass through all L layers."""
     L, E, d = model.num_layers, exit_layer, num_speculations
     per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
     head = weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
     draft_head = head if draft_head_bytes is None else draft_head_bytes
-    round_bytes = (d + 1) * E * per_layer + d * draft_head + (L - E) * per_layer + head
+    if draft_bytes is None:
+        round_bytes = (d + 1) * E * per_layer + d * draft_head + (L - E) * per_layer + head
+    else:
+        round_bytes = d * draft_bytes + L * per_layer + head
     # tokens a round must emit to break even; below d + 1 whenever E < L, so the rate is below 1
     needed = round_bytes / (L * per_layer + head)
     lo, hi = 0.0, 1.0

@@ -1,0 +1,154 @@
+"""Separate draft layers (`SelfSpeculativeConfig(draft_layers="separate")`): a copy of the model's
+layers 0..E-1 that drafts with a KV cache of its own, while verification runs the model's L layers.
+
+Why a copy, when LayerSkip shares the first E layers between draft and verification: a shared
+layer is one weight for two jobs. Training it for its exit (eecore.train.exit_ready) moves what the
+later layers receive, and full depth drifts from the original model. A copy can be trained (an
+exit-ready file's LoRA pairs are merged into the copy alone) and stored in a cheaper dtype, and full
+depth, hence every output, stays the original model's. What it costs:
+- verification cannot continue from the drafts' layer-E states (they come from other weights), so
+  it runs all L layers over the drafted positions: d draft passes of E layers plus L layers per
+  round, where the shared stack reads d + 1 passes of E layers plus L - E: the same bytes at equal
+  dtype, fewer with a cheaper copy;
+- the copy's K/V for E layers, in the same paged blocks as the model's (same block tables and
+  slots), and its catching up on tokens it has not run: the prompt at a sequence's first
+  layer-draft round (E/L of a prefill), and the tokens of rounds drafted by lookup or not at all.
+
+Correctness never depends on the copy's cache: it feeds only drafts, which verification checks.
+So the bookkeeping is simple: per sequence, the number of leading positions whose draft K/V are
+known to be right, dropped to 0 when the sequence was preempted (its blocks were freed), and never
+above the positions the model has verified. A new sequence starts from 0 even when the prefix
+cache gave it computed blocks: the copy reruns its prompt (writing the same values into any shared
+block).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Optional
+
+import torch
+
+from eecore.engine.inputs import Row
+from eecore.engine.kv_cache import KVCache
+from eecore.engine.runner import ModelRunner
+from eecore.engine.sequence import Sequence
+from eecore.models.exit_adapter import DraftHead, ExitAdapters
+from eecore.models.lora import LoraDeltas
+
+_LAYER_PREFIX = "model.layers."
+
+
+def _layer_of(name: str) -> Optional[int]:
+    """The decoder layer a state-dict key or LoRA module path belongs to (None: not a layer's)."""
+    if not name.startswith(_LAYER_PREFIX):
+        return None
+    return int(name[len(_LAYER_PREFIX):].split(".", 1)[0])
+
+
+def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype: torch.dtype,
+                      device: torch.device, source: str = "exit adapter"):
+    """A LlamaModel of `loaded`'s layers 0..exit_layer-1 (and its embeddings, final norm and LM
+    head, which the draft head reads), in `dtype`, with `lora`'s pairs for those layers merged in
+    (pairs of later layers change nothing the drafts run, and are left out)."""
+    from eecore.models.llama import LlamaModel
+
+    if not 1 <= exit_layer < loaded.config.num_layers:
+        raise ValueError(f"separate draft layers: exit_layer must be in 1..{loaded.config.num_layers - 1}, "
+                         f"got {exit_layer}")
+    state = {k: v for k, v in loaded.state_dict.items() if (_layer_of(k) is None or _layer_of(k) < exit_layer)}
+    if lora is not None:
+        below = {p: ab for p, ab in lora.pairs.items() if (_layer_of(p) is not None and _layer_of(p) < exit_layer)}
+        LoraDeltas(below, lora.scale).merge_into(state, source)
+    config = dataclasses.replace(loaded.config, num_layers=exit_layer)
+    return LlamaModel(config, state, dtype, device)
+
+
+class DraftStack:
+    """The draft copy at inference: its runner (workspace, inputs, KV cache on the model's blocks),
+    its draft head, and which positions of each sequence its cache holds."""
+
+    def __init__(self, model, main_runner: ModelRunner, adapters: Optional[ExitAdapters], exit_layer: int):
+        c, kv, builder = model.config, main_runner.kv, main_runner.builder
+        if model.num_layers != exit_layer:
+            raise ValueError(f"DraftStack: the draft model has {model.num_layers} layers, exit_layer is {exit_layer}")
+        self.model = model
+        self.exit_layer = exit_layer
+        self.runner = ModelRunner(
+            model, KVCache(exit_layer, kv.num_blocks, kv.block_size, c.num_kv_heads, c.head_dim, model.dtype,
+                           model.device),
+            max_tokens=builder.max_tokens, max_seqs=builder.max_seqs, max_logit_rows=1,
+            max_blocks_per_seq=builder.max_blocks, max_model_len=main_runner.max_model_len)
+        self.head = DraftHead(model, exit_layer, adapters, builder.max_seqs)
+        self._states = torch.empty(builder.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
+        # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
+        self._seen: dict[int, list[int]] = {}
+
+    def weight_bytes(self) -> int:
+        """Bytes a drafted token reads: the copy's E layers, then the draft head."""
+        from eecore.speculative.guard import layer_weight_bytes
+
+        return sum(layer_weight_bytes(self.model, i) for i in range(self.exit_layer)) + self.head.weight_bytes()
+
+    # ---- passes ------------------------------------------------------------------------------
+    def first_pass(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Runs each sequence's unseen tokens, up to its pending one, through the copy; returns the
+        pending tokens' layer-E states `[B, d]`. Tokens beyond the step budget go in chunks."""
+        pieces = []
+        for seq in seqs:
+            start = self._valid(seq)
+            end = seq.num_computed_tokens + 1  # through the pending token
+            pieces.append((start, seq.token_slice(start, end)))
+            self._seen[seq.seq_id][2] = end
+        if all(len(tokens) == 1 for _, tokens in pieces):
+            return self._run([Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)])
+        return self._chunked(seqs, pieces)
+
+    def next_pass(self, seqs: list[Sequence], k: int, tokens: list[int]) -> torch.Tensor:
+        """Draft k (k >= 1) of each sequence through the copy: its layer-E states `[n, d]`."""
+        for seq in seqs:
+            self._seen[seq.seq_id][2] = seq.num_computed_tokens + k + 1
+        return self._run([Row(s, s.num_computed_tokens + k, [t]) for s, t in zip(seqs, tokens)])
+
+    def settle(self, seq: Sequence) -> None:
+        """After verification: the written positions the model accepted keep their draft K/V."""
+        record = self._seen[seq.seq_id]
+        record[1] = min(record[2], seq.num_computed_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        self._seen.pop(seq.seq_id, None)
+
+    def _valid(self, seq: Sequence) -> int:
+        record = self._seen.get(seq.seq_id)
+        if record is None or record[0] != seq.num_preemptions:  # new, or its blocks were freed
+            record = self._seen[seq.seq_id] = [seq.num_preemptions, 0, 0]
+        return min(record[1], seq.num_computed_tokens)
+
+    def _run(self, rows: list[Row]) -> torch.Tensor:
+        inputs = self.runner.prepare(rows)
+        hidden = self.runner.embed(inputs)
+        return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
+
+    def _chunked(self, seqs: list[Sequence], pieces: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """first_pass with catch-up rows: each pass takes up to the runner's token budget, splitting
+        a row where it must, and the last position of each sequence is copied out when it runs."""
+        out = self._states[: len(seqs)]
+        budget = self.runner.builder.max_tokens
+        queue = deque((b, start, tokens) for b, (start, tokens) in enumerate(pieces))
+        while queue:
+            rows, finished, used = [], [], 0
+            while queue and used < budget:
+                b, start, tokens = queue.popleft()
+                take = min(len(tokens), budget - used)
+                rows.append(Row(seqs[b], start, tokens[:take]))
+                used += take
+                if take < len(tokens):
+                    queue.appendleft((b, start + take, tokens[take:]))
+                else:
+                    finished.append((b, used - 1))
+            hidden = self._run(rows)
+            if finished:
+                dev = hidden.device
+                out.index_copy_(0, torch.tensor([b for b, _ in finished], device=dev),
+                                hidden.index_select(0, torch.tensor([r for _, r in finished], device=dev)))
+        return out

@@ -1,0 +1,211 @@
+"""Self-speculation with separate draft layers (SelfSpeculativeConfig(draft_layers="separate")): a
+copy of layers 0..E-1 with its own KV cache drafts, with an exit-ready file's LoRA pairs merged into
+the copy alone; verification runs the original model's L layers."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import eecore
+from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
+from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
+from eecore.speculative.decoder import SelfSpeculativeDecoder
+from eecore.speculative.guard import break_even_acceptance
+from engine_utils import greedy, random_prompts
+from model_factory import make_peaked_tiny_model
+
+L, VOCAB = 4, 320
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, hf_model): a 4-layer random Llama with peaked distributions (drafts get accepted)."""
+    return make_peaked_tiny_model(tmp_path_factory.mktemp("sep"), num_layers=L, vocab_size=VOCAB)
+
+
+def _lora_for(hf, seed: int) -> LoraDeltas:
+    """Random LoRA pairs for every projection of every layer of `hf`."""
+    g = torch.Generator().manual_seed(seed)
+    modules = dict(hf.named_modules())
+    pairs = {}
+    for i in range(hf.config.num_hidden_layers):
+        for target in LLAMA_TARGETS:
+            path = f"model.layers.{i}.{target}"
+            out, inp = modules[path].weight.shape
+            pairs[path] = (0.3 * torch.randn(2, inp, generator=g), 0.3 * torch.randn(out, 2, generator=g))
+    return LoraDeltas(pairs, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def lora_file(tiny, tmp_path_factory):
+    """(file, lora): an exit-ready file holding LoRA pairs only (no adapter blocks, no vocabulary)."""
+    path, hf = tiny
+    base = eecore.LLM(path, dtype="float32", device="cpu")
+    lora = _lora_for(hf, seed=5)
+    file = str(tmp_path_factory.mktemp("sepfile") / "draft.safetensors")
+    ExitAdapters({}, None, model_fingerprint(base.model), {}, lora).save(file)
+    return file, lora
+
+
+def _separate(path, E, d, file=None, draft_dtype=None, **kw):
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
+                                                               draft_layers="separate", draft_dtype=draft_dtype),
+                      **kw)
+
+
+def _truncated_merged(hf, lora: LoraDeltas | None, E: int):
+    """HF's model cut to layers 0..E-1 with `lora`'s pairs merged by hand: what the copy computes."""
+    model = copy.deepcopy(hf)
+    model.model.layers = model.model.layers[:E]
+    model.config.num_hidden_layers = E
+    if lora is not None:
+        modules = dict(model.named_modules())
+        with torch.no_grad():
+            for name, (a, b) in lora.pairs.items():
+                if int(name.split(".")[2]) < E:
+                    modules[name].weight += lora.scale * (b @ a)
+    return model.eval()
+
+
+@pytest.mark.parametrize("E, d, draft_dtype", [(1, 1, None), (2, 3, None), (3, 2, None), (2, 2, "bfloat16")])
+def test_greedy_is_the_original_full_depth(tiny, lora_file, E, d, draft_dtype):
+    """The LoRA pairs change only the drafts: outputs are the original model's (not the merged one's)."""
+    path, hf = tiny
+    file, _ = lora_file
+    for batch in (1, 3, 8):
+        prompts = random_prompts(VOCAB, [2 + (7 * i) % 13 for i in range(batch)], seed=batch)
+        params = [greedy(5 + 3 * i) for i in range(batch)]
+        full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
+        outs = _separate(path, E, d, file, draft_dtype).generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+        assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+        for o in outs:
+            assert 1.0 <= o.metrics["mean_accepted_tokens_per_step"] <= d + 1
+    merged = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file).generate(prompts, params)
+    assert [o.token_ids for o in merged] != [o.token_ids for o in full]  # the pairs do change the model
+
+
+def _record_drafts(llm):
+    """Every (context, draft logits) a d=1 round proposes from: with one draft per round, the
+    context is the sequence's tokens through its pending one."""
+    strategy = llm.engine.strategy
+    seen = []
+    original = strategy._propose
+
+    def propose(logits, seqs):
+        for row, seq in zip(logits, seqs):
+            seen.append((seq.token_slice(0, seq.num_computed_tokens + 1), row.clone()))
+        return original(logits, seqs)
+
+    strategy._propose = propose
+    return seen
+
+
+@pytest.mark.parametrize("budget, num_blocks", [(256, None), (7, None), (256, 24)],
+                         ids=["one-pass", "chunked-catch-up", "preempted"])
+def test_draft_logits_are_the_copys_own(tiny, lora_file, budget, num_blocks):
+    """Each draft is what HF's truncated, LoRA-merged model says after the whole context, so the
+    copy's KV cache holds the right K/V: after catching up in chunks, and after a preemption freed
+    a sequence's blocks."""
+    path, hf = tiny
+    file, lora = lora_file
+    E = 2
+    llm = _separate(path, E, 1, file, max_num_batched_tokens=budget, num_blocks=num_blocks, max_num_seqs=6)
+    seen = _record_drafts(llm)
+    prompts = random_prompts(VOCAB, [3, 19, 11, 8, 14, 5], seed=13)
+    outs = llm.generate(prompts, [greedy(10 + i) for i in range(6)])
+    if num_blocks is not None:
+        assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert len(seen) > 20
+    reference = _truncated_merged(hf, lora, E)
+    with torch.no_grad():
+        for context, logits in seen:
+            want = reference(torch.tensor([context])).logits[0, -1]
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_without_a_file_the_copy_is_the_models_first_layers(tiny):
+    """No LoRA pairs: the copy computes the model's own layer-E logits (its drafts are those of
+    shared draft layers), and it rejoins the original after a lookup round left it behind."""
+    path, hf = tiny
+    E = 2
+    llm = _separate(path, E, 1)
+    seen = _record_drafts(llm)
+    llm.generate(random_prompts(VOCAB, [6, 9], seed=4), greedy(12))
+    reference = _truncated_merged(hf, None, E)
+    with torch.no_grad():
+        for context, logits in seen:
+            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_hybrid_rounds_leave_the_copy_behind_and_it_catches_up(tiny, lora_file):
+    """Hybrid: lookup rounds do not run the copy; a later layer round catches up on those tokens."""
+    path, hf = tiny
+    file, lora = lora_file
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                     speculative=eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=1, draft="hybrid",
+                                                              draft_layers="separate"))
+    seen = _record_drafts(llm)
+    # repetitive prompts: lookup finds matches for some rounds, not for others
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10]]
+    outs = llm.generate(prompts, greedy(16))
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert sum(o.metrics["num_lookup_rounds"] for o in outs) > 0 and seen
+    reference = _truncated_merged(hf, lora, 2)
+    with torch.no_grad():
+        for context, logits in seen:
+            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_come_back(tiny, lora_file):
+    path, _ = tiny
+    llm = _separate(path, 2, 3, lora_file[0], num_blocks=30, max_num_seqs=4)
+    llm.generate(random_prompts(VOCAB, [4, 9, 13, 6, 7], seed=2), [greedy(6 + i) for i in range(5)])
+    assert llm.engine.blocks.num_free_blocks == 30
+    assert not llm.engine.strategy.draft_stack._seen  # released with their sequences
+
+
+def test_break_even_of_a_copy(tiny):
+    """A float32 copy reads what shared layers read per round (d passes of E layers + L layers
+    against d + 1 passes of E + L - E), so the break-even is the same; a bfloat16 copy lowers it."""
+    path, _ = tiny
+    shared = eecore.LLM(path, dtype="float32", device="cpu",
+                        speculative=eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=3))
+    model = shared.model
+    s: SelfSpeculativeDecoder = shared.engine.strategy
+    want = break_even_acceptance(model, 2, 3, s.draft_head.weight_bytes())
+    stacks = {dt: _separate(path, 2, 3, draft_dtype=dt).engine.strategy.draft_stack for dt in ("float32", "bfloat16")}
+    got = {dt: break_even_acceptance(model, 2, 3, st.head.weight_bytes(), st.weight_bytes()) for dt, st in stacks.items()}
+    assert got["float32"] == pytest.approx(want, abs=1e-9)
+    assert 0 < got["bfloat16"] < want
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(exit_layer=2, draft_layers="own"), "'draft_layers' must be one of shared, separate"),
+    (dict(exit_layer=2, draft_dtype="bfloat16"), "'draft_dtype' applies to draft_layers='separate' only"),
+    (dict(exit_layer=2, draft_layers="separate", draft_dtype="int8"), "'draft_dtype' must be one of"),
+    (dict(draft="lookup", draft_layers="separate"), "draft_layers='separate' applies to layer drafts"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        eecore.SelfSpeculativeConfig(**kwargs)
+
+
+def test_exit_layer_must_be_below_the_depth(tiny):
+    with pytest.raises(ValueError, match="'exit_layer' must be below"):
+        _separate(tiny[0], L, 1)
+
+
+def test_cli_flags(tiny, capsys):
+    from eecore.cli import main
+
+    path, _ = tiny
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--exit-layer", "2", "--num-speculations", "2", "--draft-layers", "separate",
+                 "--draft-dtype", "bfloat16"]) == 0
+    with pytest.raises(SystemExit, match="'draft_dtype' applies to draft_layers='separate' only"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-dtype", "bfloat16"])
