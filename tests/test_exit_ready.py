@@ -312,3 +312,37 @@ def test_second_stage_refuses_pairs_of_another_shape(llm, vocab):
         ExitReadyConfig(frozen_layers=-1)
     with pytest.raises(ValueError, match="leaves none"):
         ExitReadyTrainer(llm, dataclasses.replace(CONFIG, frozen_layers=L), vocab)
+
+
+def test_draft_only_trains_the_copy_and_its_exits(tiny, llm, tokens, vocab, tmp_path):
+    """draft_only: the student is layers 0..max(E)-1 with pairs; every exit's loss falls; the file's
+    pairs cover only those layers, and as separate draft layers they leave full depth alone while
+    the drafts read the trained copy."""
+    config = dataclasses.replace(CONFIG, draft_only=True, exit_layers=(2,), steps=8, lr=1e-3, adapter_lr=1e-3)
+    trainer = ExitReadyTrainer(llm, config, vocab)
+    assert len(trainer.student.base_model.model.model.layers) == 2
+    batch = batch_windows(tokens, 0, B, S, seed=1)
+    before = trainer.evaluate(batch)
+    assert "final" not in before
+    for _ in range(config.steps):  # the same batch: the steps must fit it
+        trainer.train_step(batch)
+    after = trainer.evaluate(batch)
+    assert after["2"]["loss"] < 0.9 * before["2"]["loss"]
+    moved = {int(name.split("layers.")[1].split(".")[0]) for name, p in trainer.lora_params.items()
+             if "lora_B" in name and p.abs().max() > 0}
+    assert moved == {0, 1}  # the pairs train (B starts at zero)
+    adapters = trainer.exit_adapters({"draft_only": True})
+    assert {int(p.split("layers.")[1].split(".")[0]) for p in adapters.lora.pairs} == {0, 1}
+    file = str(tmp_path / "draft.safetensors")
+    adapters.save(file)
+    prompts = random_prompts(VOCAB, [4, 7], seed=6)
+    spec = _load(tiny[0], exit_adapter=file, speculative=eecore.SelfSpeculativeConfig(
+        exit_layer=2, num_speculations=2, draft_layers="separate"))
+    outs = spec.generate(prompts, greedy(8))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, greedy(8))]
+    assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+
+
+def test_draft_only_refuses_layer_dropout():
+    with pytest.raises(ValueError, match="draft_only"):
+        ExitReadyConfig(draft_only=True, p_max=0.1)

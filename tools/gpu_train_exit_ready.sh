@@ -29,6 +29,12 @@
 #     start 8 --init-adapters .gpu_payload/work/exit-ready.safetensors --checkpoint-dir .gpu_payload/work/ckpt2 \
 #       --frozen-layers 16 --e-scale 0 --steps 1500 --batch-size 32 --seq-len 512 --export-on-stop
 #   (its file replaces the first's; its log is ckpt2/train_log.jsonl there, and train.txt here).
+#   For separate draft layers (the next run to make, 2026-11-24): pairs of the layers below exit 8
+#   only, trained for the exit alone (full depth never sees them), from the shipped draft file:
+#     start 15 --draft-only --exit-layers 8 --init-adapters .gpu_payload/draft-layers.safetensors \
+#       --lora-rank 8 --steps 6000 --batch-size 32 --seq-len 512 --export-on-stop
+#   (copy python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors to .gpu_payload/ and
+#   carry it with part3; a larger --lora-rank needs a fresh start without --init-adapters).
 #   Measured on an H100: 32 x 512 tokens a step at 2.9 steps/s (150 K tokens/s).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"

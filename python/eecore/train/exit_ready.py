@@ -80,6 +80,10 @@ class ExitReadyConfig:
     p_max: float = 0.0            # LayerSkip's layer dropout (off: see the module doc)
     frozen_layers: int = 0        # the LoRA pairs of layers below this one stay as they start
     e_scale: float = 0.3          # weight of each enabled exit's loss against the last layer's
+    # Pairs for separate draft layers (eecore.speculative.draft_stack): the student is layers
+    # 0..max(exit_layers)-1 with their pairs, the loss the exits' alone (full depth never runs
+    # them, so there is no last layer to hold near the original, and no trade-off).
+    draft_only: bool = False
     exit_curriculum: str = "none"
     rotation: int = 2
     temperature: float = 1.0
@@ -98,6 +102,9 @@ class ExitReadyConfig:
             raise ValueError(f"p_max must be in [0, 1] and e_scale >= 0, got {self.p_max!r}, {self.e_scale!r}")
         if self.exit_curriculum not in EXIT_CURRICULA:
             raise ValueError(f"exit_curriculum must be one of {EXIT_CURRICULA}, got {self.exit_curriculum!r}")
+        if self.draft_only and self.p_max:
+            raise ValueError("draft_only trains the exits of a copy of the first layers; layer dropout (p_max) "
+                             "would drop layers the drafts always run")
         if self.frozen_layers < 0:
             raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers!r}")
         if self.draft_vocab < 0 or self.warmup < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -173,10 +180,19 @@ class ExitReadyTrainer:
         # the teacher: eecore's engine where it runs (the CPU), else the student without its pairs
         self.engine_teacher = TeacherPass(llm, (), model.lm_head) if self.device.type == "cpu" else None
         self.autocast = self.device.type == "cuda"  # bf16 matmuls; every loss is taken in fp32
+        # draft_only on a GPU: the student lacks the later layers, so the teacher is a twin of its own
+        self.teacher_model = hf_twin(model).to(self.device) if config.draft_only and self.engine_teacher is None \
+            else None
+        twin = hf_twin(model)
+        if config.draft_only:
+            depth = max(config.exit_layers)
+            twin.model.layers = twin.model.layers[:depth]
+            twin.config.num_hidden_layers = depth
+        self.student_layers = twin.config.num_hidden_layers
         torch.manual_seed(config.seed)  # peft draws the A matrices from torch's global generator
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
                           target_modules=[t.split(".")[-1] for t in LLAMA_TARGETS])
-        self.student = get_peft_model(hf_twin(model), lora).to(self.device)
+        self.student = get_peft_model(twin, lora).to(self.device)
         self.final_norm = self.student.base_model.model.model.norm.weight
         self.full_head = self.student.base_model.model.lm_head.weight
         g = torch.Generator().manual_seed(config.seed)
@@ -201,7 +217,8 @@ class ExitReadyTrainer:
         self.history: list[dict] = []
 
     def _start_from(self, lora: LoraDeltas) -> None:
-        """Sets the pairs to `lora`'s (a file's: a second stage of training starts where one ended)."""
+        """Sets the pairs to `lora`'s (a file's: a second stage of training starts where one ended).
+        A draft_only student takes the pairs of its layers and leaves the file's deeper ones."""
         expected = self.config.lora_alpha / self.config.lora_rank
         if lora.rank != self.config.lora_rank or not math.isclose(lora.scale, expected):
             raise ValueError(f"the starting LoRA pairs have rank {lora.rank} and scale {lora.scale}; this run's "
@@ -237,6 +254,8 @@ class ExitReadyTrainer:
         """The original model's last-layer logits `[N, V]` (fp32) of every position of `windows`."""
         if self.engine_teacher is not None:
             return self.engine_teacher(windows.cpu())[1].to(self.device)
+        if self.teacher_model is not None:
+            return self.teacher_model(windows).logits.float().reshape(-1, self.full_head.shape[0])
         with self.student.disable_adapter():
             return self.student(windows).logits.float().reshape(-1, self.full_head.shape[0])
 
@@ -244,19 +263,24 @@ class ExitReadyTrainer:
         teacher_logits = self.teacher_logits(windows)
         target = teacher_logits.argmax(-1)
         c = self.config
-        num_layers = self.llm.model.num_layers
+        num_layers = self.student_layers
         rates = dropout_rates(step, c.steps, num_layers, c.p_max, "constant") if train else [0.0] * num_layers
         generator = torch.Generator().manual_seed(c.seed * 1_000_003 + step + 1)
         model = self.student.base_model.model
         states, _ = forward_with_layer_dropout(model, windows, rates, generator)
         d = states[-1].shape[-1]
-        final = (F.rms_norm(states[-1], (d,), self.final_norm, self.eps).reshape(-1, d) @ self.full_head.t()).float()
-        out = {"final": (distillation_loss(final, teacher_logits, c.temperature),
-                         (final.argmax(-1) == target).float().mean().item())}
+        out = {}
+        if not c.draft_only:  # (a draft-only student has no last layer: it stops at the deepest exit)
+            final = (F.rms_norm(states[-1], (d,), self.final_norm, self.eps).reshape(-1, d)
+                     @ self.full_head.t()).float()
+            out["final"] = (distillation_loss(final, teacher_logits, c.temperature),
+                            (final.argmax(-1) == target).float().mean().item())
         vocab = None if self.vocab is None else self.vocab.to(self.device)
         teacher_draft = teacher_logits if vocab is None else teacher_logits[:, vocab]
         if not train:
             exits = sorted(self.blocks)
+        elif c.draft_only:
+            exits = self.enabled_exits(step) or sorted(self.blocks)  # the exits are all there is to train
         elif c.e_scale:
             exits = self.enabled_exits(step)
         else:
@@ -275,7 +299,8 @@ class ExitReadyTrainer:
             group["lr"] = base * factor
         self.optimizer.zero_grad(set_to_none=True)
         per = self.losses(windows, self.step)
-        total = per["final"][0] + self.config.e_scale * sum(l for k, (l, _) in per.items() if k != "final")
+        exits = sum(l for k, (l, _) in per.items() if k != "final")
+        total = exits if self.config.draft_only else per["final"][0] + self.config.e_scale * exits
         total.backward()
         torch.nn.utils.clip_grad_norm_(self.trained_lora + self.adapter_params, self.config.max_grad_norm)
         self.optimizer.step()
@@ -362,7 +387,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if f.name == "exit_layers":
             continue
         kind = type(getattr(d, f.name))
-        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(d, f.name))
+        if kind is bool:
+            ap.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                            default=getattr(d, f.name))
+        else:
+            ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(d, f.name))
     ap.add_argument("--checkpoint-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16")
@@ -410,8 +439,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 3
     with open(os.path.join(args.corpus, "manifest.json")) as f:
         manifest = json.load(f)
-    info = {"recipe": "LayerSkip on LoRA pairs of every projection + per-exit SwiGLU adapters, "
-                      "KL to the original model's last layer (exits over the draft vocabulary)",
+    info = {"recipe": ("LoRA pairs of the layers below the exits + per-exit SwiGLU adapters for separate draft "
+                       "layers, KL of each exit to the original model's last layer (over the draft vocabulary)")
+            if config.draft_only else
+            ("LayerSkip on LoRA pairs of every projection + per-exit SwiGLU adapters, "
+             "KL to the original model's last layer (exits over the draft vocabulary)"),
             "config": dataclasses.asdict(config), "init_adapters": args.init_adapters,
             "trained_steps": trainer.step, "trained_tokens": trainer.step * config.batch_size * config.seq_len,
             "corpus": {k: manifest[k] for k in ("train", "heldout", "versions")},
