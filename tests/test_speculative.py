@@ -16,10 +16,11 @@ def tiny(request, tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=NUM_LAYERS)
 
 
-def _spec(path, E, d, threshold=None, guard=None, **kw):
+def _spec(path, E, d, threshold=None, guard=None, draft_layers="shared", **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
                       speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
-                                                               draft_threshold=threshold, **(guard or {})), **kw)
+                                                               draft_threshold=threshold, draft_layers=draft_layers,
+                                                               **(guard or {})), **kw)
 
 
 @pytest.mark.parametrize("E, d", [(1, 1), (1, 3), (2, 2), (3, 4), (2, 16)])
@@ -236,7 +237,8 @@ def _joint_law(hf, prompt, num_layers=None):
     return p1[:, None] * p2
 
 
-def test_speculative_sampling_preserves_the_full_model_law(tmp_path):
+@pytest.mark.parametrize("draft_layers", ["shared", "separate"])
+def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layers):
     from scipy.stats import chisquare
 
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=NUM_LAYERS, vocab_size=12,
@@ -246,7 +248,7 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path):
     # max_tokens=3: t2 comes out of a round that drafted it (with 2 tokens, the only decode round
     # would have no room for a draft, and the test would check plain sampling)
     params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    outs = _spec(path, 1, 3, max_num_seqs=64).generate([prompt] * n, params)
+    outs = _spec(path, 1, 3, max_num_seqs=64, draft_layers=draft_layers).generate([prompt] * n, params)
     assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
     assert 0 < sum(o.metrics["num_accepted_tokens"] for o in outs) < n
     counts = torch.zeros(12, 12)

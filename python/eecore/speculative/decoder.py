@@ -115,7 +115,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             drafts, draft_probs = self._draft(seqs, lookup, layer_budgets)
             logits = self._verify(seqs, drafts)
         else:  # lookup drafts or a separate draft stack's: one varlen pass through every layer
-            drafts, draft_probs = self._draft_separate(seqs, lookup, layer_budgets)
+            drafts, draft_probs = self._lookup_and_copy_drafts(seqs, lookup, layer_budgets)
             logits = self._verify_all(seqs, drafts, shadowed)
         results, offsets, offset = [], [], 0
         for b, (seq, seq_drafts, probs) in enumerate(zip(seqs, drafts, draft_probs)):
@@ -218,7 +218,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             live = next_live
         return drafts, draft_probs
 
-    def _draft_separate(self, seqs, lookup, budgets):
+    def _lookup_and_copy_drafts(self, seqs, lookup, budgets):
         """Lookup drafts as they are, and layer drafts of up to budgets[b] tokens from the separate
         draft stack: pass 0 runs what the copy has not seen through the pending token, pass k
         draft k; the last draft needs no pass (verification runs it through the model)."""
