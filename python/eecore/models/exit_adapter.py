@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
-from eecore.models.lora import LoraDeltas
+from eecore.models.lora import LoraDeltas, layer_index
 
 FORMAT = "eecore-exit-adapter-1"
 FORMAT_LORA = "eecore-exit-adapter-2"  # with LoRA pairs merged into the base at load
@@ -121,8 +121,7 @@ class ExitAdapters:
         below = max(exit_layers)
         lora = None
         if self.lora is not None:
-            pairs = {p: ab for p, ab in self.lora.pairs.items()
-                     if int(p.split("layers.")[1].split(".")[0]) < below}
+            pairs = {p: ab for p, ab in self.lora.pairs.items() if (layer_index(p) or 0) < below}
             lora = LoraDeltas(pairs, self.lora.scale)
         info = dict(self.info, draft_layers_subset={"exit_layers": sorted(exit_layers), "lora_layers_below": below})
         return ExitAdapters({E: self.blocks[E] for E in exit_layers}, self.vocab, self.base, info, lora, self.source)

@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 # The projections of a Llama-family decoder layer a LoRA may change, by their HF module names.
 LLAMA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def layer_index(path: str) -> Optional[int]:
+    """The decoder layer of a module path or state-dict key ("model.layers.3.mlp.up_proj" -> 3);
+    None for a key outside the layers (embeddings, final norm, LM head)."""
+    prefix = "model.layers."
+    return int(path[len(prefix):].split(".", 1)[0]) if path.startswith(prefix) else None
 
 
 @dataclass

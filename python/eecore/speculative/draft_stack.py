@@ -34,16 +34,8 @@ from eecore.engine.kv_cache import KVCache
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
-from eecore.models.lora import LoraDeltas
-
-_LAYER_PREFIX = "model.layers."
-
-
-def _layer_of(name: str) -> Optional[int]:
-    """The decoder layer a state-dict key or LoRA module path belongs to (None: not a layer's)."""
-    if not name.startswith(_LAYER_PREFIX):
-        return None
-    return int(name[len(_LAYER_PREFIX):].split(".", 1)[0])
+from eecore.models.lora import LoraDeltas, layer_index
+from eecore.speculative.guard import layer_weight_bytes
 
 
 def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype: torch.dtype,
@@ -56,9 +48,9 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
     if not 1 <= exit_layer < loaded.config.num_layers:
         raise ValueError(f"separate draft layers: exit_layer must be in 1..{loaded.config.num_layers - 1}, "
                          f"got {exit_layer}")
-    state = {k: v for k, v in loaded.state_dict.items() if (_layer_of(k) is None or _layer_of(k) < exit_layer)}
+    state = {k: v for k, v in loaded.state_dict.items() if (layer_index(k) is None or layer_index(k) < exit_layer)}
     if lora is not None:
-        below = {p: ab for p, ab in lora.pairs.items() if (_layer_of(p) is not None and _layer_of(p) < exit_layer)}
+        below = {p: ab for p, ab in lora.pairs.items() if (layer_index(p) or 0) < exit_layer}
         LoraDeltas(below, lora.scale).merge_into(state, source)
     config = dataclasses.replace(loaded.config, num_layers=exit_layer)
     return LlamaModel(config, state, dtype, device)
@@ -86,8 +78,6 @@ class DraftStack:
 
     def weight_bytes(self) -> int:
         """Bytes a drafted token reads: the copy's E layers, then the draft head."""
-        from eecore.speculative.guard import layer_weight_bytes
-
         return sum(layer_weight_bytes(self.model, i) for i in range(self.exit_layer)) + self.head.weight_bytes()
 
     # ---- passes ------------------------------------------------------------------------------
