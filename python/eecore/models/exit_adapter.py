@@ -121,7 +121,8 @@ class ExitAdapters:
         below = max(exit_layers)
         lora = None
         if self.lora is not None:
-            pairs = {p: ab for p, ab in self.lora.pairs.items() if (layer_index(p) or 0) < below}
+            pairs = {p: ab for p, ab in self.lora.pairs.items()
+                     if layer_index(p) is not None and layer_index(p) < below}
             lora = LoraDeltas(pairs, self.lora.scale)
         info = dict(self.info, draft_layers_subset={"exit_layers": sorted(exit_layers), "lora_layers_below": below})
         return ExitAdapters({E: self.blocks[E] for E in exit_layers}, self.vocab, self.base, info, lora, self.source)

@@ -50,7 +50,7 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
                          f"got {exit_layer}")
     state = {k: v for k, v in loaded.state_dict.items() if (layer_index(k) is None or layer_index(k) < exit_layer)}
     if lora is not None:
-        below = {p: ab for p, ab in lora.pairs.items() if (layer_index(p) or 0) < exit_layer}
+        below = {p: ab for p, ab in lora.pairs.items() if layer_index(p) is not None and layer_index(p) < exit_layer}
         LoraDeltas(below, lora.scale).merge_into(state, source)
     config = dataclasses.replace(loaded.config, num_layers=exit_layer)
     return LlamaModel(config, state, dtype, device)
@@ -88,7 +88,8 @@ class DraftStack:
         for seq in seqs:
             start = self._valid(seq)
             end = seq.num_computed_tokens + 1  # through the pending token
-            pieces.append((start, seq.token_slice(start, end)))
+            # usually the copy is one token behind: no slice of the whole context each round
+            pieces.append((start, [seq.last_token_id] if start == end - 1 else seq.token_slice(start, end)))
             self._seen[seq.seq_id][2] = end
         if all(len(tokens) == 1 for _, tokens in pieces):
             return self._run([Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)])
