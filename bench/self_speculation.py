@@ -12,13 +12,15 @@ the LM head).
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
                                      [--draft layer|lookup|hybrid] [--exit-adapter [FILE]]
                                      [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
+                                     [--draft-top-ks 1 3]
                                      [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
 prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
 adapters (the shipped ones without FILE) for the layer drafts. `--prompts code` runs held-out
 code-completion prompts (eecore.prompts) instead of the CLI's chat prompts. `--draft-layers separate`
 drafts with a copy of layers 0..E-1 (eecore.speculative.draft_stack) in each of `--draft-dtypes`; an
-exit-ready file's LoRA pairs then change only the copy, so full depth is the original model.
+exit-ready file's LoRA pairs then change only the copy, so full depth is the original model;
+`--draft-top-ks` (separate only) verifies each drafted position's top-k tokens as a token tree.
 writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth `--repeats` times; ratios are of the medians, and the
@@ -87,13 +89,15 @@ def main():
                     help="SelfSpeculativeConfig(draft_layers=...)")
     ap.add_argument("--draft-dtypes", nargs="+", default=[None], choices=[None, "float32", "bfloat16"],
                     help="--draft-layers separate: the draft copy's dtypes to run (default: the model's)")
+    ap.add_argument("--draft-top-ks", type=int, nargs="+", default=[1],
+                    help="--draft-layers separate: SelfSpeculativeConfig(draft_top_k=...) values to run")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
     args = ap.parse_args()
     separate = args.draft_layers == "separate"
     if not separate:
-        args.draft_dtypes = [None]
+        args.draft_dtypes, args.draft_top_ks = [None], [1]
     thresholds = [None if t == "none" else float(t) for t in args.draft_thresholds]
     layers = args.draft != "lookup"
     if not layers:  # no exit layer, draft threshold or guard: one configuration per d
@@ -128,15 +132,15 @@ def main():
                 _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
-        print(f"{'E':>3}{'d':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
+        print(f"{'E':>3}{'d':>3}{'k':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}")
-        for E, d, threshold, draft_dtype in itertools.product(args.exit_layers, args.drafts, thresholds,
-                                                              args.draft_dtypes):
+        for E, d, threshold, draft_dtype, top_k in itertools.product(args.exit_layers, args.drafts, thresholds,
+                                                                     args.draft_dtypes, args.draft_top_ks):
             llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
                                  min_acceptance=args.min_acceptance, draft=args.draft,
-                                 draft_layers=args.draft_layers, draft_dtype=draft_dtype))
+                                 draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k))
             outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
@@ -148,14 +152,14 @@ def main():
             break_even = break_even_acceptance(full.model, E, d, head.weight_bytes(),
                                                None if stack is None else stack.weight_bytes()) if layers else 0.0
             row = dict(batch=batch, draft=args.draft, exit_layer=E, num_speculations=d, draft_threshold=threshold,
-                       draft_layers=args.draft_layers, draft_dtype=draft_dtype,
+                       draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                        tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
                        identical_to_full=exact, tok_s_runs=runs, full_tok_s_runs=full_runs,
                        paired_ratios=[a / b for a, b in zip(runs, full_runs)])
             for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_drafted_tokens",
-                        "num_layer_accepted_tokens"):
+                        "num_layer_accepted_tokens", "num_tree_alternatives", "num_tree_alternatives_accepted"):
                 if key in outs[0].metrics:
                     row[key] = sum(o.metrics[key] for o in outs)
             hf_text = "-"
@@ -164,7 +168,7 @@ def main():
                 hf_text = f"{hf_tok_s[E]:.1f}"
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
-            print(f"{E if E is not None else '-':>3}{d:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
+            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])

@@ -25,9 +25,13 @@ TORCH_LIBRARY(eecore, m) {
   // [Hq, max_distance] is added to the score at distance q_pos - k_pos (clamped to
   // [0, max_distance - 1]). query/out may be strided in Tq and Hq; the caches are contiguous and
   // of query's dtype; block_table is -1 padded past each sequence's ceil(seq_len / BS) blocks.
+  // tree_mask int64 [Tq] (token-tree verification; needs causal and max_query_len <= 64): row i of
+  // a chunk sees every key before its chunk and chunk key j (position seq_len - q_len + j) iff bit
+  // j of its mask is set; bit i must be set and no bit above i (a chain 0..i is plain causal).
+  // CPU only for now.
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, float scale, bool causal, "
-        "Tensor? position_bias) -> ()");
+        "Tensor? position_bias, Tensor? tree_mask=None) -> ()");
 
   // out, input [..., d]; weight [d]: out = input * rsqrt(mean(input^2) + eps) * weight
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");

@@ -1,5 +1,6 @@
 """paged_attention against eecore.reference: decode, prefill, chunked prefill, mixed varlen batches,
-GQA, odd head dims, every block size, position bias, non-causal, strided operands, and bad input."""
+GQA, odd head dims, every block size, position bias, non-causal, token-tree masks, strided operands,
+and bad input."""
 from __future__ import annotations
 
 import math
@@ -34,10 +35,11 @@ class PagedCase:
     causal: bool = True
     position_bias: Optional[torch.Tensor] = None
     kv_cache: Optional[torch.Tensor] = None  # the [L, 2, NB, BS, Hkv, D] tensor k/v_cache view
+    tree_mask: Optional[torch.Tensor] = None
 
     def args(self, out):
         return (out, self.query, self.k_cache, self.v_cache, self.block_table, self.seq_lens, self.query_start_loc,
-                self.max_query_len, self.scale, self.causal, self.position_bias)
+                self.max_query_len, self.scale, self.causal, self.position_bias, self.tree_mask)
 
 
 def make_case(device, dtype, *, seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
@@ -257,6 +259,140 @@ def test_non_causal_differs_from_causal(device):
     torch.testing.assert_close(full[-1], causal[-1])  # the last row sees every key either way
     assert (full[0] - causal[0]).abs().max() > 0.1
 
+# --------------------------------------------------------------------------------------------
+# Token-tree masks: a self-speculative step verifies a draft tree (the top-1 chain plus top-k
+# alternatives) in one pass. Sibling rows sit in consecutive cache slots but must not see each
+# other: row i of a chunk sees chunk key j only when bit j of tree_mask[row] is set. CPU only.
+# --------------------------------------------------------------------------------------------
+
+def _as_int64(bits: int) -> int:
+    """The int64 value that holds a 64-bit set (bit 63 makes it negative)."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def tree_mask_of(parents: list[int]) -> list[int]:
+    """The ancestor-or-self bit set of every row of a forest given by parent indices (-1: a root;
+    parents come before their children, as the rows of a draft tree do)."""
+    masks: list[int] = []
+    for i, parent in enumerate(parents):
+        assert parent < i
+        masks.append((masks[parent] if parent >= 0 else 0) | 1 << i)
+    return [_as_int64(m) for m in masks]
+
+
+def random_parents(q_len: int) -> list[int]:
+    # Every row hangs under a random earlier row, or (now and then) starts a tree of its own.
+    return [int(torch.randint(-1, i, (1,))) if i else -1 for i in range(q_len)]
+
+
+def chain_parents(q_len: int) -> list[int]:
+    return list(range(-1, q_len - 1))
+
+
+def tree_masks(q_lens: list[int], make_parents) -> torch.Tensor:
+    """int64 [Tq]: the masks of one tree per sequence, back to back."""
+    return torch.tensor([m for q_len in q_lens for m in tree_mask_of(make_parents(q_len))], dtype=torch.int64)
+
+
+# With 2 query heads per KV head (GQA) and head dim 64, chunks of <= 8 rows run token-major and
+# longer ones head-major (fp32: cache rows read in place; bf16/fp16: packed to fp32); head dim 20
+# is always packed; 1 query head per KV head moves the token-major limit to 16 rows. Head-major
+# items hold 32 / G rows, so the 40- and 64-row chunks span several items. The chunks of the 67-,
+# 75-, 130- and 100-token sequences begin after one to three full key tiles (32 keys) and
+# straddle a tile boundary; 64 rows use bit 63 (a negative int64).
+TREE_SEQ_LENS = [1, 67, 75, 20, 9, 130, 100]
+TREE_Q_LENS = [1, 6, 13, 0, 9, 40, 64]
+
+
+def make_tree_case(dtype, make_parents=random_parents, num_q_heads=4, num_kv_heads=2, **kwargs) -> PagedCase:
+    case = make_case("cpu", dtype, seq_lens=TREE_SEQ_LENS, q_lens=TREE_Q_LENS, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, **kwargs)
+    case.tree_mask = tree_masks(TREE_Q_LENS, make_parents)
+    return case
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_tree_mask_matches_reference(dtype, heads, head_dim, block_size):
+    num_q_heads, num_kv_heads = heads
+    case = make_tree_case(dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          block_size=block_size)
+    case.query.mul_(2.0)  # sharper attention: a key wrongly seen or missed moves the output more
+    check_against_reference(case)
+
+
+@pytest.mark.parametrize("max_distance", [8, 200])
+def test_tree_mask_with_position_bias(max_distance):
+    case = make_tree_case(torch.float32, max_distance=max_distance)
+    check_against_reference(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_chain_mask_is_causal(dtype, head_dim):
+    # A chain (row i sees rows 0..i) is the causal mask: the same result, bit for bit.
+    case = make_tree_case(dtype, make_parents=chain_parents, head_dim=head_dim)
+    chained = check_against_reference(case)
+    case.tree_mask = None
+    plain = check_against_reference(case)
+    torch.testing.assert_close(chained, plain, atol=0, rtol=0)
+
+
+# (head dim, q_len, dtype): token-major, head-major in place, head-major packed (GQA 8 / 2).
+ORDERS = [(64, 4, torch.float32), (64, 20, torch.float32), (20, 4, torch.float32), (64, 20, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("head_dim, q_len, dtype", ORDERS)
+def test_tree_mask_siblings_do_not_see_each_other(head_dim, q_len, dtype):
+    # Rows 1 and 2 are both children of row 0 (two candidates for the same next token) with the
+    # same query vector; rows 3.. continue under row 2. Row 1 sees key 1 and not key 2, row 2 the
+    # other way round, so their outputs differ; under a plain causal mask row 2 would see both.
+    # A short context (5 keys before the chunk) keeps the weight of one key large.
+    parents = [-1, 0, 0] + list(range(2, q_len - 1))
+    seq_len, block_size = q_len + 5, 4
+    case = make_case("cpu", dtype, seq_lens=[seq_len], q_lens=[q_len], head_dim=head_dim, block_size=block_size)
+    case.tree_mask = torch.tensor(tree_mask_of(parents), dtype=torch.int64)
+    case.query[2] = case.query[1]
+    case.query.mul_(2.0)
+    out = check_against_reference(case)
+    assert (out[1].float() - out[2].float()).abs().max() > 0.1
+
+    # Nothing outside a row's path reaches it: scribbling over the key and value of row 1 leaves
+    # every row that does not descend from row 1 (all but row 1 itself) exactly as it was.
+    pos = seq_len - q_len + 1
+    block, offset = int(case.block_table[0, pos // block_size]), pos % block_size
+    case.k_cache[block, offset] = 50.0
+    case.v_cache[block, offset] = 1e3
+    after = check_against_reference(case)
+    others = [r for r in range(q_len) if r != 1]
+    torch.testing.assert_close(after[others], out[others], atol=0, rtol=0)
+    assert (after[1].float() - out[1].float()).abs().max() > 1.0
+
+
+def test_tree_mask_may_be_strided():
+    case = make_tree_case(torch.float32)
+    dense = check_against_reference(case)
+    case.tree_mask = torch.stack([case.tree_mask, torch.zeros_like(case.tree_mask)], dim=1)[:, 0]
+    assert not case.tree_mask.is_contiguous()
+    torch.testing.assert_close(check_against_reference(case), dense, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1], [3, 9]])
+def test_opcheck_tree_mask(q_lens):
+    case = make_case("cpu", torch.float32, seq_lens=[10, 21], q_lens=q_lens, block_size=5)
+    case.tree_mask = tree_masks(q_lens, random_parents)
+    torch.library.opcheck(torch.ops.eecore.paged_attention.default, case.args(torch.empty_like(case.query)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tree_mask_not_on_cuda():
+    case = make_case("cuda", torch.bfloat16, seq_lens=[10], q_lens=[3])
+    case.tree_mask = tree_masks([3], chain_parents).cuda()
+    with pytest.raises(RuntimeError, match="'tree_mask'.*not supported by the CUDA kernels"):
+        ops.paged_attention(*case.args(torch.empty_like(case.query)))
+
 
 # --------------------------------------------------------------------------------------------
 # Layouts: strided query/out (slices of fused buffers), views of the multi-layer cache.
@@ -357,6 +493,32 @@ BAD_ARGUMENTS = [
     (_replace(block_table=lambda c: c.block_table.index_fill(1, torch.tensor([1]), c.k_cache.shape[0])),
      "'block_table'.*block id"),
     (_replace(block_table=lambda c: c.block_table.index_fill(1, torch.tensor([0]), -1)), "'block_table'.*block id"),
+]
+
+def _chain_mask(case: PagedCase) -> torch.Tensor:
+    starts = case.query_start_loc.tolist()
+    return tree_masks([end - begin for begin, end in zip(starts, starts[1:])], chain_parents)
+
+
+def _set_mask_row(row: int, value: int):
+    def corrupt(case: PagedCase) -> torch.Tensor:
+        mask = _chain_mask(case)
+        mask[row] = value
+        return mask
+    return corrupt
+
+
+# tree_mask: q_lens [1, 2, 7] put rows 1-2 in sequence 1 and rows 3-9 in sequence 2.
+BAD_ARGUMENTS += [
+    (_replace(tree_mask=lambda c: _chain_mask(c).int()), "'tree_mask'.*dtype"),
+    (_replace(tree_mask=lambda c: _chain_mask(c)[:-1]), "'tree_mask'.*one per query row"),
+    (_replace(tree_mask=lambda c: _chain_mask(c)[None]), "'tree_mask'.*1-D"),
+    (_replace(tree_mask=_set_mask_row(5, 0b011)), "'tree_mask'.*row 5 \\(row 2 of sequence 2\\).*bit 2 set"),
+    (_replace(tree_mask=_set_mask_row(2, 0b01)), "'tree_mask'.*row 2 \\(row 1 of sequence 1\\).*bit 1 set"),
+    (_replace(tree_mask=_set_mask_row(3, 0b11)), "'tree_mask'.*row 3 \\(row 0 of sequence 2\\).*no bit above 0"),
+    (_replace(tree_mask=_set_mask_row(8, -1)), "'tree_mask'.*row 8 \\(row 5 of sequence 2\\).*no bit above 5"),
+    (_replace(tree_mask=_chain_mask, causal=lambda c: False), "'causal'.*tree_mask"),
+    (_replace(tree_mask=_chain_mask, max_query_len=lambda c: 65), "'max_query_len'.*64.*tree_mask"),
 ]
 
 

@@ -22,11 +22,15 @@ struct PagedAttentionDims {
   int64_t max_distance;  // columns of position_bias (0 without one)
 };
 
+// A tree_mask row is one int64 bit set over the keys of its chunk, so a chunk holds at most 64 rows.
+constexpr int64_t kTreeMaskMaxQueryLen = 64;
+
 inline PagedAttentionDims check_paged_attention_args(const at::Tensor& out, const at::Tensor& query,
                                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                                                      const at::Tensor& query_start_loc, int64_t max_query_len,
-                                                     const std::optional<at::Tensor>& position_bias) {
+                                                     const std::optional<at::Tensor>& position_bias,
+                                                     bool causal, const std::optional<at::Tensor>& tree_mask) {
   const char* op = "paged_attention";
   PagedAttentionDims dims{};
 
@@ -98,6 +102,21 @@ inline PagedAttentionDims check_paged_attention_args(const at::Tensor& out, cons
     check_contiguous(op, "position_bias", bias);
     check_same_device(op, "position_bias", bias, "query", query);
     dims.max_distance = bias.size(1);
+  }
+
+  // tree_mask int64 [Tq]: one bit set per query row over the keys of its chunk (the values are
+  // checked where the data is read). The mask only removes keys inside the causal triangle.
+  if (tree_mask.has_value() && tree_mask->defined()) {
+    const at::Tensor& mask = *tree_mask;
+    check_dim(op, "tree_mask", mask, 1);
+    check_dtype(op, "tree_mask", mask, at::kLong);
+    check_size(op, "tree_mask", mask, 0, dims.num_tokens, "one per query row of 'query'");
+    check_same_device(op, "tree_mask", mask, "query", query);
+    EECORE_CHECK_ARG(op, "causal", causal, "must be true with a 'tree_mask' (a token tree is causal attention "
+                     "with keys removed), got false");
+    EECORE_CHECK_ARG(op, "max_query_len", max_query_len <= kTreeMaskMaxQueryLen, "must be <= ",
+                     kTreeMaskMaxQueryLen, " with a 'tree_mask' (one int64 bit per key of a chunk), got ",
+                     max_query_len);
   }
   return dims;
 }

@@ -47,9 +47,10 @@ constexpr int64_t kTokenMajorMaxVectors = 16;
 
 // Reads query_start_loc / seq_lens / block_table and checks every value the kernel will use, so
 // that nothing is written (or read) out of bounds. These are the checks that need tensor data.
+// `tree_mask` (contiguous [Tq], or null): every row's bits must lie inside its causal triangle.
 std::vector<SeqSpan> read_batch_layout(const PagedAttentionDims& dims, const at::Tensor& block_table,
                                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                       int64_t max_query_len, bool causal) {
+                                       int64_t max_query_len, bool causal, const int64_t* tree_mask) {
   const auto starts = query_start_loc.accessor<int32_t, 1>();
   const auto lens = seq_lens.accessor<int32_t, 1>();
   const auto table = block_table.accessor<int32_t, 2>();
@@ -81,6 +82,19 @@ std::vector<SeqSpan> read_batch_layout(const PagedAttentionDims& dims, const at:
       const int64_t block = table[b][i];
       EECORE_CHECK_ARG(kOp, "block_table", block >= 0 && block < dims.num_blocks, "entry [", b, ", ", i, "] is ",
                        block, ", expected a block id in [0, ", dims.num_blocks, ") for a block in use");
+    }
+    if (tree_mask != nullptr) {
+      // Row i sees itself and some of the rows before it: bit i set, every bit above i clear (the
+      // kernel keeps its causal key bound, and q_len <= 64 keeps every shift in range).
+      for (int64_t i = 0; i < q_len; ++i) {
+        const int64_t row = starts[b] + i;
+        const uint64_t bits = static_cast<uint64_t>(tree_mask[row]);
+        EECORE_CHECK_ARG(kOp, "tree_mask", ((bits >> i) & 1u) != 0, "row ", row, " (row ", i, " of sequence ", b,
+                         ") is ", tree_mask[row], ", expected bit ", i, " set (a row sees itself)");
+        EECORE_CHECK_ARG(kOp, "tree_mask", i == 63 || (bits >> (i + 1)) == 0, "row ", row, " (row ", i,
+                         " of sequence ", b, ") is ", tree_mask[row], ", expected no bit above ", i,
+                         " set (a row sees no later row of its chunk)");
+      }
     }
     seqs[b] = {starts[b], q_len, seq_len};
   }
@@ -164,12 +178,17 @@ void run_items(const AttentionArgs<scalar_t>& a, const std::vector<SeqSpan>& seq
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t max_query_len, double scale, bool causal,
-                         const std::optional<at::Tensor>& position_bias) {
+                         const std::optional<at::Tensor>& position_bias,
+                         const std::optional<at::Tensor>& tree_mask) {
   const PagedAttentionDims dims = check_paged_attention_args(out, query, k_cache, v_cache, block_table, seq_lens,
-                                                             query_start_loc, max_query_len, position_bias);
+                                                             query_start_loc, max_query_len, position_bias, causal,
+                                                             tree_mask);
   const at::Tensor table = block_table.contiguous();
+  const bool has_tree = tree_mask.has_value() && tree_mask->defined();
+  const at::Tensor tree = has_tree ? tree_mask->contiguous() : at::Tensor();
+  const int64_t* tree_bits = has_tree ? tree.const_data_ptr<int64_t>() : nullptr;
   const std::vector<SeqSpan> seqs =
-      read_batch_layout(dims, table, seq_lens, query_start_loc, max_query_len, causal);
+      read_batch_layout(dims, table, seq_lens, query_start_loc, max_query_len, causal, tree_bits);
   if (dims.num_tokens == 0) return;
   const bool has_bias = position_bias.has_value() && position_bias->defined();
 
@@ -187,6 +206,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
     a.max_blocks = dims.max_blocks;
     a.position_bias = has_bias ? position_bias->const_data_ptr<float>() : nullptr;
     a.max_distance = dims.max_distance;
+    a.tree_mask = tree_bits;
     a.block_size = dims.block_size;
     a.num_kv_heads = dims.num_kv_heads;
     a.head_dim = dims.head_dim;

@@ -14,10 +14,14 @@ namespace {
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, int64_t max_query_len, double scale, bool causal,
-                          const std::optional<at::Tensor>& position_bias) {
+                          const std::optional<at::Tensor>& position_bias,
+                          const std::optional<at::Tensor>& tree_mask) {
   const char* op = "paged_attention";
   const PagedAttentionDims dims = check_paged_attention_args(out, query, k_cache, v_cache, block_table, seq_lens,
-                                                             query_start_loc, max_query_len, position_bias);
+                                                             query_start_loc, max_query_len, position_bias, causal,
+                                                             tree_mask);
+  EECORE_CHECK_ARG(op, "tree_mask", !(tree_mask.has_value() && tree_mask->defined()),
+                   "is not supported by the CUDA kernels yet; verify token trees on the CPU");
   EECORE_CHECK_ARG(op, "query", dims.head_dim <= cuda::kPagedAttentionMaxHeadDim, "has head dim ", dims.head_dim,
                    "; the CUDA kernels support head dims up to ", cuda::kPagedAttentionMaxHeadDim);
   const c10::cuda::CUDAGuard guard(query.device());

@@ -51,6 +51,8 @@ struct AttentionArgs {
   int64_t max_blocks;
   const float* position_bias;  // [Hq, max_distance] or null
   int64_t max_distance;
+  // [Tq] or null: row i of a chunk sees chunk key j iff bit j of its entry is set (token trees)
+  const int64_t* tree_mask;
   int64_t block_size, num_kv_heads, head_dim;
   int64_t group;       // query heads per KV head (G)
   int64_t padded_dim;  // head_dim rounded up to a multiple of the vector width
@@ -114,6 +116,8 @@ struct ItemGeometry {
   int64_t num_vectors;       // x the item's KV heads
   int64_t first_q_pos;       // position of the item's first query row in its sequence
   int64_t kv_end;            // keys the item needs: [0, kv_end)
+  int64_t chunk_begin;       // position of the sequence's first query row (its chunk's first key)
+  const int64_t* tree_mask;  // the tree_mask entry of the item's first row, or null
 
   template <typename scalar_t>
   ItemGeometry(const AttentionArgs<scalar_t>& a, const SeqSpan& seq, const WorkItem& item)
@@ -121,7 +125,9 @@ struct ItemGeometry {
         num_vectors(item.num_heads() * item.num_rows() * a.group),
         first_q_pos(seq.seq_len - seq.q_len + item.row_begin),
         // a causal item needs no key past its last row
-        kv_end(a.causal ? seq.seq_len - seq.q_len + item.row_end : seq.seq_len) {}
+        kv_end(a.causal ? seq.seq_len - seq.q_len + item.row_end : seq.seq_len),
+        chunk_begin(seq.seq_len - seq.q_len),
+        tree_mask(a.tree_mask != nullptr ? a.tree_mask + seq.q_begin + item.row_begin : nullptr) {}
 };
 
 // Loads the item's query vectors into fp32, pre-multiplied by the softmax scale, zero-padded.
@@ -181,8 +187,11 @@ void pack_rows(const scalar_t* const* rows, int64_t count, int64_t head_dim, int
 
 // Adds the position bias and applies the causal mask to the scores of one query vector against
 // keys [first_key, first_key + count). `q_pos` is the query row's position in its sequence.
+// With a tree mask (`tree_bits` non-null: the row's tree_mask entry; its chunk starts at key
+// `chunk_begin`), chunk keys off the row's path in the token tree are masked too.
 inline void bias_and_mask_row(float* s, int64_t count, int64_t first_key, int64_t q_pos, const float* bias_row,
-                              int64_t max_distance, bool causal) {
+                              int64_t max_distance, bool causal, const int64_t* tree_bits,
+                              int64_t chunk_begin) {
   if (bias_row != nullptr) {
     for (int64_t n = 0; n < count; ++n) {
       const int64_t distance = std::clamp<int64_t>(q_pos - (first_key + n), 0, max_distance - 1);
@@ -194,6 +203,17 @@ inline void bias_and_mask_row(float* s, int64_t count, int64_t first_key, int64_
     for (int64_t n = std::max<int64_t>(0, q_pos + 1 - first_key); n < count; ++n)
       s[n] = kNegInf;
   }
+  if (tree_bits != nullptr) {
+    // Sibling branches of a token tree sit in consecutive slots of one chunk but are not each
+    // other's context: chunk key j (before the row's own, later ones are masked above) counts
+    // only when bit j is set, i.e. when it is an ancestor of this row. The row's bits stop at
+    // its own index (checked up front), so j < 64 and the shift is defined.
+    const uint64_t bits = static_cast<uint64_t>(*tree_bits);
+    const int64_t begin = std::max<int64_t>(0, chunk_begin - first_key);
+    const int64_t end = std::min<int64_t>(count, q_pos - first_key);
+    for (int64_t n = begin; n < end; ++n)
+      if (((bits >> (first_key + n - chunk_begin)) & 1u) == 0) s[n] = kNegInf;
+  }
 }
 
 // Bias, mask and online softmax of vectors [m_begin, m_end) of the item for one key tile: their
@@ -204,6 +224,8 @@ void softmax_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const 
                   TileScratch<scalar_t>& scratch, int64_t m_begin, int64_t m_end, int64_t first_key, int64_t count) {
   const int64_t padded_count = round_up_to_vec(count);
   const bool needs_mask = a.causal && first_key + count - 1 > geo.first_q_pos;
+  // A tree mask touches only tiles that reach into the chunk (the keys of the query rows).
+  const bool needs_tree = geo.tree_mask != nullptr && first_key + count > geo.chunk_begin;
   for (int64_t m = m_begin; m < m_end; ++m) {
     float* s = scratch.scores.data() + m * kKeyTile;
     std::fill(s + count, s + padded_count, kNegInf);
@@ -211,8 +233,9 @@ void softmax_tile(const AttentionArgs<scalar_t>& a, const WorkItem& item, const 
     const int64_t row = (m % geo.vectors_per_head) / a.group;
     const int64_t q_head = kv_head * a.group + m % a.group;
     const float* bias_row = a.position_bias ? a.position_bias + q_head * a.max_distance : nullptr;
-    if (bias_row != nullptr || needs_mask)
-      bias_and_mask_row(s, count, first_key, geo.first_q_pos + row, bias_row, a.max_distance, needs_mask);
+    if (bias_row != nullptr || needs_mask || needs_tree)
+      bias_and_mask_row(s, count, first_key, geo.first_q_pos + row, bias_row, a.max_distance, needs_mask,
+                        needs_tree ? geo.tree_mask + row : nullptr, geo.chunk_begin);
     const float correction = online_softmax_row(s, padded_count, scratch.row_max[m], scratch.row_sum[m]);
     if (correction != 1.f) scale_row(scratch.acc.data() + m * a.padded_dim, a.padded_dim, correction);
   }

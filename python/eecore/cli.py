@@ -83,6 +83,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "alone, and full depth stays the original model")
     s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="--draft-layers separate: the copy's dtype (default: the model's)")
+    s.add_argument("--draft-top-k", type=int, default=1, metavar="K",
+                   help="--draft-layers separate: verify the draft's K most likely tokens at each drafted position "
+                        "(its top-1 chain and K-1 alternatives, a token tree; greedy requests; CPU)")
     s.add_argument("--draft-threshold", type=float, default=None)
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
@@ -149,7 +152,8 @@ def speculative_config(args):
                                             draft_threshold=args.draft_threshold, min_acceptance=args.min_acceptance,
                                             draft=args.draft, layer_speculations=args.layer_speculations,
                                             disable_by_batch_size=args.disable_by_batch_size,
-                                            draft_layers=args.draft_layers, draft_dtype=args.draft_dtype, **lookup)
+                                            draft_layers=args.draft_layers, draft_dtype=args.draft_dtype,
+                                            draft_top_k=args.draft_top_k, **lookup)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

@@ -82,6 +82,9 @@ class LLM:
             raise TypeError(f"LLM: 'speculative' must be a SelfSpeculativeConfig, got {type(speculative).__name__}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if speculative is not None and speculative.draft_top_k > 1 and self.device.type != "cpu":
+            raise ValueError("LLM: draft_top_k > 1 (token-tree verification) runs on the CPU only for now: the "
+                             "CUDA paged_attention has no tree mask yet")
         loaded = load_model(model, dtype=self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -191,7 +194,7 @@ def _strategy(early_exit, speculative, num_layers, adapters, model=None, draft_m
         speculative.validate_for(num_layers, adapters)
         return (lambda runner, sampler: SelfSpeculativeDecoder(runner, sampler, speculative, adapters,
                                                                draft_model)), \
-            speculative.num_speculations + 1
+            speculative.verify_width
     return FullDepthDecoder, 1
 
 

@@ -42,10 +42,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, scale: float, causal: bool = True,
-                    position_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Varlen attention of `query [Tq, Hq, D]` over the paged KV; writes and returns `out`."""
+                    position_bias: Optional[torch.Tensor] = None,
+                    tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Varlen attention of `query [Tq, Hq, D]` over the paged KV; writes and returns `out`.
+
+    `tree_mask` (int64 `[Tq]`, CPU only, causal, `max_query_len <= 64`) verifies a token tree: row i
+    of a chunk sees the keys before its chunk and chunk key j iff bit j is set (bit i set, none above).
+    """
     _ops.paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                         int(max_query_len), float(scale), bool(causal), position_bias)
+                         int(max_query_len), float(scale), bool(causal), position_bias, tree_mask)
     return out
 
 

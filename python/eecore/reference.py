@@ -32,7 +32,10 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) 
 
 
 def paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len,
-                    scale, causal=True, position_bias: Optional[torch.Tensor] = None) -> None:
+                    scale, causal=True, position_bias: Optional[torch.Tensor] = None,
+                    tree_mask: Optional[torch.Tensor] = None) -> None:
+    """`tree_mask` (int64 `[Tq]`, with causal): row i of a chunk sees every key before its chunk and
+    chunk key j (position seq_len - q_len + j) only when bit j of its entry is set."""
     num_q_heads = query.shape[1]
     group = num_q_heads // k_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -53,6 +56,13 @@ def paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_s
             scores = scores + position_bias.float()[:, column]
         if causal:
             scores = scores.masked_fill(distance[None] < 0, float("-inf"))
+        if tree_mask is not None:
+            bits = tree_mask[q_begin:q_end].long()
+            j = torch.arange(q_len, device=query.device)
+            in_tree = ((bits[:, None] >> j[None, :]) & 1).bool()  # [q_len, q_len]: row i sees chunk key j
+            before_chunk = torch.ones(q_len, seq_len - q_len, dtype=torch.bool, device=query.device)
+            visible = torch.cat([before_chunk, in_tree], dim=1)  # [q_len, S]
+            scores = scores.masked_fill(~visible[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
 

@@ -4,6 +4,11 @@ the model reads: token ids, positions, slots, block tables, sequence lengths, qu
 The tensors live in buffers allocated once; each step fills a prefix of them from host arrays,
 so stepping allocates no device memory.
 
+A row may be a token tree (`Row.parents`): self-speculation verifies the draft's top-1 chain
+together with alternative tokens in one pass. A tree's tokens take consecutive cache slots, but a
+token's position (RoPE) is its depth in the tree, and it attends only to the context before the
+row and to its own ancestors (paged_attention's `tree_mask`).
+
 On a GPU the host arrays are pinned and copied asynchronously. A step's copy may still be queued
 when the host builds the next step (self-speculation's last draft pass reads nothing back before
 the verify pass is built), so `build` first waits for the previous step's copy: overwriting a
@@ -12,6 +17,7 @@ pinned buffer under a pending copy would hand the earlier step the later step's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -20,12 +26,40 @@ from eecore.engine.sequence import Sequence
 from eecore.models.llama import AttentionInputs
 
 
+# paged_attention's tree_mask is one int64 per query row: a tree row holds at most this many tokens
+MAX_TREE_TOKENS = 64
+
+
 @dataclass
 class Row:
-    """`tokens` of `seq` at positions start, start+1, ... (their K/V get written this step)."""
+    """`tokens` of `seq` at positions start, start+1, ... (their K/V get written this step), or,
+    with `parents`, a token tree: token j's parent is token parents[j] of this row (an earlier
+    one), or the context for -1 (token 0's parent must be). Token j still takes slot start + j;
+    its position is start + its depth, and it sees the context and its ancestors only."""
     seq: Sequence
     start: int
     tokens: list[int]
+    parents: Optional[list[int]] = None
+
+
+def tree_depths_and_masks(parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's depth in the tree (0 for a child of the context) and its ancestor-or-self
+    bitmask over the row's tokens (paged_attention's tree_mask)."""
+    n = len(parents)
+    if not 0 < n <= MAX_TREE_TOKENS:
+        raise ValueError(f"Row.parents: a token tree holds 1..{MAX_TREE_TOKENS} tokens, got {n}")
+    if parents[0] != -1:
+        raise ValueError(f"Row.parents: token 0's parent must be the context (-1), got {parents[0]}")
+    depths = np.zeros(n, dtype=np.int64)
+    masks = np.zeros(n, dtype=np.uint64)
+    masks[0] = 1
+    for j in range(1, n):
+        parent = parents[j]
+        if not 0 <= parent < j:
+            raise ValueError(f"Row.parents: token {j}'s parent must be an earlier token of the row, got {parent}")
+        depths[j] = depths[parent] + 1
+        masks[j] = masks[parent] | np.uint64(1 << j)
+    return depths, masks.view(np.int64)
 
 
 @dataclass
@@ -58,6 +92,7 @@ class InputBuilder:
         self._h_seq_lens = host(max_seqs, torch.int32)
         self._h_qsl = host(max_seqs + 1, torch.int32)
         self._h_last = host(max_seqs, torch.int64)
+        self._h_tree = host(max_tokens, torch.int64)
         self._h_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
         # encoder-decoder models: each row's cross-attention blocks and encoder length
         self._h_cross_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
@@ -72,6 +107,7 @@ class InputBuilder:
     def _host_buffers(self) -> dict[str, torch.Tensor]:
         return dict(tokens=self._h_tokens, positions=self._h_positions, slots=self._h_slots,
                     seq_lens=self._h_seq_lens, qsl=self._h_qsl, last=self._h_last, tables=self._h_tables,
+                    tree=self._h_tree,
                     cross_tables=self._h_cross_tables, cross_lens=self._h_cross_lens)
 
     def build(self, rows: list[Row]) -> StepInputs:
@@ -93,21 +129,35 @@ class InputBuilder:
         tables.fill(-1)
         qsl[0] = 0
         bs = self.block_size
+        has_tree = any(r.parents is not None for r in rows)
+        tree = self._h_tree.numpy()
         for b, row in enumerate(rows):
             lo, n = int(qsl[b]), lens[b]
             qsl[b + 1] = lo + n
             table = np.asarray(row.seq.block_table, dtype=np.int64)
             tables[b, : len(table)] = table
             pos = np.arange(row.start, row.start + n, dtype=np.int64)
-            positions[lo: lo + n] = pos
-            tokens[lo: lo + n] = row.tokens
             slots[lo: lo + n] = table[pos // bs] * bs + pos % bs
+            tokens[lo: lo + n] = row.tokens
+            if row.parents is not None:
+                if len(row.parents) != n:
+                    raise ValueError(f"Row.parents: {len(row.parents)} parents for {n} tokens")
+                depths, tree[lo: lo + n] = tree_depths_and_masks(row.parents)
+                pos = row.start + depths
+            elif has_tree:  # a plain row of a step with trees: a chain
+                if n > MAX_TREE_TOKENS:
+                    raise ValueError(f"a step with token trees takes rows of at most {MAX_TREE_TOKENS} tokens, "
+                                     f"got {n}")
+                tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
+            positions[lo: lo + n] = pos
             seq_lens[b] = row.start + n
         last = self._h_last.numpy()
         last[:B] = qsl[1: B + 1] - 1
         views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
                      seq_lens=self._h_seq_lens[:B], qsl=self._h_qsl[: B + 1], last=self._h_last[:B],
                      tables=self._h_tables[: B * width].view(B, width))
+        if has_tree:
+            views["tree"] = self._h_tree[:T]
         if rows and rows[0].seq.encoder_token_ids is not None:
             views.update(self._cross_views(rows))
         if self._d is not None:
@@ -115,7 +165,8 @@ class InputBuilder:
             self._copied.record(torch.cuda.current_stream(self.device))
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
                                seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens),
-                               cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"))
+                               cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"),
+                               tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"], row_lens=lens)
 
     def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:

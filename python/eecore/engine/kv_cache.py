@@ -46,6 +46,12 @@ class KVCache:
     def v(self, layer: int) -> torch.Tensor:
         return self._v[layer]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` (int64 `[n]`, slot = block x
+        block_size + offset; no slot in both)."""
+        flat = self.tensor.view(self.num_layers, 2, self.num_blocks * self.block_size, -1)
+        flat[:, :, dst] = flat[:, :, src]
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -46,6 +46,9 @@ class AttentionInputs:
     # its encoder output in every decoder layer, and the encoder length. None for decoder-only.
     cross_block_table: Optional[torch.Tensor] = None  # int32 [B, Wc]
     cross_seq_lens: Optional[torch.Tensor] = None     # int32 [B]
+    # Token-tree rows (speculative verification, see engine.inputs.Row.parents): each query row's
+    # ancestor-or-self bitmask over its sequence's query rows. None: every row is a causal chain.
+    tree_mask: Optional[torch.Tensor] = None          # int64 [T]
 
 
 class Workspace:
@@ -128,7 +131,7 @@ class LlamaModel:
         ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
         out = ws.attn[:T].view(T, c.num_heads, c.head_dim)
         ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
-                            attn.max_query_len, self.scale, True, None)
+                            attn.max_query_len, self.scale, True, None, attn.tree_mask)
 
         o = ops.linear(ws.o[:T], out.view(T, -1), w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)

@@ -46,6 +46,7 @@ from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
+from eecore.speculative.token_tree import accept_greedy, tree_row
 
 
 class SelfSpeculativeDecoder(DecodeStrategy):
@@ -57,7 +58,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.config = config
         self.num_drafts = config.num_speculations
         self.layer_drafts = config.layer_draft_length
-        self.lookahead = config.num_speculations + 1
+        self.lookahead = config.verify_width  # KV slots a round may write per sequence
+        self.top_k = config.draft_top_k
         self._plain = FullDepthDecoder(runner, sampler)
         self.plain_above = config.disable_by_batch_size
         model = runner.model
@@ -111,24 +113,35 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
             self._record_shadow(seqs, shadowed, shadowed, logits)
             return results
+        alternatives = [[] for _ in seqs]
         if any(layer_budgets) and self.draft_stack is None:
             drafts, draft_probs = self._draft(seqs, lookup, layer_budgets)
             logits = self._verify(seqs, drafts)
+            widths = [len(d) + 1 for d in drafts]
         else:  # lookup drafts or a separate draft stack's: one varlen pass through every layer
-            drafts, draft_probs = self._lookup_and_copy_drafts(seqs, lookup, layer_budgets)
-            logits = self._verify_all(seqs, drafts, shadowed)
-        results, offsets, offset = [], [], 0
-        for b, (seq, seq_drafts, probs) in enumerate(zip(seqs, drafts, draft_probs)):
-            n = len(seq_drafts) + 1
-            tokens = self._accept(seq, seq_drafts, probs, logits[offset: offset + n])
+            drafts, draft_probs, alternatives = self._lookup_and_copy_drafts(seqs, lookup, layer_budgets)
+            rows = [tree_row(s, d, a) for s, d, a in zip(seqs, drafts, alternatives)]
+            widths = [len(row.tokens) for row in rows]
+            logits = self._verify_all(rows, shadowed)
+        results, offsets, offset, moves = [], [], 0, []
+        for b, (seq, n, probs) in enumerate(zip(seqs, widths, draft_probs)):
+            chain = drafts[b]
+            tokens, leaf, agreed = self._accept(seq, chain, probs, logits[offset: offset + n], alternatives[b])
             offsets.append(offset)
             offset += n
+            start = seq.num_computed_tokens
+            if leaf >= 0:  # an accepted alternative: its K/V moves from its leaf slot to its position
+                moves.append((seq, start + leaf, start + agreed + 1))
             # positions up to the last accepted draft now hold valid K/V in every layer
             seq.num_computed_tokens += len(tokens)
             if self.draft_stack is not None and layer_budgets[b]:
-                self.draft_stack.settle(seq)
-            self._count(seq, layer_budgets[b] > 0, len(seq_drafts), len(tokens) - 1, bool(lookup[b]))
+                # the copy's K/V is right through the last chain draft the model agreed with
+                self.draft_stack.settle(seq, start + agreed + 1)
+            self._count(seq, layer_budgets[b] > 0, len(chain), len(tokens) - 1, bool(lookup[b]),
+                        sum(map(len, alternatives[b])), leaf >= 0)
             results.append(tokens)
+        if moves:
+            self._move_kv(moves)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         return results
 
@@ -224,26 +237,51 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         draft k; the last draft needs no pass (verification runs it through the model)."""
         drafts: list[list[int]] = [list(d) for d in lookup]
         draft_probs: list[list] = [[None] * len(d) for d in lookup]  # None: a lookup draft (q one-hot)
+        alternatives: list[list[list[int]]] = [[] for _ in seqs]  # per sequence, per drafted position
         live = [b for b, n in enumerate(budgets) if n]
         if not live:
-            return drafts, draft_probs
+            return drafts, draft_probs, alternatives
         stack = self.draft_stack
         hidden = stack.first_pass([seqs[b] for b in live])
         for k in range(1, max(budgets[b] for b in live) + 1):
-            tokens, probs, confident = self._propose(self.draft_head.logits(hidden), [seqs[b] for b in live])
+            live_seqs = [seqs[b] for b in live]
+            logits = self.draft_head.logits(hidden)
+            tokens, probs, confident = self._propose(logits, live_seqs)
+            alts = self._alternatives(logits, live_seqs, tokens) if self.top_k > 1 else [[]] * len(live)
             next_live = []
-            for b, token, p, ok in zip(live, tokens, probs, confident):
+            for b, token, p, ok, alt in zip(live, tokens, probs, confident, alts):
                 if not ok:  # adaptive draft length: a doubtful draft is dropped, drafting stops
                     continue
                 drafts[b].append(token)
                 draft_probs[b].append(p)
+                alternatives[b].append(alt)
                 if len(drafts[b]) < budgets[b]:
                     next_live.append(b)
             live = next_live
             if not live:
                 break
             hidden = stack.next_pass([seqs[b] for b in live], k, [drafts[b][-1] for b in live])
-        return drafts, draft_probs
+        return drafts, draft_probs, alternatives
+
+    def _alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
+        """The draft's next most likely tokens after each greedy sequence's chain token (up to
+        draft_top_k - 1, none outside the draft vocabulary); none for sampled sequences."""
+        values, indices = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        return [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
+                if seq.params.greedy else [] for seq, token, ids, vals in zip(seqs, tokens, indices, values)]
+
+    def _move_kv(self, moves: list[tuple[Sequence, int, int]]) -> None:
+        """Every layer's K/V of accepted alternatives, from their leaf slots to their positions."""
+        bs = self.runner.kv.block_size
+
+        def slot(seq, pos):
+            return seq.block_table[pos // bs] * bs + pos % bs
+
+        device = self.runner.kv.tensor.device
+        src = torch.tensor([slot(seq, a) for seq, a, _ in moves], dtype=torch.int64, device=device)
+        dst = torch.tensor([slot(seq, b) for seq, _, b in moves], dtype=torch.int64, device=device)
+        self.runner.kv.copy_slots(src, dst)
 
     def _propose(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Draft tokens from layer-E logits: argmax, or a draw from the processed distribution q
@@ -278,11 +316,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
         return self.runner.logits(hidden)
 
-    def _verify_all(self, seqs, drafts, shadowed: list[int]) -> torch.Tensor:
-        """Every sequence's pending token and drafts (lookup drafts, or a separate draft stack's)
-        through all layers in one varlen pass (layer-E states copied out only for the guard's
-        shadow check)."""
-        rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, drafts)]
+    def _verify_all(self, rows: list[Row], shadowed: list[int]) -> torch.Tensor:
+        """Every sequence's pending token and drafts (lookup drafts, or a separate draft stack's,
+        with their alternatives as tree rows) through all layers in one varlen pass (layer-E
+        states copied out only for the guard's shadow check)."""
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         if shadowed:
@@ -296,19 +333,20 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self.runner.run_layers(hidden, inputs.attn, 0, self.num_layers)
         return self.runner.logits(hidden)
 
-    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor) -> list[Token]:
-        """The tokens this round adds: accepted drafts, then the full model's own token."""
+    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor,
+                alternatives: list[list[int]]) -> tuple[list[Token], int, int]:
+        """The tokens this round adds (accepted drafts, then the full model's own token), the
+        verify row of an accepted alternative (-1: none), and how many chain drafts the model
+        agreed with."""
         L, k = self.num_layers, seq.params.logprobs
         if seq.params.greedy:
-            target = logits.argmax(dim=-1).tolist()
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-                accepted += 1
-            tokens = drafts[:accepted] + [target[accepted]]
-        else:
+            verdict = accept_greedy(drafts, alternatives, logits.argmax(dim=-1).tolist())
+            tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
+        else:  # (sampled sequences draft no alternatives)
             tokens = self._rejection_sample(seq, drafts, draft_probs, logits)
-        return [Token(t, L, Sampler.logprobs(logits[i], t, k) if k is not None else None)
-                for i, t in enumerate(tokens)]
+            rows, leaf, agreed = list(range(len(tokens))), -1, len(tokens) - 1
+        return [Token(t, L, Sampler.logprobs(logits[r], t, k) if k is not None else None)
+                for r, t in zip(rows, tokens)], leaf, agreed
 
     def _rejection_sample(self, seq, drafts, draft_probs, logits) -> list[int]:
         """Speculative sampling: accept draft y with prob min(1, p(y)/q(y)); on rejection draw
@@ -335,9 +373,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return tokens
 
     # ---- metrics ---------------------------------------------------------------------------
-    def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int, lookup: bool = False) -> None:
+    def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int, lookup: bool = False,
+               alternatives: int = 0, alternative_accepted: bool = False) -> None:
         """`attempted`: a layer draft was allowed (the guard's rounds); `lookup`: the drafts came
-        from prompt lookup."""
+        from prompt lookup; `alternatives`: tree leaves verified beside the chain, one of which
+        was accepted if `alternative_accepted` (then counted among `accepted`)."""
         if self.guard is not None and attempted:
             self.guard.record_round(seq, drafted, accepted)
         st = seq.stats
@@ -346,6 +386,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         st["spec_accepted"] = st.get("spec_accepted", 0) + accepted
         st["spec_steps"] = st.get("spec_steps", 0) + 1
         st["spec_emitted"] = st.get("spec_emitted", 0) + accepted + 1
+        if alternatives:
+            st["tree_alternatives"] = st.get("tree_alternatives", 0) + alternatives
+            st["tree_alternatives_accepted"] = st.get("tree_alternatives_accepted", 0) + alternative_accepted
         if lookup:
             st["lookup_rounds"] = st.get("lookup_rounds", 0) + 1
             st["lookup_drafted"] = st.get("lookup_drafted", 0) + drafted
@@ -371,4 +414,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             m.update(num_layer_drafted_tokens=st.get("layer_drafted", 0),
                      num_layer_accepted_tokens=st.get("layer_accepted", 0),
                      layer_acceptance_rate=st.get("layer_accepted", 0) / max(st.get("layer_drafted", 0), 1))
+        if self.top_k > 1:
+            m.update(num_tree_alternatives=st.get("tree_alternatives", 0),
+                     num_tree_alternatives_accepted=st.get("tree_alternatives_accepted", 0))
         return m

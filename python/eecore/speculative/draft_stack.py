@@ -101,10 +101,11 @@ class DraftStack:
             self._seen[seq.seq_id][2] = seq.num_computed_tokens + k + 1
         return self._run([Row(s, s.num_computed_tokens + k, [t]) for s, t in zip(seqs, tokens)])
 
-    def settle(self, seq: Sequence) -> None:
-        """After verification: the written positions the model accepted keep their draft K/V."""
+    def settle(self, seq: Sequence, agreed_end: int) -> None:
+        """After verification: the written positions below `agreed_end` (the pending token and the
+        drafts the model agreed with) keep their draft K/V."""
         record = self._seen[seq.seq_id]
-        record[1] = min(record[2], seq.num_computed_tokens)
+        record[1] = min(record[2], agreed_end, seq.num_computed_tokens)
 
     def release(self, seq: Sequence) -> None:
         self._seen.pop(seq.seq_id, None)

@@ -1,0 +1,222 @@
+"""Token-tree verification (SelfSpeculativeConfig(draft_top_k=k), separate draft layers): each
+drafted position's top-k tokens are verified in one pass; an alternative the model agrees with is
+accepted and its K/V moved to the position it takes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import eecore
+from eecore.engine.inputs import MAX_TREE_TOKENS, InputBuilder, Row, tree_depths_and_masks
+from eecore.speculative.token_tree import accept_greedy, tree_row
+from engine_utils import greedy, random_prompts
+from model_factory import make_peaked_tiny_model
+
+L, VOCAB = 4, 320
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_peaked_tiny_model(tmp_path_factory.mktemp("tree"), num_layers=L, vocab_size=VOCAB)
+
+
+def _tree(path, E, d, k, **kw):
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
+                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d, draft_layers="separate",
+                                                               draft_top_k=k), **kw)
+
+
+# ---- the pieces ----------------------------------------------------------------------------------
+
+class _Seq:
+    def __init__(self, tokens, computed, block_table=(0, 1, 2, 3)):
+        self.token_ids, self.num_computed_tokens, self.block_table = tokens, computed, list(block_table)
+        self.encoder_token_ids = None
+
+    @property
+    def last_token_id(self):
+        return self.token_ids[-1]
+
+
+def test_tree_row_layout():
+    seq = _Seq([7, 8, 9], computed=2)
+    row = tree_row(seq, [11, 12, 13], [[21, 22], [], [31]])
+    assert row.start == 2
+    assert row.tokens == [9, 11, 12, 13, 21, 22, 31]
+    assert row.parents == [-1, 0, 1, 2, 0, 0, 2]  # alternatives of chain[i] hang off chain token i
+    plain = tree_row(seq, [11, 12], [[], []])
+    assert plain.parents is None and plain.tokens == [9, 11, 12]
+
+
+def test_depths_and_masks():
+    depths, masks = tree_depths_and_masks([-1, 0, 1, 2, 0, 0, 2])
+    assert depths.tolist() == [0, 1, 2, 3, 1, 1, 3]
+    assert masks.tolist() == [0b1, 0b11, 0b111, 0b1111, 0b10001, 0b100001, 0b1000111]
+    # 64 tokens: the last one's bit is the sign bit of its int64 mask
+    _, masks = tree_depths_and_masks([-1] + list(range(63)))
+    assert masks[-1] == -1
+    for parents, match in [([0, 0], "token 0's parent must be the context"), ([-1, 1], "must be an earlier token"),
+                           ([-1, 0, 5], "must be an earlier token"), ([], "1..64 tokens"),
+                           ([-1] + list(range(64)), "1..64 tokens")]:
+        with pytest.raises(ValueError, match=match):
+            tree_depths_and_masks(parents)
+
+
+def test_input_builder_tree_rows():
+    """A tree row's tokens take consecutive slots at their depths' positions; a chain row beside it
+    gets a causal mask; a step without trees has no mask."""
+    builder = InputBuilder(max_tokens=16, max_seqs=2, max_blocks_per_seq=4, block_size=4, device=torch.device("cpu"))
+    a, b = _Seq([1] * 6, computed=5, block_table=(3, 1, 2)), _Seq([2] * 3, computed=2, block_table=(0,))
+    inputs = builder.build([Row(a, 5, [9, 10, 11, 12], [-1, 0, 0, 1]), Row(b, 2, [4, 5])])
+    attn = inputs.attn
+    assert attn.positions.tolist() == [5, 6, 6, 7, 2, 3]
+    # a's tokens take slots for positions 5..8 (blocks 1 and 2 of its table), b's positions 2..3 of block 0
+    assert attn.slot_mapping.tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 2 * 4 + 0, 2, 3]
+    assert attn.seq_lens.tolist() == [9, 4]
+    assert attn.tree_mask.tolist() == [0b1, 0b11, 0b101, 0b1011, 0b1, 0b11]
+    assert builder.build([Row(b, 2, [4, 5])]).attn.tree_mask is None
+    with pytest.raises(ValueError, match="1 parents for 2 tokens"):
+        builder.build([Row(b, 2, [4, 5], [-1])])
+
+
+def test_accept_greedy():
+    chain, alts = [11, 12, 13], [[21, 22], [31], []]
+    # rows: 0 pending, 1-3 chain, 4-5 alternatives of chain[0], 6 of chain[1]
+    target = [11, 12, 13, 14, 50, 51, 52]
+    v = accept_greedy(chain, alts, target)
+    assert (v.tokens, v.rows, v.leaf_row, v.chain_accepted) == ([11, 12, 13, 14], [0, 1, 2, 3], -1, 3)
+    target = [22, 0, 0, 0, 60, 61, 62]  # chain[0] wrong, its second alternative right
+    v = accept_greedy(chain, alts, target)
+    assert (v.tokens, v.rows, v.leaf_row, v.chain_accepted) == ([22, 61], [0, 5], 5, 0)
+    target = [11, 31, 0, 0, 60, 61, 62]  # chain[1] wrong, its alternative right
+    v = accept_greedy(chain, alts, target)
+    assert (v.tokens, v.rows, v.leaf_row, v.chain_accepted) == ([11, 31, 62], [0, 1, 6], 6, 1)
+    target = [11, 12, 99, 0, 0, 0, 0]  # chain[2] wrong, no alternative for it
+    v = accept_greedy(chain, alts, target)
+    assert (v.tokens, v.rows, v.leaf_row, v.chain_accepted) == ([11, 12, 99], [0, 1, 2], -1, 2)
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("E, d, k", [(1, 1, 3), (2, 2, 2), (1, 3, 4), (2, 4, 3)])
+def test_greedy_is_full_depth(tiny, E, d, k):
+    """Exactly the full model's tokens at batch 1, 3 and 8, with alternatives accepted along the way
+    (whose K/V must have moved for the later tokens to stay right)."""
+    path, _ = tiny
+    llm, full = _tree(path, E, d, k), eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
+    accepted = 0
+    for batch in (1, 3, 8):
+        prompts = random_prompts(VOCAB, [2 + (7 * i) % 13 for i in range(batch)], seed=batch + 10 * d)
+        params = [greedy(12 + 3 * i) for i in range(batch)]
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in full.generate(prompts, params)]
+        for o in outs:
+            assert 1.0 <= o.metrics["mean_accepted_tokens_per_step"] <= d + 1
+            assert 0 < o.metrics["num_tree_alternatives"] <= (k - 1) * o.metrics["num_drafted_tokens"]
+        accepted += sum(o.metrics["num_tree_alternatives_accepted"] for o in outs)
+    assert accepted > 0
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_the_copy_keeps_only_agreed_drafts(tiny):
+    """After a round that accepted an alternative, the copy's cache holds the chain drafts it ran,
+    the wrong one at the alternative's position included: that K/V must not count as known. Every
+    round's first draft is what HF's model cut to E layers says after the whole context."""
+    import copy
+
+    path, hf = tiny
+    E = 1
+    llm = _tree(path, E, 3, 4)
+    strategy, stack = llm.engine.strategy, llm.engine.strategy.draft_stack
+    seen, first = [], []
+    first_pass, propose = stack.first_pass, strategy._propose
+
+    def recording_first_pass(seqs):
+        first.append([s.token_slice(0, s.num_computed_tokens + 1) for s in seqs])
+        return first_pass(seqs)
+
+    def recording_propose(logits, seqs):
+        if first:
+            seen.extend(zip(first.pop(), logits.clone()))
+        return propose(logits, seqs)
+
+    stack.first_pass, strategy._propose = recording_first_pass, recording_propose
+    outs = llm.generate(random_prompts(VOCAB, [5, 9, 3], seed=6), greedy(30))
+    assert sum(o.metrics["num_tree_alternatives_accepted"] for o in outs) > 0 and len(seen) > 20
+    reference = copy.deepcopy(hf)
+    reference.model.layers = reference.model.layers[:E]
+    reference.config.num_hidden_layers = E
+    with torch.no_grad():
+        for context, logits in seen:
+            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_more_tokens_per_round_than_the_chain(tiny):
+    path, _ = tiny
+    prompts = random_prompts(VOCAB, [5, 9, 3, 12], seed=3)
+
+    def per_round(k):
+        outs = _tree(path, 1, 2, k).generate(prompts, greedy(24))
+        return sum(o.metrics["num_accepted_tokens"] for o in outs) / sum(o.metrics["num_verify_steps"] for o in outs)
+
+    assert per_round(4) > per_round(1)
+
+
+def test_logprobs_are_the_models(tiny):
+    """Each token's logprobs come from the verify row that predicted it (an alternative's row
+    for the token after an accepted alternative)."""
+    path, _ = tiny
+    prompts = random_prompts(VOCAB, [4, 10, 7, 3], seed=8)
+    outs = _tree(path, 1, 2, 4).generate(prompts, greedy(24, logprobs=3))
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(24, logprobs=3))
+    assert sum(o.metrics["num_tree_alternatives_accepted"] for o in outs) > 0
+    for o, f in zip(outs, full):
+        assert o.token_ids == f.token_ids
+        for got, want in zip(o.logprobs, f.logprobs):
+            assert got.keys() == want.keys()
+            assert np.allclose(list(got.values()), list(want.values()), atol=1e-4)
+
+
+def test_sampled_requests_verify_their_chain_only(tiny):
+    """In a batch mixing greedy and sampled requests, only the greedy ones get alternatives; the
+    greedy ones still match full depth."""
+    path, _ = tiny
+    prompts = random_prompts(VOCAB, [6, 8, 5], seed=21)
+    params = [greedy(14), eecore.SamplingParams(max_tokens=14, temperature=0.8, seed=1, ignore_eos=True), greedy(10)]
+    outs = _tree(path, 1, 2, 3).generate(prompts, params)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate([prompts[0], prompts[2]], [params[0], params[2]])
+    assert [outs[0].token_ids, outs[2].token_ids] == [f.token_ids for f in full]
+    assert outs[1].metrics.get("num_tree_alternatives", 0) == 0 and len(outs[1].token_ids) == 14
+    assert outs[0].metrics["num_tree_alternatives"] > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(exit_layer=2, draft_layers="separate", draft_top_k=0), "'draft_top_k' must be an int >= 1"),
+    (dict(exit_layer=2, draft_layers="separate", draft_top_k=2.0), "'draft_top_k' must be an int >= 1"),
+    (dict(exit_layer=2, draft_top_k=2), "'draft_top_k' > 1 needs draft_layers='separate'"),
+    (dict(exit_layer=2, draft_layers="separate", num_speculations=8, draft_top_k=8),
+     f"at most {MAX_TREE_TOKENS} fit a token tree"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        eecore.SelfSpeculativeConfig(**kwargs)
+
+
+def test_slots_reserved_for_the_tree():
+    """The engine reserves a round's whole tree: 1 + d x k slots per sequence."""
+    assert eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=3, draft_layers="separate",
+                                        draft_top_k=3).verify_width == 10
+    assert eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=5, layer_speculations=1, draft="hybrid",
+                                        draft_layers="separate", draft_top_k=3).verify_width == 6
+
+
+def test_cli_flag(tiny, capsys):
+    from eecore.cli import main
+
+    path, _ = tiny
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--exit-layer", "2", "--num-speculations", "2", "--draft-layers", "separate",
+                 "--draft-top-k", "3"]) == 0
+    with pytest.raises(SystemExit, match="'draft_top_k' > 1 needs draft_layers='separate'"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-top-k", "3"])
