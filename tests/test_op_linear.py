@@ -31,6 +31,22 @@ def test_linear_matches_reference(device, dtype, rows, k, n, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 65)])
+def test_a_rows_bits_do_not_depend_on_the_other_rows(dtype, k, n):
+    """CPU, weight streaming (up to 24 rows): each output row is computed alone, whatever the row
+    grouping, so a speculative verify pass of m rows gives each row the bits of a one-row step
+    (greedy self-speculation then reproduces full depth exactly)."""
+    inp, weight, _ = _case("cpu", dtype, 24, k, n, False)
+    alone = torch.empty(24, n, dtype=dtype)
+    for i in range(24):
+        ops.linear(alone[i:i + 1], inp[i:i + 1], weight)
+    for rows in range(2, 25):
+        out = torch.empty(rows, n, dtype=dtype)
+        ops.linear(out, inp[:rows], weight)
+        assert torch.equal(out, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_linear_accumulates_into_out(device, dtype, rows):
     inp, weight, b = _case(device, dtype, rows, 96, 70, True)

@@ -247,20 +247,29 @@ constexpr int64_t kGroupRows = 4;
 constexpr int64_t kGroupRows = 3;
 #endif
 
-// Hidden rows [0, m) in groups of kGroupRows against dot_rows_mr's weight rows [j0, j1).
+// Hidden rows [0, m) in groups of at most kGroupRows against dot_rows_mr's weight rows [j0, j1).
+// The groups are as even as possible (9 rows: 3 + 3 + 3, not 4 + 4 + 1): a one-row group reads as
+// many weight vectors as it does FMAs, from L1. SmolLM2's 30 layers of projections (fp32, 2
+// threads, Zen 4 with AVX-512, runs alternated): 9 rows 20.3 -> 19.1 ms, 13 rows 26.0 -> 23.6 ms,
+// 5 rows unchanged (16.7 ms; one row: 12.3 ms). Each output is one accumulator either way, so the
+// grouping changes no bits.
 template <typename h_t, typename w_t>
 inline void dot_rows_groups(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, int64_t q, int64_t j0,
                             int64_t j1, int64_t d, float* out, int64_t ldo, int64_t ahead, bool accumulate) {
-  int64_t i = 0;
-  for (; i + kGroupRows <= m; i += kGroupRows)
-    dot_rows_mr<kGroupRows>(h + i * ldh, ldh, w, ldw, q, j0, j1, d, out + i * ldo, ldo, ahead, accumulate);
-  const h_t* hi = h + i * ldh;
-  float* oi = out + i * ldo;
-  switch (m - i) {
-    case 3: dot_rows_mr<3>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
-    case 2: dot_rows_mr<2>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
-    case 1: dot_rows_mr<1>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
-    default: break;
+  const int64_t groups = (m + kGroupRows - 1) / kGroupRows;
+  for (int64_t g = 0, i = 0; g < groups; ++g) {
+    const int64_t rows = (m - i) / (groups - g) + ((m - i) % (groups - g) != 0);  // ceil of an even share
+    const h_t* hi = h + i * ldh;
+    float* oi = out + i * ldo;
+    switch (rows) {
+#if defined(__AVX512F__)
+      case 4: dot_rows_mr<4>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
+#endif
+      case 3: dot_rows_mr<3>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
+      case 2: dot_rows_mr<2>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
+      default: dot_rows_mr<1>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
+    }
+    i += rows;
   }
 }
 
