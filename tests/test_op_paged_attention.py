@@ -169,6 +169,28 @@ def test_speculative_verification(device, dtype, heads, max_distance):
     check_against_reference(case)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_a_rows_bits_do_not_depend_on_the_rows_after_it(dtype, heads, head_dim):
+    """CPU: the first query row of a chunk of q_len rows gets exactly the bits of a one-row call
+    (whatever item layout, register blocks and key tail q_len makes), so a verify pass of d + 1
+    tokens reproduces a decode step and greedy self-speculation is exactly full depth, bf16 too."""
+    num_q_heads, num_kv_heads = heads
+    for context in (1, 30, 95):
+        case = make_case("cpu", dtype, seq_lens=[context + 12], q_lens=[12], num_q_heads=num_q_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim)
+        outs = []
+        for q_len in (1, 2, 3, 4, 5, 9, 12):  # the chunk's first row sits at position `context`
+            out = torch.empty(q_len, num_q_heads, head_dim, dtype=dtype)
+            ops.paged_attention(out, case.query[:q_len], case.k_cache, case.v_cache, case.block_table,
+                                torch.tensor([context + q_len], dtype=torch.int32),
+                                torch.tensor([0, q_len], dtype=torch.int32), q_len, case.scale, True)
+            outs.append(out[0])
+        for q_len, row in zip((2, 3, 4, 5, 9, 12), outs[1:]):
+            assert torch.equal(row, outs[0]), (context, q_len)
+
+
 def test_max_query_len_is_an_upper_bound(device):
     # A caller may pass a looser bound (e.g. the batch's token budget); the result is the same.
     case = make_case(device, torch.float32, seq_lens=[10, 20], q_lens=[1, 1])

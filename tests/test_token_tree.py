@@ -11,7 +11,7 @@ import eecore
 from eecore.engine.inputs import MAX_TREE_TOKENS, InputBuilder, Row, tree_depths_and_masks
 from eecore.speculative.token_tree import accept_greedy, tree_row
 from engine_utils import greedy, random_prompts
-from model_factory import make_peaked_tiny_model
+from model_factory import make_peaked_tiny_model, make_tiny_hf_model
 
 L, VOCAB = 4, 320
 
@@ -117,6 +117,31 @@ def test_greedy_is_full_depth(tiny, E, d, k):
         accepted += sum(o.metrics["num_tree_alternatives_accepted"] for o in outs)
     assert accepted > 0
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def gqa3(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("gqa3"), num_layers=L, vocab_size=VOCAB, num_heads=6,
+                                  num_kv_heads=2, head_dim=64, hidden_size=96)
+
+
+@pytest.mark.parametrize("spec", [dict(exit_layer=1, num_speculations=2, draft_layers="separate", draft_top_k=3),
+                                  dict(exit_layer=1, num_speculations=2, draft_layers="separate"),
+                                  dict(exit_layer=2, num_speculations=3),
+                                  dict(draft="lookup", num_speculations=3)],
+                         ids=["tree", "separate", "shared", "lookup"])
+def test_bf16_greedy_is_full_depth(gqa3, spec):
+    """In bf16 too: a verify pass gives each row the bits of a one-row step (no rounding of the
+    attention or the projections depends on how many rows a pass holds). Heads of 64 dims in
+    groups of 3, like SmolLM2's, where the attention's register blocks differ by row count."""
+    path, _ = gqa3
+    prompts = [p * 3 for p in random_prompts(VOCAB, [4, 7, 5, 9], seed=31)]  # repeats: lookup matches
+    params = greedy(40)
+    full = eecore.LLM(path, dtype="bfloat16", device="cpu", block_size=4).generate(prompts, params)
+    outs = eecore.LLM(path, dtype="bfloat16", device="cpu", block_size=4,
+                      speculative=eecore.SelfSpeculativeConfig(**spec)).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 
 def test_the_copy_keeps_only_agreed_drafts(tiny):

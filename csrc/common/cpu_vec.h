@@ -102,13 +102,22 @@ inline float reduce_max(Vec8 a) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// The four sums of a, b, c, d into out[0..3]: one transpose-and-add instead of four reductions,
-// which is what makes short dot products (head dim 64) cheap.
+// The four sums of a, b, c, d into out[0..3], each added in reduce_add's order (a transpose and
+// three vector adds instead of four reductions, which is what makes short dot products, head dim
+// 64, cheap). The same order matters: attention scores are reduced four at a time or one at a time
+// depending on how many query rows and keys an item holds, and a verify pass of d + 1 rows must give
+// each row the bits of a one-row decode step (self-speculation's greedy outputs are then exactly
+// full depth's, in bf16 too).
 inline void reduce_add4(Vec8 a, Vec8 b, Vec8 c, Vec8 d, float* out) {
-  const __m256 ab = _mm256_hadd_ps(a.v, b.v);  // a01 a23 b01 b23 | a45 a67 b45 b67
-  const __m256 cd = _mm256_hadd_ps(c.v, d.v);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  // lanes i + (i + 4) of a | of c, and of b | of d
+  const __m256 ac = _mm256_add_ps(_mm256_permute2f128_ps(a.v, c.v, 0x20), _mm256_permute2f128_ps(a.v, c.v, 0x31));
+  const __m256 bd = _mm256_add_ps(_mm256_permute2f128_ps(b.v, d.v, 0x20), _mm256_permute2f128_ps(b.v, d.v, 0x31));
+  // (0+4)+(2+6) and (1+5)+(3+7) of a, b | of c, d
+  const __m256 half = _mm256_add_ps(_mm256_shuffle_ps(ac, bd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(ac, bd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_hadd_ps(half, half);  // a b a b | c d c d
+  const __m128d lo = _mm_castps_pd(_mm256_castps256_ps128(sums)), hi = _mm_castps_pd(_mm256_extractf128_ps(sums, 1));
+  _mm_storeu_ps(out, _mm_castpd_ps(_mm_unpacklo_pd(lo, hi)));
 }
 
 // e^x as 2^n e^r: n = round(x / ln2), r = x - n ln2 (ln2 split in two so that n ln2 is exact to
