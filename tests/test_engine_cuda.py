@@ -105,3 +105,11 @@ def test_input_builder_never_overwrites_a_pending_copy():
     first_tokens = first.token_ids.clone()  # stream-ordered after step 1's copy
     builder.build([Row(seq, 3, [99])])
     assert first_tokens.tolist() == [11, 12, 13]
+
+
+def test_token_trees_are_cpu_only(tiny):
+    """CUDA's paged_attention has no tree mask yet: draft_top_k > 1 is refused up front."""
+    path, _ = tiny
+    spec = eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=2, draft_layers="separate", draft_top_k=3)
+    with pytest.raises(ValueError, match="draft_top_k > 1 .* CPU only"):
+        _llm(path, speculative=spec)

@@ -206,6 +206,8 @@ def test_cli_flags(tiny, capsys):
     path, _ = tiny
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                  "--exit-layer", "2", "--num-speculations", "2", "--draft-layers", "separate",
-                 "--draft-dtype", "bfloat16"]) == 0
+                 "--draft-dtype", "bfloat16", "--draft-top-k", "3"]) == 0
     with pytest.raises(SystemExit, match="'draft_dtype' applies to draft_layers='separate' only"):
         main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-dtype", "bfloat16"])
+    with pytest.raises(SystemExit, match="'draft_top_k' > 1 needs draft_layers='separate'"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-top-k", "3"])

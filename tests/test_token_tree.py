@@ -235,13 +235,3 @@ def test_slots_reserved_for_the_tree():
     assert eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=5, layer_speculations=1, draft="hybrid",
                                         draft_layers="separate", draft_top_k=3).verify_width == 6
 
-
-def test_cli_flag(tiny, capsys):
-    from eecore.cli import main
-
-    path, _ = tiny
-    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
-                 "--exit-layer", "2", "--num-speculations", "2", "--draft-layers", "separate",
-                 "--draft-top-k", "3"]) == 0
-    with pytest.raises(SystemExit, match="'draft_top_k' > 1 needs draft_layers='separate'"):
-        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-top-k", "3"])
