@@ -107,9 +107,22 @@ def test_input_builder_never_overwrites_a_pending_copy():
     assert first_tokens.tolist() == [11, 12, 13]
 
 
-def test_token_trees_are_cpu_only(tiny):
-    """CUDA's paged_attention has no tree mask yet: draft_top_k > 1 is refused up front."""
+def test_token_trees_are_cpu_only(tiny, monkeypatch):
+    """CUDA's tree mask has not run on a GPU yet: draft_top_k > 1 is refused up front without its flag."""
+    monkeypatch.delenv("EECORE_CUDA_TREE_MASK", raising=False)
     path, _ = tiny
     spec = eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=2, draft_layers="separate", draft_top_k=3)
     with pytest.raises(ValueError, match="draft_top_k > 1 .* CPU only"):
         _llm(path, speculative=spec)
+
+
+def test_token_trees_behind_their_flag_are_full_depth(tiny, monkeypatch):
+    """EECORE_CUDA_TREE_MASK=1: greedy tree verification on CUDA gives the CPU engine's tokens."""
+    monkeypatch.setenv("EECORE_CUDA_TREE_MASK", "1")
+    path, hf = tiny
+    spec = eecore.SelfSpeculativeConfig(exit_layer=1, num_speculations=2, draft_layers="separate", draft_top_k=3)
+    prompts = random_prompts(hf.config.vocab_size, [5, 17, 3], seed=4)
+    outs = _llm(path, speculative=spec).generate(prompts, greedy(16))
+    cpu = _llm(path, device="cpu").generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cpu]
+    assert sum(o.metrics["num_tree_alternatives"] for o in outs) > 0

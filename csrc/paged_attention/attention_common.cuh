@@ -61,6 +61,17 @@ __device__ __forceinline__ int64_t visible_keys(const PagedAttentionParams& p, i
   return max(end, int64_t{0});
 }
 
+// Token trees (tree_mask): whether query row `row` (global index), whose chunk's first key sits
+// at `chunk_begin`, sees the key at `pos`. Keys before the chunk are every row's context; within
+// it, bit (pos - chunk_begin) of the row's mask decides (the causal limit has already removed
+// later keys, and chunks hold at most 64 rows, checked on the host).
+__device__ __forceinline__ bool tree_sees(const PagedAttentionParams& p, int64_t row, int64_t chunk_begin,
+                                          int64_t pos) {
+  if (p.tree_mask == nullptr || pos < chunk_begin) return true;
+  const int64_t j = pos - chunk_begin;
+  return j < 64 && ((static_cast<uint64_t>(p.tree_mask[row]) >> j) & 1u) != 0;
+}
+
 // position_bias[head, clamp(distance, 0, max_distance - 1)] in the log2 domain.
 __device__ __forceinline__ float position_bias_log2(const PagedAttentionParams& p, int32_t q_head, int64_t distance) {
   distance = min(max(distance, int64_t{0}), static_cast<int64_t>(p.max_distance) - 1);

@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int32_t n = 8 * j + 2 * quad_lane + (e % 2);
         const int64_t pos = tile_start + n;
         float x = -INFINITY;
-        if (row_ok[r] && valid_s[stage * kBlockN + n] && (!p.causal || pos <= row_pos[r])) {
+        if (row_ok[r] && valid_s[stage * kBlockN + n] && (!p.causal || pos <= row_pos[r]) &&
+            tree_sees(p, row_token[r], first_pos, pos)) {
           x = s[j][e] * qk_scale;
           if (p.position_bias != nullptr) x += position_bias_log2(p, row_head[r], row_pos[r] - pos);
         }

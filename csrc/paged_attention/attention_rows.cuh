@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int32_t n = load_key; n < L.tile_n; n += keys_per_pass) {
       const int64_t pos = tile_start + n;
       int32_t block = 0, offset = 0;
-      const bool present = pos < k_stop && paged_locate(k_layout, table, p.max_blocks, pos, block, offset);
+      const bool present = pos < k_stop && tree_sees(p, row, info.q_pos - info.q_local, pos) &&
+                           paged_locate(k_layout, table, p.max_blocks, pos, block, offset);
       if (load_unit == 0) valid_s[stage * L.tile_n + n] = present;
       const int32_t u = load_unit;
       T* k_dst = ks + n * L.pitch + u * kPerUnit;

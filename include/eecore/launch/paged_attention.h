@@ -29,6 +29,7 @@ struct PagedAttentionParams {
   const int32_t* seq_lens;            // [B]
   const int32_t* query_start_loc;     // [B + 1]
   const float* position_bias;         // [Hq, max_distance] or nullptr
+  const int64_t* tree_mask;           // [Tq] or nullptr: row i of a chunk sees chunk key j iff bit j is set
 
   int64_t q_stride_token, q_stride_head;    // elements; the last dim is contiguous
   int64_t o_stride_token, o_stride_head;
