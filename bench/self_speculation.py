@@ -10,7 +10,8 @@ the LM head).
 
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
-                                     [--draft layer|lookup|hybrid] [--exit-adapter [FILE]]
+                                     [--draft layer|lookup|hybrid] [--layer-speculations D]
+                                     [--exit-adapter [FILE]]
                                      [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
                                      [--draft-top-ks 1 3]
                                      [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--out-name NAME]
@@ -89,6 +90,8 @@ def main():
                     help="SelfSpeculativeConfig(draft_layers=...)")
     ap.add_argument("--draft-dtypes", nargs="+", default=[None], choices=[None, "float32", "bfloat16"],
                     help="--draft-layers separate: the draft copy's dtypes to run (default: the model's)")
+    ap.add_argument("--layer-speculations", type=int, default=None,
+                    help="--draft hybrid: the longest layer-E draft (SelfSpeculativeConfig(layer_speculations=...))")
     ap.add_argument("--draft-top-ks", type=int, nargs="+", default=[1],
                     help="--draft-layers separate: SelfSpeculativeConfig(draft_top_k=...) values to run")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
@@ -140,6 +143,8 @@ def main():
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
                                  min_acceptance=args.min_acceptance, draft=args.draft,
+                                 layer_speculations=None if args.layer_speculations is None
+                                 else min(args.layer_speculations, d),
                                  draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k))
             outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
@@ -151,7 +156,8 @@ def main():
             head, stack = llm.engine.strategy.draft_head, llm.engine.strategy.draft_stack
             break_even = break_even_acceptance(full.model, E, d, head.weight_bytes(),
                                                None if stack is None else stack.weight_bytes()) if layers else 0.0
-            row = dict(batch=batch, draft=args.draft, exit_layer=E, num_speculations=d, draft_threshold=threshold,
+            row = dict(batch=batch, draft=args.draft, exit_layer=E, num_speculations=d,
+                       layer_speculations=llm.engine.strategy.config.layer_speculations, draft_threshold=threshold,
                        draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                        tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,

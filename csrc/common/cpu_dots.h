@@ -39,14 +39,28 @@ using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_
                                            std::is_same_v<w_t, c10::BFloat16>,
                                        c10::BFloat16, float>;
 
-// How far ahead of the loads each weight row is prefetched (batches of 2 or more rows). The weight
-// comes from DRAM, and on its own the hardware prefetcher lets memory idle while a slice is reused
-// from L1 by the later hidden rows. The distance is short because the four streams' prefetches
-// land in L1 beside the slice and the current group's rows: with the 3 x 4 blocks on a Zen 3,
-// 1-2 KiB ahead ran SmolLM2's projections at 8-24 rows 1.2-1.3x faster than 8 KiB (which had
-// been best for the old 4 x 4 blocks), and 4 KiB was already as slow as 8. Prefetches never fault,
-// so running past the end of the weight is harmless.
+// Software prefetch of the weight (batches of 2 or more rows). The weight comes from DRAM, and on
+// its own the hardware prefetcher lets memory idle while a slice is reused from L1 by the later
+// hidden rows. Two distances:
+//  * the next slice, at the same position (kNextSlice...MaxRows below): while the groups of hidden
+//    rows work through one slice, the next one streams in, so memory is busy the whole time, not
+//    only while the first group passes. Up to these many rows the blocks leave the core time to
+//    spare; past them (fp32 hidden rows) the fetched slice waits too long and the short distance
+//    wins.
+//  * kPrefetchBytes along each stream, past those rows: 1-2 KiB ahead ran SmolLM2's projections at
+//    8-24 rows 1.2-1.3x faster than 8 KiB on a Zen 3 (3 x 4 blocks); 4 KiB was already as slow as 8.
+// Both prefetch into L2 (prefetcht1), not L1: a slice ahead does not fit in L1 beside the current
+// slice and the hidden rows, and the short distance's lines evicted L1 data as well. On a Zen 4
+// (2 threads, AVX-512, runs alternated with the L1 form at 2 KiB) SmolLM2's 30 layers of
+// projections ran at 4 / 5 / 9 rows 13.6 / 13.9 / 17.5 ms against 15.9 / 17.2 / 19.6 in fp32 (one
+// row: 14.0) and 6.7 / 6.8 / 8.8 ms against 8.2 / 9.4 / 10.5 in bf16; 12-24 fp32 rows 1.06-1.08x
+// faster, and a 2048-wide model's layers 1.2-1.4x at 4-16 rows. Prefetches never fault, so
+// running past the end of the weight is harmless.
 constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kNextSliceMaxRowsFp32 = 10;  // fp32 hidden rows: 12 rows ran 1.05x slower
+constexpr int64_t kNextSliceMaxRowsBf16 = 24;  // bf16 x bf16 (vdpbf16ps): faster at every streamed size
+// Where a prefetch puts its line: prefetcht1, the L2 (see above).
+inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 // Hidden rows up to this size are kept whole while the weight streams past; larger ones are cut
 // into chunks of the length (see dot_rows). Only the slice (16 KiB) and one group's rows must sit
 // in L1; the other groups' rows wait in L2, so the bound is set by L2 (half of 256 KiB, the
@@ -186,7 +200,7 @@ inline void dot_block(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, int6
       decltype(L::load_w(w)) wv[NR];
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
-        __builtin_prefetch(w + j * ldw + k + ahead);
+        prefetch_to_l2(w + j * ldw + k + ahead);
         wv[j] = L::load_w(w + j * ldw + k);
       }
 #pragma GCC unroll 8
@@ -208,7 +222,7 @@ inline void dot_block(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, int6
     }
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + j * ldw + k + ahead);
+      prefetch_to_l2(w + j * ldw + k + ahead);
       auto wv = L::load_w(w + j * ldw + k);
       pin_register(wv);
 #pragma GCC unroll 8
@@ -320,12 +334,15 @@ void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, i
     // Weight rows per slice: about 16 KiB, so the slice stays in L1 while every hidden row passes.
     const int64_t cols = std::max<int64_t>(kStreams, (16384 / (len * static_cast<int64_t>(sizeof(w_t)))) & ~int64_t{3});
     const int64_t per_stream = cols / kStreams;
-    // Within a stream the next rows are the next addresses: prefetch along it (or one slice on).
+    // Within a stream the next rows are the next addresses: prefetch along it, or one slice on
+    // (see kPrefetchBytes; a chunked pass reads the next chunk at this position one slice on).
     // One hidden row never revisits the slice, so memory never idles and the hardware prefetchers
     // keep up with the four streams alone: there the software prefetch (of the line being loaded,
     // ahead = 0) only costs, 8-12% of a batch-1 step.
-    const int64_t ahead = chunked ? per_stream * ldw
-                                  : m == 1 ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(w_t));
+    const int64_t next_slice_rows = sizeof(h_t) == 2 ? kNextSliceMaxRowsBf16 : kNextSliceMaxRowsFp32;
+    const bool next_slice = chunked || (m > 1 && m <= next_slice_rows);
+    const int64_t ahead = next_slice ? per_stream * ldw
+                                     : m == 1 ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(w_t));
     const bool accumulate = k0 > 0;
     const w_t* wk = w + k0;
     const h_t* hk = h + k0;
