@@ -24,8 +24,8 @@ exit-ready file's LoRA pairs then change only the copy, so full depth is the ori
 `--draft-top-ks` (separate only) verifies each drafted position's top-k tokens as a token tree.
 writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
-configuration alternates with full depth `--repeats` times; ratios are of the medians, and the
-file keeps every run.
+configuration alternates with full depth on each group of prompts, `--repeats` times; ratios are of
+the medians, and the file keeps every repeat.
 """
 from __future__ import annotations
 
@@ -53,17 +53,25 @@ def eecore_run(llm, prompts, params, batch):
 
 
 def alternate(llm, full, prompts, params, batch, repeats):
-    """Run `llm` and full depth in turn, `repeats` times each (a burst of load on a shared
-    machine then hits both alike), which one goes first swapping every pair (so drift and any
-    first-or-second effect cancel); returns llm's last outputs and the tok/s of every run of each."""
+    """Run `llm` and full depth in turn on each group of `batch` prompts, `repeats` times (a burst
+    of load on a shared machine then hits both alike: pairs a second or so apart, not whole prompt
+    sets), which one goes first swapping every pair (so drift and any first-or-second effect
+    cancel); returns llm's last outputs and each repeat's tok/s of each."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     ours, theirs = [], []
     for i in range(repeats):
-        if i % 2:
-            theirs.append(eecore_run(full, prompts, params, batch)[1])
-        outs, tok_s = eecore_run(llm, prompts, params, batch)
-        ours.append(tok_s)
-        if not i % 2:
-            theirs.append(eecore_run(full, prompts, params, batch)[1])
+        outs, tokens, ours_s, theirs_s = [], 0, 0.0, 0.0
+        for j, g in enumerate(groups):
+            if (i + j) % 2:
+                theirs_s += timed(full.generate, g, params)[1]
+            o, t = timed(llm.generate, g, params)
+            ours_s += t
+            if not (i + j) % 2:
+                theirs_s += timed(full.generate, g, params)[1]
+            outs += o
+            tokens += sum(len(x.token_ids) for x in o)
+        ours.append(tokens / ours_s)
+        theirs.append(tokens / theirs_s)  # ignore_eos: full depth emits as many tokens
     return outs, ours, theirs
 
 

@@ -81,8 +81,8 @@ class SelfSpeculativeConfig:
         row gives the next token), so a round emits up to one more token. Worth it where verify
         rows are nearly free (a bandwidth-bound batch of one or a few): SmolLM2's shipped draft
         file at exit 8 has top-1 / top-3 agreement 0.50 / 0.69 with the model on held-out code,
-        but on 2 CPU cores a 4-row verify pass already costs 1.16x a one-row step
-        (bench/verify_row_cost.py), which takes most of the gain.
+        but on 2 CPU cores verify rows are not free (4 rows cost 1.05x a one-row step, 9 rows
+        1.36x: bench/verify_row_cost.py), and k = 3 ran at the speed of k = 1 (1.2x full depth).
         Greedy requests only: a sampled request's round verifies its chain alone (rejection
         sampling keeps the model's law for one proposal per position).
 
