@@ -305,13 +305,28 @@ def test_second_stage_starts_from_a_file_and_keeps_frozen_layers_and_exits(llm, 
 
 
 def test_second_stage_refuses_pairs_of_another_shape(llm, vocab):
-    start = ExitAdapters({}, vocab, model_fingerprint(llm.model), {}, _random_lora(rank=3))
-    with pytest.raises(ValueError, match="rank 3"):
+    start = ExitAdapters({}, vocab, model_fingerprint(llm.model), {}, _random_lora(rank=CONFIG.lora_rank + 1))
+    with pytest.raises(ValueError, match=f"rank {CONFIG.lora_rank + 1}, above this run's rank {CONFIG.lora_rank}"):
         ExitReadyTrainer(llm, CONFIG, vocab, init_adapters=start)
     with pytest.raises(ValueError, match="frozen_layers"):
         ExitReadyConfig(frozen_layers=-1)
     with pytest.raises(ValueError, match="leaves none"):
         ExitReadyTrainer(llm, dataclasses.replace(CONFIG, frozen_layers=L), vocab)
+
+
+def test_a_second_stage_may_grow_the_rank(llm, tokens, vocab):
+    """Pairs of rank 3 start a rank-4 run (another alpha too): every delta is the file's at the start,
+    the extra rank has a random A and a zero B, and after a step the extra ranks have moved."""
+    start = ExitAdapters({}, vocab, model_fingerprint(llm.model), {}, _random_lora(rank=3))
+    config = dataclasses.replace(CONFIG, lora_rank=4, lora_alpha=6.0)
+    trainer = ExitReadyTrainer(llm, config, vocab, init_adapters=start)
+    grown = trainer.lora_deltas()
+    assert grown.rank == 4 and grown.scale == 1.5 and grown.pairs.keys() == start.lora.pairs.keys()
+    for path, (a, b) in grown.pairs.items():
+        torch.testing.assert_close(grown.delta(path), start.lora.delta(path), rtol=1e-5, atol=1e-6)
+        assert torch.count_nonzero(a[3]) > 0 and torch.count_nonzero(b[:, 3]) == 0
+    trainer.train_step(batch_windows(tokens, 0, B, S, 0))
+    assert any(torch.count_nonzero(b[:, 3]) > 0 for _, b in trainer.lora_deltas().pairs.values())
 
 
 def test_draft_only_trains_the_copy_and_its_exits(tiny, llm, tokens, vocab, tmp_path):

@@ -218,17 +218,27 @@ class ExitReadyTrainer:
 
     def _start_from(self, lora: LoraDeltas) -> None:
         """Sets the pairs to `lora`'s (a file's: a second stage of training starts where one ended).
-        A draft_only student takes the pairs of its layers and leaves the file's deeper ones."""
-        expected = self.config.lora_alpha / self.config.lora_rank
-        if lora.rank != self.config.lora_rank or not math.isclose(lora.scale, expected):
-            raise ValueError(f"the starting LoRA pairs have rank {lora.rank} and scale {lora.scale}; this run's "
-                             f"are rank {self.config.lora_rank} and scale {expected} (lora_alpha / lora_rank)")
+        A draft_only student takes the pairs of its layers and leaves the file's deeper ones.
+
+        A file of lower rank than this run's starts it too, with the same deltas: its pairs fill the
+        first ranks (B rescaled from the file's lora scale to this run's), and the ranks beyond keep
+        their random A and a zero B, so they add nothing until they train. That grows a trained
+        file's capacity without losing what it learnt (peft itself starts B at zero for this reason)."""
+        rank, scale = self.config.lora_rank, self.config.lora_alpha / self.config.lora_rank
+        if lora.rank > rank:
+            raise ValueError(f"the starting LoRA pairs have rank {lora.rank}, above this run's rank {rank} "
+                             f"(--lora-rank): a run may grow a file's rank, not cut it")
         with torch.no_grad():
             for name, param in self.lora_params.items():
                 path, which = _module_path(name)
                 if path not in lora.pairs:
                     raise ValueError(f"the starting LoRA pairs have none for {path}")
-                param.copy_(lora.pairs[path]["ab".index(which)].float())
+                a, b = (t.float() for t in lora.pairs[path])
+                if which == "a":  # [rank, in]: the file's rows first, peft's random ones after
+                    param[: lora.rank].copy_(a)
+                else:  # [out, rank]: scale * B A == the file's scale * b a
+                    param.zero_()
+                    param[:, : lora.rank].copy_(b * (lora.scale / scale))
 
     def lr_factor(self, step: int) -> float:
         c = self.config
@@ -379,7 +389,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints, the log and the token cache")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--init-adapters", default=None,
-                    help="start the exit adapters from this file ('shipped': the default model's)")
+                    help="start the exit adapters, and the LoRA pairs if it has any, from this file ('shipped': "
+                         "the default model's); its pairs may be of a lower rank than --lora-rank (grown)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     d = ExitReadyConfig()
     ap.add_argument("--exit-layers", type=int, nargs="+", default=list(d.exit_layers))
