@@ -14,7 +14,7 @@ the LM head).
                                      [--exit-adapter [FILE]]
                                      [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
                                      [--draft-top-ks 1 3]
-                                     [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--out-name NAME]
+                                     [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--dtype float32|bfloat16] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
 prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
 adapters (the shipped ones without FILE) for the layer drafts. `--prompts code` runs held-out
@@ -83,6 +83,8 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts-batch1", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers (only the ratio to full depth)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="eecore's model dtype, for both full depth and speculation (HF stays float32)")
     ap.add_argument("--out-name", default=None, help="results file prefix (default: cpu-self-speculation[-guard])")
     ap.add_argument("--repeats", type=int, default=3,
                     help="alternating runs of each configuration and full depth; medians")
@@ -116,12 +118,10 @@ def main():
 
     from eecore.models.loader import load_model
 
-    loaded = load_model(None, dtype=torch.float32)
-    hf = hf_model_from_loaded(loaded)
-    del loaded
+    hf = None if args.no_hf else hf_model_from_loaded(load_model(None, dtype=torch.float32))
     # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into,
     # unless separate draft layers take them (then full depth is the original)
-    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8,
+    full = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8,
                       exit_adapter=None if separate else args.exit_adapter)
     prompts_all = bench_prompt_ids(full.tokenizer, args.prompts, max(args.batch_sizes + [args.num_prompts_batch1]))
     print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
@@ -147,7 +147,7 @@ def main():
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}")
         for E, d, threshold, draft_dtype, top_k in itertools.product(args.exit_layers, args.drafts, thresholds,
                                                                      args.draft_dtypes, args.draft_top_ks):
-            llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
+            llm = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
                                  min_acceptance=args.min_acceptance, draft=args.draft,
@@ -189,7 +189,8 @@ def main():
                                      + (["separate"] if separate else [])
                                      + (["code"] if args.prompts == "code" else [])
                                      + (["guard"] if args.min_acceptance is not None else []))
-    path = save_results(name, dict(model="SmolLM2-135M-Instruct", max_tokens=args.max_tokens, draft=args.draft,
+    path = save_results(name, dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, max_tokens=args.max_tokens,
+                                   draft=args.draft,
                                    prompts=args.prompts, exit_adapter=args.exit_adapter,
                                    draft_layers=args.draft_layers, min_acceptance=args.min_acceptance,
                                    repeats=args.repeats, rows=rows))
