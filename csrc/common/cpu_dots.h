@@ -44,17 +44,17 @@ using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_
 // hidden rows. Two distances:
 //  * the next slice, at the same position (kNextSlice...MaxRows below): while the groups of hidden
 //    rows work through one slice, the next one streams in, so memory is busy the whole time, not
-//    only while the first group passes. Up to these many rows the blocks leave the core time to
-//    spare; past them (fp32 hidden rows) the fetched slice waits too long and the short distance
-//    wins.
+//    only while the first group passes. The row limits are measured, not derived: past them (fp32
+//    at 12 rows and more) the short distance below was faster, perhaps because the arithmetic of
+//    that many rows then takes longer than a slice's fetch.
 //  * kPrefetchBytes along each stream, past those rows: 1-2 KiB ahead ran SmolLM2's projections at
 //    8-24 rows 1.2-1.3x faster than 8 KiB on a Zen 3 (3 x 4 blocks); 4 KiB was already as slow as 8.
-// Both prefetch into L2 (prefetcht1), not L1: a slice ahead does not fit in L1 beside the current
-// slice and the hidden rows, and the short distance's lines evicted L1 data as well. On a Zen 4
+// Both prefetch into L2 (prefetcht1), not L1: a slice ahead would not fit in L1 beside the current
+// slice and the hidden rows, and at the short distance the L2 hint measured faster too. On a Zen 4
 // (2 threads, AVX-512, runs alternated with the L1 form at 2 KiB) SmolLM2's 30 layers of
 // projections ran at 4 / 5 / 9 rows 13.6 / 13.9 / 17.5 ms against 15.9 / 17.2 / 19.6 in fp32 (one
 // row: 14.0) and 6.7 / 6.8 / 8.8 ms against 8.2 / 9.4 / 10.5 in bf16; 12-24 fp32 rows 1.06-1.08x
-// faster, and a 2048-wide model's layers 1.2-1.4x at 4-16 rows. Prefetches never fault, so
+// faster (one run of 5), and a 2048-wide model's layers 1.2-1.4x at 4-16 rows. Prefetches never fault, so
 // running past the end of the weight is harmless.
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kNextSliceMaxRowsFp32 = 10;  // fp32 hidden rows: 12 rows ran 1.05x slower

@@ -29,7 +29,9 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                                                              tree_mask);
   const bool has_tree = tree_mask.has_value() && tree_mask->defined();
   // The kernels' tree mask has not run on a GPU yet: it stays behind a flag until it has
-  // (tools/gpu_check.sh runs the tree tests with it set).
+  // (tools/gpu_check.sh runs the tree tests with it set). Its values are not checked here (that
+  // would read device data and synchronize; the CPU op checks them): the kernels never index with
+  // them beyond bit 63, so a bad mask gives a wrong output, never an out-of-bounds access.
   EECORE_CHECK_ARG(op, "tree_mask", !has_tree || cuda_tree_mask_enabled(),
                    "is not supported by the CUDA kernels yet (set EECORE_CUDA_TREE_MASK=1 to try the untested "
                    "kernels); verify token trees on the CPU");
