@@ -28,7 +28,6 @@ TORCH_LIBRARY(eecore, m) {
   // tree_mask int64 [Tq] (token-tree verification; needs causal and max_query_len <= 64): row i of
   // a chunk sees every key before its chunk and chunk key j (position seq_len - q_len + j) iff bit
   // j of its mask is set; bit i must be set and no bit above i (a chain 0..i is plain causal).
-  // CUDA: behind EECORE_CUDA_TREE_MASK=1 until it has run on a GPU.
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, float scale, bool causal, "
         "Tensor? position_bias, Tensor? tree_mask=None) -> ()");

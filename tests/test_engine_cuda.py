@@ -107,18 +107,8 @@ def test_input_builder_never_overwrites_a_pending_copy():
     assert first_tokens.tolist() == [11, 12, 13]
 
 
-def test_token_trees_are_cpu_only(tiny, monkeypatch):
-    """CUDA's tree mask has not run on a GPU yet: draft_top_k > 1 is refused up front without its flag."""
-    monkeypatch.delenv("EECORE_CUDA_TREE_MASK", raising=False)
-    path, _ = tiny
-    spec = eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=2, draft_layers="separate", draft_top_k=3)
-    with pytest.raises(ValueError, match="draft_top_k > 1 .* CPU only"):
-        _llm(path, speculative=spec)
-
-
-def test_token_trees_behind_their_flag_are_full_depth(tiny, monkeypatch):
-    """EECORE_CUDA_TREE_MASK=1: greedy tree verification on CUDA gives the CPU engine's tokens."""
-    monkeypatch.setenv("EECORE_CUDA_TREE_MASK", "1")
+def test_token_trees_are_full_depth(tiny):
+    """Greedy token-tree verification (draft_top_k > 1) on CUDA gives the CPU engine's tokens."""
     path, hf = tiny
     spec = eecore.SelfSpeculativeConfig(exit_layer=1, num_speculations=2, draft_layers="separate", draft_top_k=3)
     prompts = random_prompts(hf.config.vocab_size, [5, 17, 3], seed=4)

@@ -410,22 +410,12 @@ def test_opcheck_tree_mask(q_lens):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_tree_mask_not_on_cuda_without_the_flag(monkeypatch):
-    monkeypatch.delenv("EECORE_CUDA_TREE_MASK", raising=False)
-    case = make_case("cuda", torch.bfloat16, seq_lens=[10], q_lens=[3])
-    case.tree_mask = tree_masks([3], chain_parents).cuda()
-    with pytest.raises(RuntimeError, match="'tree_mask'.*not supported by the CUDA kernels"):
-        ops.paged_attention(*case.args(torch.empty_like(case.query)))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
 @pytest.mark.parametrize("head_dim", [64, 20])
-def test_tree_mask_on_cuda_behind_its_flag(monkeypatch, dtype, heads, head_dim):
-    """The CUDA kernels' tree mask (EECORE_CUDA_TREE_MASK=1 until this has passed on a GPU): both
-    kernels (rows for short chunks, mma for long ones) against the reference."""
-    monkeypatch.setenv("EECORE_CUDA_TREE_MASK", "1")
+def test_tree_mask_on_cuda(dtype, heads, head_dim):
+    """The CUDA kernels' tree mask: both kernels (rows for short chunks, mma for long ones) against
+    the reference."""
     num_q_heads, num_kv_heads = heads
     case = make_tree_case(dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           device="cuda")

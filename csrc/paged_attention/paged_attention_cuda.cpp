@@ -2,9 +2,7 @@
 // on the current stream. Nothing here reads device data, so the call never synchronizes.
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <optional>
-#include <string>
 
 #include "common/cuda_glue.h"
 #include "eecore/launch/paged_attention.h"
@@ -12,11 +10,6 @@
 
 namespace eecore {
 namespace {
-
-bool cuda_tree_mask_enabled() {
-  const char* flag = std::getenv("EECORE_CUDA_TREE_MASK");
-  return flag != nullptr && std::string(flag) == "1";
-}
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -28,13 +21,9 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                                                              query_start_loc, max_query_len, position_bias, causal,
                                                              tree_mask);
   const bool has_tree = tree_mask.has_value() && tree_mask->defined();
-  // The kernels' tree mask has not run on a GPU yet: it stays behind a flag until it has
-  // (tools/gpu_check.sh runs the tree tests with it set). Its values are not checked here (that
-  // would read device data and synchronize; the CPU op checks them): the kernels never index with
-  // them beyond bit 63, so a bad mask gives a wrong output, never an out-of-bounds access.
-  EECORE_CHECK_ARG(op, "tree_mask", !has_tree || cuda_tree_mask_enabled(),
-                   "is not supported by the CUDA kernels yet (set EECORE_CUDA_TREE_MASK=1 to try the untested "
-                   "kernels); verify token trees on the CPU");
+  // The tree mask's values are not checked here (that would read device data and synchronize;
+  // the CPU op checks them): the kernels never index with them beyond bit 63, so a bad mask gives
+  // a wrong output, never an out-of-bounds access.
   EECORE_CHECK_ARG(op, "query", dims.head_dim <= cuda::kPagedAttentionMaxHeadDim, "has head dim ", dims.head_dim,
                    "; the CUDA kernels support head dims up to ", cuda::kPagedAttentionMaxHeadDim);
   const c10::cuda::CUDAGuard guard(query.device());

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -83,11 +82,6 @@ class LLM:
             raise TypeError(f"LLM: 'speculative' must be a SelfSpeculativeConfig, got {type(speculative).__name__}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if speculative is not None and speculative.draft_top_k > 1 and self.device.type != "cpu" \
-                and os.environ.get("EECORE_CUDA_TREE_MASK") != "1":
-            raise ValueError("LLM: draft_top_k > 1 (token-tree verification) runs on the CPU only for now: the "
-                             "CUDA paged_attention's tree mask has not run on a GPU yet (EECORE_CUDA_TREE_MASK=1 "
-                             "tries it)")
         loaded = load_model(model, dtype=self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -46,8 +46,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     tree_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Varlen attention of `query [Tq, Hq, D]` over the paged KV; writes and returns `out`.
 
-    `tree_mask` (int64 `[Tq]`, causal, `max_query_len <= 64`; CUDA: behind EECORE_CUDA_TREE_MASK=1) verifies a token tree: row i
-    of a chunk sees the keys before its chunk and chunk key j iff bit j is set (bit i set, none above).
+    `tree_mask` (int64 `[Tq]`, causal, `max_query_len <= 64`) verifies a token tree: row i of a chunk
+    sees the keys before its chunk and chunk key j iff bit j is set (bit i set, none above).
     """
     _ops.paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                          int(max_query_len), float(scale), bool(causal), position_bias, tree_mask)
