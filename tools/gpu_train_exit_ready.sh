@@ -4,19 +4,20 @@
 # and peft but not the model file, gguf or the corpus, and a call uploads at most 64 MiB with the
 # repository (~22 MiB), so the model (98 MB) and the token stream travel in three parts:
 #
-#   here:    tools/gpu_train_exit_ready.sh pack          # -> .gpu_payload/part{1,2,3} (git-ignored)
-#   device:  three `run` calls back to back (the machine stays warm 30 s between calls), each
+#   here:    tools/gpu_train_exit_ready.sh pack          # -> .gpu_payload/part{1,2,3,4} (git-ignored)
+#   device:  four `run` calls back to back (the machine stays warm 30 s between calls), each
 #            carrying one part; the parts stay in the repo's ignored folder there:
 #              carry [".gpu_payload/part1"]  command: tools/gpu_train_exit_ready.sh receive
 #              carry [".gpu_payload/part2"]  command: tools/gpu_train_exit_ready.sh receive
-#              carry [".gpu_payload/part3"]  command: tools/gpu_train_exit_ready.sh train 8
+#              carry [".gpu_payload/part3"]  command: tools/gpu_train_exit_ready.sh receive
+#              carry [".gpu_payload/part4"]  command: tools/gpu_train_exit_ready.sh train 8
 #            `train MINUTES [ARGS...]` builds eecore, trains for MINUTES (resumable: call it again on
 #            the warm machine to go on; ARGS go to the trainer, e.g. --steps 4000 --batch-size 32) and
 #            puts the log and, when the run is complete, the adapter file (split in 15 MB pieces:
 #            cat exit-ready.safetensors.part* > FILE) into $OUT.
 #   or, so that the training outlives one call (at most 10 minutes) and shares the GPU with
 #   tools/gpu_check.sh, as on 2026-11-24:
-#              carry [".gpu_payload/part3"]  command: tools/gpu_train_exit_ready.sh start 15 ARGS...; EECORE_SKIP_BUILD=1 tools/gpu_check.sh
+#              carry [".gpu_payload/part4"]  command: tools/gpu_train_exit_ready.sh start 15 ARGS...; EECORE_SKIP_BUILD=1 EECORE_GPU_CHECK_SECONDS=450 tools/gpu_check.sh
 #              (no carry)                    command: tools/gpu_train_exit_ready.sh collect
 #            `start` builds eecore, then trains in a process of its own session (setsid), which the
 #            device tool lets run until the machine goes back; `collect` waits for it (9 minutes at
@@ -28,14 +29,13 @@
 #   original while the exits at 8/12/16 stay as they are:
 #     start 8 --init-adapters .gpu_payload/work/exit-ready.safetensors --checkpoint-dir .gpu_payload/work/ckpt2 \
 #       --frozen-layers 16 --e-scale 0 --steps 1500 --batch-size 32 --seq-len 512 --export-on-stop
-#   (its file replaces the first's; its log is ckpt2/train_log.jsonl there, and train.txt here).
-#   For separate draft layers (the next run to make, 2026-11-24): pairs of the layers below exit 8
-#   only, trained for the exit alone (full depth never sees them), from the shipped draft file:
-#     start 15 --draft-only --exit-layers 8 --init-adapters .gpu_payload/draft-layers.safetensors \
-#       --lora-rank 32 --lora-alpha 64 --steps 6000 --batch-size 32 --seq-len 512 --export-on-stop
-#   (copy python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors to .gpu_payload/ and
-#   carry it with part3. The file is rank 8: a higher --lora-rank grows it, starting from the same
-#   deltas with the extra ranks at zero; rank 32 on layers 0-7 is 5.2 MB in bf16).
+#   (its file replaces the first's; its log, ckpt2/train_log.jsonl, and train.txt come back).
+#   For separate draft layers: pairs of the layers below exit 8 only, trained for the exit alone
+#   (full depth never sees them), from the shipped draft file (it travels with the repository):
+#     start 14 --draft-only --exit-layers 8 --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors \
+#       --lora-rank 32 --lora-alpha 64 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
+#   (the file is rank 8: a higher --lora-rank grows it, starting from the same deltas with the extra
+#   ranks at zero; rank 32 on layers 0-7 is 5.2 MB in bf16).
 #   Measured on an H100: 32 x 512 tokens a step at 2.9 steps/s (150 K tokens/s).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -48,10 +48,11 @@ pack() {
   gguf="$("$PY" -c "from eecore.models.loader import default_model_path; print(default_model_path())")"
   corpus="$(mktemp -d)"
   "$PY" -m eecore.train.corpus --out "$corpus" > /dev/null
-  rm -rf "$PAYLOAD" && mkdir -p "$PAYLOAD"/part{1,2} "$PAYLOAD"/part3/corpus
+  # the corpus has a part of its own: with the repository and a third of the model it would pass 64 MiB
+  rm -rf "$PAYLOAD" && mkdir -p "$PAYLOAD"/part{1,2,3} "$PAYLOAD"/part4/corpus
   # the token streams, tokenized here (uint16: SmolLM2's ids fit), and the corpus manifest with the
   # tokenizer's fingerprint, which the trainer checks
-  "$PY" - "$corpus" "$PAYLOAD/part3/corpus" <<'EOF'
+  "$PY" - "$corpus" "$PAYLOAD/part4/corpus" <<'EOF'
 import json, sys
 import numpy as np
 import eecore
@@ -66,7 +67,7 @@ manifest = json.load(open(f"{src}/manifest.json"))
 manifest["tokenizer"] = tokenizer_fingerprint(tok)
 json.dump(manifest, open(f"{dst}/manifest.json", "w"), indent=1)
 EOF
-  xz -T0 -6 "$PAYLOAD/part3/corpus/train.npy"
+  xz -T0 -6 "$PAYLOAD/part4/corpus/train.npy"
   split -n 3 -d "$gguf" "$PAYLOAD/model.gguf.part"
   mv "$PAYLOAD/model.gguf.part00" "$PAYLOAD/part1/"
   mv "$PAYLOAD/model.gguf.part01" "$PAYLOAD/part2/"
@@ -124,13 +125,16 @@ collect() {
 train() {
   local minutes="${1:?train MINUTES [trainer args...]}" out="${OUT:-$BACKGROUND_OUT}" work="$PWD/$PAYLOAD/work"
   shift
+  # the log to bring back is the one of this run's checkpoint folder: the last --checkpoint-dir wins
+  local ckpt="$work/ckpt" prev=""
+  for arg in "$@"; do [ "$prev" = "--checkpoint-dir" ] && ckpt="$arg"; prev="$arg"; done
   mkdir -p "$out" "$work/corpus"
-  for part in 1 2 3; do [ -d "$PAYLOAD/part$part" ] || { echo "missing $PAYLOAD/part$part: carry it first"; exit 1; }; done
+  for part in 1 2 3 4; do [ -d "$PAYLOAD/part$part" ] || { echo "missing $PAYLOAD/part$part: carry it first"; exit 1; }; done
   if [ ! -f "$work/model.gguf" ]; then
     cat "$PAYLOAD"/part1/model.gguf.part00 "$PAYLOAD"/part2/model.gguf.part01 "$PAYLOAD"/part3/model.gguf.part02 \
       > "$work/model.gguf"
-    cp "$PAYLOAD"/part3/corpus/manifest.json "$PAYLOAD"/part3/corpus/heldout.npy "$work/corpus/"
-    xz -dc "$PAYLOAD"/part3/corpus/train.npy.xz > "$work/corpus/train.npy"
+    cp "$PAYLOAD"/part4/corpus/manifest.json "$PAYLOAD"/part4/corpus/heldout.npy "$work/corpus/"
+    xz -dc "$PAYLOAD"/part4/corpus/train.npy.xz > "$work/corpus/train.npy"
   fi
   environment
   build "$out"
@@ -138,7 +142,7 @@ train() {
   "$PY" -m eecore.train.exit_ready --model "$work/model.gguf" --corpus "$work/corpus" --checkpoint-dir "$work/ckpt" \
     --out "$work/exit-ready.safetensors" --init-adapters shipped --device cuda --stop-after-minutes "$minutes" "$@" \
     2>&1 | tr '\r' '\n' | grep -v "exit-ready: " | tee "$out/train.txt" || rc=$?
-  cp "$work/ckpt/train_log.jsonl" "$out/" 2>/dev/null || true
+  cp "$ckpt/train_log.jsonl" "$out/" 2>/dev/null || true
   if [ -f "$work/exit-ready.safetensors" ]; then
     split -b 15M -d "$work/exit-ready.safetensors" "$out/exit-ready.safetensors.part"
   fi
