@@ -79,8 +79,8 @@ class SelfSpeculativeConfig:
         rows per sequence, siblings masked from each other). When the model disagrees with the
         chain at position i, an alternative at i that it agrees with is accepted too (its verify
         row gives the next token), so a round emits up to one more token. Worth it where verify
-        rows are nearly free (a bandwidth-bound batch of one or a few): SmolLM2's shipped draft
-        file at exit 8 has top-1 / top-3 agreement 0.50 / 0.69 with the model on held-out code,
+        rows are nearly free (a bandwidth-bound batch of one or a few): SmolLM2's earlier, rank-8
+        draft file at exit 8 has top-1 / top-3 agreement 0.50 / 0.69 with the model on held-out code,
         but on 2 CPU cores verify rows are not free (4 rows cost 1.05x a one-row step, 9 rows
         1.36x: bench/verify_row_cost.py), and k = 3 ran at the speed of k = 1 (1.2x full depth).
         Greedy requests only: a sampled request's round verifies its chain alone (rejection
