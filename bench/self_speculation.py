@@ -13,7 +13,7 @@ the LM head).
                                      [--draft layer|lookup|hybrid] [--layer-speculations D]
                                      [--exit-adapter [FILE]]
                                      [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
-                                     [--draft-top-ks 1 3]
+                                     [--draft-top-ks 1 3] [--accept verified|confident]
                                      [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--dtype float32|bfloat16] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
 prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
@@ -22,6 +22,9 @@ code-completion prompts (eecore.prompts) instead of the CLI's chat prompts. `--d
 drafts with a copy of layers 0..E-1 (eecore.speculative.draft_stack) in each of `--draft-dtypes`; an
 exit-ready file's LoRA pairs then change only the copy, so full depth is the original model;
 `--draft-top-ks` (separate only) verifies each drafted position's top-k tokens as a token tree.
+`--accept confident` runs dynamic early exit with deferred K/V instead (the draft threshold is the
+exit confidence): the `exits` column is the share of tokens emitted at layer E, `ROUGE` the ROUGE-L
+of the outputs to full depth's.
 writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth on each group of prompts, `--repeats` times; ratios are of
@@ -37,6 +40,7 @@ import torch
 
 import eecore
 from eecore.cli import parse_min_acceptance
+from eecore.rouge import rouge_l
 from eecore.speculative.guard import break_even_acceptance
 from common import bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
@@ -104,6 +108,9 @@ def main():
                     help="--draft hybrid: the longest layer-E draft (SelfSpeculativeConfig(layer_speculations=...))")
     ap.add_argument("--draft-top-ks", type=int, nargs="+", default=[1],
                     help="--draft-layers separate: SelfSpeculativeConfig(draft_top_k=...) values to run")
+    ap.add_argument("--accept", choices=["verified", "confident"], default="verified",
+                    help="confident: dynamic early exit with deferred K/V (SelfSpeculativeConfig(accept=...)); "
+                         "the rows then report the early-exit rate and ROUGE-L to full depth")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
@@ -144,7 +151,7 @@ def main():
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
         print(f"{'E':>3}{'d':>3}{'k':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
-              f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}")
+              f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}{'exits':>8}{'ROUGE':>7}")
         for E, d, threshold, draft_dtype, top_k in itertools.product(args.exit_layers, args.drafts, thresholds,
                                                                      args.draft_dtypes, args.draft_top_ks):
             llm = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
@@ -153,12 +160,17 @@ def main():
                                  min_acceptance=args.min_acceptance, draft=args.draft,
                                  layer_speculations=None if args.layer_speculations is None
                                  else min(args.layer_speculations, d),
-                                 draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k))
+                                 draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
+                                 accept=args.accept))
             outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
+            # tokens emitted from the exit (the first token comes from the prefill: left out)
+            exits = [e for o in outs for e in o.exit_layers[1:]]
+            ee_rate = sum(e < full.model.num_layers for e in exits) / len(exits)
+            rouge = statistics.mean(rouge_l(o.text, f.text) for o, f in zip(outs, full_outs))
             # layer drafts' bandwidth-bound break-even (with the draft head's own bytes); lookup
             # drafts read no weights: theirs is 0
             head, stack = llm.engine.strategy.draft_head, llm.engine.strategy.draft_stack
@@ -170,7 +182,8 @@ def main():
                        tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
-                       identical_to_full=exact, tok_s_runs=runs, full_tok_s_runs=full_runs,
+                       identical_to_full=exact, accept=args.accept, early_exit_rate=ee_rate,
+                       rouge_l_to_full=rouge, tok_s_runs=runs, full_tok_s_runs=full_runs,
                        paired_ratios=[a / b for a, b in zip(runs, full_runs)])
             for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_drafted_tokens",
                         "num_layer_accepted_tokens", "num_tree_alternatives", "num_tree_alternatives_accepted"):
@@ -183,12 +196,13 @@ def main():
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
             print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
-                  f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}")
+                  f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}{ee_rate:8.2f}{rouge:7.3f}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])
                                      + (["separate"] if separate else [])
                                      + (["code"] if args.prompts == "code" else [])
-                                     + (["guard"] if args.min_acceptance is not None else []))
+                                     + (["guard"] if args.min_acceptance is not None else [])
+                                     + (["confident"] if args.accept == "confident" else []))
     path = save_results(name, dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, max_tokens=args.max_tokens,
                                    draft=args.draft,
                                    prompts=args.prompts, exit_adapter=args.exit_adapter,

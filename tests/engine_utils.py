@@ -6,6 +6,7 @@ import copy
 import torch
 
 import eecore
+from eecore.models.lora import LoraDeltas
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -28,3 +29,17 @@ def greedy(max_tokens: int, **kw) -> eecore.SamplingParams:
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def truncated_merged(hf, lora: LoraDeltas | None, E: int):
+    """HF's model cut to layers 0..E-1 with `lora`'s pairs merged by hand: what the copy computes."""
+    model = copy.deepcopy(hf)
+    model.model.layers = model.model.layers[:E]
+    model.config.num_hidden_layers = E
+    if lora is not None:
+        modules = dict(model.named_modules())
+        with torch.no_grad():
+            for name, (a, b) in lora.pairs.items():
+                if int(name.split(".")[2]) < E:
+                    modules[name].weight += lora.scale * (b @ a)
+    return model.eval()

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
+
 # A small corpus for the tiny byte-level BPE tokenizer: words, code, digits, unicode.
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -256,3 +258,16 @@ def _add_tokenizer(writer, tokenizer_dir, pre: str, vocab_size: int) -> None:
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def random_lora(hf, seed: int) -> LoraDeltas:
+    """Random LoRA pairs for every projection of every layer of `hf`."""
+    g = torch.Generator().manual_seed(seed)
+    modules = dict(hf.named_modules())
+    pairs = {}
+    for i in range(hf.config.num_hidden_layers):
+        for target in LLAMA_TARGETS:
+            path = f"model.layers.{i}.{target}"
+            out, inp = modules[path].weight.shape
+            pairs[path] = (0.3 * torch.randn(2, inp, generator=g), 0.3 * torch.randn(out, 2, generator=g))
+    return LoraDeltas(pairs, scale=0.5)

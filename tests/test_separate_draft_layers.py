@@ -3,18 +3,15 @@ copy of layers 0..E-1 with its own KV cache drafts, with an exit-ready file's Lo
 the copy alone; verification runs the original model's L layers."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
-from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.guard import break_even_acceptance
-from engine_utils import greedy, random_prompts
-from model_factory import make_peaked_tiny_model
+from engine_utils import greedy, random_prompts, truncated_merged
+from model_factory import make_peaked_tiny_model, random_lora
 
 L, VOCAB = 4, 320
 
@@ -25,25 +22,12 @@ def tiny(tmp_path_factory):
     return make_peaked_tiny_model(tmp_path_factory.mktemp("sep"), num_layers=L, vocab_size=VOCAB)
 
 
-def _lora_for(hf, seed: int) -> LoraDeltas:
-    """Random LoRA pairs for every projection of every layer of `hf`."""
-    g = torch.Generator().manual_seed(seed)
-    modules = dict(hf.named_modules())
-    pairs = {}
-    for i in range(hf.config.num_hidden_layers):
-        for target in LLAMA_TARGETS:
-            path = f"model.layers.{i}.{target}"
-            out, inp = modules[path].weight.shape
-            pairs[path] = (0.3 * torch.randn(2, inp, generator=g), 0.3 * torch.randn(out, 2, generator=g))
-    return LoraDeltas(pairs, scale=0.5)
-
-
 @pytest.fixture(scope="module")
 def lora_file(tiny, tmp_path_factory):
     """(file, lora): an exit-ready file holding LoRA pairs only (no adapter blocks, no vocabulary)."""
     path, hf = tiny
     base = eecore.LLM(path, dtype="float32", device="cpu")
-    lora = _lora_for(hf, seed=5)
+    lora = random_lora(hf, seed=5)
     file = str(tmp_path_factory.mktemp("sepfile") / "draft.safetensors")
     ExitAdapters({}, None, model_fingerprint(base.model), {}, lora).save(file)
     return file, lora
@@ -54,20 +38,6 @@ def _separate(path, E, d, file=None, draft_dtype=None, **kw):
                       speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
                                                                draft_layers="separate", draft_dtype=draft_dtype),
                       **kw)
-
-
-def _truncated_merged(hf, lora: LoraDeltas | None, E: int):
-    """HF's model cut to layers 0..E-1 with `lora`'s pairs merged by hand: what the copy computes."""
-    model = copy.deepcopy(hf)
-    model.model.layers = model.model.layers[:E]
-    model.config.num_hidden_layers = E
-    if lora is not None:
-        modules = dict(model.named_modules())
-        with torch.no_grad():
-            for name, (a, b) in lora.pairs.items():
-                if int(name.split(".")[2]) < E:
-                    modules[name].weight += lora.scale * (b @ a)
-    return model.eval()
 
 
 @pytest.mark.parametrize("E, d, draft_dtype", [(1, 1, None), (2, 3, None), (3, 2, None), (2, 2, "bfloat16")])
@@ -120,7 +90,7 @@ def test_draft_logits_are_the_copys_own(tiny, lora_file, budget, num_blocks):
     if num_blocks is not None:
         assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert len(seen) > 20
-    reference = _truncated_merged(hf, lora, E)
+    reference = truncated_merged(hf, lora, E)
     with torch.no_grad():
         for context, logits in seen:
             want = reference(torch.tensor([context])).logits[0, -1]
@@ -135,7 +105,7 @@ def test_without_a_file_the_copy_is_the_models_first_layers(tiny):
     llm = _separate(path, E, 1)
     seen = _record_drafts(llm)
     llm.generate(random_prompts(VOCAB, [6, 9], seed=4), greedy(12))
-    reference = _truncated_merged(hf, None, E)
+    reference = truncated_merged(hf, None, E)
     with torch.no_grad():
         for context, logits in seen:
             torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
@@ -155,7 +125,7 @@ def test_hybrid_rounds_leave_the_copy_behind_and_it_catches_up(tiny, lora_file):
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert sum(o.metrics["num_lookup_rounds"] for o in outs) > 0 and seen
-    reference = _truncated_merged(hf, lora, 2)
+    reference = truncated_merged(hf, lora, 2)
     with torch.no_grad():
         for context, logits in seen:
             torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)

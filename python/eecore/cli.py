@@ -86,7 +86,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-top-k", type=int, default=1, metavar="K",
                    help="--draft-layers separate: verify the draft's K most likely tokens at each drafted position "
                         "(its top-1 chain and K-1 alternatives, a token tree; greedy requests; CPU)")
-    s.add_argument("--draft-threshold", type=float, default=None)
+    s.add_argument("--draft-threshold", type=float, default=None,
+                   help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
+                        "--accept confident, the exit confidence a token needs to leave at layer E")
+    s.add_argument("--accept", choices=["verified", "confident"], default="verified",
+                   help="verified (the default): the full model checks every layer draft, outputs are its own; "
+                        "confident: dynamic early exit, a draft at least --draft-threshold sure is emitted at "
+                        "layer E, and the next full-depth pass computes its exact K/V (lossy)")
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
                         "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
@@ -153,7 +159,7 @@ def speculative_config(args):
                                             draft=args.draft, layer_speculations=args.layer_speculations,
                                             disable_by_batch_size=args.disable_by_batch_size,
                                             draft_layers=args.draft_layers, draft_dtype=args.draft_dtype,
-                                            draft_top_k=args.draft_top_k, **lookup)
+                                            draft_top_k=args.draft_top_k, accept=args.accept, **lookup)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

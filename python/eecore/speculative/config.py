@@ -11,6 +11,7 @@ BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-e
 DRAFT_MODES = ("layer", "lookup", "hybrid")
 DRAFT_LAYERS = ("shared", "separate")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
+ACCEPT_MODES = ("verified", "confident")
 
 
 @dataclass
@@ -86,6 +87,23 @@ class SelfSpeculativeConfig:
         Greedy requests only: a sampled request's round verifies its chain alone (rejection
         sampling keeps the model's law for one proposal per position).
 
+    accept: what becomes of a layer draft.
+      - "verified" (the default): the full model checks it, as above; the output is the model's.
+      - "confident": dynamic early exit with deferred K/V (FREE, Bae et al. 2023: "synchronized
+        parallel decoding"). A layer draft whose top-1 probability is at least `draft_threshold`
+        is emitted as it is: the token exits at layer E, and its output entry says so
+        (`exit_layers`). The first doubtful draft ends the run of exits, and that position is
+        decoded at full depth by the round's full-depth pass, which also computes the exact K/V
+        of the exited positions in every layer (one varlen pass, as verification does). So later
+        tokens attend to the states the full model would have written for the emitted tokens,
+        not to a KV fill's copies, and an exited token costs E layers (of the draft copy, with
+        `draft_layers="separate"`) plus a row of the next full-depth pass. Only the last row of
+        that pass goes through the LM head. The output is no longer the full model's: how far it
+        moves is what `eecore calibrate`-style sweeps of the threshold measure
+        (bench/self_speculation.py --accept confident reports ROUGE-L to full depth and the
+        exit rate). Needs `draft_threshold`; lookup drafts (hybrid) are still verified; not with
+        `min_acceptance` (nothing is rejected) or `draft_top_k` > 1 (nothing to choose).
+
     min_acceptance: the speculation guard for layer drafts (off by default): a sequence whose
     running acceptance rate falls below this value stops drafting with the layers, so its rounds
     cost what a full-depth step costs, and drafts again only in probe rounds, at most one per
@@ -109,6 +127,7 @@ class SelfSpeculativeConfig:
     draft_layers: str = "shared"
     draft_dtype: Optional[str] = None
     draft_top_k: int = 1
+    accept: str = "verified"
 
     def __post_init__(self):
         if self.draft not in DRAFT_MODES:
@@ -170,6 +189,22 @@ class SelfSpeculativeConfig:
         if self.draft_top_k > 1 and self.verify_width > MAX_TREE_TOKENS:
             raise ValueError(f"SelfSpeculativeConfig: a round verifies 1 + num_speculations x draft_top_k = "
                              f"{self.verify_width} tokens per sequence; at most {MAX_TREE_TOKENS} fit a token tree")
+        if self.accept not in ACCEPT_MODES:
+            raise ValueError(f"SelfSpeculativeConfig: 'accept' must be one of {', '.join(ACCEPT_MODES)}, "
+                             f"got {self.accept!r}")
+        if self.trusts_drafts:
+            if not self.uses_layers:
+                raise ValueError("SelfSpeculativeConfig: accept='confident' applies to layer drafts, and "
+                                 "draft='lookup' makes none")
+            if self.draft_threshold is None:
+                raise ValueError("SelfSpeculativeConfig: accept='confident' needs 'draft_threshold' (the exit "
+                                 "confidence: a draft's top-1 probability at layer E)")
+            if self.min_acceptance is not None:
+                raise ValueError("SelfSpeculativeConfig: 'min_acceptance' does not apply with accept='confident' "
+                                 "(no draft is rejected, so there is no acceptance to guard)")
+            if self.draft_top_k > 1:
+                raise ValueError("SelfSpeculativeConfig: 'draft_top_k' > 1 does not apply with accept='confident' "
+                                 "(the chain is emitted as drafted; no alternative is chosen)")
         if not _is_int(self.lookup_min_ngram) or self.lookup_min_ngram < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'lookup_min_ngram' must be an int >= 1, "
                              f"got {self.lookup_min_ngram!r}")
@@ -189,6 +224,11 @@ class SelfSpeculativeConfig:
     @property
     def separate_draft_layers(self) -> bool:
         return self.draft_layers == "separate"
+
+    @property
+    def trusts_drafts(self) -> bool:
+        """Whether confident layer drafts are emitted unverified (accept="confident")."""
+        return self.accept == "confident"
 
     @property
     def layer_draft_length(self) -> int:

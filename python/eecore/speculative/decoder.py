@@ -26,6 +26,12 @@ KV cache makes the layer drafts: d passes (the pending token, then drafts 1..d-1
 catches up on tokens it has not run), and verification is the lookup rounds' single full-depth
 varlen pass over every sequence's pending token and drafts.
 
+With `accept="confident"` a layer-drafting sequence skips the accept step: its drafts (each at
+least `draft_threshold` sure) are emitted as early exits at layer E, and its last verify row gives
+the full-depth token after them. The verify pass still runs over every drafted position, which is
+what writes their exact K/V in the later layers (deferred K/V, where the seed paper's early exit
+fills it from the exit's state); only that last row goes through the LM head.
+
 The guard (eecore.speculative.guard) gates layer drafts only. A lookup draft reads no weights: when
 decoding is bound by reading weights, verifying d+1 tokens costs what decoding 1 costs, so its
 bandwidth-bound break-even acceptance is 0 and a wrong lookup draft costs only the extra compute
@@ -114,19 +120,26 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self._record_shadow(seqs, shadowed, shadowed, logits)
             return results
         alternatives = [[] for _ in seqs]
+        # accept="confident": a layer-drafting sequence emits its drafts as they are (they exited
+        # at layer E), so the full-depth pass needs logits only for its last row
+        trusted = [bool(n) and self.config.trusts_drafts for n in layer_budgets]
         if any(layer_budgets) and self.draft_stack is None:
             drafts, draft_probs = self._draft(seqs, lookup, layer_budgets)
-            logits = self._verify(seqs, drafts)
             widths = [len(d) + 1 for d in drafts]
+            logits = self._verify(seqs, drafts, self._logit_rows(widths, trusted))
         else:  # lookup drafts or a separate draft stack's: one varlen pass through every layer
             drafts, draft_probs, alternatives = self._lookup_and_copy_drafts(seqs, lookup, layer_budgets)
             rows = [tree_row(s, d, a) for s, d, a in zip(seqs, drafts, alternatives)]
             widths = [len(row.tokens) for row in rows]
-            logits = self._verify_all(rows, shadowed)
+            logits = self._verify_all(rows, shadowed, self._logit_rows(widths, trusted))
         results, offsets, offset, moves = [], [], 0, []
         for b, (seq, n, probs) in enumerate(zip(seqs, widths, draft_probs)):
             chain = drafts[b]
-            tokens, leaf, agreed = self._accept(seq, chain, probs, logits[offset: offset + n], alternatives[b])
+            if trusted[b]:
+                tokens, leaf, agreed = self._emit_exits(seq, chain, probs, logits[offset]), -1, len(chain)
+                n = 1
+            else:
+                tokens, leaf, agreed = self._accept(seq, chain, probs, logits[offset: offset + n], alternatives[b])
             offsets.append(offset)
             offset += n
             start = seq.num_computed_tokens
@@ -286,7 +299,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def _propose(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Draft tokens from layer-E logits: argmax, or a draw from the processed distribution q
         (kept for rejection sampling). `confident` is False where the top-1 probability falls
-        below the draft threshold."""
+        below the draft threshold. With accept="confident" nothing is rejection-sampled, and
+        `probs` holds instead what an emitted draft reports: its logprobs under the exit's
+        distribution, where the request asks for them."""
         tokens = logits.argmax(dim=-1)
         probs: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -295,6 +310,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             for j, i in enumerate(sampled):
                 tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
                 probs[i] = q[j]
+        if self.config.trusts_drafts:
+            probs = [Sampler.logprobs(logits[i], int(tokens[i]), s.params.logprobs)
+                     if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         threshold = self.config.draft_threshold
         if threshold is None:
             confident = [True] * len(seqs)
@@ -302,8 +320,26 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             confident = (torch.softmax(logits, dim=-1).amax(dim=-1) >= threshold).tolist()
         return tokens.tolist(), probs, confident
 
-    def _verify(self, seqs, drafts) -> torch.Tensor:
-        """Layers E..L-1 over every drafted position at once, from the exit-query cache."""
+    @staticmethod
+    def _logit_rows(widths: list[int], trusted: list[bool]) -> Optional[list[int]]:
+        """The rows of a full-depth pass (sequences' `widths` rows each, in order) whose logits a
+        round reads: every row of a verified sequence, the last of a trusted one; None: all."""
+        if not any(trusted):
+            return None
+        rows, start = [], 0
+        for n, trust in zip(widths, trusted):
+            rows.extend([start + n - 1] if trust else range(start, start + n))
+            start += n
+        return rows
+
+    def _logits(self, hidden: torch.Tensor, rows: Optional[list[int]]) -> torch.Tensor:
+        if rows is not None and len(rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        return self.runner.logits(hidden)
+
+    def _verify(self, seqs, drafts, logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+        """Layers E..L-1 over every drafted position at once, from the exit-query cache; the
+        logits of `logit_rows` (None: of every row)."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, drafts)]
         inputs = self.runner.prepare(rows)
         B, width = len(seqs), self.lookahead
@@ -314,12 +350,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             index = [b * width + k for b, d in enumerate(drafts) for k in range(len(d) + 1)]
             hidden = flat.index_select(0, torch.tensor(index, device=flat.device))
         self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
-        return self.runner.logits(hidden)
+        return self._logits(hidden, logit_rows)
 
-    def _verify_all(self, rows: list[Row], shadowed: list[int]) -> torch.Tensor:
+    def _verify_all(self, rows: list[Row], shadowed: list[int], logit_rows: Optional[list[int]] = None) -> torch.Tensor:
         """Every sequence's pending token and drafts (lookup drafts, or a separate draft stack's,
         with their alternatives as tree rows) through all layers in one varlen pass (layer-E
-        states copied out only for the guard's shadow check)."""
+        states copied out only for the guard's shadow check); the logits of `logit_rows` (None:
+        of every row)."""
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         if shadowed:
@@ -331,7 +368,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
         else:
             self.runner.run_layers(hidden, inputs.attn, 0, self.num_layers)
-        return self.runner.logits(hidden)
+        return self._logits(hidden, logit_rows)
 
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor,
                 alternatives: list[list[int]]) -> tuple[list[Token], int, int]:
@@ -347,6 +384,19 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             rows, leaf, agreed = list(range(len(tokens))), -1, len(tokens) - 1
         return [Token(t, L, Sampler.logprobs(logits[r], t, k) if k is not None else None)
                 for r, t in zip(rows, tokens)], leaf, agreed
+
+    def _emit_exits(self, seq: Sequence, drafts: list[int], draft_logprobs: list, logits_row: torch.Tensor) -> list[Token]:
+        """accept="confident": the drafts as they are (each exited at layer E; its logprobs are the
+        exit's, recorded when it was drafted), then the full model's token after them, from the
+        last row of the full-depth pass (`logits_row`)."""
+        L, k = self.num_layers, seq.params.logprobs
+        if seq.params.greedy:
+            token = int(logits_row.argmax())
+        else:
+            p = Sampler.probabilities(logits_row[None], [seq.params])[0]
+            token = Sampler.draw(p, self.sampler.generator_for(seq))
+        exits = [Token(t, self.exit_layer, lp) for t, lp in zip(drafts, draft_logprobs)]
+        return exits + [Token(token, L, Sampler.logprobs(logits_row, token, k) if k is not None else None)]
 
     def _rejection_sample(self, seq, drafts, draft_probs, logits) -> list[int]:
         """Speculative sampling: accept draft y with prob min(1, p(y)/q(y)); on rejection draw

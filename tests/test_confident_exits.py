@@ -1,0 +1,176 @@
+"""Dynamic early exit with deferred K/V (SelfSpeculativeConfig(accept="confident")): a layer draft
+whose top-1 probability reaches the threshold is emitted at layer E, and the next full-depth pass
+computes the exact K/V of the exited positions beside the token after them.
+
+The reference is HF transformers run over the whole context for every token: because every exited
+position gets the full model's exact K/V, each full-depth token is the original model's next token
+given the emitted ones, and each exit is the exit model's (the first E layers, through the copy's
+LoRA pairs where there are any)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eecore
+from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
+from engine_utils import greedy, random_prompts, truncated_merged
+from model_factory import make_peaked_tiny_model, random_lora
+
+L, VOCAB = 4, 320
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, hf_model, file, lora): a 4-layer random Llama with peaked distributions, and an
+    exit-ready file of random LoRA pairs for the separate copy."""
+    path, hf = make_peaked_tiny_model(tmp_path_factory.mktemp("confident"), num_layers=L, vocab_size=VOCAB)
+    base = eecore.LLM(path, dtype="float32", device="cpu")
+    lora = random_lora(hf, seed=3)
+    file = str(tmp_path_factory.mktemp("confident-file") / "draft.safetensors")
+    ExitAdapters({}, None, model_fingerprint(base.model), {}, lora).save(file)
+    return path, hf, file, lora
+
+
+def _llm(path, E, d, threshold, draft_layers="shared", file=None, **kw):
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                      speculative=eecore.SelfSpeculativeConfig(
+                          exit_layer=E, num_speculations=d, draft_threshold=threshold, draft_layers=draft_layers,
+                          accept="confident"), **kw)
+
+
+def _reference(hf, exit_model, prompt, max_tokens, d, threshold, E):
+    """The tokens and exit layers early exit with deferred K/V emits, token by token on HF: a round
+    exits while the exit model is confident (at most d times, and never on a request's last
+    token), then decodes one token at full depth. Also the smallest distance of a confidence from
+    the threshold (the test needs a margin against rounding), and how many runs of exits a doubtful
+    draft ended."""
+    tokens, layers, margin, stopped = [], [], float("inf"), 0
+
+    def next_logits(model):
+        with torch.no_grad():
+            return model(torch.tensor([prompt + tokens])).logits[0, -1]
+
+    tokens.append(int(next_logits(hf).argmax()))  # the prefill's token
+    layers.append(L)
+    while len(tokens) < max_tokens:
+        budget = min(d, max_tokens - len(tokens) - 1)
+        for _ in range(budget):
+            probs = next_logits(exit_model).softmax(-1)
+            margin = min(margin, abs(float(probs.max()) - threshold))
+            if probs.max() < threshold:
+                stopped += 1
+                break
+            tokens.append(int(probs.argmax()))
+            layers.append(E)
+        tokens.append(int(next_logits(hf).argmax()))
+        layers.append(L)
+    return tokens, layers, margin, stopped
+
+
+@pytest.mark.parametrize("draft_layers, E, d, threshold", [
+    ("shared", 1, 3, 0.0), ("shared", 2, 2, 0.5), ("separate", 2, 4, 0.0), ("separate", 2, 3, 0.5),
+    ("separate", 3, 8, 0.8)])
+def test_greedy_output_is_the_token_by_token_reference(tiny, draft_layers, E, d, threshold):
+    path, hf, file, lora = tiny
+    separate = draft_layers == "separate"
+    exit_model = truncated_merged(hf, lora if separate else None, E)
+    prompts = random_prompts(VOCAB, [2 + (7 * i) % 13 for i in range(5)], seed=E + d)
+    params = [greedy(6 + 3 * i) for i in range(5)]
+    outs = _llm(path, E, d, threshold, draft_layers, file if separate else None).generate(prompts, params)
+    exits = stopped = 0
+    for prompt, p, out in zip(prompts, params, outs):
+        tokens, layers, margin, doubts = _reference(hf, exit_model, prompt, p.max_tokens, d, threshold, E)
+        assert margin > 1e-4, "a confidence sits on the threshold: pick another seed"
+        assert out.token_ids == tokens
+        assert out.exit_layers == layers
+        exits, stopped = exits + layers.count(E), stopped + doubts
+    assert exits > 0
+    assert (stopped > 0) == (threshold > 0)  # the threshold did end some runs of exits
+
+
+def test_exits_are_what_the_full_depth_would_not_always_say(tiny):
+    """The mode is lossy: with threshold 0 on random weights some emitted tokens differ from full
+    depth's greedy output, while accept="verified" with the same drafts keeps it exactly."""
+    path, hf, file, _ = tiny
+    prompts = random_prompts(VOCAB, [5, 9, 3], seed=1)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))
+    trusted = _llm(path, 2, 4, 0.0, "separate", file).generate(prompts, greedy(16))
+    verified = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file, speculative=eecore.SelfSpeculativeConfig(
+        exit_layer=2, num_speculations=4, draft_threshold=0.0, draft_layers="separate")).generate(prompts, greedy(16))
+    assert [o.token_ids for o in verified] == [o.token_ids for o in full]
+    assert [o.token_ids for o in trusted] != [o.token_ids for o in full]
+
+
+def test_exits_report_the_exit_distributions_logprobs(tiny):
+    path, hf, _, _ = tiny
+    E, prompt = 2, random_prompts(VOCAB, [6], seed=4)[0]
+    out = _llm(path, E, 2, 0.0).generate([prompt], greedy(7, logprobs=2))[0]
+    exit_model = truncated_merged(hf, None, E)
+    for i, (token, layer, logprobs) in enumerate(zip(out.token_ids, out.exit_layers, out.logprobs)):
+        model = exit_model if layer == E else hf
+        with torch.no_grad():
+            want = model(torch.tensor([prompt + out.token_ids[:i]])).logits[0, -1].log_softmax(-1)
+        assert set(logprobs) >= set(want.topk(2).indices.tolist()) | {token}
+        for t, lp in logprobs.items():
+            assert lp == pytest.approx(float(want[t]), abs=1e-4)
+    assert E in out.exit_layers
+
+
+def test_sampled_exits_follow_the_exit_law(tmp_path):
+    """Threshold 0 and max_tokens 3: the first token comes from the prefill (full depth), the second
+    exits at layer 1 (drawn from the exit's law, not the full model's), the third is full depth's."""
+    from scipy.stats import chisquare
+
+    from model_factory import make_tiny_hf_model
+
+    path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=L, vocab_size=12, with_tokenizer=False)
+    prompt, n, V = [3, 7, 1], 3000, 12
+    params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = _llm(path, 1, 3, 0.0, max_num_seqs=64).generate([prompt] * n, params)
+    assert all(o.exit_layers == [L, 1, L] for o in outs)
+    exit_model = truncated_merged(hf, None, 1)
+    with torch.no_grad():
+        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        ids = torch.tensor([prompt + [t] for t in range(V)])
+        exit_law = exit_model(ids).logits[:, -1].softmax(-1)
+        full_law = hf(ids).logits[:, -1].softmax(-1)
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+
+    def p_value(law):
+        expected, observed = (law.double() * n).flatten(), counts.double().flatten()
+        keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+        obs, exp = observed[keep], expected[keep]
+        if (~keep).any():
+            obs = torch.cat([obs, observed[~keep].sum()[None]])
+            exp = torch.cat([exp, expected[~keep].sum()[None]])
+        return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue
+
+    assert p_value(p1[:, None] * exit_law) > 1e-3
+    assert p_value(p1[:, None] * full_law) < 1e-3  # the test tells the two laws apart
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(exit_layer=2, accept="trusting"), "'accept' must be one of verified, confident"),
+    (dict(exit_layer=2, accept="confident"), "accept='confident' needs 'draft_threshold'"),
+    (dict(draft="lookup", accept="confident"), "accept='confident' applies to layer drafts"),
+    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, min_acceptance=0.3),
+     "'min_acceptance' does not apply with accept='confident'"),
+    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, draft_layers="separate", draft_top_k=2),
+     "'draft_top_k' > 1 does not apply with accept='confident'"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        eecore.SelfSpeculativeConfig(**kwargs)
+
+
+def test_cli_flag(tiny, capsys):
+    from eecore.cli import main
+
+    path = tiny[0]
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--exit-layer", "2", "--num-speculations", "3", "--draft-threshold", "0.2",
+                 "--accept", "confident"]) == 0
+    with pytest.raises(SystemExit, match="accept='confident' needs 'draft_threshold'"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--accept", "confident"])
