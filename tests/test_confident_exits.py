@@ -101,6 +101,22 @@ def test_exits_are_what_the_full_depth_would_not_always_say(tiny):
     assert [o.token_ids for o in trusted] != [o.token_ids for o in full]
 
 
+def test_hybrid_rounds_still_verify_lookup_drafts(tiny):
+    """draft="hybrid": lookup drafts are checked as before; only layer drafts may exit. With a
+    threshold no draft reaches, nothing exits and the output is full depth's, lookup rounds and all."""
+    path, hf, file, _ = tiny
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 11, 12, 11], [40, 41, 42]]  # repeats: lookup matches
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(14))
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                     speculative=eecore.SelfSpeculativeConfig(
+                         exit_layer=2, num_speculations=3, draft="hybrid", draft_threshold=1.0,
+                         draft_layers="separate", accept="confident"))
+    outs = llm.generate(prompts, greedy(14))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert all(set(o.exit_layers) == {L} for o in outs)
+    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
+
+
 def test_exits_report_the_exit_distributions_logprobs(tiny):
     path, hf, _, _ = tiny
     E, prompt = 2, random_prompts(VOCAB, [6], seed=4)[0]
