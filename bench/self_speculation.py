@@ -40,7 +40,7 @@ import torch
 
 import eecore
 from eecore.cli import parse_min_acceptance
-from eecore.rouge import rouge_l
+from eecore.eval_metrics import compare_outputs
 from eecore.speculative.guard import break_even_acceptance
 from common import bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
@@ -166,11 +166,9 @@ def main():
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
-            exact = all(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
-            # tokens emitted from the exit (the first token comes from the prefill: left out)
-            exits = [e for o in outs for e in o.exit_layers[1:]]
-            ee_rate = sum(e < full.model.num_layers for e in exits) / len(exits)
-            rouge = statistics.mean(rouge_l(o.text, f.text) for o, f in zip(outs, full_outs))
+            quality = compare_outputs(outs, full_outs, full.model.num_layers)
+            exact = quality["exact_match"] == 1.0
+            ee_rate, rouge = quality["early_exit_rate"], quality["rouge_l_to_full"]
             # layer drafts' bandwidth-bound break-even (with the draft head's own bytes); lookup
             # drafts read no weights: theirs is 0
             head, stack = llm.engine.strategy.draft_head, llm.engine.strategy.draft_stack
@@ -196,7 +194,7 @@ def main():
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
             print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
-                  f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}{ee_rate:8.2f}{rouge:7.3f}")
+                  f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}{'-' if ee_rate is None else f'{ee_rate:.2f}':>8}{rouge:7.3f}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])
                                      + (["separate"] if separate else [])

@@ -98,10 +98,10 @@ class SelfSpeculativeConfig:
         tokens attend to the states the full model would have written for the emitted tokens,
         not to a KV fill's copies, and an exited token costs E layers (of the draft copy, with
         `draft_layers="separate"`) plus a row of the next full-depth pass. Only the last row of
-        that pass goes through the LM head. The output is no longer the full model's: how far it
-        moves is what `eecore calibrate`-style sweeps of the threshold measure
-        (bench/self_speculation.py --accept confident reports ROUGE-L to full depth and the
-        exit rate). Needs `draft_threshold`; lookup drafts (hybrid) are still verified; not with
+        that pass goes through the LM head. The output is no longer the full model's: `eecore eval
+        --speculate --accept confident` (or bench/self_speculation.py --accept confident)
+        measures how far it moves, as ROUGE-L to full depth and the early-exit rate. Needs
+        `draft_threshold`; lookup drafts (hybrid) are still verified; not with
         `min_acceptance` (nothing is rejected) or `draft_top_k` > 1 (nothing to choose).
 
     min_acceptance: the speculation guard for layer drafts (off by default): a sequence whose
