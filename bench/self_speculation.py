@@ -102,7 +102,7 @@ def main():
                     help="exit adapters for layer drafts: the ones shipped for the default model (no FILE), or a file")
     ap.add_argument("--draft-layers", choices=["shared", "separate"], default="shared",
                     help="SelfSpeculativeConfig(draft_layers=...)")
-    ap.add_argument("--draft-dtypes", nargs="+", default=[None], choices=[None, "float32", "bfloat16"],
+    ap.add_argument("--draft-dtypes", nargs="+", default=[None], choices=[None, "float32", "bfloat16", "int8"],
                     help="--draft-layers separate: the draft copy's dtypes to run (default: the model's)")
     ap.add_argument("--layer-speculations", type=int, default=None,
                     help="--draft hybrid: the longest layer-E draft (SelfSpeculativeConfig(layer_speculations=...))")

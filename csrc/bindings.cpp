@@ -71,8 +71,11 @@ TORCH_LIBRARY(eecore, m) {
 
   // out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N]); with accumulate, out += that instead
   // (a residual add fused into the projection). Rows may be strided, the last dim contiguous.
-  // The model's projections: decode-sized M streams the weight once on the CPU.
-  m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate) -> ()");
+  // The model's projections: decode-sized M streams the weight once on the CPU. Weight-only int8:
+  // weight int8 [N, K] with weight_scale fp32 [N] stands for weight_scale[:, None] * weight
+  // (the products and sums in fp32, the scale applied to each sum); weight_scale only then.
+  m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate, "
+        "Tensor? weight_scale=None) -> ()");
 
   // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
   // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;

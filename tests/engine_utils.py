@@ -43,3 +43,18 @@ def truncated_merged(hf, lora: LoraDeltas | None, E: int):
                 if int(name.split(".")[2]) < E:
                     modules[name].weight += lora.scale * (b @ a)
     return model.eval()
+
+
+def int8_rounded(hf):
+    """HF's model with every projection and the LM head replaced by its weight-only int8 values
+    (eecore.models.int8_weights, dequantized): what an int8 draft copy computes. The embeddings
+    stay as they are (the copy keeps them dense)."""
+    from eecore.models.int8_weights import Int8Weight
+
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and (".layers." in name or name == "lm_head"):
+                module.weight.copy_(Int8Weight.quantize(module.weight).dequantize(module.weight.dtype))
+    return model.eval()

@@ -94,3 +94,59 @@ def test_linear_bad_arguments(device, make, message):
     out, inp, weight, bias = make(device)
     with pytest.raises(RuntimeError, match=message):
         ops.linear(out, inp, weight, bias)
+
+
+# ---- weight-only int8: weight int8 [N, K] with weight_scale fp32 [N] -----------------------------
+
+def _int8_case(device, dtype, rows, k, n, bias):
+    inp = torch.randn(rows, k + 3, dtype=dtype, device=device)[:, :k]
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    scale = torch.rand(n, device=device) * 3 / (127 * k ** 0.5)
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    return inp, weight, scale, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# streaming (1-24 rows, 4 x 4 and leftover blocks), row blocks (25-48), the widened GEMM (49)
+@pytest.mark.parametrize("rows", [1, 3, 8, 24, 25, 49])
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (4100, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weight_matches_reference(device, dtype, rows, k, n, bias):
+    inp, weight, scale, b = _int8_case(device, dtype, rows, k, n, bias)
+    out = poison(torch.empty(rows, n, dtype=dtype, device=device))
+    expected = torch.empty_like(out)
+    ops.linear(out, inp, weight, b, weight_scale=scale)
+    reference.linear(expected, inp, weight, b, weight_scale=scale)
+    torch.testing.assert_close(out, expected, **tol(dtype, scale=4))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_int8_weight_accumulates_into_out(device, rows):
+    inp, weight, scale, b = _int8_case(device, torch.float32, rows, 96, 70, True)
+    out = torch.randn(rows, 70, device=device)
+    expected = out.clone()
+    ops.linear(out, inp, weight, b, accumulate=True, weight_scale=scale)
+    reference.linear(expected, inp, weight, b, accumulate=True, weight_scale=scale)
+    torch.testing.assert_close(out, expected, **tol(torch.float32, scale=4))
+
+
+def test_int8_weight_opcheck(device):
+    for rows in (2, 60):
+        inp, weight, scale, b = _int8_case(device, torch.float32, rows, 24, 12, True)
+        torch.library.opcheck(torch.ops.eecore.linear.default,
+                              (torch.empty(rows, 12, device=device), inp, weight, b, False, scale))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (torch.zeros(5, 4, dtype=torch.int8, device=d), None), "'weight_scale' is required with an int8"),
+    (lambda d: (torch.randn(5, 4, device=d), torch.ones(5, device=d)), "'weight_scale' applies to an int8 'weight' only"),
+    (lambda d: (torch.zeros(5, 4, dtype=torch.int8, device=d), torch.ones(5, device=d).half()), "'weight_scale'.*Float"),
+    (lambda d: (torch.zeros(5, 4, dtype=torch.int8, device=d), torch.ones(4, device=d)), "'weight_scale'.*output features"),
+    (lambda d: (torch.zeros(5, 4, dtype=torch.int8, device=d), torch.ones(5, 1, device=d)), "'weight_scale'.*1-D"),
+    (lambda d: (torch.zeros(5, 4, dtype=torch.int8, device=d), torch.ones(10, device=d)[::2]), "'weight_scale'.*contiguous"),
+    (lambda d: (torch.zeros(5, 4, dtype=torch.uint8, device=d), None), "'weight'.*or int8"),
+])
+def test_int8_weight_bad_arguments(device, make, message):
+    weight, scale = make(device)
+    with pytest.raises(RuntimeError, match=message):
+        ops.linear(torch.empty(2, 5, device=device), torch.randn(2, 4, device=device), weight, weight_scale=scale)

@@ -10,7 +10,7 @@ import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.guard import break_even_acceptance
-from engine_utils import greedy, random_prompts, truncated_merged
+from engine_utils import greedy, int8_rounded, random_prompts, truncated_merged
 from model_factory import make_peaked_tiny_model, random_lora
 
 L, VOCAB = 4, 320
@@ -40,7 +40,8 @@ def _separate(path, E, d, file=None, draft_dtype=None, **kw):
                       **kw)
 
 
-@pytest.mark.parametrize("E, d, draft_dtype", [(1, 1, None), (2, 3, None), (3, 2, None), (2, 2, "bfloat16")])
+@pytest.mark.parametrize("E, d, draft_dtype", [(1, 1, None), (2, 3, None), (3, 2, None), (2, 2, "bfloat16"),
+                                                (2, 3, "int8")])
 def test_greedy_is_the_original_full_depth(tiny, lora_file, E, d, draft_dtype):
     """The LoRA pairs change only the drafts: outputs are the original model's (not the merged one's)."""
     path, hf = tiny
@@ -97,6 +98,28 @@ def test_draft_logits_are_the_copys_own(tiny, lora_file, budget, num_blocks):
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
+def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
+    """draft_dtype="int8": the copy's projections, after the LoRA merge, and its LM head are
+    weight-only int8; each draft is what HF's truncated, merged model says with those weights
+    rounded the same way (and differs from the unrounded one's, so the test can tell)."""
+    path, hf = tiny
+    file, lora = lora_file
+    E = 2
+    llm = _separate(path, E, 1, file, draft_dtype="int8", max_num_batched_tokens=7, max_num_seqs=4)
+    seen = _record_drafts(llm)
+    llm.generate(random_prompts(VOCAB, [3, 19, 11, 8], seed=21), [greedy(10 + i) for i in range(4)])
+    assert len(seen) > 10
+    merged = truncated_merged(hf, lora, E)
+    reference = int8_rounded(merged)
+    moved = 0.0
+    with torch.no_grad():
+        for context, logits in seen:
+            ids = torch.tensor([context])
+            torch.testing.assert_close(logits, reference(ids).logits[0, -1], atol=1e-4, rtol=1e-4)
+            moved = max(moved, float((logits - merged(ids).logits[0, -1]).abs().max()))
+    assert moved > 1e-3
+
+
 def test_without_a_file_the_copy_is_the_models_first_layers(tiny):
     """No LoRA pairs: the copy computes the model's own layer-E logits (its drafts are those of
     shared draft layers), and it rejoins the original after a lookup round left it behind."""
@@ -141,23 +164,25 @@ def test_blocks_come_back(tiny, lora_file):
 
 def test_break_even_of_a_copy(tiny):
     """A float32 copy reads what shared layers read per round (d passes of E layers + L layers
-    against d + 1 passes of E + L - E), so the break-even is the same; a bfloat16 copy lowers it."""
+    against d + 1 passes of E + L - E), so the break-even is the same; a bfloat16 copy lowers it,
+    an int8 copy more."""
     path, _ = tiny
     shared = eecore.LLM(path, dtype="float32", device="cpu",
                         speculative=eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=3))
     model = shared.model
     s: SelfSpeculativeDecoder = shared.engine.strategy
     want = break_even_acceptance(model, 2, 3, s.draft_head.weight_bytes())
-    stacks = {dt: _separate(path, 2, 3, draft_dtype=dt).engine.strategy.draft_stack for dt in ("float32", "bfloat16")}
+    dtypes = ("float32", "bfloat16", "int8")
+    stacks = {dt: _separate(path, 2, 3, draft_dtype=dt).engine.strategy.draft_stack for dt in dtypes}
     got = {dt: break_even_acceptance(model, 2, 3, st.head.weight_bytes(), st.weight_bytes()) for dt, st in stacks.items()}
     assert got["float32"] == pytest.approx(want, abs=1e-9)
-    assert 0 < got["bfloat16"] < want
+    assert 0 < got["int8"] < got["bfloat16"] < want
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(exit_layer=2, draft_layers="own"), "'draft_layers' must be one of shared, separate"),
     (dict(exit_layer=2, draft_dtype="bfloat16"), "'draft_dtype' applies to draft_layers='separate' only"),
-    (dict(exit_layer=2, draft_layers="separate", draft_dtype="int8"), "'draft_dtype' must be one of"),
+    (dict(exit_layer=2, draft_layers="separate", draft_dtype="int4"), "'draft_dtype' must be one of"),
     (dict(draft="lookup", draft_layers="separate"), "draft_layers='separate' applies to layer drafts"),
 ])
 def test_bad_config(kwargs, match):
@@ -177,6 +202,9 @@ def test_cli_flags(tiny, capsys):
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                  "--exit-layer", "2", "--num-speculations", "2", "--draft-layers", "separate",
                  "--draft-dtype", "bfloat16", "--draft-top-k", "3"]) == 0
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--exit-layer", "2", "--num-speculations", "2", "--draft-layers", "separate",
+                 "--draft-dtype", "int8"]) == 0
     with pytest.raises(SystemExit, match="'draft_dtype' applies to draft_layers='separate' only"):
         main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-dtype", "bfloat16"])
     with pytest.raises(SystemExit, match="'draft_top_k' > 1 needs draft_layers='separate'"):

@@ -237,8 +237,8 @@ def _joint_law(hf, prompt, num_layers=None):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("draft_layers", ["shared", "separate"])
-def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layers):
+@pytest.mark.parametrize("draft_layers, draft_dtype", [("shared", None), ("separate", None), ("separate", "int8")])
+def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layers, draft_dtype):
     from scipy.stats import chisquare
 
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=NUM_LAYERS, vocab_size=12,
@@ -248,7 +248,8 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layer
     # max_tokens=3: t2 comes out of a round that drafted it (with 2 tokens, the only decode round
     # would have no room for a draft, and the test would check plain sampling)
     params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    outs = _spec(path, 1, 3, max_num_seqs=64, draft_layers=draft_layers).generate([prompt] * n, params)
+    outs = _spec(path, 1, 3, max_num_seqs=64, draft_layers=draft_layers,
+                 guard=None if draft_dtype is None else dict(draft_dtype=draft_dtype)).generate([prompt] * n, params)
     assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
     assert 0 < sum(o.metrics["num_accepted_tokens"] for o in outs) < n
     counts = torch.zeros(12, 12)

@@ -1,6 +1,7 @@
 // out[i][j] = sum_k h[i][k] * w[j][k]: the dot products of a few rows (hidden states, a decode
-// batch) with many weight rows in their storage dtype (fp32, bf16, fp16). The one "few rows x
-// many weight rows" kernel of the CPU ops: linear (decode-sized inputs), lm_head_top2_gap (a
+// batch) with many weight rows in their storage dtype (fp32, bf16, fp16, or int8: the integers of
+// a weight-only int8 linear, whose per-row scales the caller applies to the sums). The one "few
+// rows x many weight rows" kernel of the CPU ops: linear (decode-sized inputs), lm_head_top2_gap (a
 // vocab tile of logits), mlp_confidence (the classifier's first layer) and kv_fill (a K/V head's
 // projection).
 //
@@ -104,7 +105,9 @@ class DotInput {
 //    halves for the same multiply-adds; that matters once a decode batch makes the block
 //    compute-bound (SmolLM2's projections at B = 8: 1.1-1.2x).
 //  * bf16 x bf16 with EECORE_CPU_BF16_DOT: vdpbf16ps, 32 exact products summed into 16 lanes.
-//  * anything else (fp32 hidden rows against fp32, bf16 or fp16 weights): Vec8, each weight
+//  * fp32 x int8 on AVX-512: 16 int8 weights widened to fp32 in registers (two instructions), so
+//    a weight-only int8 row streams a quarter of fp32's bytes for the same multiply-adds.
+//  * anything else (fp32 hidden rows against fp32, bf16, fp16 or int8 weights): Vec8, each weight
 //    vector widened to fp32 in registers.
 template <typename h_t, typename w_t>
 struct DotLanes {
@@ -145,6 +148,13 @@ struct DotLanes<float, float> {
   static Acc fma(Acc acc, __m512 h, __m512 w) { return _mm512_fmadd_ps(h, w, acc); }
   static float sum(Acc acc) { return reduce_add16(acc); }
   static void sum4(Acc a, Acc b, Acc c, Acc d, float* out) { reduce_add16x4(a, b, c, d, out); }
+};
+
+template <>
+struct DotLanes<float, int8_t> : DotLanes<float, float> {
+  static __m512 load_w(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
 };
 #endif
 

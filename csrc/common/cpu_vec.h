@@ -13,6 +13,7 @@
 // Semantics both builds share:
 //   load / store   exactly 8 elements of fp32, bf16 or fp16 (the caller makes them addressable).
 //                  Stores round to nearest even, like c10::BFloat16(float) / c10::Half(float).
+//                  load also widens 8 int8 values exactly (weight-only int8 weights; no store).
 //   max / min      a > b ? a : b and a < b ? a : b (what vmaxps / vminps do), so a NaN in `a`
 //                  never wins: pass the new data as `a` to keep NaN out of a running max.
 //   exp            within ~1 ulp for the x <= 0 the kernels pass (x - running max); NaN in, NaN
@@ -61,6 +62,9 @@ struct Vec8 {
   }
   static Vec8 load(const c10::Half* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static Vec8 load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
 
   void store(float* p) const { _mm256_storeu_ps(p, v); }
@@ -169,6 +173,11 @@ struct Vec8 {
     return r;
   }
   static Vec8 load(const c10::Half* p) {
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static Vec8 load(const int8_t* p) {
     Vec8 r;
     for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;

@@ -11,14 +11,33 @@ struct LinearDims {
   int64_t out;      // N: output features
 };
 
+inline bool is_int8_weight(const at::Tensor& weight) { return weight.scalar_type() == at::kChar; }
+
 inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                                    const std::optional<at::Tensor>& bias) {
+                                    const std::optional<at::Tensor>& bias,
+                                    const std::optional<at::Tensor>& weight_scale) {
   const char* op = "linear";
   check_dim(op, "input", input, 2);
   check_float_dtype(op, "input", input);
   check_last_dim_contiguous(op, "input", input);
   check_dim(op, "weight", weight, 2);
-  check_same_dtype(op, "weight", weight, "input", input);
+  const bool has_scale = weight_scale.has_value() && weight_scale->defined();
+  if (is_int8_weight(weight)) {
+    // weight-only int8: weight[j][k] stands for weight_scale[j] * weight[j][k]
+    EECORE_CHECK_ARG(op, "weight_scale", has_scale,
+                     "is required with an int8 'weight' (one fp32 scale per output row), got None");
+    check_dim(op, "weight_scale", *weight_scale, 1);
+    check_dtype(op, "weight_scale", *weight_scale, at::kFloat);
+    check_same_device(op, "weight_scale", *weight_scale, "input", input);
+    check_size(op, "weight_scale", *weight_scale, 0, weight.size(0), "the output features N of 'weight'");
+    check_contiguous(op, "weight_scale", *weight_scale);
+  } else {
+    EECORE_CHECK_ARG(op, "weight", weight.scalar_type() == input.scalar_type(),
+                     "expected the dtype of 'input' (", input.scalar_type(), ") or int8 (with 'weight_scale'), got ",
+                     weight.scalar_type());
+    EECORE_CHECK_ARG(op, "weight_scale", !has_scale, "applies to an int8 'weight' only, got a ",
+                     weight.scalar_type(), " weight");
+  }
   check_contiguous(op, "weight", weight);
   check_same_device(op, "weight", weight, "input", input);
   check_size(op, "weight", weight, 1, input.size(1), "the input features K of 'input' [M, K]");

@@ -1,12 +1,15 @@
 // linear on the CPU. Decode-sized inputs (a few rows) stream the weight once through the shared
 // "few rows x many weight rows" dot kernel, in parallel over weight-row tiles, with the bias and
 // the residual accumulation fused into the store; prompt-sized inputs stream it once per block of
-// rows; large inputs are a GEMM, where BLAS is good.
+// rows; large inputs are a GEMM, where BLAS is good. A weight-only int8 weight (one fp32 scale per
+// output row) takes the same paths: streamed as int8 and widened in registers, so a decode step
+// reads a quarter of an fp32 weight's bytes; widened whole for the GEMM.
 //
 // Why a kernel of our own for few rows: a decode step of a small model is a chain of
 // matrix-vector-like products bound by reading the weights, and BLAS small-M paths on many CPUs
 // stay well below the memory bandwidth (and widen 16-bit weights through a copy).
 #include <atomic>
+#include <type_traits>
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,14 +46,14 @@ constexpr int64_t kAccFloats = 16384;
 // Grabs of tiles per thread (see linear_streaming): 4 measured as fast as 8 and faster than 2.
 constexpr int64_t kGrabsPerThread = 4;
 
-// Rows [r0, r0 + M) of `input` into the same rows of `out`.
-template <typename scalar_t>
-void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, const scalar_t* bias,
-                      bool accumulate, int64_t r0, int64_t M, const LinearDims& dims) {
+// Rows [r0, r0 + M) of `input` into the same rows of `out`. `w_t` is the weight's storage type:
+// the input's, or int8 with one fp32 scale per weight row (`scale`), applied to each finished sum.
+template <typename scalar_t, typename w_t>
+void linear_streaming(at::Tensor& out, const at::Tensor& input, const w_t* w, const float* scale,
+                      const scalar_t* bias, bool accumulate, int64_t r0, int64_t M, const LinearDims& dims) {
+  constexpr bool kScaled = std::is_same_v<w_t, int8_t>;
   const int64_t K = dims.in, N = dims.out;
-  const cpu::DotInput<scalar_t, scalar_t> h(input.const_data_ptr<scalar_t>() + r0 * input.stride(0),
-                                            input.stride(0), M, K);
-  const scalar_t* w = weight.const_data_ptr<scalar_t>();
+  const cpu::DotInput<scalar_t, w_t> h(input.const_data_ptr<scalar_t>() + r0 * input.stride(0), input.stride(0), M, K);
   const int64_t ldo = out.stride(0);
   scalar_t* o = out.data_ptr<scalar_t>() + r0 * ldo;
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
@@ -76,6 +79,7 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor
           const float* src = acc + i * nj;
           for (int64_t j = 0; j < nj; ++j) {
             float v = src[j];
+            if constexpr (kScaled) v *= scale[j0 + j];
             if (bias != nullptr) v += static_cast<float>(bias[j0 + j]);
             if (accumulate) v += static_cast<float>(dst[j]);
             dst[j] = static_cast<scalar_t>(v);
@@ -87,10 +91,11 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const at::Tensor
 }
 
 void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                const std::optional<at::Tensor>& bias, bool accumulate) {
-  const LinearDims dims = check_linear_args(out, input, weight, bias);
+                const std::optional<at::Tensor>& bias, bool accumulate, const std::optional<at::Tensor>& weight_scale) {
+  const LinearDims dims = check_linear_args(out, input, weight, bias, weight_scale);
   if (dims.rows == 0 || dims.out == 0) return;
-  if (dims.rows > kBlockedMaxRows || dims.in == 0) return linear_with_gemm(out, input, weight, bias, accumulate);
+  if (dims.rows > kBlockedMaxRows || dims.in == 0)
+    return linear_with_gemm(out, input, weight, bias, accumulate, weight_scale);
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t M = dims.rows;
   int64_t block = M;
@@ -102,8 +107,14 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
   }
   EECORE_DISPATCH_FLOAT(input.scalar_type(), "eecore::linear", [&] {
     const scalar_t* b = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
-    for (int64_t r0 = 0; r0 < M; r0 += block)
-      linear_streaming<scalar_t>(out, input, weight, b, accumulate, r0, std::min(block, M - r0), dims);
+    const auto stream_rows = [&](const auto* w, const float* scale) {
+      for (int64_t r0 = 0; r0 < M; r0 += block)
+        linear_streaming<scalar_t>(out, input, w, scale, b, accumulate, r0, std::min(block, M - r0), dims);
+    };
+    if (is_int8_weight(weight))
+      stream_rows(weight.const_data_ptr<int8_t>(), weight_scale->const_data_ptr<float>());
+    else
+      stream_rows(weight.const_data_ptr<scalar_t>(), nullptr);
   });
 }
 

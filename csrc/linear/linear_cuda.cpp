@@ -1,4 +1,6 @@
-// linear on CUDA: cuBLAS through ATen, which is what a GEMM on the GPU should be.
+// linear on CUDA: cuBLAS through ATen, which is what a GEMM on the GPU should be. A weight-only
+// int8 weight is widened for it on every call (correct, not tuned: int8 draft copies are a CPU
+// feature so far).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -9,11 +11,11 @@ namespace eecore {
 namespace {
 
 void linear_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                 const std::optional<at::Tensor>& bias, bool accumulate) {
-  const LinearDims dims = check_linear_args(out, input, weight, bias);
+                 const std::optional<at::Tensor>& bias, bool accumulate, const std::optional<at::Tensor>& weight_scale) {
+  const LinearDims dims = check_linear_args(out, input, weight, bias, weight_scale);
   if (dims.rows == 0 || dims.out == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
-  linear_with_gemm(out, input, weight, bias, accumulate);
+  linear_with_gemm(out, input, weight, bias, accumulate, weight_scale);
 }
 
 }  // namespace

@@ -81,8 +81,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip) or a copy of them with "
                         "a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the copy "
                         "alone, and full depth stays the original model")
-    s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="--draft-layers separate: the copy's dtype (default: the model's)")
+    s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None,
+                   help="--draft-layers separate: the copy's dtype (default: the model's; int8: weight-only int8 "
+                        "projections, activations in the model's dtype)")
     s.add_argument("--draft-top-k", type=int, default=1, metavar="K",
                    help="--draft-layers separate: verify the draft's K most likely tokens at each drafted position "
                         "(its top-1 chain and K-1 alternatives, a token tree; greedy requests; CPU)")

@@ -97,10 +97,15 @@ class LLM:
         draft_model = None
         if separate:
             speculative.validate_for(self.model.num_layers, self.exit_adapters)
-            draft_dtype = self.dtype if speculative.draft_dtype is None else resolve_dtype(speculative.draft_dtype,
-                                                                                          self.device)
+            draft_dtype = speculative.draft_dtype
+            if draft_dtype == "int8":  # weight-only: the copy's activations keep the model's dtype
+                draft_dtype, draft_weights = self.dtype, torch.int8
+            else:
+                draft_dtype = self.dtype if draft_dtype is None else resolve_dtype(draft_dtype, self.device)
+                draft_weights = None
             draft_model = build_draft_model(loaded, speculative.exit_layer, getattr(self.exit_adapters, "lora", None),
-                                            draft_dtype, self.device, getattr(self.exit_adapters, "source", ""))
+                                            draft_dtype, self.device, getattr(self.exit_adapters, "source", ""),
+                                            weight_dtype=draft_weights)
         del loaded
         strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,
                                         self.model, draft_model)

@@ -112,9 +112,11 @@ def kv_fill(kv_cache: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, 
 
 
 def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           accumulate: bool = False) -> torch.Tensor:
-    """`out = input @ weight.T + bias`, or `out += ...` with `accumulate`; returns `out`."""
-    _ops.linear(out, input, weight, bias, bool(accumulate))
+           accumulate: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`out = input @ weight.T + bias`, or `out += ...` with `accumulate`; returns `out`.
+    Weight-only int8: an int8 `weight` [N, K] with `weight_scale` fp32 [N] stands for
+    `weight_scale[:, None] * weight` (see eecore.models.int8_weights)."""
+    _ops.linear(out, input, weight, bias, bool(accumulate), weight_scale)
     return out
 
 

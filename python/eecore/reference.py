@@ -158,8 +158,9 @@ def kv_fill(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mappi
             kv_cache[layer, 1, block, offset] = v[t].to(kv_cache.dtype)
 
 
-def linear(out, input, weight, bias=None, accumulate=False) -> None:
-    y = input.float() @ weight.float().T
+def linear(out, input, weight, bias=None, accumulate=False, weight_scale=None) -> None:
+    w = weight.float() if weight_scale is None else weight.float() * weight_scale.float()[:, None]
+    y = input.float() @ w.T
     if bias is not None:
         y = y + bias.float()
     if accumulate:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
+from eecore.models.int8_weights import Int8Weight, project
 from eecore.models.lora import LoraDeltas, layer_index
 
 FORMAT = "eecore-exit-adapter-1"
@@ -68,6 +69,10 @@ class AdapterBlock:
 
     def to(self, dtype: torch.dtype, device) -> "AdapterBlock":
         return AdapterBlock(*(t.to(device=device, dtype=dtype).contiguous() for t in self.tensors()))
+
+    def int8(self) -> "AdapterBlock":
+        """Its projections as weight-only int8 (the norm as it is): for a draft copy in int8."""
+        return AdapterBlock(self.norm, Int8Weight.quantize(self.gate_up), Int8Weight.quantize(self.down))
 
 
 def adapter_reference(block: AdapterBlock, hidden: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,7 +221,8 @@ class DraftHead:
     """Reads draft logits off layer-E residual states at inference, with preallocated buffers:
     the exit's adapter block (if any), the final norm, and the LM head rows of the draft
     vocabulary (all of them without one). `logits` returns fp32 `[n, K]`; `token_ids` maps a
-    column to its token id."""
+    column to its token id. A model with weight-only int8 projections (a draft copy) gets an int8
+    adapter and head too."""
 
     def __init__(self, model, exit_layer: int, adapters: Optional[ExitAdapters], max_rows: int):
         self.model = model
@@ -224,9 +230,14 @@ class DraftHead:
         dtype, device, d = model.dtype, model.device, model.config.hidden_size
         block = adapters.blocks.get(exit_layer) if adapters is not None else None
         self.block = None if block is None else block.to(dtype, device)
+        if self.block is not None and model.weight_dtype == torch.int8:
+            self.block = self.block.int8()
         vocab = adapters.vocab if adapters is not None else None
         self.vocab = None if vocab is None else vocab.to(device)
-        self.head = model.lm_head if vocab is None else model.lm_head.index_select(0, self.vocab).contiguous()
+        head = model.lm_head
+        if self.vocab is not None:
+            head = head.rows(self.vocab) if isinstance(head, Int8Weight) else head.index_select(0, self.vocab).contiguous()
+        self.head = head
         width = self.head.shape[0]
         self._state = torch.empty(max_rows, d, dtype=dtype, device=device)
         self._normed_buf = torch.empty(max_rows, d, dtype=dtype, device=device)
@@ -249,7 +260,7 @@ class DraftHead:
     def weight_bytes(self) -> int:
         """Bytes a draft token reads past layer E: the adapter, the final norm and the head rows."""
         tensors = (self.head, self.model.final_norm) + (self.block.tensors() if self.block is not None else ())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes for t in tensors)
 
     def adapted(self, hidden: torch.Tensor) -> torch.Tensor:
         """h + block(h) for rows `[n, d]` into an internal buffer (the input is left untouched: it is
@@ -260,11 +271,11 @@ class DraftHead:
             return state
         b, eps = self.block, self.model.eps
         normed = ops.rms_norm(self._normed_buf[:n], state, b.norm, eps)
-        gate_up = ops.linear(self._gate_up[:n], normed, b.gate_up)
+        gate_up = project(self._gate_up[:n], normed, b.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         F.silu(gate, inplace=True)
         act = torch.mul(gate, up, out=self._act[:n])
-        return ops.linear(state, act, b.down, accumulate=True)
+        return project(state, act, b.down, accumulate=True)
 
     def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.final_norm_(self.adapted(hidden), self._normed_buf[: hidden.shape[0]])
@@ -272,7 +283,7 @@ class DraftHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 draft logits `[n, V]` of layer-E states `[n, d]` (-inf outside the draft vocabulary)."""
         n = hidden.shape[0]
-        logits = ops.linear(self._logits[:n], self._normed(hidden), self.head)
+        logits = project(self._logits[:n], self._normed(hidden), self.head)
         if self._full is not None:
             return self._full[:n].index_copy_(1, self.vocab, logits.float())
         if logits.dtype != torch.float32:
@@ -280,8 +291,13 @@ class DraftHead:
         return logits
 
     def top2_gap(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(p1 - p2 over the draft vocabulary, the top-1 token id) per row, fused: no logits."""
-        gap, top1 = ops.lm_head_top2_gap(self._normed(hidden), self.head)
+        """(p1 - p2 over the draft vocabulary, the top-1 token id) per row, fused: no logits (an
+        int8 head computes them, then takes the gap)."""
+        if isinstance(self.head, Int8Weight):
+            n = hidden.shape[0]
+            gap, top1 = ops.softmax_top2_gap(project(self._logits[:n], self._normed(hidden), self.head))
+        else:
+            gap, top1 = ops.lm_head_top2_gap(self._normed(hidden), self.head)
         return gap, self.token_ids(top1)
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from eecore import ops
 from eecore.models.config import ModelConfig
+from eecore.models.int8_weights import Int8Weight, Weight, dense, project
 from eecore.models.rope import cos_sin_cache
 from eecore.models.weights import weight_taker
 
@@ -25,12 +26,14 @@ from eecore.models.weights import weight_taker
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor          # [d]
-    qkv: torch.Tensor                 # [(Hq + 2 Hkv) D, d]: q, k, v projections stacked
+    qkv: Weight                       # [(Hq + 2 Hkv) D, d]: q, k, v projections stacked
     qkv_bias: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D] (Qwen2)
-    o_proj: torch.Tensor              # [d, Hq D]
+    o_proj: Weight                    # [d, Hq D]
     post_norm: torch.Tensor           # [d]
-    gate_up: torch.Tensor             # [2 I, d]: gate and up projections stacked
-    down: torch.Tensor                # [d, I]
+    gate_up: Weight                   # [2 I, d]: gate and up projections stacked
+    down: Weight                      # [d, I]
+    # The projections are dense tensors in the model's dtype, or weight-only int8
+    # (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights).
 
 
 @dataclass
@@ -76,9 +79,16 @@ class LlamaModel:
     is_encoder_decoder = False
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, weight_dtype: Optional[torch.dtype] = None):
+        """`dtype`: activations and weights. `weight_dtype=torch.int8`: the projections and the LM
+        head are weight-only int8 instead (one fp32 scale per output row), activations stay in
+        `dtype`; the embeddings and norms keep `dtype`."""
+        if weight_dtype not in (None, dtype, torch.int8):
+            raise ValueError(f"LlamaModel: 'weight_dtype' must be None, the model's dtype or torch.int8, "
+                             f"got {weight_dtype}")
         self.config = config
         self.dtype = dtype
+        self.weight_dtype = dtype if weight_dtype is None else weight_dtype
         self.device = torch.device(device)
         self.num_layers = config.num_layers
         self.eps = config.rms_norm_eps
@@ -86,11 +96,13 @@ class LlamaModel:
         c = config
 
         take = weight_taker(state_dict, dtype, self.device)
+        # the projections as the model keeps them: as loaded, or weight-only int8
+        proj = Int8Weight.quantize if self.weight_dtype == torch.int8 else (lambda w: w)
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in state_dict \
-            else take("lm_head.weight")
+        self.lm_head: Weight = proj(self.embed if c.tie_word_embeddings or "lm_head.weight" not in state_dict
+                                    else take("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -98,11 +110,11 @@ class LlamaModel:
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.attention_bias else None
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=qkv, qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight"),
+                qkv=proj(qkv), qkv_bias=bias,
+                o_proj=proj(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=proj(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=proj(take(p + "mlp.down_proj.weight")),
             ))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
@@ -123,7 +135,7 @@ class LlamaModel:
         k_end = q_end + c.num_kv_heads * c.head_dim
 
         x = ops.rms_norm(ws.normed[:T], hidden, w.input_norm, self.eps)
-        qkv = ops.linear(ws.qkv[:T], x, w.qkv, w.qkv_bias)
+        qkv = project(ws.qkv[:T], x, w.qkv, w.qkv_bias)
         q = qkv[:, :q_end].view(T, c.num_heads, c.head_dim)
         k = qkv[:, q_end:k_end].view(T, c.num_kv_heads, c.head_dim)
         v = qkv[:, k_end:].view(T, c.num_kv_heads, c.head_dim)
@@ -133,19 +145,19 @@ class LlamaModel:
         ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
                             attn.max_query_len, self.scale, True, None, attn.tree_mask)
 
-        o = ops.linear(ws.o[:T], out.view(T, -1), w.o_proj)
+        o = project(ws.o[:T], out.view(T, -1), w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
-        gate_up = ops.linear(ws.gate_up[:T], o, w.gate_up)
+        gate_up = project(ws.gate_up[:T], o, w.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         F.silu(gate, inplace=True)
         act = torch.mul(gate, up, out=ws.act[:T])
-        return ops.linear(hidden, act, w.down, accumulate=True)  # hidden += mlp
+        return project(hidden, act, w.down, accumulate=True)  # hidden += mlp
 
     def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(out, hidden, self.final_norm, self.eps)
 
     def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return ops.linear(out, normed, self.lm_head)
+        return project(out, normed, self.lm_head)
 
     # ---- early exit support ----------------------------------------------------------------
     def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -154,7 +166,7 @@ class LlamaModel:
         if self._kv_fill_weights is None:
             c = self.config
             q_end = c.num_heads * c.head_dim
-            weight = torch.stack([(w.qkv[q_end:].float() * w.input_norm.float()).to(self.dtype)
+            weight = torch.stack([(dense(w.qkv, torch.float32)[q_end:] * w.input_norm.float()).to(self.dtype)
                                   for w in self.layers])
             bias = torch.stack([w.qkv_bias[q_end:] for w in self.layers]) if c.attention_bias else None
             self._kv_fill_weights = (weight.contiguous(), bias)

@@ -10,7 +10,7 @@ from eecore.models.exit_adapter import ExitAdapters
 BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
 DRAFT_MODES = ("layer", "lookup", "hybrid")
 DRAFT_LAYERS = ("shared", "separate")
-DRAFT_DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 ACCEPT_MODES = ("verified", "confident")
 
 
@@ -71,8 +71,10 @@ class SelfSpeculativeConfig:
         prompt, at a sequence's first layer-draft round: E/L of a prefill). The guard has no
         shadow check here: its probes draft for real.
     draft_dtype: "separate" only: the dtype of the draft copy (default: the model's). "bfloat16"
-        halves a float32 model's draft bytes; verification keeps the model's dtype, so outputs are
-        unchanged.
+        halves a float32 model's draft bytes; "int8" stores its projections, exit adapter and draft
+        head as weight-only int8 (one fp32 scale per output row, activations in the model's dtype:
+        eecore.models.int8_weights), half of bf16's bytes. Verification keeps the model's dtype, so
+        outputs are unchanged; only how often the drafts are accepted moves.
 
     draft_top_k: "separate" only: a layer draft proposes, at each drafted position, its top-1 token
         (the chain the next draft pass continues from) and draft_top_k - 1 alternatives, the next

@@ -39,10 +39,11 @@ from eecore.speculative.guard import layer_weight_bytes
 
 
 def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype: torch.dtype,
-                      device: torch.device, source: str = "exit adapter"):
+                      device: torch.device, source: str = "exit adapter", weight_dtype: Optional[torch.dtype] = None):
     """A LlamaModel of `loaded`'s layers 0..exit_layer-1 (and its embeddings, final norm and LM
     head, which the draft head reads), in `dtype`, with `lora`'s pairs for those layers merged in
-    (pairs of later layers change nothing the drafts run, and are left out)."""
+    (pairs of later layers change nothing the drafts run, and are left out). `weight_dtype=torch.int8`
+    quantizes its projections after the merge (LlamaModel's weight-only int8)."""
     from eecore.models.llama import LlamaModel
 
     if not 1 <= exit_layer < loaded.config.num_layers:
@@ -53,7 +54,7 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
         below = {p: ab for p, ab in lora.pairs.items() if layer_index(p) is not None and layer_index(p) < exit_layer}
         LoraDeltas(below, lora.scale).merge_into(state, source)
     config = dataclasses.replace(loaded.config, num_layers=exit_layer)
-    return LlamaModel(config, state, dtype, device)
+    return LlamaModel(config, state, dtype, device, weight_dtype)
 
 
 class DraftStack:

@@ -33,7 +33,8 @@ from eecore.engine.sequence import Sequence
 
 
 def weight_bytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    """Bytes of a tensor or an Int8Weight (its scales included); 0 for None."""
+    return 0 if t is None else t.nbytes
 
 
 def layer_weight_bytes(model, i: int) -> int:

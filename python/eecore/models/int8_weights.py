@@ -1,0 +1,76 @@
+"""Weight-only int8: a projection's weight stored as int8 with one fp32 scale per output row.
+
+Why: a decode step of a small batch is bound by reading weights, so a weight's bytes are its
+cost. The draft copy of separate draft layers (eecore.speculative.draft_stack) is read once per
+drafted token and only proposes tokens, which the full model then verifies: int8 halves its bytes
+against bf16 (a quarter of fp32's) at a small cost in how often its drafts agree, and never
+changes an output. `ops.linear` takes the int8 weight and its scales directly (the CPU kernel
+widens the integers in registers and scales each finished dot product).
+
+Symmetric per-row quantization: scale[j] = max_k |W[j, k]| / 127, q[j, k] = round(W[j, k] / scale[j]),
+so W ~ scale[:, None] * q with an error of at most scale[j] / 2 per element.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from eecore import ops
+
+INT8_MAX = 127
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    data: torch.Tensor   # int8 [N, K]
+    scale: torch.Tensor  # fp32 [N]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
+        """Per-row symmetric int8 of a dense weight `[N, K]` (any float dtype), on its device."""
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"Int8Weight.quantize: expected a 2-D float weight, got {weight.dtype} "
+                             f"of shape {tuple(weight.shape)}")
+        w = weight.float()
+        # an all-zero row keeps scale 0 (its integers are 0 whatever the divisor)
+        scale = w.abs().amax(dim=1) / INT8_MAX
+        q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        return cls(q.to(torch.int8).contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
+    def rows(self, index: torch.Tensor) -> "Int8Weight":
+        """The weight rows `index` (e.g. the draft vocabulary's rows of an LM head)."""
+        return Int8Weight(self.data.index_select(0, index).contiguous(), self.scale.index_select(0, index).contiguous())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+
+Weight = Union[torch.Tensor, Int8Weight]
+
+
+def project(out: torch.Tensor, input: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
+            accumulate: bool = False) -> torch.Tensor:
+    """`ops.linear` for a dense weight or an Int8Weight: the one call every model projection makes."""
+    if isinstance(weight, Int8Weight):
+        return ops.linear(out, input, weight.data, bias, accumulate, weight.scale)
+    return ops.linear(out, input, weight, bias, accumulate)
+
+
+def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense tensor in `dtype` (for the rare paths that need one: kv_fill's stacked
+    projections, the fused LM-head confidence)."""
+    return weight.dequantize(dtype) if isinstance(weight, Int8Weight) else weight.to(dtype)
+
+
+def weight_nbytes(weight: Optional[Weight]) -> int:
+    return 0 if weight is None else weight.nbytes

@@ -1,0 +1,61 @@
+"""Weight-only int8 (eecore.models.int8_weights): per-row quantization, and a model whose projections
+are int8 against the same model built from the dequantized weights."""
+import pytest
+import torch
+
+from eecore.models.int8_weights import Int8Weight, dense, project
+
+
+def test_quantize_rounds_each_row_to_its_own_grid():
+    w = torch.randn(33, 70) * torch.logspace(-3, 1, 33)[:, None]  # rows of very different sizes
+    w[5] = 0.0
+    q = Int8Weight.quantize(w)
+    assert q.data.dtype == torch.int8 and q.scale.dtype == torch.float32
+    assert int(q.data.abs().max()) == 127
+    torch.testing.assert_close(q.scale, w.abs().amax(1) / 127)
+    err = (q.dequantize(torch.float32) - w).abs()
+    assert bool((err <= q.scale[:, None] / 2 + 1e-7 * w.abs()).all())
+    assert bool((q.data[5] == 0).all()) and float(q.scale[5]) == 0.0
+    assert q.nbytes == 33 * 70 + 33 * 4
+
+
+def test_rows_and_project():
+    w = torch.randn(40, 64)
+    q = Int8Weight.quantize(w)
+    idx = torch.tensor([3, 7, 39])
+    sub = q.rows(idx)
+    assert torch.equal(sub.data, q.data[idx]) and torch.equal(sub.scale, q.scale[idx])
+    x = torch.randn(3, 64)
+    got = project(torch.empty(3, 40), x, q)
+    torch.testing.assert_close(got, x @ dense(q, torch.float32).T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(project(torch.empty(3, 40), x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_quantize_refuses_what_it_cannot_round():
+    with pytest.raises(ValueError, match="2-D float weight"):
+        Int8Weight.quantize(torch.randn(4))
+    with pytest.raises(ValueError, match="2-D float weight"):
+        Int8Weight.quantize(torch.zeros(4, 4, dtype=torch.int32))
+
+
+def test_int8_llama_keeps_dense_embeddings_and_norms(tmp_path):
+    """LlamaModel(weight_dtype=torch.int8): the projections and the LM head are int8, the embeddings
+    and norms stay dense, and the head computes with the rounded head (the layers are checked
+    against HF in tests/test_separate_draft_layers.py)."""
+    from eecore.models.llama import LlamaModel
+    from eecore.models.loader import load_model
+    from model_factory import make_tiny_hf_model
+
+    path, _ = make_tiny_hf_model(tmp_path, num_layers=3, vocab_size=200, with_tokenizer=False)
+    loaded = load_model(path, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    model = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=torch.int8)
+    w = model.layers[0]
+    assert all(isinstance(t, Int8Weight) for t in (w.qkv, w.o_proj, w.gate_up, w.down, model.lm_head))
+    assert model.embed.dtype == w.input_norm.dtype == torch.float32
+    head = loaded.state_dict.get("lm_head.weight", loaded.state_dict["model.embed_tokens.weight"])
+    x = torch.randn(5, loaded.config.hidden_size)
+    got = model.lm_head_logits(x, torch.empty(5, loaded.config.vocab_size))
+    torch.testing.assert_close(got, x @ Int8Weight.quantize(head).dequantize(torch.float32).T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="'weight_dtype' must be None, the model's dtype or torch.int8"):
+        LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=torch.float16)
