@@ -22,3 +22,34 @@ def test_bench_linear(benchmark, impl, shape, rows, dtype):
         benchmark(ops.linear, out, inp, weight)
     else:
         benchmark(torch.mm, inp, weight.t(), out=out)
+
+
+# Weight-only int8 against the dense dtypes, with the weights streamed from memory as in a decode
+# step: each call walks the same number of copies of the weight, enough that even the int8 ones
+# (the smallest) total 64 MB and none stays in the L3.
+STREAM_BYTES = 64 << 20
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape", ["smollm2-gate-up", "smollm2-down"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_bench_linear_int8_streamed(benchmark, weights, shape, rows):
+    from eecore.models.int8_weights import Int8Weight, project
+
+    k, n = SHAPES[shape]
+    copies = -(-STREAM_BYTES // (n * k))
+    dense = torch.randn(n, k) / k ** 0.5
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32  # int8: fp32 activations
+    if weights == "int8":
+        stack = [Int8Weight.quantize(dense) for _ in range(copies)]
+    else:
+        stack = [dense.to(dtype, copy=True) for _ in range(copies)]
+    inp = torch.randn(rows, k, dtype=dtype)
+    out = torch.empty(rows, n, dtype=dtype)
+    benchmark.group = f"linear streamed {shape} M={rows} ({copies} weights a call)"
+
+    def run():
+        for w in stack:
+            project(out, inp, w)
+
+    benchmark(run)

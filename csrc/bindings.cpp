@@ -72,8 +72,9 @@ TORCH_LIBRARY(eecore, m) {
   // out [M, N] = input [M, K] @ weight [N, K]^T (+ bias [N]); with accumulate, out += that instead
   // (a residual add fused into the projection). Rows may be strided, the last dim contiguous.
   // The model's projections: decode-sized M streams the weight once on the CPU. Weight-only int8:
-  // weight int8 [N, K] with weight_scale fp32 [N] stands for weight_scale[:, None] * weight
-  // (the products and sums in fp32, the scale applied to each sum); weight_scale only then.
+  // weight int8 [N, K] with weight_scale fp32 [N] stands for weight_scale[:, None] * weight, and
+  // each input row is rounded to int16 with a scale of its own first (eecore/int8_linear.h says
+  // exactly how); weight_scale only then.
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate, "
         "Tensor? weight_scale=None) -> ()");
 

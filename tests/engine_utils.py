@@ -46,10 +46,17 @@ def truncated_merged(hf, lora: LoraDeltas | None, E: int):
 
 
 def int8_rounded(hf):
-    """HF's model with every projection and the LM head replaced by its weight-only int8 values
-    (eecore.models.int8_weights, dequantized): what an int8 draft copy computes. The embeddings
-    stay as they are (the copy keeps them dense)."""
+    """HF's model with every projection and the LM head in weight-only int8 as eecore computes it
+    (eecore.models.int8_weights): the weights replaced by their dequantized int8 values, and each
+    projection's input rows rounded to int16 first (eecore.reference.round_rows_to_int16). What an
+    int8 draft copy computes; the embeddings stay as they are (the copy keeps them dense)."""
     from eecore.models.int8_weights import Int8Weight
+    from eecore.reference import round_rows_to_int16
+
+    def round_input(module, args):
+        x = args[0]
+        q, scale = round_rows_to_int16(x.reshape(-1, x.shape[-1]))
+        return ((q * scale[:, None]).view(x.shape).to(x.dtype),) + tuple(args[1:])
 
     model = copy.deepcopy(hf)
     with torch.no_grad():
@@ -57,4 +64,5 @@ def int8_rounded(hf):
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and (".layers." in name or name == "lm_head"):
                 module.weight.copy_(Int8Weight.quantize(module.weight).dequantize(module.weight.dtype))
+                module.register_forward_pre_hook(round_input)
     return model.eval()

@@ -107,8 +107,9 @@ def _int8_case(device, dtype, rows, k, n, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# streaming (1-24 rows, 4 x 4 and leftover blocks), row blocks (25-48), the widened GEMM (49)
-@pytest.mark.parametrize("rows", [1, 3, 8, 24, 25, 49])
+# streaming (1-24 rows, 4 x 4 and leftover blocks), then row blocks at every size on the CPU (a
+# widened-weight GEMM on CUDA)
+@pytest.mark.parametrize("rows", [1, 3, 8, 24, 25, 49, 150])
 @pytest.mark.parametrize("k, n", [(576, 960), (37, 65), (4100, 70)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_weight_matches_reference(device, dtype, rows, k, n, bias):
@@ -118,6 +119,49 @@ def test_int8_weight_matches_reference(device, dtype, rows, k, n, bias):
     ops.linear(out, inp, weight, b, weight_scale=scale)
     reference.linear(expected, inp, weight, b, weight_scale=scale)
     torch.testing.assert_close(out, expected, **tol(dtype, scale=4))
+
+
+@pytest.mark.parametrize("rows", [3, 60])  # one block, several
+def test_int8_weight_rows_of_zeros_and_of_non_finite_values(device, rows):
+    """A zero input row gives the bias alone; a row holding inf or NaN gives NaN (its int16 scale
+    is NaN), where rounding it would otherwise give a finite, wrong value."""
+    inp, weight, scale, b = _int8_case(device, torch.float32, rows, 64, 40, True)
+    inp[0] = 0.0
+    inp[1, 7] = float("inf")
+    inp[2, 3] = float("nan")
+    out = torch.empty(rows, 40, device=device)
+    ops.linear(out, inp, weight, b, weight_scale=scale)
+    torch.testing.assert_close(out[0], b)
+    assert torch.isnan(out[1:3]).all()
+    expected = torch.empty_like(out)
+    reference.linear(expected, inp, weight, b, weight_scale=scale)
+    torch.testing.assert_close(out[3:], expected[3:], **tol(torch.float32, scale=4))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 60])
+def test_int8_weight_long_rows_do_not_overflow(device, rows):
+    """The worst case of a long row: every product at its largest magnitude (|q| = range, weights
+    -128). int16_row_range keeps each int32 lane of the integer dot product from wrapping."""
+    k = 9000
+    assert reference.int16_row_range(k) < 32767
+    inp = torch.ones(rows, k, device=device)
+    weight = torch.full((16, k), -128, dtype=torch.int8, device=device)
+    scale = torch.full((16,), 1e-3, device=device)
+    out = torch.empty(rows, 16, device=device)
+    ops.linear(out, inp, weight, weight_scale=scale)
+    torch.testing.assert_close(out, torch.full_like(out, -128 * 1e-3 * k), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 65)])
+def test_int8_weight_a_rows_bits_do_not_depend_on_the_other_rows(k, n):
+    inp, weight, scale, _ = _int8_case("cpu", torch.float32, 24, k, n, False)
+    alone = torch.empty(24, n)
+    for i in range(24):
+        ops.linear(alone[i:i + 1], inp[i:i + 1], weight, weight_scale=scale)
+    for rows in (2, 3, 5, 9, 13, 24):
+        out = torch.empty(rows, n)
+        ops.linear(out, inp[:rows], weight, weight_scale=scale)
+        assert torch.equal(out, alone[:rows]), rows
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33])

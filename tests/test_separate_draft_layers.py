@@ -101,7 +101,10 @@ def test_draft_logits_are_the_copys_own(tiny, lora_file, budget, num_blocks):
 def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
     """draft_dtype="int8": the copy's projections, after the LoRA merge, and its LM head are
     weight-only int8; each draft is what HF's truncated, merged model says with those weights
-    rounded the same way (and differs from the unrounded one's, so the test can tell)."""
+    rounded the same way (and its projections' inputs rounded to int16 rows). The tolerance is
+    looser than fp32's: a value that sits on an int16 rounding boundary in one engine can round the
+    other way in the other (~1e-3 of logits up to 15 here), while the weights' rounding moves the
+    logits by ~0.4, far outside it."""
     path, hf = tiny
     file, lora = lora_file
     E = 2
@@ -115,9 +118,9 @@ def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
     with torch.no_grad():
         for context, logits in seen:
             ids = torch.tensor([context])
-            torch.testing.assert_close(logits, reference(ids).logits[0, -1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits, reference(ids).logits[0, -1], atol=5e-3, rtol=1e-3)
             moved = max(moved, float((logits - merged(ids).logits[0, -1]).abs().max()))
-    assert moved > 1e-3
+    assert moved > 0.05
 
 
 def test_without_a_file_the_copy_is_the_models_first_layers(tiny):

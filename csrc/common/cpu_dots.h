@@ -14,11 +14,14 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "common/cpu_vec.h"
+#include "eecore/int8_linear.h"
 
 // AVX512-BF16 (Zen 4, Sapphire Rapids and newer) multiplies bf16 pairs natively: vdpbf16ps does
 // 32 exact products per instruction, summed into 16 fp32 lanes. Where both operands are bf16
@@ -30,15 +33,54 @@
 #define EECORE_CPU_BF16_DOT 0
 #endif
 
+// AVX512-VNNI (Zen 4, Ice Lake and newer) multiplies int16 pairs natively: vpdpwssd does 32 exact
+// products per instruction, summed into 16 int32 lanes. Weight-only int8 rows then need one widening
+// (int8 -> int16) per 32 weights instead of two conversions to fp32 per 16 (see dot_input_t).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && EECORE_VEC8_AVX2
+#define EECORE_CPU_INT8_VNNI 1
+#else
+#define EECORE_CPU_INT8_VNNI 0
+#endif
+
 namespace eecore::cpu {
 
 // The element type in which a caller hands `dot_rows` its hidden rows when they are stored as
-// `in_t` and the weight as `w_t`: bf16 as they are where both are bf16 and the CPU has bf16 dot
-// products, fp32 otherwise. (Never rounds: fp32 hidden rows stay fp32 against bf16 weights.)
+// `in_t` and the weight as `w_t`:
+//  * int8 weights (weight-only int8): int16, each row rounded to 16-bit integers with a scale of
+//    its own (eecore/int8_linear.h), on every CPU, so the op means the same everywhere; with
+//    EECORE_CPU_INT8_VNNI the products and sums are then exact integers.
+//  * bf16 as they are where both are bf16 and the CPU has bf16 dot products;
+//  * fp32 otherwise. (Float weights never round the rows: fp32 stays fp32 against bf16 weights.)
 template <typename in_t, typename w_t>
-using dot_input_t = std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_t, c10::BFloat16> &&
-                                           std::is_same_v<w_t, c10::BFloat16>,
-                                       c10::BFloat16, float>;
+using dot_input_t = std::conditional_t<
+    std::is_same_v<w_t, int8_t>, int16_t,
+    std::conditional_t<EECORE_CPU_BF16_DOT && std::is_same_v<in_t, c10::BFloat16> && std::is_same_v<w_t, c10::BFloat16>,
+                       c10::BFloat16, float>>;
+
+// One input row of a weight-only int8 linear rounded to int16 (eecore/int8_linear.h): q[k] =
+// round-half-even(x[k] * (range / max|x|)); returns the row's scale max|x| / range (x ~ scale * q),
+// 0 for a zero row, NaN for a row holding inf or NaN (its outputs are then NaN, as float products
+// would have made them).
+template <typename in_t>
+inline float round_row_to_int16(const in_t* x, int64_t d, int32_t range, int16_t* q) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t k = 0; k < d; ++k) {
+    const float v = static_cast<float>(x[k]);
+    finite &= std::isfinite(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  if (!finite || amax == 0.f) {
+    std::fill(q, q + d, int16_t{0});
+    return finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float inv = static_cast<float>(range) / amax;
+  for (int64_t k = 0; k < d; ++k) {
+    const float r = std::nearbyint(static_cast<float>(x[k]) * inv);
+    q[k] = static_cast<int16_t>(std::clamp(r, -static_cast<float>(range), static_cast<float>(range)));
+  }
+  return amax / static_cast<float>(range);
+}
 
 // Software prefetch of the weight (batches of 2 or more rows). The weight comes from DRAM, and on
 // its own the hardware prefetcher lets memory idle while a slice is reused from L1 by the later
@@ -71,8 +113,9 @@ inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 constexpr int64_t kHiddenChunkBytes = 128 * 1024;
 
 // The hidden rows in the form dot_rows reads them against `w_t` weights: the caller's own rows,
-// without a copy, where their type already is dot_input_t, else an fp32 copy made once (each
-// hidden row is read once per weight row, so converting it on every read would cost more).
+// without a copy, where their type already is dot_input_t, else a copy made once (each hidden row
+// is read once per weight row, so converting it on every read would cost more): fp32, or int16
+// rows with a scale each against int8 weights (`row_scale`: 1 for the other forms).
 template <typename in_t, typename w_t>
 class DotInput {
  public:
@@ -84,16 +127,24 @@ class DotInput {
       ld_ = ld;
     } else {
       copy_.resize(static_cast<size_t>(m * d));
-      for (int64_t r = 0; r < m; ++r) convert_to_float(rows + r * ld, copy_.data() + r * d, d);
+      if constexpr (std::is_same_v<type, int16_t>) {
+        scales_.resize(static_cast<size_t>(m));
+        const int32_t range = int16_row_range(d);
+        for (int64_t r = 0; r < m; ++r) scales_[r] = round_row_to_int16(rows + r * ld, d, range, copy_.data() + r * d);
+      } else {
+        for (int64_t r = 0; r < m; ++r) convert_to_float(rows + r * ld, copy_.data() + r * d, d);
+      }
       data_ = copy_.data();
       ld_ = d;
     }
   }
   const type* row(int64_t i) const { return data_ + i * ld_; }
   int64_t ld() const { return ld_; }
+  float row_scale(int64_t i) const { return scales_.empty() ? 1.f : scales_[i]; }
 
  private:
-  std::vector<float> copy_;
+  std::vector<std::conditional_t<std::is_same_v<type, int16_t>, int16_t, float>> copy_;
+  std::vector<float> scales_;
   const type* data_ = nullptr;
   int64_t ld_ = 0;
 };
@@ -105,10 +156,10 @@ class DotInput {
 //    halves for the same multiply-adds; that matters once a decode batch makes the block
 //    compute-bound (SmolLM2's projections at B = 8: 1.1-1.2x).
 //  * bf16 x bf16 with EECORE_CPU_BF16_DOT: vdpbf16ps, 32 exact products summed into 16 lanes.
-//  * fp32 x int8 on AVX-512: 16 int8 weights widened to fp32 in registers (two instructions), so
-//    a weight-only int8 row streams a quarter of fp32's bytes for the same multiply-adds.
-//  * anything else (fp32 hidden rows against fp32, bf16, fp16 or int8 weights): Vec8, each weight
-//    vector widened to fp32 in registers.
+//  * int16 x int8 with EECORE_CPU_INT8_VNNI: vpdpwssd, 32 exact integer products per instruction.
+//  * anything else (fp32 hidden rows against fp32, bf16 or fp16 weights; int16 rows against int8
+//    weights without VNNI): Vec8, both operands widened to fp32 in registers (an int16 x int8
+//    product is exact in fp32).
 template <typename h_t, typename w_t>
 struct DotLanes {
   using Acc = Vec8;  // also the type of a loaded hidden or weight vector
@@ -150,10 +201,25 @@ struct DotLanes<float, float> {
   static void sum4(Acc a, Acc b, Acc c, Acc d, float* out) { reduce_add16x4(a, b, c, d, out); }
 };
 
+#endif
+
+#if EECORE_CPU_INT8_VNNI
+// int16 hidden rows x int8 weights: each 32 weights widened to int16 once (vpmovsxbw), then
+// vpdpwssd: 32 exact products into 16 int32 lanes (int16_row_range keeps a lane from overflowing).
+// The lanes are summed in fp32.
 template <>
-struct DotLanes<float, int8_t> : DotLanes<float, float> {
-  static __m512 load_w(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+struct DotLanes<int16_t, int8_t> {
+  using Acc = __m512i;
+  static constexpr int64_t step = 32;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static __m512i load_h(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static __m512i load_w(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static Acc fma(Acc acc, __m512i h, __m512i w) { return _mm512_dpwssd_epi32(acc, h, w); }
+  static float sum(Acc acc) { return reduce_add16(_mm512_cvtepi32_ps(acc)); }
+  static void sum4(Acc a, Acc b, Acc c, Acc d, float* out) {
+    reduce_add16x4(_mm512_cvtepi32_ps(a), _mm512_cvtepi32_ps(b), _mm512_cvtepi32_ps(c), _mm512_cvtepi32_ps(d), out);
   }
 };
 #endif
@@ -187,6 +253,9 @@ inline void pin_register(__m512& v) { asm volatile("" : "+v"(v)); }
 #endif
 #if EECORE_CPU_BF16_DOT
 inline void pin_register(__m512bh& v) { asm volatile("" : "+v"(v)); }
+#endif
+#if EECORE_CPU_INT8_VNNI
+inline void pin_register(__m512i& v) { asm volatile("" : "+v"(v)); }
 #endif
 
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d; the dot
@@ -339,8 +408,8 @@ inline void dot_rows_groups(const h_t* h, int64_t ldh, int64_t m, const w_t* w, 
 template <typename h_t, typename w_t>
 void dot_rows(const h_t* h, int64_t ldh, int64_t m, const w_t* w, int64_t ldw, int64_t n, int64_t d, float* out,
               int64_t ldo) {
-  static_assert(std::is_same_v<h_t, dot_input_t<h_t, w_t>>, "dot_rows: hidden rows must be fp32, or bf16 "
-                "against bf16 weights on a CPU with AVX512-BF16 (see dot_input_t)");
+  static_assert(std::is_same_v<h_t, dot_input_t<h_t, w_t>>, "dot_rows: hidden rows must be fp32, bf16 "
+                "against bf16 weights on a CPU with AVX512-BF16, or int16 against int8 weights (see dot_input_t)");
   // The hidden rows are re-read for every slice of weight rows, so they should stay in cache (see
   // kHiddenChunkBytes). Where they would not (e.g. 16 fp32 rows of 4096), the length is cut into
   // chunks that do, and the partial dot products are summed in `out`; the prefetches then run one

@@ -13,7 +13,8 @@
 // Semantics both builds share:
 //   load / store   exactly 8 elements of fp32, bf16 or fp16 (the caller makes them addressable).
 //                  Stores round to nearest even, like c10::BFloat16(float) / c10::Half(float).
-//                  load also widens 8 int8 values exactly (weight-only int8 weights; no store).
+//                  load also widens 8 int8 or int16 values exactly (weight-only int8 dot
+//                  products; no store).
 //   max / min      a > b ? a : b and a < b ? a : b (what vmaxps / vminps do), so a NaN in `a`
 //                  never wins: pass the new data as `a` to keep NaN out of a running max.
 //   exp            within ~1 ulp for the x <= 0 the kernels pass (x - running max); NaN in, NaN
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -65,6 +67,9 @@ struct Vec8 {
   }
   static Vec8 load(const int8_t* p) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static Vec8 load(const int16_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
   }
 
   void store(float* p) const { _mm256_storeu_ps(p, v); }
@@ -177,7 +182,9 @@ struct Vec8 {
     for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;
   }
-  static Vec8 load(const int8_t* p) {
+  template <typename T>  // int8, int16: exact
+  static Vec8 load(const T* p) {
+    static_assert(std::is_integral_v<T>);
     Vec8 r;
     for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;

@@ -115,7 +115,8 @@ def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: O
            accumulate: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`out = input @ weight.T + bias`, or `out += ...` with `accumulate`; returns `out`.
     Weight-only int8: an int8 `weight` [N, K] with `weight_scale` fp32 [N] stands for
-    `weight_scale[:, None] * weight` (see eecore.models.int8_weights)."""
+    `weight_scale[:, None] * weight`, and each input row is first rounded to int16 with a scale of
+    its own (`eecore.reference.round_rows_to_int16`; eecore.models.int8_weights)."""
     _ops.linear(out, input, weight, bias, bool(accumulate), weight_scale)
     return out
 

@@ -158,9 +158,33 @@ def kv_fill(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mappi
             kv_cache[layer, 1, block, offset] = v[t].to(kv_cache.dtype)
 
 
+def int16_row_range(k: int) -> int:
+    """The integer a row's absmax maps to when a weight-only int8 linear rounds its input rows
+    (include/eecore/int8_linear.h: no int32 lane of a vpdpwssd accumulator can overflow)."""
+    lane_products = 2 * ((k + 31) // 32)
+    return min(32767, (2 ** 31 - 1) // (128 * max(1, lane_products)))
+
+
+def round_rows_to_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `[M, K]` as integers q (fp32 values in [-range, range]) and scales `[M]`, x ~ q * scale:
+    q = round-half-even(x * (range / max|x|)) in fp32, scale = max|x| / range; a zero row has scale
+    0, a row holding inf or NaN scale NaN (and q = 0)."""
+    x = x.float()
+    rng = float(int16_row_range(x.shape[1]))
+    amax = x.abs().amax(dim=1, keepdim=True)
+    finite = x.isfinite().all(dim=1, keepdim=True)
+    usable = finite & (amax > 0)
+    q = torch.where(usable, (x * (torch.full_like(amax, rng) / amax)).round().clamp(-rng, rng), torch.zeros_like(x))
+    scale = torch.where(finite, amax / rng, torch.full_like(amax, float("nan")))
+    return q, scale[:, 0]
+
+
 def linear(out, input, weight, bias=None, accumulate=False, weight_scale=None) -> None:
-    w = weight.float() if weight_scale is None else weight.float() * weight_scale.float()[:, None]
-    y = input.float() @ w.T
+    if weight_scale is None:
+        y = input.float() @ weight.float().T
+    else:  # weight-only int8: rows rounded to int16, exact integer products, both scales
+        q, row_scale = round_rows_to_int16(input)
+        y = (q @ weight.float().T) * row_scale[:, None] * weight_scale.float()[None, :]
     if bias is not None:
         y = y + bias.float()
     if accumulate:

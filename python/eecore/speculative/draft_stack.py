@@ -4,8 +4,9 @@ layers 0..E-1 that drafts with a KV cache of its own, while verification runs th
 Why a copy, when LayerSkip shares the first E layers between draft and verification: a shared
 layer is one weight for two jobs. Training it for its exit (eecore.train.exit_ready) moves what the
 later layers receive, and full depth drifts from the original model. A copy can be trained (an
-exit-ready file's LoRA pairs are merged into the copy alone) and stored in a cheaper dtype, and full
-depth, hence every output, stays the original model's. What it costs:
+exit-ready file's LoRA pairs are merged into the copy alone) and stored in a cheaper dtype (bf16, or
+weight-only int8: eecore.models.int8_weights), and full depth, hence every output, stays the
+original model's. What it costs:
 - verification cannot continue from the drafts' layer-E states (they come from other weights), so
   it runs all L layers over the drafted positions: d draft passes of E layers plus L layers per
   round, where the shared stack reads d + 1 passes of E layers plus L - E: the same bytes at equal
