@@ -28,7 +28,9 @@ of the outputs to full depth's.
 writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth on each group of prompts, `--repeats` times; ratios are of
-the medians, and the file keeps every repeat.
+the medians, and the file keeps every repeat. `vs full` counts the whole request (the prefill both
+share included), `decode` only what follows each group's first tokens (TPOT's ratio: what the
+strategy changes; a draft copy's catch-up on the prompt stays in).
 """
 from __future__ import annotations
 
@@ -60,23 +62,35 @@ def alternate(llm, full, prompts, params, batch, repeats):
     """Run `llm` and full depth in turn on each group of `batch` prompts, `repeats` times (a burst
     of load on a shared machine then hits both alike: pairs a second or so apart, not whole prompt
     sets), which one goes first swapping every pair (so drift and any first-or-second effect
-    cancel); returns llm's last outputs and each repeat's tok/s of each."""
+    cancel); returns llm's last outputs, each repeat's tok/s of each, and each repeat's decode-only
+    tok/s of each: the tokens after a request's first over the time after its group's last first
+    token (the prefill, which both share, left out; a draft copy's catch-up on the prompt stays in)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    ours, theirs = [], []
+    ours, theirs, ours_decode, theirs_decode = [], [], [], []
+
+    def run(engine, g):
+        o, t = timed(engine.generate, g, params)
+        return o, t, t - max(x.metrics["ttft_s"] for x in o)
+
     for i in range(repeats):
-        outs, tokens, ours_s, theirs_s = [], 0, 0.0, 0.0
+        outs, tokens, ours_s, theirs_s, ours_d, theirs_d = [], 0, 0.0, 0.0, 0.0, 0.0
         for j, g in enumerate(groups):
             if (i + j) % 2:
-                theirs_s += timed(full.generate, g, params)[1]
-            o, t = timed(llm.generate, g, params)
-            ours_s += t
+                _, t, d = run(full, g)
+                theirs_s, theirs_d = theirs_s + t, theirs_d + d
+            o, t, d = run(llm, g)
+            ours_s, ours_d = ours_s + t, ours_d + d
             if not (i + j) % 2:
-                theirs_s += timed(full.generate, g, params)[1]
+                _, t, d = run(full, g)
+                theirs_s, theirs_d = theirs_s + t, theirs_d + d
             outs += o
             tokens += sum(len(x.token_ids) for x in o)
+        decoded = tokens - sum(len(g) for g in groups)
         ours.append(tokens / ours_s)
         theirs.append(tokens / theirs_s)  # ignore_eos: full depth emits as many tokens
-    return outs, ours, theirs
+        ours_decode.append(decoded / ours_d)
+        theirs_decode.append(decoded / theirs_d)
+    return outs, ours, theirs, ours_decode, theirs_decode
 
 
 def main():
@@ -150,7 +164,7 @@ def main():
                 _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
-        print(f"{'E':>3}{'d':>3}{'k':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
+        print(f"{'E':>3}{'d':>3}{'k':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'decode':>8}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}{'exits':>8}{'ROUGE':>7}")
         for E, d, threshold, draft_dtype, top_k in itertools.product(args.exit_layers, args.drafts, thresholds,
                                                                      args.draft_dtypes, args.draft_top_ks):
@@ -162,8 +176,10 @@ def main():
                                  else min(args.layer_speculations, d),
                                  draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                                  accept=args.accept))
-            outs, runs, full_runs = alternate(llm, full, prompts, params, batch, args.repeats)
+            outs, runs, full_runs, decode_runs, full_decode_runs = alternate(llm, full, prompts, params, batch,
+                                                                             args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
+            decode_ratios = [a / b for a, b in zip(decode_runs, full_decode_runs)]
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             quality = compare_outputs(outs, full_outs, full.model.num_layers)
@@ -182,7 +198,9 @@ def main():
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
                        identical_to_full=exact, accept=args.accept, early_exit_rate=ee_rate,
                        rouge_l_to_full=rouge, tok_s_runs=runs, full_tok_s_runs=full_runs,
-                       paired_ratios=[a / b for a, b in zip(runs, full_runs)])
+                       paired_ratios=[a / b for a, b in zip(runs, full_runs)],
+                       decode_tok_s_runs=decode_runs, full_decode_tok_s_runs=full_decode_runs,
+                       paired_decode_ratios=decode_ratios, decode_speedup_vs_full=statistics.median(decode_ratios))
             for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_drafted_tokens",
                         "num_layer_accepted_tokens", "num_tree_alternatives", "num_tree_alternatives_accepted"):
                 if key in outs[0].metrics:
@@ -193,7 +211,7 @@ def main():
                 hf_text = f"{hf_tok_s[E]:.1f}"
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
-            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{accept:8.2f}"
+            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{row['decode_speedup_vs_full']:8.2f}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}{'-' if ee_rate is None else f'{ee_rate:.2f}':>8}{rouge:7.3f}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])

@@ -112,6 +112,23 @@ inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 // SmolLM2's projections at 16-24 rows ran 1.1-1.3x slower than whole on a Zen 3 (1 and 2 threads).
 constexpr int64_t kHiddenChunkBytes = 128 * 1024;
 
+// Scratch space of n elements: N of them inline (in the owner, on the stack), more on the heap. A
+// decode step's converted hidden rows (a few rows of a few thousand elements) then cost no
+// allocation.
+template <typename T, size_t N>
+class ScratchBuffer {
+ public:
+  T* get(size_t n) {
+    if (n <= N) return inline_;
+    heap_.resize(n);
+    return heap_.data();
+  }
+
+ private:
+  alignas(64) T inline_[N];
+  std::vector<T> heap_;
+};
+
 // The hidden rows in the form dot_rows reads them against `w_t` weights: the caller's own rows,
 // without a copy, where their type already is dot_input_t, else a copy made once (each hidden row
 // is read once per weight row, so converting it on every read would cost more): fp32, or int16
@@ -126,25 +143,30 @@ class DotInput {
       data_ = rows;
       ld_ = ld;
     } else {
-      copy_.resize(static_cast<size_t>(m * d));
+      type* copy = copy_.get(static_cast<size_t>(m * d));
       if constexpr (std::is_same_v<type, int16_t>) {
-        scales_.resize(static_cast<size_t>(m));
+        scales_ = scale_buffer_.get(static_cast<size_t>(m));
         const int32_t range = int16_row_range(d);
-        for (int64_t r = 0; r < m; ++r) scales_[r] = round_row_to_int16(rows + r * ld, d, range, copy_.data() + r * d);
+        for (int64_t r = 0; r < m; ++r) scales_[r] = round_row_to_int16(rows + r * ld, d, range, copy + r * d);
       } else {
-        for (int64_t r = 0; r < m; ++r) convert_to_float(rows + r * ld, copy_.data() + r * d, d);
+        for (int64_t r = 0; r < m; ++r) convert_to_float(rows + r * ld, copy + r * d, d);
       }
-      data_ = copy_.data();
+      data_ = copy;
       ld_ = d;
     }
   }
+  DotInput(const DotInput&) = delete;  // data_ may point into this object
+  DotInput& operator=(const DotInput&) = delete;
+
   const type* row(int64_t i) const { return data_ + i * ld_; }
   int64_t ld() const { return ld_; }
-  float row_scale(int64_t i) const { return scales_.empty() ? 1.f : scales_[i]; }
+  float row_scale(int64_t i) const { return scales_ == nullptr ? 1.f : scales_[i]; }
 
  private:
-  std::vector<std::conditional_t<std::is_same_v<type, int16_t>, int16_t, float>> copy_;
-  std::vector<float> scales_;
+  static constexpr size_t kInlineBytes = 16384;
+  ScratchBuffer<type, kInlineBytes / sizeof(type)> copy_;
+  ScratchBuffer<float, 32> scale_buffer_;
+  float* scales_ = nullptr;
   const type* data_ = nullptr;
   int64_t ld_ = 0;
 };
