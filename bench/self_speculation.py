@@ -125,6 +125,9 @@ def main():
     ap.add_argument("--accept", choices=["verified", "confident"], default="verified",
                     help="confident: dynamic early exit with deferred K/V (SelfSpeculativeConfig(accept=...)); "
                          "the rows then report the early-exit rate and ROUGE-L to full depth")
+    ap.add_argument("--exit-thresholds", type=float, nargs="+", default=[None],
+                    help="--accept confident: SelfSpeculativeConfig(exit_threshold=...) values to run (default: "
+                         "the draft threshold)")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
@@ -164,10 +167,10 @@ def main():
                 _, t = timed(lambda: [hf_generate_greedy(hf, [p], args.max_tokens, assistant_early_exit=E)
                                       for p in prompts])
                 hf_tok_s[E] = len(prompts) * args.max_tokens / t
-        print(f"{'E':>3}{'d':>3}{'k':>3}{'thr':>5}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'decode':>8}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
+        print(f"{'E':>3}{'d':>3}{'k':>3}{'thr':>9}{'draft':>9}{'tok/s':>9}{'vs full':>9}{'decode':>8}{'accept':>8}{'break-even':>11}{'tok/step':>9}"
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}{'exits':>8}{'ROUGE':>7}")
-        for E, d, threshold, draft_dtype, top_k in itertools.product(args.exit_layers, args.drafts, thresholds,
-                                                                     args.draft_dtypes, args.draft_top_ks):
+        for E, d, threshold, draft_dtype, top_k, exit_threshold in itertools.product(
+                args.exit_layers, args.drafts, thresholds, args.draft_dtypes, args.draft_top_ks, args.exit_thresholds):
             llm = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
@@ -175,7 +178,7 @@ def main():
                                  layer_speculations=None if args.layer_speculations is None
                                  else min(args.layer_speculations, d),
                                  draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
-                                 accept=args.accept))
+                                 accept=args.accept, exit_threshold=exit_threshold))
             outs, runs, full_runs, decode_runs, full_decode_runs = alternate(llm, full, prompts, params, batch,
                                                                              args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
@@ -196,7 +199,8 @@ def main():
                        tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,
                        break_even_acceptance_bandwidth_bound=break_even, tokens_per_verify_step=per_step,
-                       identical_to_full=exact, accept=args.accept, early_exit_rate=ee_rate,
+                       identical_to_full=exact, accept=args.accept, exit_threshold=exit_threshold,
+                       early_exit_rate=ee_rate,
                        rouge_l_to_full=rouge, tok_s_runs=runs, full_tok_s_runs=full_runs,
                        paired_ratios=[a / b for a, b in zip(runs, full_runs)],
                        decode_tok_s_runs=decode_runs, full_decode_tok_s_runs=full_decode_runs,
@@ -211,7 +215,8 @@ def main():
                 hf_text = f"{hf_tok_s[E]:.1f}"
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
-            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{threshold or '-':>5}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{row['decode_speedup_vs_full']:8.2f}{accept:8.2f}"
+            thr = ("-" if threshold is None else f"{threshold:g}") + ("" if exit_threshold is None else f"/{exit_threshold:g}")
+            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{thr:>9}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{row['decode_speedup_vs_full']:8.2f}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}{'-' if ee_rate is None else f'{ee_rate:.2f}':>8}{rouge:7.3f}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])

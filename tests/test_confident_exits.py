@@ -31,61 +31,92 @@ def tiny(tmp_path_factory):
     return path, hf, file, lora
 
 
-def _llm(path, E, d, threshold, draft_layers="shared", file=None, **kw):
+def _llm(path, E, d, threshold, draft_layers="shared", file=None, exit_threshold=None, **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
                       speculative=eecore.SelfSpeculativeConfig(
                           exit_layer=E, num_speculations=d, draft_threshold=threshold, draft_layers=draft_layers,
-                          accept="confident"), **kw)
+                          accept="confident", exit_threshold=exit_threshold), **kw)
 
 
-def _reference(hf, exit_model, prompt, max_tokens, d, threshold, E):
+def _reference(hf, exit_model, prompt, max_tokens, d, threshold, E, exit_threshold=None):
     """The tokens and exit layers early exit with deferred K/V emits, token by token on HF: a round
-    exits while the exit model is confident (at most d times, and never on a request's last
-    token), then decodes one token at full depth. Also the smallest distance of a confidence from
-    the threshold (the test needs a margin against rounding), and how many runs of exits a doubtful
-    draft ended."""
+    drafts with the exit model while it is at least `threshold` sure (at most d times, and never a
+    request's last token); its leading drafts at least `exit_threshold` sure (default: threshold)
+    exit, the drafts after them are checked against the full model (accepted while it agrees, then
+    its own token), and a round whose drafts all exited ends with the full model's token. Also the
+    smallest distance of a confidence from either threshold (the test needs a margin against
+    rounding), and how many rounds a doubtful draft ended."""
+    exit_threshold = threshold if exit_threshold is None else exit_threshold
     tokens, layers, margin, stopped = [], [], float("inf"), 0
 
-    def next_logits(model):
+    def next_logits(model, context):
         with torch.no_grad():
-            return model(torch.tensor([prompt + tokens])).logits[0, -1]
+            return model(torch.tensor([prompt + context])).logits[0, -1]
 
-    tokens.append(int(next_logits(hf).argmax()))  # the prefill's token
+    tokens.append(int(next_logits(hf, tokens).argmax()))  # the prefill's token
     layers.append(L)
     while len(tokens) < max_tokens:
         budget = min(d, max_tokens - len(tokens) - 1)
+        drafts, exits = [], 0
         for _ in range(budget):
-            probs = next_logits(exit_model).softmax(-1)
-            margin = min(margin, abs(float(probs.max()) - threshold))
-            if probs.max() < threshold:
+            probs = next_logits(exit_model, tokens + drafts).softmax(-1)
+            top = float(probs.max())
+            margin = min(margin, abs(top - threshold), abs(top - exit_threshold))
+            if top < threshold:
                 stopped += 1
                 break
-            tokens.append(int(probs.argmax()))
-            layers.append(E)
-        tokens.append(int(next_logits(hf).argmax()))
-        layers.append(L)
+            exits += exits == len(drafts) and top >= exit_threshold
+            drafts.append(int(probs.argmax()))
+        tokens += drafts[:exits]
+        layers += [E] * exits
+        for draft in drafts[exits:]:  # verified: the full model's token, until it disagrees
+            tokens.append(int(next_logits(hf, tokens).argmax()))
+            layers.append(L)
+            if tokens[-1] != draft:
+                break
+        else:
+            tokens.append(int(next_logits(hf, tokens).argmax()))
+            layers.append(L)
     return tokens, layers, margin, stopped
 
 
-@pytest.mark.parametrize("draft_layers, E, d, threshold", [
-    ("shared", 1, 3, 0.0), ("shared", 2, 2, 0.5), ("separate", 2, 4, 0.0), ("separate", 2, 3, 0.5),
-    ("separate", 3, 8, 0.8)])
-def test_greedy_output_is_the_token_by_token_reference(tiny, draft_layers, E, d, threshold):
+@pytest.mark.parametrize("draft_layers, E, d, threshold, exit_threshold", [
+    ("shared", 1, 3, 0.0, None), ("shared", 2, 2, 0.5, None), ("separate", 2, 4, 0.0, None),
+    ("separate", 2, 3, 0.5, None), ("separate", 3, 8, 0.8, None),
+    # exits and verified drafts in one round
+    ("shared", 2, 4, 0.2, 0.6), ("separate", 3, 4, 0.3, 0.8), ("separate", 2, 6, 0.0, 0.5)])
+def test_greedy_output_is_the_token_by_token_reference(tiny, draft_layers, E, d, threshold, exit_threshold):
     path, hf, file, lora = tiny
     separate = draft_layers == "separate"
     exit_model = truncated_merged(hf, lora if separate else None, E)
     prompts = random_prompts(VOCAB, [2 + (7 * i) % 13 for i in range(5)], seed=E + d)
     params = [greedy(6 + 3 * i) for i in range(5)]
-    outs = _llm(path, E, d, threshold, draft_layers, file if separate else None).generate(prompts, params)
-    exits = stopped = 0
+    outs = _llm(path, E, d, threshold, draft_layers, file if separate else None,
+                exit_threshold).generate(prompts, params)
+    exits = stopped = verified = 0
     for prompt, p, out in zip(prompts, params, outs):
-        tokens, layers, margin, doubts = _reference(hf, exit_model, prompt, p.max_tokens, d, threshold, E)
-        assert margin > 1e-4, "a confidence sits on the threshold: pick another seed"
+        tokens, layers, margin, doubts = _reference(hf, exit_model, prompt, p.max_tokens, d, threshold, E,
+                                                    exit_threshold)
+        assert margin > 1e-4, "a confidence sits on a threshold: pick another seed"
         assert out.token_ids == tokens
         assert out.exit_layers == layers
         exits, stopped = exits + layers.count(E), stopped + doubts
+        verified += out.metrics["num_drafted_tokens"] - layers.count(E)
     assert exits > 0
-    assert (stopped > 0) == (threshold > 0)  # the threshold did end some runs of exits
+    assert (stopped > 0) == (threshold > 0)  # the threshold did end some runs of drafts
+    assert (verified > 0) == (exit_threshold is not None)  # drafts after the exits were checked
+
+
+def test_nothing_exits_at_exit_threshold_one(tiny):
+    """exit_threshold=1.0: no draft is that sure, so every draft is verified and the output is full
+    depth's, token for token."""
+    path = tiny[0]
+    prompts = random_prompts(VOCAB, [5, 9, 3], seed=1)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))
+    outs = _llm(path, 3, 4, 0.0, exit_threshold=1.0).generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert all(set(o.exit_layers) == {L} for o in outs)
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 
 def test_exits_are_what_the_full_depth_would_not_always_say(tiny):
@@ -132,9 +163,12 @@ def test_exits_report_the_exit_distributions_logprobs(tiny):
     assert E in out.exit_layers
 
 
-def test_sampled_exits_follow_the_exit_law(tmp_path):
+@pytest.mark.parametrize("exit_threshold", [None, 1.0], ids=["exits", "verified"])
+def test_sampled_exits_follow_the_exit_law(tmp_path, exit_threshold):
     """Threshold 0 and max_tokens 3: the first token comes from the prefill (full depth), the second
-    exits at layer 1 (drawn from the exit's law, not the full model's), the third is full depth's."""
+    exits at layer 1 (drawn from the exit's law, not the full model's), the third is full depth's.
+    With exit_threshold 1.0 the second is a draft no exit is sure enough of: verified by rejection
+    sampling, so it follows the full model's law."""
     from scipy.stats import chisquare
 
     from model_factory import make_tiny_hf_model
@@ -142,8 +176,8 @@ def test_sampled_exits_follow_the_exit_law(tmp_path):
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=L, vocab_size=12, with_tokenizer=False)
     prompt, n, V = [3, 7, 1], 3000, 12
     params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    outs = _llm(path, 1, 3, 0.0, max_num_seqs=64).generate([prompt] * n, params)
-    assert all(o.exit_layers == [L, 1, L] for o in outs)
+    outs = _llm(path, 1, 3, 0.0, exit_threshold=exit_threshold, max_num_seqs=64).generate([prompt] * n, params)
+    assert all(o.exit_layers == ([L, 1, L] if exit_threshold is None else [L, L, L]) for o in outs)
     exit_model = truncated_merged(hf, None, 1)
     with torch.no_grad():
         p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
@@ -163,8 +197,9 @@ def test_sampled_exits_follow_the_exit_law(tmp_path):
             exp = torch.cat([exp, expected[~keep].sum()[None]])
         return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue
 
-    assert p_value(p1[:, None] * exit_law) > 1e-3
-    assert p_value(p1[:, None] * full_law) < 1e-3  # the test tells the two laws apart
+    law, other = (exit_law, full_law) if exit_threshold is None else (full_law, exit_law)
+    assert p_value(p1[:, None] * law) > 1e-3
+    assert p_value(p1[:, None] * other) < 1e-3  # the test tells the two laws apart
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -175,6 +210,11 @@ def test_sampled_exits_follow_the_exit_law(tmp_path):
      "'min_acceptance' does not apply with accept='confident'"),
     (dict(exit_layer=2, accept="confident", draft_threshold=0.5, draft_layers="separate", draft_top_k=2),
      "'draft_top_k' > 1 does not apply with accept='confident'"),
+    (dict(exit_layer=2, draft_threshold=0.5, exit_threshold=0.9), "'exit_threshold' applies to accept='confident'"),
+    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, exit_threshold=0.4),
+     r"'exit_threshold' must be a number in \[draft_threshold=0.5, 1\]"),
+    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, exit_threshold=1.5), "'exit_threshold' must be"),
+    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, exit_threshold="high"), "'exit_threshold' must be"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -188,5 +228,11 @@ def test_cli_flag(tiny, capsys):
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                  "--exit-layer", "2", "--num-speculations", "3", "--draft-threshold", "0.2",
                  "--accept", "confident"]) == 0
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--exit-layer", "2", "--num-speculations", "3", "--draft-threshold", "0.2", "--exit-threshold", "0.6",
+                 "--accept", "confident"]) == 0
+    with pytest.raises(SystemExit, match="'exit_threshold' applies to accept='confident'"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-threshold", "0.2",
+              "--exit-threshold", "0.6"])
     with pytest.raises(SystemExit, match="accept='confident' needs 'draft_threshold'"):
         main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--accept", "confident"])

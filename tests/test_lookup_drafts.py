@@ -165,10 +165,10 @@ def test_hybrid_layer_drafts_have_their_own_length(tiny):
     draft = strategy._draft
 
     def spy(seqs, lookup, budgets):
-        drafts, probs = draft(seqs, lookup, budgets)
+        drafts, probs, exits = draft(seqs, lookup, budgets)
         layer_lengths.extend(len(d) for d, b in zip(drafts, budgets) if b)
         lookup_lengths.extend(len(d) for d in lookup)
-        return drafts, probs
+        return drafts, probs, exits
     strategy._draft = spy
     assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == expected
     assert layer_lengths and max(layer_lengths) == 1

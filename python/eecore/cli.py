@@ -94,6 +94,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="verified (the default): the full model checks every layer draft, outputs are its own; "
                         "confident: dynamic early exit, a draft at least --draft-threshold sure is emitted at "
                         "layer E, and the next full-depth pass computes its exact K/V (lossy)")
+    s.add_argument("--exit-threshold", type=float, default=None,
+                   help="--accept confident: the top-1 probability at which a draft exits unchecked (default: "
+                        "--draft-threshold); drafts between the two thresholds are verified by the same pass")
     s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                    help="stop drafting for a sequence whose running acceptance rate falls below this "
                         "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
@@ -160,7 +163,8 @@ def speculative_config(args):
                                             draft=args.draft, layer_speculations=args.layer_speculations,
                                             disable_by_batch_size=args.disable_by_batch_size,
                                             draft_layers=args.draft_layers, draft_dtype=args.draft_dtype,
-                                            draft_top_k=args.draft_top_k, accept=args.accept, **lookup)
+                                            draft_top_k=args.draft_top_k, accept=args.accept,
+                                            exit_threshold=args.exit_threshold, **lookup)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

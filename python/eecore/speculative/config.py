@@ -104,7 +104,16 @@ class SelfSpeculativeConfig:
         --speculate --accept confident` (or bench/self_speculation.py --accept confident)
         measures how far it moves, as ROUGE-L to full depth and the early-exit rate. Needs
         `draft_threshold`; lookup drafts (hybrid) are still verified; not with
-        `min_acceptance` (nothing is rejected) or `draft_top_k` > 1 (nothing to choose).
+        `min_acceptance` or `draft_top_k` > 1.
+
+    exit_threshold: accept="confident" only; default `draft_threshold`. Splits the two jobs of that
+        threshold: a layer draft at least `exit_threshold` sure is emitted unchecked (an early exit at
+        layer E) while it leads the round's chain; drafting goes on while drafts are at least
+        `draft_threshold` sure, and the drafts after the leading exits are verified by the same
+        full-depth pass (accepted while the model agrees, then the model's own token). Every token is
+        then an exit at least `exit_threshold` sure or the full model's, and a round carries more
+        tokens than exits alone give (where the seed's early exit decodes the doubtful token at full
+        depth by itself, speculative verification does it for several at once).
 
     min_acceptance: the speculation guard for layer drafts (off by default): a sequence whose
     running acceptance rate falls below this value stops drafting with the layers, so its rounds
@@ -130,6 +139,7 @@ class SelfSpeculativeConfig:
     draft_dtype: Optional[str] = None
     draft_top_k: int = 1
     accept: str = "verified"
+    exit_threshold: Optional[float] = None
 
     def __post_init__(self):
         if self.draft not in DRAFT_MODES:
@@ -207,6 +217,14 @@ class SelfSpeculativeConfig:
             if self.draft_top_k > 1:
                 raise ValueError("SelfSpeculativeConfig: 'draft_top_k' > 1 does not apply with accept='confident' "
                                  "(the chain is emitted as drafted; no alternative is chosen)")
+        if self.exit_threshold is not None:
+            if not self.trusts_drafts:
+                raise ValueError(f"SelfSpeculativeConfig: 'exit_threshold' applies to accept='confident' only, "
+                                 f"got {self.exit_threshold!r} with accept={self.accept!r}")
+            if not isinstance(self.exit_threshold, (int, float)) or isinstance(self.exit_threshold, bool) or \
+                    not self.draft_threshold <= self.exit_threshold <= 1.0:
+                raise ValueError(f"SelfSpeculativeConfig: 'exit_threshold' must be a number in [draft_threshold="
+                                 f"{self.draft_threshold}, 1], got {self.exit_threshold!r}")
         if not _is_int(self.lookup_min_ngram) or self.lookup_min_ngram < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'lookup_min_ngram' must be an int >= 1, "
                              f"got {self.lookup_min_ngram!r}")
@@ -231,6 +249,13 @@ class SelfSpeculativeConfig:
     def trusts_drafts(self) -> bool:
         """Whether confident layer drafts are emitted unverified (accept="confident")."""
         return self.accept == "confident"
+
+    @property
+    def exit_confidence(self) -> Optional[float]:
+        """The top-1 probability at which a layer draft exits unchecked (None: none do)."""
+        if not self.trusts_drafts:
+            return None
+        return self.draft_threshold if self.exit_threshold is None else self.exit_threshold
 
     @property
     def layer_draft_length(self) -> int:

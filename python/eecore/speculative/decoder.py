@@ -26,11 +26,12 @@ KV cache makes the layer drafts: d passes (the pending token, then drafts 1..d-1
 catches up on tokens it has not run), and verification is the lookup rounds' single full-depth
 varlen pass over every sequence's pending token and drafts.
 
-With `accept="confident"` a layer-drafting sequence skips the accept step: its drafts (each at
-least `draft_threshold` sure) are emitted as early exits at layer E, and its last verify row gives
-the full-depth token after them. The verify pass still runs over every drafted position, which is
-what writes their exact K/V in the later layers (deferred K/V, where the seed paper's early exit
-fills it from the exit's state); only that last row goes through the LM head.
+With `accept="confident"` a layer-drafting sequence's leading drafts that are at least
+`exit_threshold` sure (default `draft_threshold`) skip the accept step: they are emitted as early
+exits at layer E, and only the rows after them are accepted as usual (the drafts that followed,
+verified, then the full-depth token). The verify pass still runs over every drafted position, which
+is what writes the exits' exact K/V in the later layers (deferred K/V, where the seed paper's early
+exit fills it from the exit's state); only the rows after the exits go through the LM head.
 
 The guard (eecore.speculative.guard) gates layer drafts only. A lookup draft reads no weights: when
 decoding is bound by reading weights, verifying d+1 tokens costs what decoding 1 costs, so its
@@ -120,26 +121,27 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self._record_shadow(seqs, shadowed, shadowed, logits)
             return results
         alternatives = [[] for _ in seqs]
-        # accept="confident": a layer-drafting sequence emits its drafts as they are (they exited
-        # at layer E), so the full-depth pass needs logits only for its last row
-        trusted = [bool(n) and self.config.trusts_drafts for n in layer_budgets]
         if any(layer_budgets) and self.draft_stack is None:
-            drafts, draft_probs = self._draft(seqs, lookup, layer_budgets)
+            drafts, draft_probs, exits = self._draft(seqs, lookup, layer_budgets)
             widths = [len(d) + 1 for d in drafts]
-            logits = self._verify(seqs, drafts, self._logit_rows(widths, trusted))
+            logits = self._verify(seqs, drafts, self._logit_rows(widths, exits))
         else:  # lookup drafts or a separate draft stack's: one varlen pass through every layer
-            drafts, draft_probs, alternatives = self._lookup_and_copy_drafts(seqs, lookup, layer_budgets)
+            drafts, draft_probs, alternatives, exits = self._lookup_and_copy_drafts(seqs, lookup, layer_budgets)
             rows = [tree_row(s, d, a) for s, d, a in zip(seqs, drafts, alternatives)]
             widths = [len(row.tokens) for row in rows]
-            logits = self._verify_all(rows, shadowed, self._logit_rows(widths, trusted))
+            logits = self._verify_all(rows, shadowed, self._logit_rows(widths, exits))
         results, offsets, offset, moves = [], [], 0, []
         for b, (seq, n, probs) in enumerate(zip(seqs, widths, draft_probs)):
             chain = drafts[b]
-            if trusted[b]:
-                tokens, leaf, agreed = self._emit_exits(seq, chain, probs, logits[offset]), -1, len(chain)
-                n = 1
-            else:
-                tokens, leaf, agreed = self._accept(seq, chain, probs, logits[offset: offset + n], alternatives[b])
+            # accept="confident": the leading exits are emitted as they are (at layer E; their
+            # logprobs are the exit's), and only the rows after them are accepted as usual
+            k = len(exits[b])
+            n -= k
+            tokens, leaf, agreed = self._accept(seq, chain[k:], probs[k:], logits[offset: offset + n],
+                                                alternatives[b][k:])
+            tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(chain[:k], exits[b])] + tokens
+            agreed += k
+            leaf += k if leaf >= 0 else 0
             offsets.append(offset)
             offset += n
             start = seq.num_computed_tokens
@@ -193,13 +195,15 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens)
 
     def _draft(self, seqs, lookup, budgets):
-        """Layer drafts of up to budgets[b] tokens. Pass 0 also runs every lookup draft (with its
-        pending token) through layers 0..E-1, so the exit-query cache holds every position the
+        """Layer drafts of up to budgets[b] tokens, their q (None: greedy, or a lookup draft) and
+        the leading exits' logprobs (see _take_drafts). Pass 0 also runs every lookup draft (with
+        its pending token) through layers 0..E-1, so the exit-query cache holds every position the
         verify pass needs."""
         E, states = self.exit_layer, self._exit_states
         width = self.lookahead
         drafts: list[list[int]] = [list(d) for d in lookup]
         draft_probs: list[list] = [[None] * len(d) for d in lookup]  # None: a lookup draft (q one-hot)
+        exits: list[list] = [[] for _ in seqs]
         newest = [s.last_token_id for s in seqs]
         live = list(range(len(seqs)))  # rows whose newest token still needs its layer-E state
         for k in range(self.num_drafts + 1):
@@ -230,19 +234,12 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 break
             picked = hidden if len(drafting) == len(live) == inputs.num_tokens else \
                 hidden.index_select(0, torch.tensor([starts[j] for j in drafting], device=hidden.device))
-            tokens, probs, confident = self._propose(self.draft_head.logits(picked),
-                                                     [seqs[live[j]] for j in drafting])
-            next_live = []
-            for j, token, p, ok in zip(drafting, tokens, probs, confident):
-                b = live[j]
-                if not ok:  # adaptive draft length: a doubtful draft is dropped, drafting stops
-                    continue
-                drafts[b].append(token)
-                draft_probs[b].append(p)
-                newest[b] = token
-                next_live.append(b)
-            live = next_live
-        return drafts, draft_probs
+            kept = self._take_drafts(self.draft_head.logits(picked), [live[j] for j in drafting], seqs,
+                                     drafts, draft_probs, exits)
+            for b in kept:
+                newest[b] = drafts[b][-1]
+            live = kept
+        return drafts, draft_probs, exits
 
     def _lookup_and_copy_drafts(self, seqs, lookup, budgets):
         """Lookup drafts as they are, and layer drafts of up to budgets[b] tokens from the separate
@@ -251,30 +248,44 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         drafts: list[list[int]] = [list(d) for d in lookup]
         draft_probs: list[list] = [[None] * len(d) for d in lookup]  # None: a lookup draft (q one-hot)
         alternatives: list[list[list[int]]] = [[] for _ in seqs]  # per sequence, per drafted position
+        exits: list[list] = [[] for _ in seqs]
         live = [b for b, n in enumerate(budgets) if n]
         if not live:
-            return drafts, draft_probs, alternatives
+            return drafts, draft_probs, alternatives, exits
         stack = self.draft_stack
         hidden = stack.first_pass([seqs[b] for b in live])
         for k in range(1, max(budgets[b] for b in live) + 1):
-            live_seqs = [seqs[b] for b in live]
             logits = self.draft_head.logits(hidden)
-            tokens, probs, confident = self._propose(logits, live_seqs)
-            alts = self._alternatives(logits, live_seqs, tokens) if self.top_k > 1 else [[]] * len(live)
-            next_live = []
-            for b, token, p, ok, alt in zip(live, tokens, probs, confident, alts):
-                if not ok:  # adaptive draft length: a doubtful draft is dropped, drafting stops
-                    continue
-                drafts[b].append(token)
-                draft_probs[b].append(p)
-                alternatives[b].append(alt)
-                if len(drafts[b]) < budgets[b]:
-                    next_live.append(b)
-            live = next_live
+            kept = self._take_drafts(logits, live, seqs, drafts, draft_probs, exits, alternatives)
+            live = [b for b in kept if len(drafts[b]) < budgets[b]]
             if not live:
                 break
             hidden = stack.next_pass([seqs[b] for b in live], k, [drafts[b][-1] for b in live])
-        return drafts, draft_probs, alternatives
+        return drafts, draft_probs, alternatives, exits
+
+    def _take_drafts(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts, draft_probs,
+                     exits, alternatives=None) -> list[int]:
+        """Draft tokens of seqs[b] for b in `rows` (one row of `logits` each) appended to drafts[b]
+        and their q to draft_probs[b]; a draft that leads the chain as an exit (accept="confident":
+        every earlier draft of the round exited, and it is at least exit_confidence sure) adds its
+        logprobs (None unless requested) to exits[b]; with `alternatives`, its tree alternatives
+        too. A doubtful draft (below draft_threshold) is dropped and ends its sequence's drafting
+        (adaptive draft length). Returns the rows that drafted."""
+        live_seqs = [seqs[b] for b in rows]
+        tokens, probs, confident, exiting, logprobs = self._propose(logits, live_seqs)
+        alts = self._alternatives(logits, live_seqs, tokens) if self.top_k > 1 else [[]] * len(rows)
+        kept = []
+        for b, token, p, ok, exit_here, lp, alt in zip(rows, tokens, probs, confident, exiting, logprobs, alts):
+            if not ok:
+                continue
+            if exit_here and len(exits[b]) == len(drafts[b]):
+                exits[b].append(lp)
+            drafts[b].append(token)
+            draft_probs[b].append(p)
+            if alternatives is not None:
+                alternatives[b].append(alt)
+            kept.append(b)
+        return kept
 
     def _alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
         """The draft's next most likely tokens after each greedy sequence's chain token (up to
@@ -299,9 +310,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def _propose(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Draft tokens from layer-E logits: argmax, or a draw from the processed distribution q
         (kept for rejection sampling). `confident` is False where the top-1 probability falls
-        below the draft threshold. With accept="confident" nothing is rejection-sampled, and
-        `probs` holds instead what an emitted draft reports: its logprobs under the exit's
-        distribution, where the request asks for them."""
+        below the draft threshold; `exiting` is True where it reaches exit_confidence
+        (accept="confident"), and `logprobs` holds what such an exit reports: its logprobs under
+        the exit's distribution, where the request asks for them (else None)."""
         tokens = logits.argmax(dim=-1)
         probs: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -310,25 +321,24 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             for j, i in enumerate(sampled):
                 tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
                 probs[i] = q[j]
-        if self.config.trusts_drafts:
-            probs = [Sampler.logprobs(logits[i], int(tokens[i]), s.params.logprobs)
-                     if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
-        threshold = self.config.draft_threshold
-        if threshold is None:
-            confident = [True] * len(seqs)
-        else:
-            confident = (torch.softmax(logits, dim=-1).amax(dim=-1) >= threshold).tolist()
-        return tokens.tolist(), probs, confident
+        draft_threshold, exit_threshold = self.config.draft_threshold, self.config.exit_confidence
+        top1 = torch.softmax(logits, dim=-1).amax(dim=-1) if draft_threshold is not None else None
+        confident = [True] * len(seqs) if top1 is None else (top1 >= draft_threshold).tolist()
+        exiting = [False] * len(seqs) if exit_threshold is None else (top1 >= exit_threshold).tolist()
+        logprobs = [Sampler.logprobs(logits[i], int(tokens[i]), s.params.logprobs)
+                    if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
+        return tokens.tolist(), probs, confident, exiting, logprobs
 
     @staticmethod
-    def _logit_rows(widths: list[int], trusted: list[bool]) -> Optional[list[int]]:
+    def _logit_rows(widths: list[int], exits: list[list]) -> Optional[list[int]]:
         """The rows of a full-depth pass (sequences' `widths` rows each, in order) whose logits a
-        round reads: every row of a verified sequence, the last of a trusted one; None: all."""
-        if not any(trusted):
+        round reads: every row after a sequence's leading exits (accept="confident"), so all of a
+        verified sequence's and the last of one whose drafts all exited; None: all."""
+        if not any(exits):
             return None
         rows, start = [], 0
-        for n, trust in zip(widths, trusted):
-            rows.extend([start + n - 1] if trust else range(start, start + n))
+        for n, leading in zip(widths, exits):
+            rows.extend(range(start + len(leading), start + n))
             start += n
         return rows
 
@@ -384,19 +394,6 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             rows, leaf, agreed = list(range(len(tokens))), -1, len(tokens) - 1
         return [Token(t, L, Sampler.logprobs(logits[r], t, k) if k is not None else None)
                 for r, t in zip(rows, tokens)], leaf, agreed
-
-    def _emit_exits(self, seq: Sequence, drafts: list[int], draft_logprobs: list, logits_row: torch.Tensor) -> list[Token]:
-        """accept="confident": the drafts as they are (each exited at layer E; its logprobs are the
-        exit's, recorded when it was drafted), then the full model's token after them, from the
-        last row of the full-depth pass (`logits_row`)."""
-        L, k = self.num_layers, seq.params.logprobs
-        if seq.params.greedy:
-            token = int(logits_row.argmax())
-        else:
-            p = Sampler.probabilities(logits_row[None], [seq.params])[0]
-            token = Sampler.draw(p, self.sampler.generator_for(seq))
-        exits = [Token(t, self.exit_layer, lp) for t, lp in zip(drafts, draft_logprobs)]
-        return exits + [Token(token, L, Sampler.logprobs(logits_row, token, k) if k is not None else None)]
 
     def _rejection_sample(self, seq, drafts, draft_probs, logits) -> list[int]:
         """Speculative sampling: accept draft y with prob min(1, p(y)/q(y)); on rejection draw
