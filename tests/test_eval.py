@@ -146,6 +146,17 @@ def test_self_speculation_row_matches_full_depth(tiny, prompt_file, tmp_path):
     assert "acceptance_rate" in row["strategy_metrics"]
 
 
+def test_speculation_settings_name_the_row(tiny, prompt_file, tmp_path):
+    """The label carries the settings that tell sweep rows apart. With exit_threshold 1 nothing exits,
+    so the verified drafts give full depth's output."""
+    data = run_eval(tiny, tmp_path, "--prompts", prompt_file, "--chat", "off", "--speculate", "--exit-layer", "1",
+                    "--num-speculations", "2", "--draft-threshold", "0", "--accept", "confident",
+                    "--exit-threshold", "1")
+    (row,) = data["rows"]
+    assert row["label"] == "speculate layer E=1 d=2 t=0 confident exit=1"
+    assert row["exact_match"] == 1.0 and row["early_exit_rate"] == 0.0
+
+
 def test_threshold_sweep_gives_one_row_each(tiny, prompt_file, tmp_path):
     data = run_eval(tiny, tmp_path, "--prompts", prompt_file, "--chat", "off", "--early-exit", "softmax",
                     "--sweep-threshold", "0.0", "1.0", "--batch-rule", "compact")
@@ -230,6 +241,7 @@ def test_cli_prompt_errors_are_messages(tiny, tmp_path):
     (["--early-exit", "static", "--exit-layer", "5"], "static E=5: .*exit_layer"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--early-exit", "static", "--sweep-exit-layer", "1", "--sweep-threshold", "0.5"], "do not combine"),
+    (["--speculate", "--exit-layer", "1", "--draft-layers", "separate"], "--draft-layers separate is not supported"),
 ])
 def test_cli_bad_strategy_flags(tiny, prompt_file, flags, message):
     with pytest.raises(SystemExit, match=message):

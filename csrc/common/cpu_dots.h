@@ -239,9 +239,12 @@ struct DotLanes<int16_t, int8_t> {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static Acc fma(Acc acc, __m512i h, __m512i w) { return _mm512_dpwssd_epi32(acc, h, w); }
-  static float sum(Acc acc) { return reduce_add16(_mm512_cvtepi32_ps(acc)); }
+  // (the zero-masked form of vcvtdq2ps: GCC 12's plain _mm512_cvtepi32_ps trips -Wuninitialized on
+  // its own internals, as its reduce intrinsics do; with an all-ones mask it is the same instruction)
+  static __m512 to_float(__m512i acc) { return _mm512_maskz_cvtepi32_ps(static_cast<__mmask16>(0xFFFF), acc); }
+  static float sum(Acc acc) { return reduce_add16(to_float(acc)); }
   static void sum4(Acc a, Acc b, Acc c, Acc d, float* out) {
-    reduce_add16x4(_mm512_cvtepi32_ps(a), _mm512_cvtepi32_ps(b), _mm512_cvtepi32_ps(c), _mm512_cvtepi32_ps(d), out);
+    reduce_add16x4(to_float(a), to_float(b), to_float(c), to_float(d), out);
   }
 };
 #endif

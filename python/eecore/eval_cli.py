@@ -64,7 +64,14 @@ def _label(strategy_args, early_exit, speculative) -> str:
     adapter = " +adapter" if strategy_args.exit_adapter else ""
     if speculative is not None:
         depth = "" if speculative.draft == "lookup" else f" E={speculative.exit_layer}"
-        return f"speculate {speculative.draft}{depth} d={speculative.num_speculations}{adapter}"
+        # the settings that tell sweep rows apart, where they are not the defaults
+        extra = "" if speculative.draft_threshold is None else f" t={speculative.draft_threshold:g}"
+        if speculative.trusts_drafts:
+            extra += " confident" + ("" if speculative.exit_threshold is None
+                                     else f" exit={speculative.exit_threshold:g}")
+        if speculative.separate_draft_layers:
+            extra += " separate" + (f" {speculative.draft_dtype}" if speculative.draft_dtype else "")
+        return f"speculate {speculative.draft}{depth} d={speculative.num_speculations}{extra}{adapter}"
     if early_exit is None:
         return "full depth" + adapter
     if early_exit.measure == "static":
@@ -97,6 +104,12 @@ def _one_strategy(args):
         _fail(str(exc))
     if args.speculate:
         speculative = cli.speculative_config(args)
+        if speculative.separate_draft_layers:
+            # every strategy here decodes on one loaded model's weights (evaluate.share_weights),
+            # and a separate copy is built from the checkpoint with its own pairs merged in
+            _fail("--draft-layers separate is not supported here: eval shares one model's weights between "
+                  "its strategies, and a separate draft copy needs weights of its own (measure it with "
+                  "bench/self_speculation.py --draft-layers separate, which also reports ROUGE-L and exits)")
     return Strategy(_label(args, early_exit, speculative), early_exit, speculative)
 
 
