@@ -138,6 +138,20 @@ def test_int8_weight_rows_of_zeros_and_of_non_finite_values(device, rows):
     torch.testing.assert_close(out[3:], expected[3:], **tol(torch.float32, scale=4))
 
 
+@pytest.mark.parametrize("rows", [3, 60])
+def test_int8_weight_with_no_input_features_gives_the_bias(device, rows):
+    """K = 0, as with float weights: each output is its bias (no row to round, no max to take)."""
+    out = torch.empty(rows, 5, device=device)
+    bias = torch.randn(5, device=device)
+    ops.linear(out, torch.empty(rows, 0, device=device), torch.empty(5, 0, dtype=torch.int8, device=device), bias,
+               weight_scale=torch.ones(5, device=device))
+    expected = torch.empty_like(out)
+    reference.linear(expected, torch.empty(rows, 0, device=device), torch.empty(5, 0, dtype=torch.int8, device=device),
+                     bias, weight_scale=torch.ones(5, device=device))
+    torch.testing.assert_close(out, bias.expand(rows, 5))
+    torch.testing.assert_close(expected, out)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 60])
 def test_int8_weight_long_rows_do_not_overflow(device, rows):
     """The worst case of a long row: every product at its largest magnitude (|q| = range, weights

@@ -170,6 +170,8 @@ def round_rows_to_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = round-half-even(x * (range / max|x|)) in fp32, scale = max|x| / range; a zero row has scale
     0, a row holding inf or NaN scale NaN (and q = 0)."""
     x = x.float()
+    if x.shape[1] == 0:  # rows of no elements: nothing to round
+        return x, x.new_zeros(x.shape[0])
     rng = float(int16_row_range(x.shape[1]))
     amax = x.abs().amax(dim=1, keepdim=True)
     finite = x.isfinite().all(dim=1, keepdim=True)

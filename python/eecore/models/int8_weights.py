@@ -67,10 +67,6 @@ def project(out: torch.Tensor, input: torch.Tensor, weight: Weight, bias: Option
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The weight as a dense tensor in `dtype` (for the rare paths that need one: kv_fill's stacked
-    projections, the fused LM-head confidence)."""
+    """The weight as a dense tensor in `dtype` (for the rare path that needs one: kv_fill's stacked
+    K/V projections)."""
     return weight.dequantize(dtype) if isinstance(weight, Int8Weight) else weight.to(dtype)
-
-
-def weight_nbytes(weight: Optional[Weight]) -> int:
-    return 0 if weight is None else weight.nbytes

@@ -141,7 +141,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                                                 alternatives[b][k:])
             tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(chain[:k], exits[b])] + tokens
             agreed += k
-            leaf += k if leaf >= 0 else 0
+            if leaf >= 0:  # (trees and exits never meet: draft_top_k > 1 is refused with them)
+                leaf += k
             offsets.append(offset)
             offset += n
             start = seq.num_computed_tokens
