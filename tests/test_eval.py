@@ -241,7 +241,7 @@ def test_cli_prompt_errors_are_messages(tiny, tmp_path):
     (["--early-exit", "static", "--exit-layer", "5"], "static E=5: .*exit_layer"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--early-exit", "static", "--sweep-exit-layer", "1", "--sweep-threshold", "0.5"], "do not combine"),
-    (["--speculate", "--exit-layer", "1", "--draft-layers", "separate"], "--draft-layers separate is not supported"),
+    (["--speculate", "--draft-layers", "separate", "--sweep-exit-layer", "1", "2"], "speculate layer E=2 .*exit_layer"),
 ])
 def test_cli_bad_strategy_flags(tiny, prompt_file, flags, message):
     with pytest.raises(SystemExit, match=message):
@@ -291,6 +291,42 @@ def test_exit_adapter_rows(tiny, prompt_file, tmp_path):
     (row,) = data["rows"]
     assert row["label"] == "speculate layer E=1 d=4 +adapter"
     assert row["token_agreement"] == 1.0 and row["exact_match"] == 1.0
+
+
+def test_separate_draft_layer_rows(tmp_path):
+    """Separate draft layers: each row loads the model with its configuration, the exit-ready file's
+    LoRA pairs go into the draft copy alone, and the row's full depth is the original model, which
+    the drafts' verification reproduces exactly. The row's acceptance is what the same LLM gives by
+    hand."""
+    from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
+    from model_factory import make_peaked_tiny_model, random_lora
+
+    path, hf = make_peaked_tiny_model(tmp_path / "model", num_layers=3)
+    path = str(path)
+    plain = eecore.LLM(path, dtype="float32", device="cpu")
+    file = str(tmp_path / "draft.safetensors")
+    ExitAdapters({}, None, model_fingerprint(plain.model), {}, random_lora(hf, seed=3)).save(file)
+    prompts = PROMPTS[:3]
+    full = [o.token_ids for o in plain.generate(prompts, greedy(8))]
+    merged = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file).generate(prompts, greedy(8))
+    assert [o.token_ids for o in merged] != full  # the pairs change the model they are merged into
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    data = run_eval(path, tmp_path, "--prompts", str(prompt_file), "--chat", "off", "--exit-adapter", file,
+                    "--speculate", "--draft-layers", "separate", "--draft-dtype", "int8", "--num-speculations", "2",
+                    "--sweep-exit-layer", "1", "2", "--repeats", "1")
+    assert [r["label"] for r in data["rows"]] == [f"speculate layer E={e} d=2 separate int8 +adapter" for e in (1, 2)]
+    for e, row in zip((1, 2), data["rows"]):
+        assert row["strategy"]["draft_layers"] == "separate" and row["strategy"]["exit_layer"] == e
+        assert row["exact_match"] == 1.0 and row["token_agreement"] == 1.0
+        assert [r["full_text"] for r in row["outputs"]] == [plain.tokenizer.decode(t) for t in full]
+        by_hand = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file,
+                             speculative=eecore.SelfSpeculativeConfig(exit_layer=e, num_speculations=2,
+                                                                      draft_layers="separate", draft_dtype="int8"))
+        outs = by_hand.generate(prompts, greedy(8))
+        expected = sum(o.metrics["acceptance_rate"] for o in outs) / len(outs)
+        assert row["strategy_metrics"]["acceptance_rate"] == pytest.approx(expected)
+        assert row["strategy_metrics"]["num_drafted_tokens"] > 0
 
 
 def test_builtin_prose_set_end_to_end(tiny, tmp_path):

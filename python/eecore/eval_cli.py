@@ -5,8 +5,9 @@
 
 The strategy is set by the same flags as `eecore generate` (--early-exit with any measure,
 threshold, thresholds file or batch rule; --speculate with --draft layer|lookup|hybrid;
---exit-adapter). With none of them, full depth is compared with itself (a sanity check: agreement
-and ROUGE-L 1.0, speed-up about 1). One result row per strategy; sweeps make several rows:
+--exit-adapter; --draft-layers separate loads the model once per row, see eecore.evaluate). With
+none of them, full depth is compared with itself (a sanity check: agreement and ROUGE-L 1.0,
+speed-up about 1). One result row per strategy; sweeps make several rows:
   --sweep-threshold T ...   one row per threshold (each replaces --threshold; --threshold keeps its
                             meaning everywhere: one value, one per layer, or a thresholds file)
   --sweep-exit-layer E ...  one row per static exit layer or draft depth (each replaces --exit-layer)
@@ -104,12 +105,6 @@ def _one_strategy(args):
         _fail(str(exc))
     if args.speculate:
         speculative = cli.speculative_config(args)
-        if speculative.separate_draft_layers:
-            # every strategy here decodes on one loaded model's weights (evaluate.share_weights),
-            # and a separate copy is built from the checkpoint with its own pairs merged in
-            _fail("--draft-layers separate is not supported here: eval shares one model's weights between "
-                  "its strategies, and a separate draft copy needs weights of its own (measure it with "
-                  "bench/self_speculation.py --draft-layers separate, which also reports ROUGE-L and exits)")
     return Strategy(_label(args, early_exit, speculative), early_exit, speculative)
 
 
@@ -161,8 +156,19 @@ def cmd_eval(args) -> int:
         items, builtin = load_prompt_set(args.prompts, args.num_prompts)
     except PromptFileError as exc:
         _fail(f"--prompts: {exc}")
-    base = eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
-                      max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size)
+    def load(speculative=None):
+        return eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
+                          speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                          block_size=args.block_size)
+
+    # Rows with separate draft layers load the model each (evaluate.evaluate_strategy). The flags
+    # are the same for every row, so either all rows do or none; then the base is the first row's
+    # load: its adapters are the ones the rows read (the separate layers' file, pairs unmerged).
+    first = strategies[0]
+    try:
+        base = load(first.speculative if first.loads_its_own_model else None)
+    except ValueError as exc:  # e.g. separate draft layers on an encoder-decoder: a message
+        _fail(f"{first.label}: {exc}")
     _check_against_model(strategies, base)
     chat = "off" if builtin and args.chat == "auto" else args.chat  # built-in sets are completions
     prompts = [cli._prompt(base, item.prompt, chat) for item in items]
@@ -177,8 +183,10 @@ def cmd_eval(args) -> int:
     with tqdm(total=len(strategies) * args.repeats * 2, desc="eval", unit="run", file=sys.stderr) as bar:
         for strategy in strategies:
             bar.set_postfix_str(strategy.label)
+            reuse = strategy is first and first.loads_its_own_model
             rows.append(evaluate_strategy(base, strategy, prompts, params, args.repeats, references,
-                                          tick=lambda: bar.update(1)))
+                                          tick=lambda: bar.update(1),
+                                          load=(lambda _: base) if reuse else load))
     print(eval_report.table(rows))
     payload = dict(
         eecore=eecore.__version__, model=args.model or "SmolLM2-135M-Instruct (embedded)",

@@ -8,7 +8,10 @@ the runs; the quality numbers compare the first run's outputs (eecore.eval_metri
 Both engines sit on one set of weights: `share_weights` builds a second LLM around the first one's
 model, tokenizer and exit adapters, with its own KV cache and decode strategy. So the comparison
 is strategy against full depth, never two loads of a checkpoint against each other, and only one
-copy of the weights is in memory.
+copy of the weights is in memory. A row with separate draft layers is the exception that proves it:
+its draft copy is built from the checkpoint (an exit-ready file's LoRA pairs merged into the copy
+alone), which built weights cannot give back, so the row loads the model with its configuration,
+and its full depth runs on that load's weights (the original model's).
 """
 from __future__ import annotations
 
@@ -41,6 +44,11 @@ class Strategy:
     def __post_init__(self):
         if self.early_exit is not None and self.speculative is not None:
             raise ValueError(f"Strategy {self.label!r}: early exit or self-speculation, not both")
+
+    @property
+    def loads_its_own_model(self) -> bool:
+        """Separate draft layers: the row's LLM is loaded with its configuration (module doc)."""
+        return self.speculative is not None and self.speculative.separate_draft_layers
 
     @property
     def kind(self) -> str:
@@ -98,14 +106,24 @@ def measure_pair(llm: LLM, base: LLM, prompts: Sequence[Prompt], params: Samplin
 
 def evaluate_strategy(base: LLM, strategy: Strategy, prompts: Sequence[Prompt], params: SamplingParams,
                       repeats: int, references: Optional[Sequence[Optional[str]]] = None,
-                      tick: Callable[[], None] = lambda: None) -> dict:
+                      tick: Callable[[], None] = lambda: None,
+                      load: Optional[Callable[[SelfSpeculativeConfig], LLM]] = None) -> dict:
     """One result row: throughput of the strategy and of full depth, the speed-up, and how its
-    outputs compare with full depth's (and with `references`, where given)."""
-    llm = share_weights(base, strategy)
+    outputs compare with full depth's (and with `references`, where given). `load(speculative)`
+    gives the LLM of a row that loads its own model (Strategy.loads_its_own_model); its full depth
+    then runs on that LLM's weights instead of `base`."""
+    if strategy.loads_its_own_model:
+        if load is None:
+            raise ValueError(f"evaluate_strategy: {strategy.label!r} has separate draft layers, which are built "
+                             "from the checkpoint: pass 'load'")
+        llm = load(strategy.speculative)
+        full = share_weights(llm, Strategy("full depth"))
+    else:
+        llm, full = share_weights(base, strategy), base
     try:
-        r = measure_pair(llm, base, prompts, params, repeats, tick)
+        r = measure_pair(llm, full, prompts, params, repeats, tick)
     finally:
-        del llm  # its KV cache goes before the next strategy's is allocated
+        del llm, full  # their KV caches go before the next strategy's are allocated
     tokens = sum(len(o.token_ids) for o in r["outs"])
     full_tokens = sum(len(o.token_ids) for o in r["full_outs"])
     # each side's own token count: without ignore_eos the two may stop at different lengths
