@@ -21,6 +21,7 @@ from eecore.models.config import ModelConfig
 from eecore.models.int8_weights import Int8Weight, Weight, dense, project
 from eecore.models.rope import cos_sin_cache
 from eecore.models.weights import weight_taker
+from eecore.models.workspace import RowViewCache
 
 
 @dataclass
@@ -73,6 +74,27 @@ class Workspace:
         self.o = buf(c.hidden_size)
         self.gate_up = buf(2 * c.intermediate_size)
         self.act = buf(c.intermediate_size)
+        # the views a layer over T rows reads and writes, made once per T (eecore.models.workspace)
+        self.views: RowViewCache[LayerViews] = RowViewCache(lambda T: LayerViews(self, c, T))
+
+
+class LayerViews:
+    """One row count's views of a Workspace (no storage of their own)."""
+
+    def __init__(self, ws: Workspace, c: ModelConfig, T: int):
+        q_end = c.num_heads * c.head_dim
+        k_end = q_end + c.num_kv_heads * c.head_dim
+        self.normed = ws.normed[:T]
+        self.qkv = ws.qkv[:T]
+        self.q = self.qkv[:, :q_end].view(T, c.num_heads, c.head_dim)
+        self.k = self.qkv[:, q_end:k_end].view(T, c.num_kv_heads, c.head_dim)
+        self.v = self.qkv[:, k_end:].view(T, c.num_kv_heads, c.head_dim)
+        self.attn_flat = ws.attn[:T]
+        self.attn = self.attn_flat.view(T, c.num_heads, c.head_dim)
+        self.o = ws.o[:T]
+        self.gate_up = ws.gate_up[:T]
+        self.gate, self.up = self.gate_up.chunk(2, dim=-1)
+        self.act = ws.act[:T]
 
 
 class LlamaModel:
@@ -130,27 +152,20 @@ class LlamaModel:
     def layer(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
               v_cache: torch.Tensor, ws: Workspace) -> torch.Tensor:
         """Run decoder layer `i` on `hidden [T, d]` in place, writing this step's K/V."""
-        c, w, T = self.config, self.layers[i], hidden.shape[0]
-        q_end = c.num_heads * c.head_dim
-        k_end = q_end + c.num_kv_heads * c.head_dim
+        w, v = self.layers[i], ws.views(hidden.shape[0])
 
-        x = ops.rms_norm(ws.normed[:T], hidden, w.input_norm, self.eps)
-        qkv = project(ws.qkv[:T], x, w.qkv, w.qkv_bias)
-        q = qkv[:, :q_end].view(T, c.num_heads, c.head_dim)
-        k = qkv[:, q_end:k_end].view(T, c.num_kv_heads, c.head_dim)
-        v = qkv[:, k_end:].view(T, c.num_kv_heads, c.head_dim)
-        ops.rotary_embedding(attn.positions, q, k, self.cos_sin, True)
-        ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = ws.attn[:T].view(T, c.num_heads, c.head_dim)
-        ops.paged_attention(out, q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
+        x = ops.rms_norm(v.normed, hidden, w.input_norm, self.eps)
+        project(v.qkv, x, w.qkv, w.qkv_bias)
+        ops.rotary_embedding(attn.positions, v.q, v.k, self.cos_sin, True)
+        ops.reshape_and_cache(v.k, v.v, k_cache, v_cache, attn.slot_mapping)
+        ops.paged_attention(v.attn, v.q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
                             attn.max_query_len, self.scale, True, None, attn.tree_mask)
 
-        o = project(ws.o[:T], out.view(T, -1), w.o_proj)
+        o = project(v.o, v.attn_flat, w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
-        gate_up = project(ws.gate_up[:T], o, w.gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        F.silu(gate, inplace=True)
-        act = torch.mul(gate, up, out=ws.act[:T])
+        project(v.gate_up, o, w.gate_up)
+        F.silu(v.gate, inplace=True)
+        act = torch.mul(v.gate, v.up, out=v.act)
         return project(hidden, act, w.down, accumulate=True)  # hidden += mlp
 
     def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from eecore.models.relative_position import causal_bias_table
 from eecore.models.t5_config import T5Config
 from eecore.models.t5_encoder import T5Encoder
 from eecore.models.weights import weight_taker
+from eecore.models.workspace import RowViewCache
 
 
 @dataclass
@@ -60,19 +61,9 @@ class T5Workspace:
         self.o = buf(c.hidden_size)
         self.ff = buf((2 if c.gated else 1) * c.intermediate_size)
         self.act = buf(c.intermediate_size)
-        self._config = c
-        self._views: dict[int, LayerViews] = {}
-
-    def views(self, T: int) -> "LayerViews":
-        """The views of these buffers that a decoder layer over T rows reads and writes, made once
-        per T: a decode step runs every layer on the same T, and slicing a dozen tensors per layer
-        in Python cost about a tenth of a batch-1 step of T5-small."""
-        views = self._views.get(T)
-        if views is None:
-            if len(self._views) >= 64:  # prefill chunks of many sizes: keep the cache bounded
-                self._views.clear()
-            views = self._views[T] = LayerViews(self, self._config, T)
-        return views
+        # the views a decoder layer over T rows reads and writes, made once per T (slicing them
+        # per layer cost about a tenth of a batch-1 step of T5-small)
+        self.views: RowViewCache[LayerViews] = RowViewCache(lambda T: LayerViews(self, c, T))
 
 
 class LayerViews:
