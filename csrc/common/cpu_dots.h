@@ -286,7 +286,7 @@ inline void pin_register(__m512i& v) { asm volatile("" : "+v"(v)); }
 // One MR x NR block: h rows i < MR (stride ldh), w rows j < NR (stride ldw), length d; the dot
 // product of h row i and w row j goes to out[i * ldo + j * ldc].
 // `ahead` is how many elements past each weight load to prefetch; `accumulate` adds to `out`.
-// `Pin`: the hidden vectors stay pinned in registers (the 3 x 4 block's loop, see below). Either
+// `Pin`: the hidden vectors stay pinned in registers (the loop below the unpinned one). Either
 // loop adds each product into its accumulator in k order, so the bits are the same.
 template <int MR, int NR, typename h_t, typename w_t, bool Pin = (MR == 3)>
 inline void dot_block(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, int64_t d, float* out, int64_t ldo,
@@ -318,7 +318,7 @@ inline void dot_block(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, int6
     }
   }
   for (; k + L::step <= d; k += L::step) {
-    // The 3 hidden vectors stay in registers while the NR weight vectors pass one at a time:
+    // The MR hidden vectors stay in registers while the NR weight vectors pass one at a time:
     // MR * NR accumulators + MR + 1 live vectors (the 3 x 4 block fills AVX2's 16 exactly).
     decltype(L::load_h(h)) hv[MR];
 #pragma GCC unroll 8
@@ -375,10 +375,9 @@ inline void dot_rows_mr(const h_t* h, int64_t ldh, const w_t* w, int64_t ldw, in
 }
 
 // Hidden rows per block. A block keeps kGroupRows x kStreams fp32 accumulators in registers beside
-// its operands: AVX-512's 32 registers hold a 4 x 4 block as the compiler schedules it (untimed
-// here: no AVX-512 machine was at hand); AVX2's 16 hold the pinned 3 x 4 block exactly (16 + 4 + 1
-// did not fit: 4 x 4 spilled accumulators every step, and batches of 12-16 rows ran 1.2-1.3x
-// slower).
+// its operands: AVX-512's 32 registers hold a 4 x 4 block, pinned or as the compiler schedules it
+// (see dot_rows_groups for which); AVX2's 16 hold the pinned 3 x 4 block exactly (16 + 4 + 1 did
+// not fit: 4 x 4 spilled accumulators every step, and batches of 12-16 rows ran 1.2-1.3x slower).
 #if defined(__AVX512F__)
 constexpr int64_t kGroupRows = 4;
 #else
@@ -401,7 +400,19 @@ inline void dot_rows_groups(const h_t* h, int64_t ldh, int64_t m, const w_t* w, 
     float* oi = out + i * ldo;
     switch (rows) {
 #if defined(__AVX512F__)
-      case 4: dot_rows_mr<4>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate); break;
+      case 4:
+        // The same split for 4 x 4 blocks (16 accumulators + 5 live vectors: AVX-512's 32 registers
+        // hold them pinned). Beside other groups (8, 12, 16, 24 rows: batched decode, verification)
+        // pinning makes the group compute faster, and those sizes are compute-bound: SmolLM2's
+        // 30-layer pass (fp32, 2 threads, Zen 4, alternated, medians of 15) at 8 sequences x 1 / 2 /
+        // 3 rows ran 1.08 / 1.11 / 1.21x faster, one sequence's 8 rows 1.04x; bf16 and int8 weights
+        // unchanged (0.98-1.06x). A lone group of 4 (a 4-row call, bound by the weight stream) keeps
+        // the compiler's schedule: pinned, it ran 0.89x.
+        if (m == 4)
+          dot_rows_mr<4, h_t, w_t, false>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate);
+        else
+          dot_rows_mr<4, h_t, w_t, true>(hi, ldh, w, ldw, q, j0, j1, d, oi, ldo, ahead, accumulate);
+        break;
 #endif
       case 3:
         // With AVX-512's 32 registers a lone group of 3 (a 3-row call) runs faster as the compiler
