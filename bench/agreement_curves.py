@@ -35,13 +35,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import platform
 import time
 
 import torch
 
 import eecore
-from common import save_results
+from common import cpu_model, save_results
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
@@ -52,17 +51,6 @@ from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
 DS = (1, 2, 3, 4, 6)
 KINDS = ("text", "generated")
 SETTINGS = ("logit_lens", "draft_vocab", "adapter")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def text_windows(tokenizer, num: int, seq_len: int) -> tuple[list[list[int]], dict]:

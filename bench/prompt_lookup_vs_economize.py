@@ -67,18 +67,22 @@ def hf_generation_config(model, max_new_tokens: int):
     return config
 
 
-def hf_runner(model, max_new_tokens: int):
-    config = hf_generation_config(model, max_new_tokens)
-
+def greedy_runner(generate, config):
+    """Each prompt in turn through `generate` (HF's, or economize's wrapper of it) with the
+    generation `config`: the new token ids."""
     def run(prompts):
         outs = []
         with torch.no_grad():
             for p in prompts:
                 ids = torch.tensor([p])
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+                out = generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
                 outs.append(out[0, len(p):].tolist())
         return outs
     return run
+
+
+def hf_runner(model, max_new_tokens: int):
+    return greedy_runner(model.generate, hf_generation_config(model, max_new_tokens))
 
 
 def economize_runner(model, max_new_tokens: int, min_ngram: int, max_ngram: int, d: int, match: str):
@@ -87,17 +91,7 @@ def economize_runner(model, max_new_tokens: int, min_ngram: int, max_ngram: int,
 
     eco = economize.apply(model, LookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, match=match),
                           decoding=economize.DecodeConfig(cycle_length=d + 1))
-    config = hf_generation_config(model, max_new_tokens)
-
-    def run(prompts):
-        outs = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                out = eco.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-                outs.append(out[0, len(p):].tolist())
-        return outs
-    return run
+    return greedy_runner(eco.generate, hf_generation_config(model, max_new_tokens))
 
 
 def eecore_runner(llm, max_new_tokens: int, stats: dict):

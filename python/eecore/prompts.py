@@ -194,23 +194,7 @@ def heldout_code_prompt_records(n: int = 16, *, packages: Iterable[str] = DEFAUL
                 continue
             seen.add(text)
             per_package.setdefault(f.package, []).append(CodePrompt(f.package, f.path, name, lineno, header, text, doc))
-    # shares: n split as evenly as possible; a package short of functions leaves its rest to others
-    shares = {p: 0 for p in per_package}
-    left = n
-    while left > 0:
-        open_ = [p for p in per_package if shares[p] < len(per_package[p])]
-        if not open_:
-            break
-        for p in open_:
-            if left == 0:
-                break
-            shares[p] += 1
-            left -= 1
-    picked = {p: _spread(per_package[p], shares[p]) for p in per_package}
-    out = []
-    for i in range(max((len(v) for v in picked.values()), default=0)):
-        out.extend(v[i] for v in picked.values() if i < len(v))
-    return out
+    return _balanced_picks(per_package, n)
 
 
 def heldout_code_prompts(n: int = 16, **kwargs) -> list[str]:
