@@ -73,3 +73,52 @@ def test_the_draft_layers_file_loads_and_leaves_full_depth_alone():
     copy = spec.engine.strategy.draft_stack.model.layers[0].qkv.float()
     assert not torch.allclose(copy, base, atol=1e-2)
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+
+
+def test_exit_ready_presets():
+    """SelfSpeculativeConfig.exit_ready: the shipped draft layers' settings, overridable, and the CLI's
+    --exit-ready stands for --speculate --exit-adapter with them (flags given as well win)."""
+    from eecore import cli
+    from eecore.speculative.config import EXIT_READY_PRESETS
+
+    layer = eecore.SelfSpeculativeConfig.exit_ready()
+    assert (layer.exit_layer, layer.num_speculations, layer.draft_threshold, layer.draft_layers, layer.draft_dtype,
+            layer.draft, layer.disable_by_batch_size) == (8, 4, 0.15, "separate", "int8", "layer", 2)
+    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
+    assert (hybrid.draft, hybrid.num_speculations, hybrid.layer_speculations) == ("hybrid", 6, 1)
+    with pytest.raises(ValueError, match="'preset' must be one of layer, hybrid, got 'tree'"):
+        eecore.SelfSpeculativeConfig.exit_ready("tree")
+    with pytest.raises(ValueError, match="'draft_threshold' must be in"):
+        eecore.SelfSpeculativeConfig.exit_ready(draft_threshold=2.0)
+
+    def parsed(*flags):
+        args = cli.make_parser().parse_args(["generate", "hello", *flags])
+        cli.apply_exit_ready(args)
+        return args
+
+    args = parsed("--exit-ready")
+    assert args.speculate and args.exit_adapter is True
+    assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig(**EXIT_READY_PRESETS["layer"])
+    args = parsed("--exit-ready", "hybrid", "--num-speculations", "6", "--exit-adapter", "my.safetensors")
+    assert args.exit_adapter == "my.safetensors"
+    assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
+    args = parsed("--exit-ready", "--draft-threshold", "0.3", "--accept", "confident", "--exit-threshold", "0.9")
+    config = cli.speculative_config(args)
+    assert (config.draft_threshold, config.accept, config.exit_threshold, config.draft_dtype) == \
+        (0.3, "confident", 0.9, "int8")
+    # without the preset the flags keep SelfSpeculativeConfig's defaults
+    args = parsed("--speculate", "--exit-layer", "3")
+    assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig(exit_layer=3)
+    with pytest.raises(SystemExit, match="--speculate needs --exit-layer"):
+        cli.speculative_config(parsed("--speculate"))
+
+
+@pytest.mark.parametrize("preset", ["layer", "hybrid"])
+def test_exit_ready_outputs_are_full_depths(preset):
+    prompts = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):"]
+    full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2).generate(prompts, greedy(24))
+    spec = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2, exit_adapter=True,
+                      speculative=eecore.SelfSpeculativeConfig.exit_ready(preset))
+    outs = spec.generate(prompts, greedy(24))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0

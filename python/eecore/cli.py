@@ -62,7 +62,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("self-speculation (LayerSkip)")
     s.add_argument("--speculate", action="store_true")
-    s.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default="layer",
+    s.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=["layer", "hybrid"],
+                   help="the embedded model's exit-ready self-speculation in one flag: --speculate --exit-adapter "
+                        "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
+                        "0-7, d = 4; hybrid: prompt lookup first); self-speculation flags given as well override it")
+    # (None: SelfSpeculativeConfig's default, or --exit-ready's)
+    s.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default=None,
                    help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
                         "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
                         "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
@@ -70,27 +75,28 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="shortest n-gram prompt lookup matches (default: SelfSpeculativeConfig's)")
     s.add_argument("--lookup-max-ngram", type=int, default=None,
                    help="longest n-gram prompt lookup matches, tried first (default: SelfSpeculativeConfig's)")
-    s.add_argument("--num-speculations", type=int, default=4)
+    s.add_argument("--num-speculations", type=int, default=None, help="(default: 4)")
     s.add_argument("--layer-speculations", type=int, default=None,
                    help="--draft hybrid: the longest layer-E draft (default: --num-speculations, then the "
                         "lookup drafts' bound alone)")
     s.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
                    help="run plain full-depth steps while more than N sequences decode: in a large batch "
                         "verifying drafts costs arithmetic, not only weight reads (default: never)")
-    s.add_argument("--draft-layers", choices=["shared", "separate"], default="shared",
-                   help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip) or a copy of them with "
+    s.add_argument("--draft-layers", choices=["shared", "separate"], default=None,
+                   help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip, the default) or a copy of "
+                        "them with "
                         "a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the copy "
                         "alone, and full depth stays the original model")
     s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None,
                    help="--draft-layers separate: the copy's dtype (default: the model's; int8: weight-only int8 "
                         "projections, activations in the model's dtype)")
-    s.add_argument("--draft-top-k", type=int, default=1, metavar="K",
+    s.add_argument("--draft-top-k", type=int, default=None, metavar="K",
                    help="--draft-layers separate: verify the draft's K most likely tokens at each drafted position "
                         "(its top-1 chain and K-1 alternatives, a token tree; greedy requests; CPU)")
     s.add_argument("--draft-threshold", type=float, default=None,
                    help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
                         "--accept confident, the exit confidence a token needs to leave at layer E")
-    s.add_argument("--accept", choices=["verified", "confident"], default="verified",
+    s.add_argument("--accept", choices=["verified", "confident"], default=None,
                    help="verified (the default): the full model checks every layer draft, outputs are its own; "
                         "confident: dynamic early exit, a draft at least --draft-threshold sure is emitted at "
                         "layer E, and the next full-depth pass computes its exact K/V (lossy)")
@@ -148,23 +154,35 @@ def build_llm(args):
         raise SystemExit(f"eecore: {exc}") from None
 
 
+# SelfSpeculativeConfig fields with a flag of the same name; a flag left out (None) keeps the
+# config's default, or --exit-ready's setting
+SPECULATION_FLAGS = ("exit_layer", "num_speculations", "draft_threshold", "min_acceptance", "draft",
+                     "layer_speculations", "lookup_min_ngram", "lookup_max_ngram", "disable_by_batch_size",
+                     "draft_layers", "draft_dtype", "draft_top_k", "accept", "exit_threshold")
+
+
+def apply_exit_ready(args) -> None:
+    """--exit-ready stands for --speculate --exit-adapter (the shipped files; a FILE given stays)."""
+    if getattr(args, "exit_ready", None) is not None:
+        args.speculate = True
+        if args.exit_adapter is None:
+            args.exit_adapter = True
+
+
 def speculative_config(args):
     """The SelfSpeculativeConfig of the self-speculation flags (a bad combination exits with a message)."""
     import eecore
 
-    if args.exit_layer is None and args.draft != "lookup":
-        which = "--speculate" if args.draft == "layer" else f"--draft {args.draft}"
+    given = {name: getattr(args, name) for name in SPECULATION_FLAGS if getattr(args, name) is not None}
+    preset = getattr(args, "exit_ready", None)
+    draft = given.get("draft", "layer")
+    if preset is None and "exit_layer" not in given and draft != "lookup":
+        which = "--speculate" if draft == "layer" else f"--draft {draft}"
         raise SystemExit(f"eecore: {which} needs --exit-layer E (only --draft lookup runs without one)")
-    lookup = {name: value for name, value in (("lookup_min_ngram", args.lookup_min_ngram),
-                                               ("lookup_max_ngram", args.lookup_max_ngram)) if value is not None}
     try:
-        return eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=args.num_speculations,
-                                            draft_threshold=args.draft_threshold, min_acceptance=args.min_acceptance,
-                                            draft=args.draft, layer_speculations=args.layer_speculations,
-                                            disable_by_batch_size=args.disable_by_batch_size,
-                                            draft_layers=args.draft_layers, draft_dtype=args.draft_dtype,
-                                            draft_top_k=args.draft_top_k, accept=args.accept,
-                                            exit_threshold=args.exit_threshold, **lookup)
+        if preset is not None:
+            return eecore.SelfSpeculativeConfig.exit_ready(preset, **given)
+        return eecore.SelfSpeculativeConfig(**given)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 
@@ -276,6 +294,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    apply_exit_ready(args)
     return args.func(args)
 
 
