@@ -294,3 +294,25 @@ def test_exit_layer_must_be_below_the_depth(tiny):
     path, _ = tiny
     with pytest.raises(ValueError, match="'exit_layer' must be below"):
         _spec(path, NUM_LAYERS, 2)
+
+
+def test_rejection_sample_edges():
+    """eecore.speculative.rejection on laws where the outcome is certain: drafts from the model's own
+    law are all accepted (then the bonus token), a draft the model gives no mass is replaced by a
+    token of the residual, and a lookup draft (q None) the model rules out is never emitted."""
+    from eecore.speculative.rejection import rejection_sample
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 10, generator=g), dim=-1)
+    for _ in range(20):
+        tokens = rejection_sample([4, 7], [p[0], p[1]], p, g)
+        assert tokens[:2] == [4, 7] and len(tokens) == 3
+    p0 = p.clone()
+    p0[0, 4] = 0.0
+    p0[0] /= p0[0].sum()
+    q = torch.zeros(10)
+    q[4] = 1.0
+    for draft_q in (q, None):
+        for _ in range(20):
+            tokens = rejection_sample([4, 7], [draft_q, p[1]], p0, g)
+            assert len(tokens) == 1 and tokens[0] != 4

@@ -16,8 +16,9 @@ One round per running sequence, all sequences together:
   length d+1 per sequence); the first E layers never run again for these positions;
 - accept: the longest prefix of drafts the full model agrees with, plus the full model's next
   token (greedy), or speculative rejection sampling when sampling, so the output law is the full
-  model's (a lookup draft is a deterministic proposal: q is one-hot). Rejected positions are
-  rolled back by shrinking the sequence (their K/V is simply overwritten later).
+  model's (a lookup draft is a deterministic proposal: q is one-hot; eecore.speculative.rejection).
+  Rejected positions are rolled back by shrinking the sequence (their K/V is simply overwritten
+  later).
 Sequences may draft different numbers of tokens, from different sources: every pass is varlen, so
 nothing is padded.
 
@@ -53,6 +54,7 @@ from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
+from eecore.speculative.rejection import rejection_sample
 from eecore.speculative.token_tree import accept_greedy, tree_row
 
 
@@ -391,34 +393,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             verdict = accept_greedy(drafts, alternatives, logits.argmax(dim=-1).tolist())
             tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
         else:  # (sampled sequences draft no alternatives)
-            tokens = self._rejection_sample(seq, drafts, draft_probs, logits)
+            p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
+            tokens = rejection_sample(drafts, draft_probs, p, self.sampler.generator_for(seq))
             rows, leaf, agreed = list(range(len(tokens))), -1, len(tokens) - 1
         return [Token(t, L, Sampler.logprobs(logits[r], t, k) if k is not None else None)
                 for r, t in zip(rows, tokens)], leaf, agreed
-
-    def _rejection_sample(self, seq, drafts, draft_probs, logits) -> list[int]:
-        """Speculative sampling: accept draft y with prob min(1, p(y)/q(y)); on rejection draw
-        from normalize(max(p - q, 0)); after d acceptances draw the bonus token from p. A lookup
-        draft (q None) is a deterministic proposal, q one-hot at y: it is accepted with
-        probability p(y), and a rejection draws from p with y removed."""
-        generator = self.sampler.generator_for(seq)
-        p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
-        tokens = []
-        for i, (y, q) in enumerate(zip(drafts, draft_probs)):
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u * (1.0 if q is None else float(q[y])) < float(p[i, y]):
-                tokens.append(y)
-                continue
-            if q is None:
-                residual = p[i].clone()
-                residual[y] = 0.0
-            else:
-                residual = (p[i] - q).clamp_(min=0)
-            total = float(residual.sum())
-            tokens.append(Sampler.draw(residual / total if total > 0 else p[i], generator))
-            return tokens
-        tokens.append(Sampler.draw(p[len(drafts)], generator))
-        return tokens
 
     # ---- metrics ---------------------------------------------------------------------------
     def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int, lookup: bool = False,
