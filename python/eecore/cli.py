@@ -84,9 +84,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "verifying drafts costs arithmetic, not only weight reads (default: never)")
     s.add_argument("--draft-layers", choices=["shared", "separate"], default=None,
                    help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip, the default) or a copy of "
-                        "them with "
-                        "a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the copy "
-                        "alone, and full depth stays the original model")
+                        "them with a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the "
+                        "copy alone, and full depth stays the original model")
     s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None,
                    help="--draft-layers separate: the copy's dtype (default: the model's; int8: weight-only int8 "
                         "projections, activations in the model's dtype)")
