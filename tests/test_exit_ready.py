@@ -266,6 +266,35 @@ def test_training_cli_end_to_end(tiny, tmp_path, capsys):
         [o.token_ids for o in eecore.LLM(path, **kw).generate(prompts, greedy(8))]
 
 
+def test_training_cli_continued_from_a_file_keeps_its_draft_vocabulary(tiny, tmp_path):
+    """A run started from a file (--init-adapters) trains for the draft vocabulary that file ships,
+    even on a corpus whose counts would pick other tokens; a --draft-vocab of another size is refused."""
+    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+    from eecore.train.exit_ready import main
+
+    path, _ = tiny
+
+    def corpus(folder, text):
+        write_corpus(Corpus(train=[CorpusFile("fake", "a.py", text * 20, "0")],
+                            heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),
+                     str(tmp_path / folder))
+        return str(tmp_path / folder)
+
+    common = ["--model", path, "--exit-layers", "2", "--draft-only", "--adapter-hidden", "8", "--lora-rank", "2",
+              "--seq-len", str(S), "--batch-size", str(B), "--steps", "1", "--warmup", "0", "--device", "cpu"]
+    first = str(tmp_path / "first.safetensors")
+    assert main(["--corpus", corpus("a", "def add(a, b):\n    return a + b\n"), "--out", first,
+                 "--checkpoint-dir", str(tmp_path / "ck1"), "--draft-vocab", "40"] + common) == 0
+    other = corpus("b", "Zebras quietly eat yellow quinces; 0123456789 !?@#$%^&*\n")
+    second = str(tmp_path / "second.safetensors")
+    assert main(["--corpus", other, "--out", second, "--checkpoint-dir", str(tmp_path / "ck2"),
+                 "--init-adapters", first, "--draft-vocab", "40"] + common) == 0
+    assert torch.equal(ExitAdapters.load(second).vocab, ExitAdapters.load(first).vocab)
+    with pytest.raises(ValueError, match="--draft-vocab 30: .* has a draft vocabulary of 40 tokens"):
+        main(["--corpus", other, "--out", second, "--checkpoint-dir", str(tmp_path / "ck3"),
+              "--init-adapters", first, "--draft-vocab", "30"] + common)
+
+
 def test_student_without_its_pairs_is_the_engine_teacher(llm, tokens, vocab):
     """Off the CPU the teacher is the student with its LoRA pairs switched off: after training
     moved the pairs, that pass still gives the original model's logits (eecore's engine's)."""

@@ -422,15 +422,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                      max_num_seqs=config.batch_size, max_num_batched_tokens=config.batch_size * config.seq_len,
                      max_model_len=config.seq_len + 1)
     tokens, heldout = (corpus_tokens(llm.tokenizer, args.corpus, split, args.checkpoint_dir) for split in ("train", "heldout"))
-    vocab = None
-    if config.draft_vocab:
-        vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
     init = None
     if args.init_adapters:
         init = ExitAdapters.load(SHIPPED_FILE if args.init_adapters == "shipped" else args.init_adapters)
         init.check_model(llm.model)
-        if init.vocab is not None and vocab is not None and not torch.equal(init.vocab, vocab):
-            raise ValueError(f"{args.init_adapters}: its draft vocabulary differs from this corpus's")
+    vocab = None
+    if config.draft_vocab:
+        if init is not None and init.vocab is not None:
+            # continued training keeps the draft vocabulary the starting file was trained (and its
+            # head rows chosen) for, whatever this corpus's counts would pick
+            if init.vocab.numel() != config.draft_vocab:
+                raise ValueError(f"--draft-vocab {config.draft_vocab}: {args.init_adapters} has a draft vocabulary "
+                                 f"of {init.vocab.numel()} tokens; pass --draft-vocab {init.vocab.numel()}")
+            vocab = init.vocab
+        else:
+            vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab,
+                                    tuple(llm.config.eos_token_ids))
     log_path = os.path.join(args.checkpoint_dir, "train_log.jsonl")
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     started = time.time()
