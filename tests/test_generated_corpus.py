@@ -1,0 +1,57 @@
+"""eecore.train.generated_corpus: code prompts followed by the model's own greedy continuations."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import eecore
+from eecore.train.corpus import FILE_SEPARATOR, CorpusFile
+from eecore.train.generated_corpus import write_generated_corpus
+from model_factory import make_tiny_hf_model
+
+CODE = '''
+import os
+
+DEFAULT_NAME = "report"
+
+
+def {name}(folder, suffix=".txt", limit=10):
+    """Collect the names of the files in folder that end with suffix, at most limit of them,
+    sorted by name so that the answer is the same on every machine."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(suffix))
+    return names[:limit]
+'''
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path, _ = make_tiny_hf_model(tmp_path_factory.mktemp("gen"), num_layers=2, vocab_size=320, hidden_size=64)
+    return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=4)
+
+
+def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path):
+    train = [CorpusFile("pkg_a", "a.py", CODE.format(name="list_reports"), "0"),
+             CorpusFile("pkg_b", "b.py", CODE.format(name="find_logs"), "1")]
+    held = [CorpusFile("pkg_h", "h.py", CODE.format(name="held_out_names"), "2")]
+    manifest = write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held,
+                                      train_prompts=2, heldout_prompts=1, max_tokens=6)
+    assert manifest["train"]["prompts"] == 2 and manifest["heldout"]["packages"] == ["pkg_h"]
+    assert json.load(open(tmp_path / "manifest.json"))["max_tokens"] == 6
+    for split, names in (("train", ["list_reports", "find_logs"]), ("heldout", ["held_out_names"])):
+        samples = (tmp_path / f"{split}.txt").read_text().split(FILE_SEPARATOR)
+        assert len(samples) == len(names)
+        for sample, name in zip(samples, names):
+            prompt = sample[:sample.index('machine."""') + len('machine."""')]  # a prompt ends with its docstring
+            assert f"def {name}(" in prompt
+            out = llm.generate([prompt], eecore.SamplingParams(temperature=0.0, max_tokens=6))[0]
+            assert len(out.token_ids) == 6 and sample == prompt + out.text
+
+
+def test_files_without_a_code_prompt_are_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="the train files hold no usable code prompt"):
+        write_generated_corpus(llm, str(tmp_path), train_files=[CorpusFile("p", "a.py", "x = 1\n", "0")],
+                               heldout_files=[], train_prompts=1, heldout_prompts=1)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=1,
+                               heldout_prompts=1, max_tokens=0)
