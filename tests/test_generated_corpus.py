@@ -35,9 +35,9 @@ def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path)
              CorpusFile("pkg_b", "b.py", CODE.format(name="find_logs"), "1")]
     held = [CorpusFile("pkg_h", "h.py", CODE.format(name="held_out_names"), "2")]
     manifest = write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held,
-                                      train_prompts=2, heldout_prompts=1, max_tokens=6)
+                                      train_prompts=2, heldout_prompts=1, max_tokens=6, versions={"pkg_a": "1.0"})
     assert manifest["train"]["prompts"] == 2 and manifest["heldout"]["packages"] == ["pkg_h"]
-    assert json.load(open(tmp_path / "manifest.json"))["max_tokens"] == 6
+    assert json.load(open(tmp_path / "manifest.json")) == manifest and manifest["max_tokens"] == 6
     for split, names in (("train", ["list_reports", "find_logs"]), ("heldout", ["held_out_names"])):
         samples = (tmp_path / f"{split}.txt").read_text().split(FILE_SEPARATOR)
         assert len(samples) == len(names)
@@ -46,6 +46,25 @@ def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path)
             assert f"def {name}(" in prompt
             out = llm.generate([prompt], eecore.SamplingParams(temperature=0.0, max_tokens=6))[0]
             assert len(out.token_ids) == 6 and sample == prompt + out.text
+
+
+def test_the_folder_trains_draft_layers(tmp_path):
+    """The folder is a corpus the trainer runs on to the end and exports from (its manifest has
+    the keys the trainer records)."""
+    from eecore.models.exit_adapter import ExitAdapters
+    from eecore.train.exit_ready import main
+
+    path, _ = make_tiny_hf_model(tmp_path / "model", num_layers=2, vocab_size=320, hidden_size=64)
+    llm = eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=4)
+    files = [CorpusFile(f"pkg_{i}", "a.py", CODE.format(name=f"fn_{i}"), str(i)) for i in range(3)]
+    write_generated_corpus(llm, str(tmp_path / "gen"), train_files=files[:2], heldout_files=files[2:],
+                           train_prompts=2, heldout_prompts=1, max_tokens=24, versions={"pkg_0": "1.0"})
+    out = str(tmp_path / "draft.safetensors")
+    assert main(["--corpus", str(tmp_path / "gen"), "--out", out, "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--model", path, "--exit-layers", "1", "--draft-only", "--adapter-hidden", "8", "--lora-rank", "2",
+                 "--draft-vocab", "40", "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--warmup", "0",
+                 "--device", "cpu"]) == 0
+    assert ExitAdapters.load(out).info["corpus"]["versions"] == {"pkg_0": "1.0"}
 
 
 def test_files_without_a_code_prompt_are_refused(llm, tmp_path):

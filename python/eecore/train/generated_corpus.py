@@ -33,14 +33,16 @@ def greedy_continuations(llm, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], heldout_files: list[CorpusFile],
-                           train_prompts: int, heldout_prompts: int, max_tokens: int = 128) -> dict:
-    """Writes train.txt and heldout.txt (samples separated as in `eecore.train.corpus`) and a manifest."""
+                           train_prompts: int, heldout_prompts: int, max_tokens: int = 128,
+                           versions: Optional[dict[str, str]] = None) -> dict:
+    """Writes train.txt and heldout.txt (samples separated as in `eecore.train.corpus`) and a manifest
+    with the keys the trainer records in its file (`versions`: the source packages' versions)."""
     if min(train_prompts, heldout_prompts, max_tokens) < 1:
         raise ValueError(f"train_prompts, heldout_prompts and max_tokens must be >= 1, got "
                          f"{train_prompts!r}, {heldout_prompts!r}, {max_tokens!r}")
     os.makedirs(out_dir, exist_ok=True)
     manifest = {"kind": "greedy continuations of code prompts", "max_tokens": max_tokens,
-                "separator": FILE_SEPARATOR}
+                "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
     for split, files, n in (("train", train_files, train_prompts), ("heldout", heldout_files, heldout_prompts)):
         records = heldout_code_prompt_records(n, packages=sorted({f.package for f in files}), files=files)
         if not records:
@@ -70,7 +72,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     llm = eecore.LLM(args.model, dtype="float32", max_num_seqs=args.max_num_seqs)
     manifest = write_generated_corpus(llm, args.out, train_files=corpus.train, heldout_files=corpus.heldout,
                                       train_prompts=args.train_prompts, heldout_prompts=args.heldout_prompts,
-                                      max_tokens=args.max_tokens)
+                                      max_tokens=args.max_tokens, versions=corpus.versions)
     print(json.dumps({k: manifest[k] for k in ("train", "heldout")}, indent=1))
     return 0
 
