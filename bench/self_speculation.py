@@ -11,12 +11,16 @@ the LM head).
     python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
                                      [--draft layer|lookup|hybrid] [--layer-speculations D]
+                                     [--hybrid-switch round|token] [--lookup-ngrams MIN MAX]
                                      [--exit-adapter [FILE]]
                                      [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
                                      [--draft-top-ks 1 3] [--accept verified|confident]
                                      [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--dtype float32|bfloat16] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
-prompt lookup where a sequence has a match and layer E elsewhere; `--exit-adapter` loads exit
+prompt lookup where a sequence has a match and layer E elsewhere (`--hybrid-switch token`: per drafted
+position; the exit-ready preset is `--draft hybrid --hybrid-switch token --lookup-ngrams 2 4
+--layer-speculations 3 --draft-thresholds 0.15 --drafts 4 --exit-layers 8 --draft-layers separate
+--draft-dtypes int8 --exit-adapter`); `--exit-adapter` loads exit
 adapters (the shipped ones without FILE) for the layer drafts. `--prompts code` runs held-out
 code-completion prompts (eecore.prompts) instead of the CLI's chat prompts. `--draft-layers separate`
 drafts with a copy of layers 0..E-1 (eecore.speculative.draft_stack) in each of `--draft-dtypes`; an
@@ -120,6 +124,10 @@ def main():
                     help="--draft-layers separate: the draft copy's dtypes to run (default: the model's)")
     ap.add_argument("--layer-speculations", type=int, default=None,
                     help="--draft hybrid: the longest layer-E draft (SelfSpeculativeConfig(layer_speculations=...))")
+    ap.add_argument("--hybrid-switch", choices=["round", "token"], default="round",
+                    help="--draft hybrid: SelfSpeculativeConfig(hybrid_switch=...)")
+    ap.add_argument("--lookup-ngrams", type=int, nargs=2, default=[1, 3], metavar=("MIN", "MAX"),
+                    help="SelfSpeculativeConfig(lookup_min_ngram=MIN, lookup_max_ngram=MAX)")
     ap.add_argument("--draft-top-ks", type=int, nargs="+", default=[1],
                     help="--draft-layers separate: SelfSpeculativeConfig(draft_top_k=...) values to run")
     ap.add_argument("--accept", choices=["verified", "confident"], default="verified",
@@ -175,6 +183,8 @@ def main():
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
                                  min_acceptance=args.min_acceptance, draft=args.draft,
+                                 hybrid_switch=args.hybrid_switch, lookup_min_ngram=args.lookup_ngrams[0],
+                                 lookup_max_ngram=args.lookup_ngrams[1],
                                  layer_speculations=None if args.layer_speculations is None
                                  else min(args.layer_speculations, d),
                                  draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
@@ -225,8 +235,8 @@ def main():
                                      + (["guard"] if args.min_acceptance is not None else [])
                                      + (["confident"] if args.accept == "confident" else []))
     path = save_results(name, dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, max_tokens=args.max_tokens,
-                                   draft=args.draft,
-                                   prompts=args.prompts, exit_adapter=args.exit_adapter,
+                                   draft=args.draft, hybrid_switch=args.hybrid_switch,
+                                   lookup_ngrams=args.lookup_ngrams, prompts=args.prompts, exit_adapter=args.exit_adapter,
                                    draft_layers=args.draft_layers, min_acceptance=args.min_acceptance,
                                    repeats=args.repeats, rows=rows))
     print(f"\nresults: {path}")

@@ -85,7 +85,8 @@ def test_exit_ready_presets():
     assert (layer.exit_layer, layer.num_speculations, layer.draft_threshold, layer.draft_layers, layer.draft_dtype,
             layer.draft, layer.disable_by_batch_size) == (8, 4, 0.15, "separate", "int8", "layer", 2)
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
-    assert (hybrid.draft, hybrid.num_speculations, hybrid.layer_speculations) == ("hybrid", 6, 1)
+    assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer_speculations,
+            hybrid.lookup_min_ngram, hybrid.lookup_max_ngram, hybrid.draft_threshold) == ("hybrid", "token", 6, 3, 2, 4, 0.15)
     with pytest.raises(ValueError, match="'preset' must be one of layer, hybrid, got 'tree'"):
         eecore.SelfSpeculativeConfig.exit_ready("tree")
     with pytest.raises(ValueError, match="'draft_threshold' must be in"):

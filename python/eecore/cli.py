@@ -65,12 +65,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=["layer", "hybrid"],
                    help="the embedded model's exit-ready self-speculation in one flag: --speculate --exit-adapter "
                         "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
-                        "0-7, d = 4; hybrid: prompt lookup first); self-speculation flags given as well override it")
+                        "0-7; hybrid: with prompt lookup); self-speculation flags given as well override it")
     # (None: SelfSpeculativeConfig's default, or --exit-ready's)
     s.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default=None,
                    help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
                         "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
                         "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
+    s.add_argument("--hybrid-switch", choices=["round", "token"], default=None,
+                   help="--draft hybrid: pick the draft's source per round (round, the default) or per drafted "
+                        "position, lookup while the draft ends in a match and layer E where it does not (token; "
+                        "--draft-layers separate)")
     s.add_argument("--lookup-min-ngram", type=int, default=None,
                    help="shortest n-gram prompt lookup matches (default: SelfSpeculativeConfig's)")
     s.add_argument("--lookup-max-ngram", type=int, default=None,
@@ -157,7 +161,7 @@ def build_llm(args):
 # config's default, or --exit-ready's setting
 SPECULATION_FLAGS = ("exit_layer", "num_speculations", "draft_threshold", "min_acceptance", "draft",
                      "layer_speculations", "lookup_min_ngram", "lookup_max_ngram", "disable_by_batch_size",
-                     "draft_layers", "draft_dtype", "draft_top_k", "accept", "exit_threshold")
+                     "draft_layers", "draft_dtype", "draft_top_k", "accept", "exit_threshold", "hybrid_switch")
 
 
 def apply_exit_ready(args) -> None:

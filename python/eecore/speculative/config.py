@@ -12,20 +12,26 @@ DRAFT_MODES = ("layer", "lookup", "hybrid")
 DRAFT_LAYERS = ("shared", "separate")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 ACCEPT_MODES = ("verified", "confident")
+HYBRID_SWITCHES = ("round", "token")
 
 # SelfSpeculativeConfig.exit_ready: the settings measured fastest for the embedded SmolLM2-135M with
 # its shipped draft layers (python/eecore/data/smollm2-135m-instruct-draft-layers.md has the runs):
 # the copy of layers 0..7 with the file's pairs merged in, as weight-only int8. "layer": d = 4
 # with drafting stopped below 0.15 (d = 3 / 4 / 5 ran within 2% of each other, 1.57-1.59x full
-# depth at batch 1 on 2 Zen 4 cores); "hybrid": prompt-lookup drafts of up to 4 tokens, one layer
-# draft where the lookup has no match (code completion: 1.6-2.0x). Larger batches verify at the
-# cost of arithmetic, not of weight reads, so each preset stops drafting where it stopped paying:
-# layer d = 4 ran 1.47x at batch 2 and 0.85x at 4; lookup drafts 1.10x at 4 and 0.88x at 8.
+# depth at batch 1 on 2 Zen 4 cores); "hybrid": 4 drafted tokens, each position from a lookup
+# match of 2-4 tokens where the draft so far ends in one and from the copy otherwise (at most 3
+# copy passes, stopped below 0.15). Exact replays of full-depth greedy runs on 24 held-out code
+# prompts (bench/hybrid_policy_replay.py) gave it 2.99 tokens a round against 2.52 for whole
+# rounds of 1-3-gram lookup (else one layer draft), about 10% more speed at this CPU's measured
+# pass costs. Larger batches verify at the cost of arithmetic, not of weight reads, so each
+# preset stops drafting where it stopped paying: layer d = 4 ran 1.47x at batch 2 and 0.85x at 4;
+# lookup drafts 1.10x at 4 and 0.88x at 8.
 EXIT_READY_PRESETS = {
     "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, draft_layers="separate",
                   draft_dtype="int8", disable_by_batch_size=2),
-    "hybrid": dict(draft="hybrid", exit_layer=8, num_speculations=4, layer_speculations=1,
-                   draft_layers="separate", draft_dtype="int8", disable_by_batch_size=4),
+    "hybrid": dict(draft="hybrid", hybrid_switch="token", exit_layer=8, num_speculations=4, layer_speculations=3,
+                   lookup_min_ngram=2, lookup_max_ngram=4, draft_threshold=0.15, draft_layers="separate",
+                   draft_dtype="int8", disable_by_batch_size=4),
 }
 
 
@@ -44,8 +50,21 @@ class SelfSpeculativeConfig:
         from lookup_max_ngram down to lookup_min_ngram. No layer runs for a draft; a sequence with
         no match decodes one token at full depth. `exit_layer` is not used and may be None (any
         valid value is accepted and ignored).
-      - "hybrid": per sequence and round, a lookup draft when the sequence has a match, a layer-E
-        draft otherwise (so `exit_layer` is required).
+      - "hybrid": lookup drafts where there is a match, layer-E drafts elsewhere (so `exit_layer` is
+        required), switched as `hybrid_switch` says.
+
+    hybrid_switch: how a hybrid draft picks its source.
+      - "round" (the default): per sequence and round, a lookup draft when the sequence has a
+        match, a layer-E draft otherwise.
+      - "token": per drafted position. While the draft so far (appended to the sequence) ends in
+        an n-gram the sequence has seen, the draft goes on with that occurrence's continuation;
+        where it does not, the copy drafts one token (at most `layer_speculations` copy passes a
+        round, each stopped by `draft_threshold`), after which the lookup is tried again. A layer
+        token can so open a match that the round's start had none of, and a lookup run can be
+        continued by the layers. draft_layers="separate" only (the copy runs the lookup tokens as
+        rows of its next pass); not with draft_top_k > 1 or accept="confident". Pays with
+        lookup_min_ngram=2: one-token matches are right too rarely to take the place of a layer
+        draft (the exit-ready "hybrid" preset).
 
     layer_speculations: hybrid only: the longest layer-E draft (default: num_speculations, which
         then bounds the lookup drafts alone). The two kinds pay at different lengths: a wrong
@@ -155,6 +174,7 @@ class SelfSpeculativeConfig:
     draft_top_k: int = 1
     accept: str = "verified"
     exit_threshold: Optional[float] = None
+    hybrid_switch: str = "round"
 
     @classmethod
     def exit_ready(cls, preset: str = "layer", **overrides) -> "SelfSpeculativeConfig":
@@ -251,6 +271,19 @@ class SelfSpeculativeConfig:
                     not self.draft_threshold <= self.exit_threshold <= 1.0:
                 raise ValueError(f"SelfSpeculativeConfig: 'exit_threshold' must be a number in [draft_threshold="
                                  f"{self.draft_threshold}, 1], got {self.exit_threshold!r}")
+        if self.hybrid_switch not in HYBRID_SWITCHES:
+            raise ValueError(f"SelfSpeculativeConfig: 'hybrid_switch' must be one of {', '.join(HYBRID_SWITCHES)}, "
+                             f"got {self.hybrid_switch!r}")
+        if self.switches_per_token:
+            if self.draft != "hybrid":
+                raise ValueError(f"SelfSpeculativeConfig: hybrid_switch='token' applies to draft='hybrid' only, "
+                                 f"got draft={self.draft!r}")
+            if self.draft_layers != "separate":
+                raise ValueError("SelfSpeculativeConfig: hybrid_switch='token' needs draft_layers='separate' (the "
+                                 "copy runs a draft's lookup tokens before drafting after them)")
+            if self.draft_top_k > 1 or self.trusts_drafts:
+                raise ValueError("SelfSpeculativeConfig: hybrid_switch='token' does not combine with draft_top_k > 1 "
+                                 "or accept='confident'")
         if not _is_int(self.lookup_min_ngram) or self.lookup_min_ngram < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'lookup_min_ngram' must be an int >= 1, "
                              f"got {self.lookup_min_ngram!r}")
@@ -266,6 +299,11 @@ class SelfSpeculativeConfig:
     @property
     def uses_lookup(self) -> bool:
         return self.draft != "layer"
+
+    @property
+    def switches_per_token(self) -> bool:
+        """Whether a hybrid draft picks its source per drafted position (hybrid_switch="token")."""
+        return self.hybrid_switch == "token"
 
     @property
     def separate_draft_layers(self) -> bool:

@@ -101,6 +101,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
+        if self.config.switches_per_token:
+            return self._decode_switching(seqs, budgets)
         lookup = [self.lookup.propose(s, n) if self.lookup is not None and n else [] for s, n in zip(seqs, budgets)]
         # layer drafts: sequences without a lookup draft, as far as the guard allows; the guard
         # sees only the rounds in which a sequence could draft with the layers
@@ -132,6 +134,80 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             rows = [tree_row(s, d, a) for s, d, a in zip(seqs, drafts, alternatives)]
             widths = [len(row.tokens) for row in rows]
             logits = self._verify_all(rows, shadowed, self._logit_rows(widths, exits))
+        from_lookup = [[bool(lk)] * len(d) for lk, d in zip(lookup, drafts)]
+        copy_ran = [self.draft_stack is not None and n > 0 for n in layer_budgets]
+        results, offsets = self._accept_all(seqs, drafts, draft_probs, alternatives, exits, widths, logits,
+                                            from_lookup, copy_ran, [n > 0 for n in layer_budgets])
+        self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
+        return results
+
+    def _decode_switching(self, seqs: list[Sequence], budgets: list[int]) -> list[list[Token]]:
+        """A round of hybrid_switch="token": drafts from _switching_drafts, verified by one varlen
+        full-depth pass."""
+        drafts, draft_probs, from_lookup, copy_ran = self._switching_drafts(seqs, budgets)
+        if not any(drafts):
+            starts = [s.num_computed_tokens for s in seqs]
+            results = self.decode_plain(seqs)
+            for b, ran in enumerate(copy_ran):
+                if ran:  # the copy's K/V of the pending token is right
+                    self.draft_stack.settle(seqs[b], starts[b] + 1)
+            return results
+        rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, drafts)]
+        logits = self._verify_all(rows, [])
+        nothing = [[] for _ in seqs]
+        results, _ = self._accept_all(seqs, drafts, draft_probs, nothing, nothing, [len(r.tokens) for r in rows],
+                                      logits, from_lookup, copy_ran, copy_ran)
+        return results
+
+    def _switching_drafts(self, seqs: list[Sequence], budgets: list[int]):
+        """hybrid_switch="token": each sequence's draft grows by lookup continuations while it ends
+        in an n-gram match, and by one copy token where it does not (one copy pass for all such
+        sequences at once, which first runs what the copy has not seen: its catch-up, the pending
+        token and the draft's lookup tokens), until budgets[b] tokens, `layer_speculations` copy
+        passes, or a doubtful copy token. Returns the drafts, their q (None: a lookup token, or
+        greedy), which tokens came from lookup, and whose copy ran (the rounds the guard judges:
+        a round the lookup drafted alone tells nothing of the layers)."""
+        B = len(seqs)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[list] = [[] for _ in seqs]
+        from_lookup: list[list[bool]] = [[] for _ in seqs]
+        passes_left = [self.layer_drafts if n and (self.guard is None or self.guard.allows(s)) else 0
+                       for s, n in zip(seqs, budgets)]
+        copy_ran = [False] * B
+
+        def extend_by_lookup(b: int) -> None:
+            while len(drafts[b]) < budgets[b]:
+                more = self.lookup.propose(seqs[b], budgets[b] - len(drafts[b]), after=drafts[b])
+                if not more:
+                    return
+                drafts[b] += more
+                draft_probs[b] += [None] * len(more)
+                from_lookup[b] += [True] * len(more)
+
+        for b in range(B):
+            extend_by_lookup(b)
+        live = [b for b in range(B) if len(drafts[b]) < budgets[b] and passes_left[b]]
+        first, exits = True, [[] for _ in seqs]
+        while live:
+            live_seqs, live_drafts = [seqs[b] for b in live], [drafts[b] for b in live]
+            stack = self.draft_stack
+            hidden = stack.first_pass(live_seqs, live_drafts) if first else stack.next_pass(live_seqs, live_drafts)
+            first = False
+            for b in live:
+                copy_ran[b] = True
+                passes_left[b] -= 1
+            kept = self._take_drafts(self.draft_head.logits(hidden), live, seqs, drafts, draft_probs, exits)
+            for b in kept:
+                from_lookup[b].append(False)
+                extend_by_lookup(b)
+            live = [b for b in kept if len(drafts[b]) < budgets[b] and passes_left[b]]
+        return drafts, draft_probs, from_lookup, copy_ran
+
+    def _accept_all(self, seqs, drafts, draft_probs, alternatives, exits, widths, logits, from_lookup, copy_ran,
+                    attempted) -> tuple[list[list[Token]], list[int]]:
+        """Accepts each sequence's drafts against its rows of the verify pass's `logits`, advances
+        it, and settles the copy's cache where the copy ran; returns the tokens and each
+        sequence's first logits row."""
         results, offsets, offset, moves = [], [], 0, []
         for b, (seq, n, probs) in enumerate(zip(seqs, widths, draft_probs)):
             chain = drafts[b]
@@ -152,16 +228,15 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 moves.append((seq, start + leaf, start + agreed + 1))
             # positions up to the last accepted draft now hold valid K/V in every layer
             seq.num_computed_tokens += len(tokens)
-            if self.draft_stack is not None and layer_budgets[b]:
+            if copy_ran[b]:
                 # the copy's K/V is right through the last chain draft the model agreed with
                 self.draft_stack.settle(seq, start + agreed + 1)
-            self._count(seq, layer_budgets[b] > 0, len(chain), len(tokens) - 1, bool(lookup[b]),
-                        sum(map(len, alternatives[b])), leaf >= 0)
+            self._count(seq, attempted[b], from_lookup[b], len(tokens) - 1, sum(map(len, alternatives[b])),
+                        leaf >= 0)
             results.append(tokens)
         if moves:
             self._move_kv(moves)
-        self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
-        return results
+        return results, offsets
 
     # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------
     def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
@@ -175,7 +250,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def _count_plain(self, seqs: list[Sequence]) -> None:
         """A round in which nobody drafted: one verify step of one token each."""
         for seq in seqs:
-            self._count(seq, False, 0, 0)
+            self._count(seq, False, [], 0)
 
     def _record_shadow(self, seqs, rows: list[int], logit_rows: list[int], logits: torch.Tensor) -> None:
         """The shadow check for seqs[b], b in `rows` (sequences that drafted nothing, so slot 0
@@ -263,7 +338,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             live = [b for b in kept if len(drafts[b]) < budgets[b]]
             if not live:
                 break
-            hidden = stack.next_pass([seqs[b] for b in live], k, [drafts[b][-1] for b in live])
+            hidden = stack.next_pass([seqs[b] for b in live], [drafts[b] for b in live])
         return drafts, draft_probs, alternatives, exits
 
     def _take_drafts(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts, draft_probs,
@@ -400,15 +475,18 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 for r, t in zip(rows, tokens)], leaf, agreed
 
     # ---- metrics ---------------------------------------------------------------------------
-    def _count(self, seq: Sequence, attempted: bool, drafted: int, accepted: int, lookup: bool = False,
+    def _count(self, seq: Sequence, attempted: bool, from_lookup: list[bool], accepted: int,
                alternatives: int = 0, alternative_accepted: bool = False) -> None:
-        """`attempted`: a layer draft was allowed (the guard's rounds); `lookup`: the drafts came
-        from prompt lookup; `alternatives`: tree leaves verified beside the chain, one of which
+        """`attempted`: a layer draft was allowed (the guard's rounds); `from_lookup`: per drafted
+        chain token, whether prompt lookup drafted it (else the layers); `accepted`: the leading
+        chain tokens accepted; `alternatives`: tree leaves verified beside the chain, one of which
         was accepted if `alternative_accepted` (then counted among `accepted`)."""
-        if self.guard is not None and attempted:
-            self.guard.record_round(seq, drafted, accepted)
-        st = seq.stats
+        drafted = len(from_lookup)
         accepted = min(accepted, drafted)
+        lookup_drafted, lookup_accepted = sum(from_lookup), sum(from_lookup[:accepted])
+        if self.guard is not None and attempted:  # the guard judges the layer drafts alone
+            self.guard.record_round(seq, drafted - lookup_drafted, accepted - lookup_accepted)
+        st = seq.stats
         st["spec_drafted"] = st.get("spec_drafted", 0) + drafted
         st["spec_accepted"] = st.get("spec_accepted", 0) + accepted
         st["spec_steps"] = st.get("spec_steps", 0) + 1
@@ -416,13 +494,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         if alternatives:
             st["tree_alternatives"] = st.get("tree_alternatives", 0) + alternatives
             st["tree_alternatives_accepted"] = st.get("tree_alternatives_accepted", 0) + alternative_accepted
-        if lookup:
+        if lookup_drafted:
             st["lookup_rounds"] = st.get("lookup_rounds", 0) + 1
-            st["lookup_drafted"] = st.get("lookup_drafted", 0) + drafted
-            st["lookup_accepted"] = st.get("lookup_accepted", 0) + accepted
-        elif drafted:
-            st["layer_drafted"] = st.get("layer_drafted", 0) + drafted
-            st["layer_accepted"] = st.get("layer_accepted", 0) + accepted
+            st["lookup_drafted"] = st.get("lookup_drafted", 0) + lookup_drafted
+            st["lookup_accepted"] = st.get("lookup_accepted", 0) + lookup_accepted
+        if drafted > lookup_drafted:
+            st["layer_drafted"] = st.get("layer_drafted", 0) + drafted - lookup_drafted
+            st["layer_accepted"] = st.get("layer_accepted", 0) + accepted - lookup_accepted
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         st = seq.stats

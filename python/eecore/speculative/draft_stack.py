@@ -83,25 +83,33 @@ class DraftStack:
         return sum(layer_weight_bytes(self.model, i) for i in range(self.exit_layer)) + self.head.weight_bytes()
 
     # ---- passes ------------------------------------------------------------------------------
-    def first_pass(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Runs each sequence's unseen tokens, up to its pending one, through the copy; returns the
-        pending tokens' layer-E states `[B, d]`. Tokens beyond the step budget go in chunks."""
+    def first_pass(self, seqs: list[Sequence], drafts: Optional[list[list[int]]] = None) -> torch.Tensor:
+        """A round's first pass: runs each sequence's unseen tokens, through its pending one and
+        then its `drafts` so far (none by default), through the copy; returns the layer-E states
+        of each sequence's last token `[B, d]`. Tokens beyond the step budget go in chunks."""
+        return self._advance(seqs, drafts, [self._valid(seq) for seq in seqs])
+
+    def next_pass(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """A later pass of the round: the drafts of each sequence the copy has not run yet (the
+        newest one, for a chain of layer drafts; with lookup tokens, more), as first_pass."""
+        return self._advance(seqs, drafts, [self._seen[seq.seq_id][2] for seq in seqs])
+
+    def _advance(self, seqs: list[Sequence], drafts: Optional[list[list[int]]], starts: list[int]) -> torch.Tensor:
         pieces = []
-        for seq in seqs:
-            start = self._valid(seq)
-            end = seq.num_computed_tokens + 1  # through the pending token
-            # usually the copy is one token behind: no slice of the whole context each round
-            pieces.append((start, [seq.last_token_id] if start == end - 1 else seq.token_slice(start, end)))
-            self._seen[seq.seq_id][2] = end
+        for b, (seq, start) in enumerate(zip(seqs, starts)):
+            draft = drafts[b] if drafts is not None else []
+            pending = seq.num_computed_tokens  # the position of the pending token; drafts follow it
+            if start < pending:
+                tokens = seq.token_slice(start, pending + 1)
+            elif start == pending:  # usually the copy is one token behind: no slice of the context
+                tokens = [seq.last_token_id]
+            else:
+                tokens = []
+            pieces.append((start, tokens + list(draft[max(0, start - pending - 1):])))
+            self._seen[seq.seq_id][2] = pending + 1 + len(draft)
         if all(len(tokens) == 1 for _, tokens in pieces):
             return self._run([Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)])
         return self._chunked(seqs, pieces)
-
-    def next_pass(self, seqs: list[Sequence], k: int, tokens: list[int]) -> torch.Tensor:
-        """Draft k (k >= 1) of each sequence through the copy: its layer-E states `[n, d]`."""
-        for seq in seqs:
-            self._seen[seq.seq_id][2] = seq.num_computed_tokens + k + 1
-        return self._run([Row(s, s.num_computed_tokens + k, [t]) for s, t in zip(seqs, tokens)])
 
     def settle(self, seq: Sequence, agreed_end: int) -> None:
         """After verification: the written positions below `agreed_end` (the pending token and the

@@ -40,25 +40,30 @@ class NgramIndex:
                     self.tables[j][tuple(toks[stop - n: stop])] = stop - n
         self.indexed = max(self.indexed, end)
 
-    def propose(self, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` draft tokens (none without a match)."""
+    def propose(self, max_tokens: int, after: Seq[int] = ()) -> list[int]:
+        """Up to `max_tokens` draft tokens (none without a match). `after`: tokens drafted past the
+        sequence already; the n-gram to match then ends with them (its occurrences are still looked
+        up in the sequence alone)."""
         toks = self.tokens
         if max_tokens <= 0:
             return []
-        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
-            start = self.tables[n - self.min_n].get(tuple(toks[len(toks) - n:]))
+        tail = toks[max(0, len(toks) - self.max_n):] + list(after)
+        for n in range(min(self.max_n, len(toks) + len(after) - 1), self.min_n - 1, -1):
+            start = self.tables[n - self.min_n].get(tuple(tail[len(tail) - n:]))
             if start is not None:
                 return toks[start + n: start + n + max_tokens]
         return []
 
 
-def lookup_reference(tokens: Seq[int], min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
+def lookup_reference(tokens: Seq[int], min_ngram: int, max_ngram: int, max_tokens: int,
+                     after: Seq[int] = ()) -> list[int]:
     """The same proposal by brute force (the tests' oracle)."""
     tokens = list(tokens)
     L = len(tokens)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        suffix = tokens[L - n:]
-        for start in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
+    key = tokens + list(after)
+    for n in range(min(max_ngram, len(key) - 1), min_ngram - 1, -1):
+        suffix = key[len(key) - n:]
+        for start in range(L - n - 1, -1, -1):  # most recent occurrence with a continuation first
             if tokens[start: start + n] == suffix:
                 return tokens[start + n: start + n + max_tokens] if max_tokens > 0 else []
     return []
@@ -71,8 +76,9 @@ class PromptLookup:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self._index: dict[int, NgramIndex] = {}
 
-    def propose(self, seq, max_tokens: int) -> list[int]:
-        """Draft tokens for `seq` (an engine Sequence) from its prompt and output so far."""
+    def propose(self, seq, max_tokens: int, after: Seq[int] = ()) -> list[int]:
+        """Draft tokens for `seq` (an engine Sequence) from its prompt and output so far; `after`:
+        tokens already drafted past it this round (see NgramIndex.propose)."""
         index = self._index.get(seq.seq_id)
         if index is None:
             index = self._index[seq.seq_id] = NgramIndex(self.min_ngram, self.max_ngram)
@@ -81,7 +87,7 @@ class PromptLookup:
             index.extend(prompt[have:])
             have = len(prompt)
         index.extend(seq.output_token_ids[have - len(prompt):])
-        return index.propose(max_tokens)
+        return index.propose(max_tokens, after)
 
     def release(self, seq) -> None:
         self._index.pop(seq.seq_id, None)

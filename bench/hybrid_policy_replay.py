@@ -1,0 +1,188 @@
+"""How hybrid drafts should pick their source, decided by exact replay instead of timing noise.
+
+Greedy output does not depend on the drafts, and a separate draft copy's token at a position is a
+function of the tokens before it (its KV cache holds its own passes over them). So one full-depth
+greedy run per prompt, plus one teacher-forced pass of the exit-ready draft copy over prompt and
+output (its top-1 token and top-1 probability at every position), says exactly what any mix of
+prompt-lookup and copy drafts would have had accepted, round by round:
+
+- `round`: hybrid_switch="round", a sequence's whole draft from one source per round: lookup
+  (n-grams min..max, up to d tokens) when it has a match, else up to `layer` copy tokens;
+- `token`: hybrid_switch="token", per drafted position: lookup continuations while the draft so
+  far ends in a match, one copy token where it does not (at most `layer` copy passes a round).
+
+Both stop a copy run at a token below the draft threshold (not drafted; its pass is paid). The
+lookup is eecore's own (eecore.speculative.drafters.NgramIndex). The speed column models a round's
+cost in one-row full-depth steps: a verify pass of r rows costs `--verify-costs`[r-1] and a copy
+pass `--copy-pass-cost` (defaults: bench/verify_row_cost.py on 2 Zen 4 cores, 2026-11-25: 1-7 rows
+1.00 1.08 1.12 1.17 1.22 1.36 1.51, an int8 copy pass of 8 layers 0.09); a copy's catch-up on the
+prompt is left out (both switches pay it once per sequence). Tokens per round are exact; the speed
+is only as good as the costs.
+
+    python bench/hybrid_policy_replay.py [--num-prompts 24] [--max-tokens 96] [--top 12]
+
+writes bench/results/hybrid-policy-replay-<date>.json (every policy's figures).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+import eecore
+from common import cpu_model, save_results
+from eecore.engine.inputs import Row
+from eecore.engine.sequence import Sequence
+from eecore.prompts import heldout_code_prompts
+from eecore.speculative.drafters import NgramIndex
+
+
+@torch.no_grad()
+def record(num_prompts: int, max_tokens: int) -> list[dict]:
+    """Per held-out code prompt: its tokens, the full model's greedy continuation, and the exit-ready
+    draft copy's teacher-forced top-1 token and probability for each continuation position."""
+    full = eecore.LLM(device="cpu", max_num_seqs=8)
+    spec = eecore.LLM(device="cpu", max_num_seqs=8, exit_adapter=True,
+                      speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
+    stack = spec.engine.strategy.draft_stack
+    prompts = [full.tokenizer.encode(t) for t in heldout_code_prompts(num_prompts)]
+    outs = full.generate(prompts, eecore.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    records = []
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + list(out.token_ids)
+        seq = Sequence(ids, eecore.SamplingParams(max_tokens=1))
+        spec.engine.blocks.grow(seq, len(ids))  # never scheduled: it only holds blocks for this pass
+        try:
+            inputs = stack.runner.prepare([Row(seq, 0, ids)])
+            hidden = stack.runner.embed(inputs)
+            stack.runner.run_layers(hidden, inputs.attn, 0, stack.exit_layer)
+            states = hidden[len(prompt) - 1: len(ids) - 1]  # the states that predict the continuation
+            probs = torch.cat([stack.head.logits(states[i:i + 8]) for i in range(0, states.shape[0], 8)]).softmax(-1)
+            top_p, top = probs.max(-1)
+        finally:
+            spec.engine.blocks.free(seq)
+        records.append(dict(prompt=prompt, full=list(out.token_ids), copy=top.tolist(), copy_p=top_p.tolist()))
+    return records
+
+
+class Replay:
+    """One sequence replayed round by round: the context so far and its lookup index."""
+
+    def __init__(self, rec: dict, min_n: int, max_n: int):
+        self.rec, self.pos = rec, 0  # pos: continuation tokens emitted so far
+        self.index = NgramIndex(min_n, max_n)
+        self.index.extend(rec["prompt"])
+
+    def copy_token(self, j: int):
+        """The copy's draft j positions past the emitted tokens, and its top-1 probability. Past a
+        wrong draft the copy would see other tokens; what it drafts there is rejected anyway."""
+        k = min(self.pos + j, len(self.rec["copy"]) - 1)
+        return self.rec["copy"][k], self.rec["copy_p"][k]
+
+    def advance(self, drafts: list[int]) -> int:
+        full = self.rec["full"]
+        accepted = 0
+        while accepted < len(drafts) and self.pos + accepted < len(full) and drafts[accepted] == full[self.pos + accepted]:
+            accepted += 1
+        emitted = min(accepted + 1, len(full) - self.pos)
+        self.index.extend(full[self.pos: self.pos + emitted])
+        self.pos += emitted
+        return emitted
+
+
+def draft_round(r: Replay, d: int, layer: int, threshold) -> tuple[list[int], int]:
+    drafts = r.index.propose(d)
+    if drafts:
+        return drafts, 0
+    passes = 0
+    while len(drafts) < min(d, layer):
+        token, p = r.copy_token(len(drafts))
+        passes += 1
+        if threshold is not None and p < threshold:
+            break
+        drafts.append(token)
+    return drafts, passes
+
+
+def draft_token(r: Replay, d: int, layer: int, threshold) -> tuple[list[int], int]:
+    drafts, passes = [], 0
+    while len(drafts) < d:
+        more = r.index.propose(d - len(drafts), after=drafts)
+        if more:
+            drafts += more
+            continue
+        if passes == layer:
+            break
+        token, p = r.copy_token(len(drafts))
+        passes += 1
+        if threshold is not None and p < threshold:
+            break
+        drafts.append(token)
+    return drafts, passes
+
+
+def replay(records, switch: str, d: int, layer: int, min_n: int, max_n: int, threshold, verify_costs, copy_cost) -> dict:
+    draft = draft_round if switch == "round" else draft_token
+    rounds = tokens = passes = rows = 0
+    cost = 0.0
+    for rec in records:
+        r = Replay(rec, min_n, max_n)
+        while r.pos < len(rec["full"]):
+            drafts, n = draft(r, d, layer, threshold)
+            tokens += r.advance(drafts)
+            rounds, passes, rows = rounds + 1, passes + n, rows + len(drafts) + 1
+            cost += verify_costs[len(drafts)] + n * copy_cost
+    return dict(switch=switch, d=d, layer=layer, min_ngram=min_n, max_ngram=max_n, threshold=threshold,
+                tokens_per_round=tokens / rounds, copy_passes_per_round=passes / rounds,
+                verify_rows_per_round=rows / rounds, modelled_speedup=tokens / cost)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--verify-costs", type=float, nargs="+", default=[1.00, 1.08, 1.12, 1.17, 1.22, 1.36, 1.51],
+                    help="a verify pass of 1, 2, ... rows, in one-row full-depth steps")
+    ap.add_argument("--copy-pass-cost", type=float, default=0.09, help="a draft copy pass, in one-row steps")
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    max_d = len(args.verify_costs) - 1
+    records = record(args.num_prompts, args.max_tokens)
+    agreement = sum(c == f for rec in records for c, f in zip(rec["copy"], rec["full"])) / \
+        sum(len(rec["full"]) for rec in records)
+    print(f"CPU: {cpu_model()}; {len(records)} held-out code prompts x {args.max_tokens} greedy tokens; "
+          f"the copy's teacher-forced top-1 agreement {agreement:.3f}")
+    rows = []
+    for switch, d, layer, min_n, max_n, threshold in itertools.product(
+            ["round", "token"], range(2, max_d + 1), [1, 2, 3, 4], [1, 2, 3], [3, 4, 5], [None, 0.15, 0.3]):
+        if layer <= d and min_n <= max_n:
+            rows.append(replay(records, switch, d, layer, min_n, max_n, threshold, args.verify_costs,
+                               args.copy_pass_cost))
+    rows.sort(key=lambda row: -row["modelled_speedup"])
+    presets = {name: eecore.SelfSpeculativeConfig.exit_ready("hybrid", **over) for name, over in
+               [("exit-ready hybrid", {}),
+                ("round preset before it", dict(hybrid_switch="round", layer_speculations=1, lookup_min_ngram=1,
+                                                lookup_max_ngram=3, draft_threshold=None))]}
+    marked = {name: next(i for i, row in enumerate(rows) if
+                         (row["switch"], row["d"], row["layer"], row["min_ngram"], row["max_ngram"], row["threshold"]) ==
+                         (c.hybrid_switch, c.num_speculations, c.layer_draft_length, c.lookup_min_ngram,
+                          c.lookup_max_ngram, c.draft_threshold)) for name, c in presets.items()}
+    print(f"{'rank':>4} {'switch':>6} {'d':>2} {'layer':>5} {'n-grams':>7} {'thr':>5} {'tok/round':>9} "
+          f"{'copy passes':>11} {'rows':>5} {'speed (model)':>13}")
+    for i, row in enumerate(rows):
+        names = [name for name, j in marked.items() if j == i]
+        if i < args.top or names:
+            thr = "-" if row["threshold"] is None else f"{row['threshold']:g}"
+            print(f"{i + 1:4d} {row['switch']:>6} {row['d']:2d} {row['layer']:5d} {row['min_ngram']:>3}-{row['max_ngram']:<3} "
+                  f"{thr:>5} {row['tokens_per_round']:9.2f} {row['copy_passes_per_round']:11.2f} "
+                  f"{row['verify_rows_per_round']:5.2f} {row['modelled_speedup']:13.2f}  {', '.join(names)}")
+    path = save_results("hybrid-policy-replay", dict(
+        model="SmolLM2-135M-Instruct", num_prompts=len(records), max_tokens=args.max_tokens,
+        copy_agreement=agreement, verify_costs=args.verify_costs, copy_pass_cost=args.copy_pass_cost,
+        presets={name: rows[i] for name, i in marked.items()}, rows=rows))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

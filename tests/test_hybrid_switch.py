@@ -1,0 +1,191 @@
+"""Hybrid drafts that pick their source per drafted position (SelfSpeculativeConfig(draft="hybrid",
+hybrid_switch="token")): lookup continuations while the draft ends in an n-gram match, a token of
+the separate draft copy where it does not, both kinds in one round's chain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eecore
+from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
+from engine_utils import greedy, truncated_merged
+from model_factory import make_peaked_tiny_model, make_tiny_hf_model, random_lora
+from test_lookup_drafts import _p_value, repetitive_prompts
+
+L, VOCAB = 4, 320
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, hf_model): a 4-layer random Llama with peaked distributions (drafts get accepted)."""
+    return make_peaked_tiny_model(tmp_path_factory.mktemp("switch"), num_layers=L, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def lora_file(tiny, tmp_path_factory):
+    """(file, lora): an exit-ready file of LoRA pairs, merged into the draft copy alone."""
+    path, hf = tiny
+    base = eecore.LLM(path, dtype="float32", device="cpu")
+    lora = random_lora(hf, seed=7)
+    file = str(tmp_path_factory.mktemp("switchfile") / "draft.safetensors")
+    ExitAdapters({}, None, model_fingerprint(base.model), {}, lora).save(file)
+    return file, lora
+
+
+def _switching(path, file=None, E=2, d=4, layer_speculations=2, **kw):
+    spec = {k: kw.pop(k) for k in list(kw)
+            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "draft_threshold")}
+    spec.setdefault("lookup_min_ngram", 2)
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                      speculative=eecore.SelfSpeculativeConfig(
+                          draft="hybrid", hybrid_switch="token", exit_layer=E, num_speculations=d,
+                          layer_speculations=layer_speculations, draft_layers="separate", **spec), **kw)
+
+
+def _prompts(batch: int) -> list[list[int]]:
+    """Half repeat themselves (lookup matches), half are runs of distinct tokens (none at first)."""
+    prompts = repetitive_prompts(VOCAB, (batch + 1) // 2, seed=batch)
+    return (prompts + [list(range(3 + 13 * i, 3 + 13 * i + 7)) for i in range(batch // 2)])[:batch]
+
+
+def _record_chains(llm) -> list[list[bool]]:
+    """Each drafted chain's sources (True: lookup), round by round."""
+    strategy, chains = llm.engine.strategy, []
+    original = strategy._switching_drafts
+
+    def spy(seqs, budgets):
+        drafts, probs, from_lookup, copy_ran = original(seqs, budgets)
+        chains.extend(f for f in from_lookup if f)
+        return drafts, probs, from_lookup, copy_ran
+
+    strategy._switching_drafts = spy
+    return chains
+
+
+@pytest.mark.parametrize("draft_threshold", [None, 0.3])
+def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, draft_threshold):
+    path, _ = tiny
+    file, _ = lora_file
+    full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
+    for batch in (1, 3, 8):
+        prompts = _prompts(batch)
+        params = [greedy(12 + 3 * i) for i in range(batch)]
+        expected = [o.token_ids for o in full.generate(prompts, params)]
+        llm = _switching(path, file, draft_threshold=draft_threshold, max_num_seqs=8)
+        chains = _record_chains(llm)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
+        assert sum(o.metrics["num_layer_drafted_tokens"] for o in outs) > 0
+        for o in outs:
+            m = o.metrics
+            assert m["num_drafted_tokens"] == m["num_lookup_drafted_tokens"] + m["num_layer_drafted_tokens"]
+            assert m["num_accepted_tokens"] == m["num_lookup_accepted_tokens"] + m["num_layer_accepted_tokens"]
+        if batch == 8:
+            # a layer token followed by a lookup continuation, and a lookup run continued by the copy
+            assert any(c[i] is False and c[i + 1] is True for c in chains for i in range(len(c) - 1))
+            assert any(c[i] is True and c[i + 1] is False for c in chains for i in range(len(c) - 1))
+            assert all(len(c) <= 4 and c.count(False) <= 2 for c in chains)
+        assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+        assert not llm.engine.strategy.draft_stack._seen
+
+
+def test_copy_drafts_after_lookup_tokens_see_them(tiny, lora_file):
+    """Every copy token is what HF's truncated, LoRA-merged model says after the sequence and the
+    draft so far, lookup tokens included: the copy ran those tokens into its own KV cache first
+    (and caught up on what earlier lookup rounds left it behind on)."""
+    path, hf = tiny
+    file, lora = lora_file
+    llm = _switching(path, file, max_num_seqs=8, max_num_batched_tokens=9)  # catch-ups go in chunks
+    strategy, seen = llm.engine.strategy, []
+    take = strategy._take_drafts
+
+    def spy(logits, rows, seqs, drafts, *rest, **kw):
+        for row, b in zip(logits, rows):
+            seq = seqs[b]
+            seen.append((seq.token_slice(0, seq.num_computed_tokens + 1) + drafts[b], row.clone()))
+        return take(logits, rows, seqs, drafts, *rest, **kw)
+
+    strategy._take_drafts = spy
+    chains = _record_chains(llm)
+    llm.generate(_prompts(8), [greedy(12 + 3 * i) for i in range(8)])
+    assert len(seen) > 10
+    assert any(c[i] is True and c[i + 1] is False for c in chains for i in range(len(c) - 1))
+    reference = truncated_merged(hf, lora, 2)
+    with torch.no_grad():
+        for context, logits in seen:
+            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_the_guard_judges_layer_tokens_alone(tiny, lora_file):
+    """With a floor no draft copy can reach, layer tokens stop (bar probes) and lookup goes on."""
+    path, _ = tiny
+    file, _ = lora_file
+    prompts = _prompts(4)
+    params = greedy(40)
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
+    free = _switching(path, file).generate(prompts, params)
+    guarded = _switching(path, file, min_acceptance=1.0, probe_every=64).generate(prompts, params)
+    assert [o.token_ids for o in guarded] == expected
+    layer = lambda outs: sum(o.metrics["num_layer_drafted_tokens"] for o in outs)  # noqa: E731
+    assert layer(guarded) < layer(free)
+    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in guarded) > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("switch12"), arch="llama", num_layers=L, vocab_size=12,
+                              with_tokenizer=False)
+
+
+def test_sampling_preserves_the_full_model_law(tiny_vocab):
+    """The law of the round's second and third tokens (t2, t3), where chains mix the sources: after
+    the prompt's t1, a t1 in {3, 7, 1} continues by lookup; any other t1 drafts y1 from layer 1,
+    and a y1 in {3, 7, 1} is then continued by lookup within the same chain."""
+    path, hf = tiny_vocab
+    V, n = 12, 3000
+    prompt = [3, 7, 1, 3, 5]
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
+                     speculative=eecore.SelfSpeculativeConfig(
+                         draft="hybrid", hybrid_switch="token", exit_layer=1, num_speculations=2,
+                         layer_speculations=2, draft_layers="separate"))
+    chains = _record_chains(llm)
+    params = [eecore.SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    assert any(c[:2] == [False, True] for c in chains)  # layer, then lookup: a mixed chain
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    with torch.no_grad():
+        p1 = hf(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+        p2 = hf(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double().softmax(-1)
+        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p3 = hf(pairs).logits[:, -1].double().softmax(-1).view(V, V, V)
+    law = torch.einsum("a,ab,abc->bc", p1, p2, p3)
+    assert _p_value(counts, law) > 1e-3  # (the rejection rule's power check: test_lookup_drafts)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(exit_layer=2, draft="hybrid", hybrid_switch="position"), "'hybrid_switch' must be one of round, token"),
+    (dict(exit_layer=2, hybrid_switch="token", draft_layers="separate"), "applies to draft='hybrid' only"),
+    (dict(exit_layer=2, draft="hybrid", hybrid_switch="token"), "needs draft_layers='separate'"),
+    (dict(exit_layer=2, draft="hybrid", hybrid_switch="token", draft_layers="separate", draft_top_k=2),
+     "does not combine with draft_top_k > 1"),
+    (dict(exit_layer=2, draft="hybrid", hybrid_switch="token", draft_layers="separate", accept="confident",
+          draft_threshold=0.5), "or accept='confident'"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        eecore.SelfSpeculativeConfig(**kwargs)
+
+
+def test_cli_flag(tiny, capsys):
+    from eecore.cli import main
+
+    path, _ = tiny
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--draft", "hybrid", "--hybrid-switch", "token", "--exit-layer", "2", "--draft-layers",
+                 "separate"]) == 0
+    with pytest.raises(SystemExit, match="needs draft_layers='separate'"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--draft", "hybrid", "--hybrid-switch", "token",
+              "--exit-layer", "2"])
