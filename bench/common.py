@@ -83,15 +83,21 @@ def alternate_with_hf(llm, hf, prompts: list[list[int]], params, max_new_tokens:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), which decides what a CPU figure means."""
+    """The CPU's model name (/proc/cpuinfo), which decides what a CPU figure means. A VM may report
+    only "AMD EPYC": the family and model numbers and the vector extensions the kernels use then
+    say which generation it is (family 25 model 1: Zen 3, AVX2; model 17: Zen 4, AVX-512)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; {' '.join(isa) or 'no AVX2'})"
 
 
 def bench_prompt_ids(tokenizer, kind: str, n: int) -> list[list[int]]:

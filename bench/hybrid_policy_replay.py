@@ -58,8 +58,9 @@ def record(num_prompts: int, max_tokens: int) -> list[dict]:
             hidden = stack.runner.embed(inputs)
             stack.runner.run_layers(hidden, inputs.attn, 0, stack.exit_layer)
             states = hidden[len(prompt) - 1: len(ids) - 1]  # the states that predict the continuation
-            probs = torch.cat([stack.head.logits(states[i:i + 8]) for i in range(0, states.shape[0], 8)]).softmax(-1)
-            top_p, top = probs.max(-1)
+            # (the head's logits are a view of its own buffer: each chunk is read before the next)
+            chunks = [stack.head.logits(states[i:i + 8]).softmax(-1).max(-1) for i in range(0, states.shape[0], 8)]
+            top_p, top = torch.cat([c.values for c in chunks]), torch.cat([c.indices for c in chunks])
         finally:
             spec.engine.blocks.free(seq)
         records.append(dict(prompt=prompt, full=list(out.token_ids), copy=top.tolist(), copy_p=top_p.tolist()))
