@@ -75,11 +75,15 @@ class Replay:
         self.index = NgramIndex(min_n, max_n)
         self.index.extend(rec["prompt"])
 
-    def copy_token(self, j: int):
-        """The copy's draft j positions past the emitted tokens, and its top-1 probability. Past a
-        wrong draft the copy would see other tokens; what it drafts there is rejected anyway."""
-        k = min(self.pos + j, len(self.rec["copy"]) - 1)
-        return self.rec["copy"][k], self.rec["copy_p"][k]
+    def copy_draft(self, drafts: list[int], threshold) -> bool:
+        """One copy pass after `drafts`: appends the copy's token there unless its top-1 probability
+        is below `threshold`; whether it did. (Past a wrong draft the copy would see other tokens;
+        what it drafts there is rejected anyway.)"""
+        k = min(self.pos + len(drafts), len(self.rec["copy"]) - 1)
+        if threshold is not None and self.rec["copy_p"][k] < threshold:
+            return False
+        drafts.append(self.rec["copy"][k])
+        return True
 
     def advance(self, drafts: list[int]) -> int:
         full = self.rec["full"]
@@ -98,11 +102,9 @@ def draft_round(r: Replay, d: int, layer: int, threshold) -> tuple[list[int], in
         return drafts, 0
     passes = 0
     while len(drafts) < min(d, layer):
-        token, p = r.copy_token(len(drafts))
         passes += 1
-        if threshold is not None and p < threshold:
+        if not r.copy_draft(drafts, threshold):
             break
-        drafts.append(token)
     return drafts, passes
 
 
@@ -115,11 +117,9 @@ def draft_token(r: Replay, d: int, layer: int, threshold) -> tuple[list[int], in
             continue
         if passes == layer:
             break
-        token, p = r.copy_token(len(drafts))
         passes += 1
-        if threshold is not None and p < threshold:
+        if not r.copy_draft(drafts, threshold):
             break
-        drafts.append(token)
     return drafts, passes
 
 

@@ -9,26 +9,19 @@ import torch
 import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
 from engine_utils import greedy, truncated_merged
-from model_factory import make_peaked_tiny_model, make_tiny_hf_model, random_lora
-from test_lookup_drafts import _p_value, repetitive_prompts
-
-L, VOCAB = 4, 320
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path, hf_model): a 4-layer random Llama with peaked distributions (drafts get accepted)."""
-    return make_peaked_tiny_model(tmp_path_factory.mktemp("switch"), num_layers=L, vocab_size=VOCAB)
+from model_factory import random_lora
+from test_lookup_drafts import _p_value, repetitive_prompts, tiny_vocab  # noqa: F401 (a fixture)
+from test_separate_draft_layers import VOCAB, tiny  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
 def lora_file(tiny, tmp_path_factory):
-    """(file, lora): an exit-ready file of LoRA pairs, merged into the draft copy alone."""
+    """(file, lora): LoRA pairs for the draft copy alone, drawn so that the tiny model's chains mix
+    the sources both ways (a copy token opening a match, a lookup run the copy continues)."""
     path, hf = tiny
-    base = eecore.LLM(path, dtype="float32", device="cpu")
     lora = random_lora(hf, seed=7)
     file = str(tmp_path_factory.mktemp("switchfile") / "draft.safetensors")
-    ExitAdapters({}, None, model_fingerprint(base.model), {}, lora).save(file)
+    ExitAdapters({}, None, model_fingerprint(eecore.LLM(path, dtype="float32", device="cpu").model), {}, lora).save(file)
     return file, lora
 
 
@@ -67,6 +60,7 @@ def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, dr
     path, _ = tiny
     file, _ = lora_file
     full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
+    every_chain = []
     for batch in (1, 3, 8):
         prompts = _prompts(batch)
         params = [greedy(12 + 3 * i) for i in range(batch)]
@@ -81,13 +75,13 @@ def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, dr
             m = o.metrics
             assert m["num_drafted_tokens"] == m["num_lookup_drafted_tokens"] + m["num_layer_drafted_tokens"]
             assert m["num_accepted_tokens"] == m["num_lookup_accepted_tokens"] + m["num_layer_accepted_tokens"]
-        if batch == 8:
-            # a layer token followed by a lookup continuation, and a lookup run continued by the copy
-            assert any(c[i] is False and c[i + 1] is True for c in chains for i in range(len(c) - 1))
-            assert any(c[i] is True and c[i + 1] is False for c in chains for i in range(len(c) - 1))
-            assert all(len(c) <= 4 and c.count(False) <= 2 for c in chains)
+        every_chain += chains
         assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
         assert not llm.engine.strategy.draft_stack._seen
+    # a layer token followed by a lookup continuation, and a lookup run continued by the copy
+    assert any(c[i] is False and c[i + 1] is True for c in every_chain for i in range(len(c) - 1))
+    assert any(c[i] is True and c[i + 1] is False for c in every_chain for i in range(len(c) - 1))
+    assert all(len(c) <= 4 and c.count(False) <= 2 for c in every_chain)
 
 
 def test_copy_drafts_after_lookup_tokens_see_them(tiny, lora_file):
@@ -130,12 +124,6 @@ def test_the_guard_judges_layer_tokens_alone(tiny, lora_file):
     layer = lambda outs: sum(o.metrics["num_layer_drafted_tokens"] for o in outs)  # noqa: E731
     assert layer(guarded) < layer(free)
     assert sum(o.metrics["num_lookup_drafted_tokens"] for o in guarded) > 0
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab(tmp_path_factory):
-    return make_tiny_hf_model(tmp_path_factory.mktemp("switch12"), arch="llama", num_layers=L, vocab_size=12,
-                              with_tokenizer=False)
 
 
 def test_sampling_preserves_the_full_model_law(tiny_vocab):

@@ -22,10 +22,10 @@ HYBRID_SWITCHES = ("round", "token")
 # match of 2-4 tokens where the draft so far ends in one and from the copy otherwise (at most 3
 # copy passes, stopped below 0.15). Exact replays of full-depth greedy runs on 24 held-out code
 # prompts (bench/hybrid_policy_replay.py) gave it 2.99 tokens a round against 2.52 for whole
-# rounds of 1-3-gram lookup (else one layer draft), about 10% more speed at this CPU's measured
-# pass costs. Larger batches verify at the cost of arithmetic, not of weight reads, so each
-# preset stops drafting where it stopped paying: layer d = 4 ran 1.47x at batch 2 and 0.85x at 4;
-# lookup drafts 1.10x at 4 and 0.88x at 8.
+# rounds of 1-3-gram lookup (else one layer draft); on a Zen 3, whose int8 copy passes cost more
+# without VNNI, it ran 1.03x that older preset (the model card has both). Larger batches verify
+# at the cost of arithmetic, not of weight reads, so each preset stops drafting where it stopped
+# paying: layer d = 4 ran 1.47x at batch 2 and 0.85x at 4; lookup drafts 1.10x at 4, 0.88x at 8.
 EXIT_READY_PRESETS = {
     "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, draft_layers="separate",
                   draft_dtype="int8", disable_by_batch_size=2),
