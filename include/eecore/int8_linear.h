@@ -15,12 +15,13 @@
 
 namespace eecore {
 
-// The integer a row's absmax maps to: 32767, or less where a long row could overflow the int32
-// lanes of a vpdpwssd accumulator. A lane adds 2 products per 32 elements, each at most
-// range x 128 in magnitude, so it holds at most 2 ceil(K / 32) x 128 x range; rows up to about
-// 8k elements keep the whole int16 range.
+// The integer a row's absmax maps to: 32767, or less where a long row could overflow an int32
+// lane of the integer dot product. The narrowest lanes are AVX2's (vpmaddwd into 8 lanes): a lane
+// adds 2 products per 16 elements (vpdpwssd's 16 lanes: per 32), each at most range x 128 in
+// magnitude, so it holds at most 2 ceil(K / 16) x 128 x range; rows up to 4096 elements keep the
+// whole int16 range.
 inline int32_t int16_row_range(int64_t k) {
-  const int64_t lane_products = 2 * ((k + 31) / 32);
+  const int64_t lane_products = 2 * ((k + 15) / 16);
   const int64_t bound = INT32_MAX / (128 * (lane_products > 0 ? lane_products : 1));
   return static_cast<int32_t>(bound < 32767 ? bound : 32767);
 }

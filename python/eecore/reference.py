@@ -160,8 +160,8 @@ def kv_fill(kv_cache, hidden, weight, bias, cos_sin_cache, positions, slot_mappi
 
 def int16_row_range(k: int) -> int:
     """The integer a row's absmax maps to when a weight-only int8 linear rounds its input rows
-    (include/eecore/int8_linear.h: no int32 lane of a vpdpwssd accumulator can overflow)."""
-    lane_products = 2 * ((k + 31) // 32)
+    (include/eecore/int8_linear.h: no int32 lane of the integer dot product can overflow)."""
+    lane_products = 2 * ((k + 15) // 16)
     return min(32767, (2 ** 31 - 1) // (128 * max(1, lane_products)))
 
 
