@@ -145,12 +145,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """A round of hybrid_switch="token": drafts from _switching_drafts, verified by one varlen
         full-depth pass."""
         drafts, draft_probs, from_lookup, copy_ran = self._switching_drafts(seqs, budgets)
-        if not any(drafts):
+        if not any(drafts):  # no match, and no copy token sure enough: a plain step
             starts = [s.num_computed_tokens for s in seqs]
-            results = self.decode_plain(seqs)
-            for b, ran in enumerate(copy_ran):
+            results = self._plain.decode(seqs)
+            for b, (seq, ran) in enumerate(zip(seqs, copy_ran)):
+                self._count(seq, ran, [], 0)  # a copy pass that drafted nothing is a round at rate 0
                 if ran:  # the copy's K/V of the pending token is right
-                    self.draft_stack.settle(seqs[b], starts[b] + 1)
+                    self.draft_stack.settle(seq, starts[b] + 1)
             return results
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, drafts)]
         logits = self._verify_all(rows, [])
