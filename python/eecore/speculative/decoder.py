@@ -25,7 +25,9 @@ nothing is padded.
 With `draft_layers="separate"` (eecore.speculative.draft_stack) a copy of layers 0..E-1 with its own
 KV cache makes the layer drafts: d passes (the pending token, then drafts 1..d-1; the copy first
 catches up on tokens it has not run), and verification is the lookup rounds' single full-depth
-varlen pass over every sequence's pending token and drafts.
+varlen pass over every sequence's pending token and drafts. With `hybrid_switch="token"` a
+sequence's draft mixes the sources: lookup continuations while it ends in an n-gram match, a copy
+token where it does not (the copy's pass first runs the draft's lookup tokens), then lookup again.
 
 With `accept="confident"` a layer-drafting sequence's leading drafts that are at least
 `exit_threshold` sure (default `draft_threshold`) skip the accept step: they are emitted as early
