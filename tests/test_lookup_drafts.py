@@ -56,6 +56,9 @@ def test_ngram_index_is_the_brute_force_lookup():
         index.propose(k)
         index.extend(tokens[cut:])
         assert index.propose(k) == lookup_reference(tokens, lo, hi, k), (tokens, lo, hi, k)
+        # keyed on tokens drafted past the sequence (hybrid_switch="token")
+        after = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+        assert index.propose(k, after) == lookup_reference(tokens, lo, hi, k, after), (tokens, after, lo, hi, k)
 
 
 def test_lookup_prefers_the_longest_ngram_and_the_most_recent_occurrence():
