@@ -89,7 +89,7 @@ def main():
         runner.logits(hidden)
 
     def draft() -> None:
-        stack.head.logits(stack._run([Row(seq, start, [300]) for seq in seqs]))
+        stack.head.columns(stack._run([Row(seq, start, [300]) for seq in seqs]))
 
     cases = {("verify", n, False): (lambda n=n: verify(n, False)) for n in args.rows}
     cases.update({("verify", n, True): (lambda n=n: verify(n, True)) for n in args.rows if n > 1})

@@ -38,6 +38,10 @@ TORCH_LIBRARY(eecore, m) {
   // input, residual [..., d]: residual += input; input = rms_norm(residual) * weight
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
 
+  // input [..., 2 d] = [gate | up] (a fused gate/up projection), out [..., d], contiguous, one float
+  // dtype: out = silu(gate) * up = gate / (1 + exp(-gate)) * up, in fp32, rounded once (vLLM's op)
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+
   // positions int64 [T] in [0, max_pos); query [T, Hq, D]; key [T, Hkv, D]; cos_sin_cache
   // [max_pos, rot_dim] = cat(cos, sin) along the last dim, fp32 or the dtype of query. Rotates the
   // first rot_dim dims of every head in place (rot_dim even, <= D; the rest is untouched), in fp32.

@@ -229,7 +229,7 @@ def test_reshape_and_cache_skips_out_of_range_slots():
     assert k_cache.sum().item() == 2 * 64 and k_cache[0, 5].eq(1).all()
 
 
-# ---- rms_norm, fused_add_rms_norm, rotary_embedding ---------------------------------------------
+# ---- rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding -------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 7), (33, 2048), (5, 8192), (4, 1000)])
@@ -245,6 +245,17 @@ def test_rms_norms(dtype, shape):
     ops.fused_add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(rg.cpu(), r)  # the add is rounded exactly like torch's
     torch.testing.assert_close(xg.cpu(), x, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (37, 2 * 576), (2, 3, 2 * 13)])
+def test_silu_and_mul(dtype, shape):
+    x = (torch.randn(shape) * 4).to(dtype)
+    out = cuda(poison(torch.empty(shape[:-1] + (shape[-1] // 2,), dtype=dtype)))
+    ops.silu_and_mul(out, cuda(x))
+    expected = torch.empty(out.shape, dtype=dtype)
+    ops.silu_and_mul(expected, x)
+    torch.testing.assert_close(out.cpu(), expected, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -460,6 +460,12 @@ def test_draft_head_matches_hf_by_hand(tiny, llm, tokens, vocab, with_block, wit
             outside[vocab] = False
             assert bool(torch.isneginf(logits[:, outside]).all())
         assert torch.equal(h, h_before)  # the exit-query cache is left untouched
+        # the column logits (what greedy drafting reads) are the draft vocabulary's columns
+        columns = head.columns(h[:n])
+        assert columns.shape == (n, head.vocab_size) and columns.dtype == torch.float32
+        torch.testing.assert_close(columns, expected[:n], rtol=1e-4, atol=1e-4)
+        assert torch.equal(head.widen(columns.clone()), logits)
+        assert torch.equal(head.token_ids(columns.argmax(-1)), logits.argmax(-1))
     assert head.vocab_size == (len(vocab) if with_vocab else VOCAB)
     gap, top1 = head.top2_gap(h)
     probs = expected.double().softmax(-1)
@@ -489,13 +495,13 @@ def adapter_files(tmp_path_factory, llm, trained, vocab):
 @pytest.fixture
 def draft_head_calls(monkeypatch):
     calls = []
-    logits = DraftHead.logits
+    columns = DraftHead.columns  # what drafting reads (DraftHead.logits widens it)
 
     def spy(self, hidden):
         calls.append((self.exit_layer, self.block is not None, None if self.vocab is None else len(self.vocab)))
-        return logits(self, hidden)
+        return columns(self, hidden)
 
-    monkeypatch.setattr(DraftHead, "logits", spy)
+    monkeypatch.setattr(DraftHead, "columns", spy)
     return calls
 
 

@@ -98,8 +98,8 @@ def test_guard_counts_a_draft_the_threshold_dropped_as_a_loss(tiny):
     path, hf = tiny
     llm = _trusting_shadow(_spec(path, 2, 4, threshold=1.0, guard=dict(min_acceptance=0.5, probe_every=8)))
     draft_head, rows = llm.engine.strategy.draft_head, []
-    head = draft_head.logits
-    draft_head.logits = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]
+    head = draft_head.columns
+    draft_head.columns = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]
     out = llm.generate(random_prompts(hf.config.vocab_size, [7], seed=13), greedy(40))[0]
     assert out.metrics["num_drafted_tokens"] == 0
     draft_heads = len(rows)

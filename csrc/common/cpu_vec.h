@@ -93,6 +93,7 @@ struct Vec8 {
 inline Vec8 operator+(Vec8 a, Vec8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec8 operator-(Vec8 a, Vec8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec8 operator*(Vec8 a, Vec8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec8 operator/(Vec8 a, Vec8 b) { return {_mm256_div_ps(a.v, b.v)}; }
 // a * b + c with one rounding.
 inline Vec8 fma(Vec8 a, Vec8 b, Vec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 // vmaxps / vminps return their second operand when either is NaN: exactly a > b ? a : b.
@@ -200,6 +201,7 @@ struct Vec8 {
 inline Vec8 operator+(Vec8 a, Vec8 b) { return {a.v + b.v}; }
 inline Vec8 operator-(Vec8 a, Vec8 b) { return {a.v - b.v}; }
 inline Vec8 operator*(Vec8 a, Vec8 b) { return {a.v * b.v}; }
+inline Vec8 operator/(Vec8 a, Vec8 b) { return {a.v / b.v}; }
 inline Vec8 fma(Vec8 a, Vec8 b, Vec8 c) {
 #ifdef __FP_FAST_FMAF  // a hardware fma: one rounding, as in the AVX2 build
   Vec8 r;

@@ -22,6 +22,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "fused_add_rms_norm",
+    "silu_and_mul",
     "rotary_embedding",
     "softmax_top2_gap",
     "lm_head_top2_gap",
@@ -63,6 +64,12 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: 
 def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: `residual += input`, then `input = rms_norm(residual) * weight`."""
     _ops.fused_add_rms_norm(input, residual, weight, float(eps))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """`out [..., d] = silu(gate) * up` for `input [..., 2d] = [gate | up]`; returns `out`."""
+    _ops.silu_and_mul(out, input)
+    return out
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -81,6 +81,11 @@ def fused_add_rms_norm(input, residual, weight, eps) -> None:
     input.copy_((_rms(residual, eps) * weight.float()).to(input.dtype))
 
 
+def silu_and_mul(out, input) -> None:
+    gate, up = input.float().chunk(2, dim=-1)
+    out.copy_((F.silu(gate) * up).to(out.dtype))
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     """Rotate the first 2 * cos.shape[-1] dims of x `[T, H, D]`; cos/sin `[T, rot_dim / 2]`."""
     rot_dim = 2 * cos.shape[-1]

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from eecore import ops
 from eecore.models.config import ModelConfig
@@ -93,7 +92,6 @@ class LayerViews:
         self.attn = self.attn_flat.view(T, c.num_heads, c.head_dim)
         self.o = ws.o[:T]
         self.gate_up = ws.gate_up[:T]
-        self.gate, self.up = self.gate_up.chunk(2, dim=-1)
         self.act = ws.act[:T]
 
 
@@ -164,8 +162,7 @@ class LlamaModel:
         o = project(v.o, v.attn_flat, w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
         project(v.gate_up, o, w.gate_up)
-        F.silu(v.gate, inplace=True)
-        act = torch.mul(v.gate, v.up, out=v.act)
+        act = ops.silu_and_mul(v.act, v.gate_up)
         return project(hidden, act, w.down, accumulate=True)  # hidden += mlp
 
     def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

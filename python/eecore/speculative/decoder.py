@@ -199,7 +199,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             for b in live:
                 copy_ran[b] = True
                 passes_left[b] -= 1
-            kept = self._take_drafts(self.draft_head.logits(hidden), live, seqs, drafts, draft_probs, exits)
+            kept = self._take_drafts(self.draft_head.columns(hidden), live, seqs, drafts, draft_probs, exits)
             for b in kept:
                 from_lookup[b].append(False)
                 extend_by_lookup(b)
@@ -315,7 +315,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 break
             picked = hidden if len(drafting) == len(live) == inputs.num_tokens else \
                 hidden.index_select(0, torch.tensor([starts[j] for j in drafting], device=hidden.device))
-            kept = self._take_drafts(self.draft_head.logits(picked), [live[j] for j in drafting], seqs,
+            kept = self._take_drafts(self.draft_head.columns(picked), [live[j] for j in drafting], seqs,
                                      drafts, draft_probs, exits)
             for b in kept:
                 newest[b] = drafts[b][-1]
@@ -336,7 +336,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         stack = self.draft_stack
         hidden = stack.first_pass([seqs[b] for b in live])
         for k in range(1, max(budgets[b] for b in live) + 1):
-            logits = self.draft_head.logits(hidden)
+            logits = self.draft_head.columns(hidden)
             kept = self._take_drafts(logits, live, seqs, drafts, draft_probs, exits, alternatives)
             live = [b for b in kept if len(drafts[b]) < budgets[b]]
             if not live:
@@ -346,7 +346,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     def _take_drafts(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts, draft_probs,
                      exits, alternatives=None) -> list[int]:
-        """Draft tokens of seqs[b] for b in `rows` (one row of `logits` each) appended to drafts[b]
+        """Draft tokens of seqs[b] for b in `rows` (one row of the draft head's column logits
+        `logits` each, DraftHead.columns) appended to drafts[b]
         and their q to draft_probs[b]; a draft that leads the chain as an exit (accept="confident":
         every earlier draft of the round exited, and it is at least exit_confidence sure) adds its
         logprobs (None unless requested) to exits[b]; with `alternatives`, its tree alternatives
@@ -371,8 +372,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def _alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
         """The draft's next most likely tokens after each greedy sequence's chain token (up to
         draft_top_k - 1, none outside the draft vocabulary); none for sampled sequences."""
-        values, indices = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        values, indices = values.tolist(), indices.tolist()
+        values, columns = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        values, indices = values.tolist(), self.draft_head.token_ids(columns).tolist()
         return [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
                 if seq.params.greedy else [] for seq, token, ids, vals in zip(seqs, tokens, indices, values)]
 
@@ -389,16 +390,19 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.runner.kv.copy_slots(src, dst)
 
     def _propose(self, logits: torch.Tensor, seqs: list[Sequence]):
-        """Draft tokens from layer-E logits: argmax, or a draw from the processed distribution q
-        (kept for rejection sampling). `confident` is False where the top-1 probability falls
-        below the draft threshold; `exiting` is True where it reaches exit_confidence
-        (accept="confident"), and `logprobs` holds what such an exit reports: its logprobs under
-        the exit's distribution, where the request asks for them (else None)."""
-        tokens = logits.argmax(dim=-1)
+        """Draft tokens from the draft head's column logits `[n, K]` (DraftHead.columns): argmax,
+        or a draw from the processed distribution q over the whole vocabulary (kept for
+        rejection sampling). `confident` is False where the top-1 probability falls below the
+        draft threshold; `exiting` is True where it reaches exit_confidence (accept="confident"),
+        and `logprobs` holds what such an exit reports: its logprobs under the exit's
+        distribution, where the request asks for them (else None). Greedy rows never leave the
+        K columns (the rest of the vocabulary has logit -inf)."""
+        head = self.draft_head
+        tokens = head.token_ids(logits.argmax(dim=-1))
         probs: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            q = Sampler.probabilities(logits[sampled], [seqs[i].params for i in sampled])
+            q = Sampler.probabilities(head.widen(logits[sampled]), [seqs[i].params for i in sampled])
             for j, i in enumerate(sampled):
                 tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
                 probs[i] = q[j]
@@ -406,7 +410,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         top1 = torch.softmax(logits, dim=-1).amax(dim=-1) if draft_threshold is not None else None
         confident = [True] * len(seqs) if top1 is None else (top1 >= draft_threshold).tolist()
         exiting = [False] * len(seqs) if exit_threshold is None else (top1 >= exit_threshold).tolist()
-        logprobs = [Sampler.logprobs(logits[i], int(tokens[i]), s.params.logprobs)
+        logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], int(tokens[i]), s.params.logprobs)
                     if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         return tokens.tolist(), probs, confident, exiting, logprobs
 
