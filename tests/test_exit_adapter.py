@@ -466,6 +466,7 @@ def test_draft_head_matches_hf_by_hand(tiny, llm, tokens, vocab, with_block, wit
         torch.testing.assert_close(columns, expected[:n], rtol=1e-4, atol=1e-4)
         assert torch.equal(head.widen(columns.clone()), logits)
         assert torch.equal(head.token_ids(columns.argmax(-1)), logits.argmax(-1))
+        assert head.token_id_list(columns.argmax(-1).tolist()) == logits.argmax(-1).tolist()
     assert head.vocab_size == (len(vocab) if with_vocab else VOCAB)
     gap, top1 = head.top2_gap(h)
     probs = expected.double().softmax(-1)

@@ -234,6 +234,7 @@ class DraftHead:
             self.block = self.block.int8()
         vocab = adapters.vocab if adapters is not None else None
         self.vocab = None if vocab is None else vocab.to(device)
+        self._vocab_list = None if vocab is None else vocab.tolist()
         head = model.lm_head
         if self.vocab is not None:
             head = head.rows(self.vocab) if isinstance(head, Int8Weight) else head.index_select(0, self.vocab).contiguous()
@@ -314,6 +315,10 @@ class DraftHead:
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of columns of the draft head's weight."""
         return columns if self.vocab is None else self.vocab[columns]
+
+    def token_id_list(self, columns: list[int]) -> list[int]:
+        """token_ids on the host: for columns already read back, without one more tensor op."""
+        return columns if self._vocab_list is None else [self._vocab_list[c] for c in columns]
 
 
 def _adapter_path(spec, model_path, is_encoder_decoder: bool, separate_draft_layers: bool = False) -> Optional[str]:

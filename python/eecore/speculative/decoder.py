@@ -398,7 +398,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         distribution, where the request asks for them (else None). Greedy rows never leave the
         K columns (the rest of the vocabulary has logit -inf)."""
         head = self.draft_head
-        tokens = head.token_ids(logits.argmax(dim=-1))
+        draft_threshold, exit_threshold = self.config.draft_threshold, self.config.exit_confidence
+        top1 = None
+        if draft_threshold is None and exit_threshold is None:
+            columns = logits.argmax(dim=-1).tolist()
+        else:
+            # the top-1 probability and its column in one softmax and one max: right after a
+            # verify pass has streamed the weights through every cache, each torch op costs tens
+            # of microseconds whatever its size, so a drafted token pays per op, not per element
+            p, columns = torch.softmax(logits, dim=-1).max(dim=-1)
+            top1, columns = p.tolist(), columns.tolist()
+        tokens = head.token_id_list(columns)
         probs: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
@@ -406,13 +416,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             for j, i in enumerate(sampled):
                 tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
                 probs[i] = q[j]
-        draft_threshold, exit_threshold = self.config.draft_threshold, self.config.exit_confidence
-        top1 = torch.softmax(logits, dim=-1).amax(dim=-1) if draft_threshold is not None else None
-        confident = [True] * len(seqs) if top1 is None else (top1 >= draft_threshold).tolist()
-        exiting = [False] * len(seqs) if exit_threshold is None else (top1 >= exit_threshold).tolist()
-        logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], int(tokens[i]), s.params.logprobs)
+        confident = [True] * len(seqs) if draft_threshold is None else [p >= draft_threshold for p in top1]
+        exiting = [False] * len(seqs) if exit_threshold is None else [p >= exit_threshold for p in top1]
+        logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
                     if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
-        return tokens.tolist(), probs, confident, exiting, logprobs
+        return tokens, probs, confident, exiting, logprobs
 
     @staticmethod
     def _logit_rows(widths: list[int], exits: list[list]) -> Optional[list[int]]:
