@@ -212,6 +212,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         it, and settles the copy's cache where the copy ran; returns the tokens and each
         sequence's first logits row."""
         results, offsets, offset, moves = [], [], 0, []
+        # every greedy row's full-depth token in one op (per sequence, each op would cost tens of
+        # microseconds here, right after the verify pass)
+        top = logits.argmax(dim=-1).tolist() if any(seq.params.greedy for seq in seqs) else None
         for b, (seq, n, probs) in enumerate(zip(seqs, widths, draft_probs)):
             chain = drafts[b]
             # accept="confident": the leading exits are emitted as they are (at layer E; their
@@ -219,7 +222,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             k = len(exits[b])
             n -= k
             tokens, leaf, agreed = self._accept(seq, chain[k:], probs[k:], logits[offset: offset + n],
-                                                alternatives[b][k:])
+                                                alternatives[b][k:], None if top is None else top[offset: offset + n])
             tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(chain[:k], exits[b])] + tokens
             agreed += k
             if leaf >= 0:  # (trees and exits never meet: draft_top_k > 1 is refused with them)
@@ -474,13 +477,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return self._logits(hidden, logit_rows)
 
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor,
-                alternatives: list[list[int]]) -> tuple[list[Token], int, int]:
+                alternatives: list[list[int]], top: Optional[list[int]]) -> tuple[list[Token], int, int]:
         """The tokens this round adds (accepted drafts, then the full model's own token), the
         verify row of an accepted alternative (-1: none), and how many chain drafts the model
-        agreed with."""
+        agreed with. `top`: the argmax of each row of `logits` (greedy sequences)."""
         L, k = self.num_layers, seq.params.logprobs
         if seq.params.greedy:
-            verdict = accept_greedy(drafts, alternatives, logits.argmax(dim=-1).tolist())
+            verdict = accept_greedy(drafts, alternatives, top)
             tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
         else:  # (sampled sequences draft no alternatives)
             p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
