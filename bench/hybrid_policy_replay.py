@@ -20,9 +20,10 @@ rows 1.00 1.08 1.12 1.17 1.22 and 1.51, 6 rows interpolated as 1.36, a one-row p
 prompt is left out (both switches pay it once per sequence). Tokens per round are exact; the speed
 is only as good as the costs.
 
-    python bench/hybrid_policy_replay.py [--num-prompts 24] [--max-tokens 96] [--top 12]
+    python bench/hybrid_policy_replay.py [--num-prompts 24] [--max-tokens 96] [--top 12] [--layer-only]
 
-writes bench/results/hybrid-policy-replay-<date>.json (every policy's figures).
+writes bench/results/hybrid-policy-replay-<date>.json (every policy's figures). `--layer-only`
+ranks stopping rules for layer drafts alone instead (the layer preset; layer-policy-replay-<date>.json).
 """
 from __future__ import annotations
 
@@ -140,6 +141,48 @@ def replay(records, switch: str, d: int, layer: int, min_n: int, max_n: int, thr
                 verify_rows_per_round=rows / rounds, modelled_speedup=tokens / cost)
 
 
+def replay_layer_only(records, d: int, rule: str, threshold: float, verify_costs, copy_cost) -> dict:
+    """Layer drafts alone (exit_ready("layer")): up to d copy tokens a round, a copy run stopped at
+    the first token whose top-1 probability (rule "token") or whose chain's product of top-1
+    probabilities (rule "chain", the expected chance that every draft so far is right) falls
+    below `threshold`; the stopping token's pass is paid."""
+    rounds = tokens = passes = 0
+    cost = 0.0
+    for rec in records:
+        r = Replay(rec, 1, 1)
+        while r.pos < len(rec["full"]):
+            drafts, n, chain = [], 0, 1.0
+            while len(drafts) < d:
+                n += 1
+                k = min(r.pos + len(drafts), len(rec["copy"]) - 1)
+                p = rec["copy_p"][k]
+                if (p if rule == "token" else chain * p) < threshold:
+                    break
+                chain *= p
+                drafts.append(rec["copy"][k])
+            tokens += r.advance(drafts)
+            rounds, passes = rounds + 1, passes + n
+            cost += verify_costs[len(drafts)] + n * copy_cost
+    return dict(d=d, rule=rule, threshold=threshold, tokens_per_round=tokens / rounds,
+                copy_passes_per_round=passes / rounds, modelled_speedup=tokens / cost)
+
+
+def layer_only(records, args) -> None:
+    rows = [replay_layer_only(records, d, rule, threshold, args.verify_costs, args.copy_pass_cost)
+            for d in range(1, len(args.verify_costs))
+            for rule, threshold in [("token", t) for t in (0.0, 0.1, 0.15, 0.2, 0.3, 0.4)] +
+            [("chain", t) for t in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)]]
+    rows.sort(key=lambda row: -row["modelled_speedup"])
+    print(f"{'rank':>4} {'d':>2} {'rule':>6} {'thr':>5} {'tok/round':>9} {'copy passes':>11} {'speed (model)':>13}")
+    for i, row in enumerate(rows[: args.top]):
+        print(f"{i + 1:4d} {row['d']:2d} {row['rule']:>6} {row['threshold']:5g} {row['tokens_per_round']:9.2f} "
+              f"{row['copy_passes_per_round']:11.2f} {row['modelled_speedup']:13.3f}")
+    path = save_results("layer-policy-replay", dict(
+        model="SmolLM2-135M-Instruct", num_prompts=len(records), max_tokens=args.max_tokens,
+        verify_costs=args.verify_costs, copy_pass_cost=args.copy_pass_cost, rows=rows))
+    print(f"results: {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=24)
@@ -148,6 +191,8 @@ def main():
                     help="a verify pass of 1, 2, ... rows, in one-row full-depth steps")
     ap.add_argument("--copy-pass-cost", type=float, default=0.09, help="a draft copy pass, in one-row steps")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--layer-only", action="store_true",
+                    help="rank stopping rules for layer drafts alone (the layer preset) instead of hybrid policies")
     args = ap.parse_args()
     max_d = len(args.verify_costs) - 1
     records = record(args.num_prompts, args.max_tokens)
@@ -155,6 +200,8 @@ def main():
         sum(len(rec["full"]) for rec in records)
     print(f"CPU: {cpu_model()}; {len(records)} held-out code prompts x {args.max_tokens} greedy tokens; "
           f"the copy's teacher-forced top-1 agreement {agreement:.3f}")
+    if args.layer_only:
+        return layer_only(records, args)
     rows = []
     for switch, d, layer, min_n, max_n, threshold in itertools.product(
             ["round", "token"], range(2, max_d + 1), [1, 2, 3, 4], [1, 2, 3], [3, 4, 5], [None, 0.15, 0.3]):
