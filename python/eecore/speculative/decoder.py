@@ -349,12 +349,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     def _take_drafts(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts, draft_probs,
                      exits, alternatives=None) -> list[int]:
-        """Draft tokens of seqs[b] for b in `rows` (one row of the draft head's column logits
-        `logits` each, DraftHead.columns) appended to drafts[b]
-        and their q to draft_probs[b]; a draft that leads the chain as an exit (accept="confident":
-        every earlier draft of the round exited, and it is at least exit_confidence sure) adds its
-        logprobs (None unless requested) to exits[b]; with `alternatives`, its tree alternatives
-        too. A doubtful draft (below draft_threshold) is dropped and ends its sequence's drafting
+        """Draft tokens of seqs[b] for b in `rows` (one row each of `logits`, the draft head's
+        column logits: DraftHead.columns) appended to drafts[b] and their q to draft_probs[b];
+        a draft that leads the chain as an exit (accept="confident": every earlier draft of the
+        round exited, and it is at least exit_confidence sure) adds its logprobs (None unless
+        requested) to exits[b]; with `alternatives`, its tree alternatives too. A doubtful draft (below draft_threshold) is dropped and ends its sequence's drafting
         (adaptive draft length). Returns the rows that drafted."""
         live_seqs = [seqs[b] for b in rows]
         tokens, probs, confident, exiting, logprobs = self._propose(logits, live_seqs)
