@@ -353,8 +353,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         column logits: DraftHead.columns) appended to drafts[b] and their q to draft_probs[b];
         a draft that leads the chain as an exit (accept="confident": every earlier draft of the
         round exited, and it is at least exit_confidence sure) adds its logprobs (None unless
-        requested) to exits[b]; with `alternatives`, its tree alternatives too. A doubtful draft (below draft_threshold) is dropped and ends its sequence's drafting
-        (adaptive draft length). Returns the rows that drafted."""
+        requested) to exits[b]; with `alternatives`, its tree alternatives too. A doubtful draft
+        (below draft_threshold) is dropped and ends its sequence's drafting (adaptive draft
+        length). Returns the rows that drafted."""
         live_seqs = [seqs[b] for b in rows]
         tokens, probs, confident, exiting, logprobs = self._propose(logits, live_seqs)
         alts = self._alternatives(logits, live_seqs, tokens) if self.top_k > 1 else [[]] * len(rows)
