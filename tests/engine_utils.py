@@ -45,6 +45,15 @@ def truncated_merged(hf, lora: LoraDeltas | None, E: int):
     return model.eval()
 
 
+def assert_copy_logits_match(hf, lora: LoraDeltas | None, E: int, seen) -> None:
+    """Each (context, logits) of `seen`, draft logits a copy of layers 0..E-1 computed after
+    `context`, equals HF's truncated model with `lora` merged (truncated_merged) there."""
+    reference = truncated_merged(hf, lora, E)
+    with torch.no_grad():
+        for context, logits in seen:
+            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
 def int8_rounded(hf):
     """HF's model with every projection and the LM head in weight-only int8 as eecore computes it
     (eecore.models.int8_weights): the weights replaced by their dequantized int8 values, and each

@@ -8,7 +8,7 @@ import torch
 
 import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
-from engine_utils import greedy, truncated_merged
+from engine_utils import assert_copy_logits_match, greedy
 from model_factory import random_lora
 from test_lookup_drafts import _p_value, repetitive_prompts, tiny_vocab  # noqa: F401 (a fixture)
 from test_separate_draft_layers import VOCAB, tiny  # noqa: F401 (a fixture)
@@ -105,10 +105,7 @@ def test_copy_drafts_after_lookup_tokens_see_them(tiny, lora_file):
     llm.generate(_prompts(8), [greedy(12 + 3 * i) for i in range(8)])
     assert len(seen) > 10
     assert any(c[i] is True and c[i + 1] is False for c in chains for i in range(len(c) - 1))
-    reference = truncated_merged(hf, lora, 2)
-    with torch.no_grad():
-        for context, logits in seen:
-            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    assert_copy_logits_match(hf, lora, 2, seen)
 
 
 def test_the_guard_judges_layer_tokens_alone(tiny, lora_file):

@@ -10,7 +10,7 @@ import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.guard import break_even_acceptance
-from engine_utils import greedy, int8_rounded, random_prompts, truncated_merged
+from engine_utils import assert_copy_logits_match, greedy, int8_rounded, random_prompts, truncated_merged
 from model_factory import make_peaked_tiny_model, random_lora
 
 L, VOCAB = 4, 320
@@ -131,10 +131,7 @@ def test_without_a_file_the_copy_is_the_models_first_layers(tiny):
     llm = _separate(path, E, 1)
     seen = _record_drafts(llm)
     llm.generate(random_prompts(VOCAB, [6, 9], seed=4), greedy(12))
-    reference = truncated_merged(hf, None, E)
-    with torch.no_grad():
-        for context, logits in seen:
-            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    assert_copy_logits_match(hf, None, E, seen)
 
 
 def test_hybrid_rounds_leave_the_copy_behind_and_it_catches_up(tiny, lora_file):
@@ -151,10 +148,7 @@ def test_hybrid_rounds_leave_the_copy_behind_and_it_catches_up(tiny, lora_file):
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert sum(o.metrics["num_lookup_rounds"] for o in outs) > 0 and seen
-    reference = truncated_merged(hf, lora, 2)
-    with torch.no_grad():
-        for context, logits in seen:
-            torch.testing.assert_close(logits, reference(torch.tensor([context])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    assert_copy_logits_match(hf, lora, 2, seen)
 
 
 def test_blocks_come_back(tiny, lora_file):
