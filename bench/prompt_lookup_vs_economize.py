@@ -7,7 +7,9 @@ Configurations, all on the same weights and measured side by side in one run:
 - `economize`: economize.apply(that model, LookupConfig(max_ngram, min_ngram), DecodeConfig(cycle_length=d+1))
   and its `generate` (PyPI package `economize`, for HF causal LMs);
 - `full`, `lookup`, `hybrid`: eecore at full depth, with prompt-lookup drafts, and with lookup drafts
-  falling back to layer-E drafts (`--exit-layer`, `--exit-adapter`).
+  falling back to layer-E drafts (`--exit-layer`, `--exit-adapter`); with `--exit-ready` the hybrid
+  is `SelfSpeculativeConfig.exit_ready("hybrid")`, the preset `eecore generate --exit-ready hybrid`
+  runs (the shipped draft layers as an int8 copy; its own d, n-grams and exit layer).
 Every repeat runs all configurations in turn, in an order that rotates between repeats, so drift and
 bursts of load on a shared machine hit them alike; the table reports the median seconds of each
 configuration over the whole prompt set, its tok/s and its ratios to HF and to economize, and
@@ -15,7 +17,7 @@ whether its tokens equal HF's greedy tokens (eecore full depth's without `hf`).
 
     python bench/prompt_lookup_vs_economize.py [--num-prompts 8] [--max-tokens 64] [--repeats 3]
         [--num-speculations 4] [--min-ngram 1] [--max-ngram 3] [--exit-layer 12] [--layer-speculations D]
-        [--exit-adapter [FILE]]
+        [--exit-adapter [FILE]] [--exit-ready]
         [--economize-match earliest|latest] [--configs hf economize full lookup hybrid] [--out-name NAME]
 
 writes bench/results/cpu-prompt-lookup-<date>.json. `--sweep-ngrams` instead measures, from one
@@ -29,6 +31,7 @@ the packages held out of the exit adapters' training corpus (jinja2, tqdm, gguf)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -156,6 +159,9 @@ def main():
                     help="the hybrid's longest layer draft (default: --num-speculations)")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters for the hybrid's layer drafts: the shipped ones (no FILE), or a file")
+    ap.add_argument("--exit-ready", action="store_true",
+                    help="the hybrid is SelfSpeculativeConfig.exit_ready('hybrid') with the shipped file "
+                         "(implies --exit-adapter; --exit-layer/--layer-speculations do not apply)")
     ap.add_argument("--economize-match", choices=["earliest", "latest"], default="earliest",
                     help="which earlier occurrence economize copies (its default: earliest; eecore: latest)")
     ap.add_argument("--configs", nargs="+", default=["hf", "economize", "full", "lookup", "hybrid"],
@@ -163,6 +169,8 @@ def main():
     ap.add_argument("--sweep-ngrams", action="store_true", help="only the simulated n-gram sweep (no timing)")
     ap.add_argument("--out-name", default="cpu-prompt-lookup")
     args = ap.parse_args()
+    if args.exit_ready and args.exit_adapter is None:
+        args.exit_adapter = True  # the preset drafts with the shipped draft layers
     defaults = eecore.SelfSpeculativeConfig(draft="lookup")
     lo = defaults.lookup_min_ngram if args.min_ngram is None else args.min_ngram
     hi = defaults.lookup_max_ngram if args.max_ngram is None else args.max_ngram
@@ -204,9 +212,10 @@ def main():
                          speculative=eecore.SelfSpeculativeConfig(draft="lookup", **spec))
         runners["lookup"] = eecore_runner(llm, args.max_tokens, stats.setdefault("lookup", {}))
     if "hybrid" in args.configs:
-        llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, **adapter,
-                         speculative=eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=args.exit_layer,
-                                                                  layer_speculations=args.layer_speculations, **spec))
+        hybrid = (eecore.SelfSpeculativeConfig.exit_ready("hybrid") if args.exit_ready else
+                  eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=args.exit_layer,
+                                               layer_speculations=args.layer_speculations, **spec))
+        llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, **adapter, speculative=hybrid)
         runners["hybrid"] = eecore_runner(llm, args.max_tokens, stats.setdefault("hybrid", {}))
 
     names = list(runners)
@@ -252,6 +261,7 @@ def main():
         num_speculations=d, layer_speculations=args.layer_speculations, min_ngram=lo, max_ngram=hi,
         economize_match=args.economize_match,
         economize_version=_version("economize"), exit_layer=args.exit_layer,
+        hybrid_config=dataclasses.asdict(hybrid) if "hybrid" in args.configs else None,
         exit_adapter=args.exit_adapter, rows=rows))
     print(f"\nresults: {path}")
 
