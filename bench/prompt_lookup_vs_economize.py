@@ -5,7 +5,10 @@ Configurations, all on the same weights and measured side by side in one run:
 - `hf`: plain HF transformers `generate` (the model built from the default GGUF with
   tests/model_factory.py's hf_model_from_gguf);
 - `economize`: economize.apply(that model, LookupConfig(max_ngram, min_ngram), DecodeConfig(cycle_length=d+1))
-  and its `generate` (PyPI package `economize`, for HF causal LMs);
+  and its `generate` (PyPI package `economize`, for HF causal LMs). economize 0.3.2 refuses the
+  `cache` model input that transformers 5.24 passes to its generate ("cannot forward the model
+  inputs ['cache']"); it runs with transformers 5.23 (e.g. in a venv made with
+  --system-site-packages and `pip install transformers==5.23.0`);
 - `full`, `lookup`, `hybrid`: eecore at full depth, with prompt-lookup drafts, and with lookup drafts
   falling back to layer-E drafts (`--exit-layer`, `--exit-adapter`); with `--exit-ready` the hybrid
   is `SelfSpeculativeConfig.exit_ready("hybrid")`, the preset `eecore generate --exit-ready hybrid`
