@@ -11,8 +11,9 @@ as fp32 weights and as one bf16 `torch.mm` of the int8 values (oneDNN, which use
 has it), the comparison behind the draft-layers model card's notes on batch 8.
 
     python bench/linear_rows.py [--rows 1 4 8 12 16 24] [--cached-layers 4] [--catch-up-rows 100 752]
+                                [--out-name linear-rows]
 
-writes bench/results/linear-rows-<date>.json.
+writes bench/results/<out-name>-<date>.json.
 """
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--cached-layers", type=int, default=4, help="layers whose weights stay in the cache")
     ap.add_argument("--catch-up-rows", type=int, nargs="*", default=[100, 752])
     ap.add_argument("--repeats", type=int, default=7, help="best of this many passes")
+    ap.add_argument("--out-name", default="linear-rows", help="results file prefix")
     args = ap.parse_args()
     for name in ("rows", "catch_up_rows"):
         if any(r < 1 for r in getattr(args, name)):
@@ -120,7 +122,7 @@ def main() -> None:
     if not 1 <= args.cached_layers <= NUM_LAYERS:
         ap.error(f"--cached-layers must be in [1, {NUM_LAYERS}], got {args.cached_layers}")
     print(f"CPU: {cpu_model()}, torch threads {torch.get_num_threads()}")
-    path = save_results("linear-rows", dict(model_shapes="SmolLM2-135M", layer_shapes=LAYER_SHAPES,
+    path = save_results(args.out_name, dict(model_shapes="SmolLM2-135M", layer_shapes=LAYER_SHAPES,
                                             rows=row_sweep(args), catch_up=catch_up(args)))
     print(f"results: {path}")
 

@@ -179,7 +179,38 @@ def test_int8_weight_a_rows_bits_do_not_depend_on_the_other_rows(k, n):
         assert torch.equal(out, alone[:rows]), rows
 
 
-@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("rows", [24, 60, 150])  # streaming, then prompt sizes (int8 GEMMs with AMX)
+@pytest.mark.parametrize("k", [37, 576, 4100])
+def test_int8_weight_sums_are_the_exact_integer_sums(device, rows, k):
+    """Every int16 value a row can round to (both extremes, -1, values of either byte alone) against
+    weights at -128 and 127: each output is the exact integer sum times the two scales, to within
+    fp32 rounding of the products' magnitudes (the streaming kernel sums its lanes in fp32; the
+    CPU's AMX path splits each int16 into two bytes, and a wrong byte or offset would be off by
+    at least 128 x the weights' sum)."""
+    gen = torch.Generator().manual_seed(k + rows)
+    rng = reference.int16_row_range(k)
+    specials = torch.tensor([rng, -rng, -1, 1, 255, -256, 256, 128, -129, 0], dtype=torch.float32)
+    q = torch.randint(-rng, rng + 1, (rows, k), generator=gen).float()
+    q[:, :len(specials)] = specials[:k]
+    q[:, 0] = torch.where(torch.arange(rows) % 2 == 0, rng, -rng)  # every row reaches its range
+    inp = (q * 0.01).to(device)  # a row's absmax maps to rng, so these round back to q exactly
+    weight = torch.randint(-128, 128, (19, k), dtype=torch.int8, generator=gen)
+    weight[0] = -128
+    weight[1] = 127
+    weight = weight.to(device)
+    scale = (torch.rand(19, generator=gen) + 0.5).to(device)
+    out = torch.empty(rows, 19, device=device)
+    ops.linear(out, inp, weight, weight_scale=scale)
+    q_ref, row_scale = reference.round_rows_to_int16(inp.cpu())
+    assert torch.equal(q_ref, q)
+    exact = (q.double() @ weight.cpu().double().T).float()
+    scales = row_scale[:, None] * scale.cpu()[None, :]
+    magnitude = (q.abs().double() @ weight.cpu().double().abs().T).float() * scales  # (int8 abs wraps at -128)
+    error = (out.cpu() - exact * scales).abs()
+    assert (error <= 1e-6 * magnitude).all(), (error / magnitude).max()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 60])  # streaming, blocks, and the prompt-size path
 def test_int8_weight_accumulates_into_out(device, rows):
     inp, weight, scale, b = _int8_case(device, torch.float32, rows, 96, 70, True)
     out = torch.randn(rows, 70, device=device)

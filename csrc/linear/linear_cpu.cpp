@@ -4,7 +4,8 @@
 // rows; large inputs are a GEMM, where BLAS is good. A weight-only int8 weight (one fp32 scale per
 // output row) is streamed as int8 against input rows rounded to int16 (exact integer dot products
 // with AVX512-VNNI), so a decode step reads a quarter of an fp32 weight's bytes, and in row blocks
-// at every size (see linear_cpu).
+// at every size, or, at prompt sizes on CPUs with AMX-INT8, as int8 GEMMs of the rows' high and
+// low bytes (linear_int8_split.h).
 //
 // Why a kernel of our own for few rows: a decode step of a small model is a chain of
 // matrix-vector-like products bound by reading the weights, and BLAS small-M paths on many CPUs
@@ -18,6 +19,7 @@
 #include "common/cpu_dots.h"
 #include "linear/linear_checks.h"
 #include "linear/linear_gemm.h"
+#include "linear/linear_int8_split.h"
 
 namespace eecore {
 namespace {
@@ -36,6 +38,8 @@ constexpr int64_t kStreamingMaxRows = 24;
 // on 1; at 85 rows they tie on 2 threads and BLAS wins on 1, and from 128 rows BLAS wins
 // (136 GFLOP/s against 120 on 2 threads).
 constexpr int64_t kBlockedMaxRows = 48;
+// The int8 split GEMM's int32 sums stay exact below this many input features (linear_int8_split.h).
+constexpr int64_t kInt8SplitMaxFeatures = 131072;
 constexpr int64_t kRowBlock = 21;
 // Output columns per parallel task, and the multiply-adds below which one thread does it all.
 constexpr int64_t kTileCols = 64;
@@ -97,13 +101,24 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
                 const std::optional<at::Tensor>& bias, bool accumulate, const std::optional<at::Tensor>& weight_scale) {
   const LinearDims dims = check_linear_args(out, input, weight, bias, weight_scale);
   if (dims.rows == 0 || dims.out == 0) return;
-  // Weight-only int8 streams in row blocks at every size: widening the weight for one fp32 GEMM
-  // ran SmolLM2's projections at 49-600 rows 1.2-2.7x slower than fp32 weights did, the int16 x
-  // int8 blocks (AVX512-VNNI) 0.4-0.7x (Zen 4, 2 threads; a draft copy catching up on a prompt).
+  // Weight-only int8 streams in row blocks at every size, except on CPUs with AMX-INT8 (below):
+  // widening the weight for one fp32 GEMM ran SmolLM2's projections at 49-600 rows 1.2-2.7x slower
+  // than fp32 weights did, the int16 x int8 blocks (AVX512-VNNI) 0.4-0.7x (Zen 4, 2 threads; a
+  // draft copy catching up on a prompt).
   if ((dims.rows > kBlockedMaxRows && !is_int8_weight(weight)) || dims.in == 0)
     return linear_with_gemm(out, input, weight, bias, accumulate, weight_scale);
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t M = dims.rows;
+  // Weight-only int8 at prompt sizes, where the CPU has AMX-INT8: int8 GEMMs of the rows' bytes
+  // (linear_int8_split.h). Decode-sized inputs stay on the streaming kernel below, whose bits do not
+  // depend on the number of rows.
+  if (kInt8SplitGemm && is_int8_weight(weight) && M > kBlockedMaxRows && dims.in < kInt8SplitMaxFeatures) {
+    EECORE_DISPATCH_FLOAT(input.scalar_type(), "eecore::linear", [&] {
+      linear_int8_split_gemm<scalar_t>(out, input, weight, *weight_scale,
+                                       has_bias ? bias->const_data_ptr<scalar_t>() : nullptr, accumulate, dims);
+    });
+    return;
+  }
   int64_t block = M;
   if (M > kStreamingMaxRows) {
     const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
