@@ -85,22 +85,15 @@ def catch_up(args) -> list[dict]:
     bf16 = [w.data.to(torch.bfloat16) for w in int8]  # the int8 values, exact in bf16
     results = []
     for rows in args.catch_up_rows:
-        inputs, outputs = buffers(rows)
-        inputs16 = {k: x.to(torch.bfloat16) for k, x in inputs.items()}
-
-        def through(weights):
-            def run():
-                for w in weights:
-                    project(outputs[w.shape[0]], inputs[w.shape[1]], w)
-            return run
+        inputs16 = {k: x.to(torch.bfloat16) for k, x in buffers(rows)[0].items()}
 
         def bf16_mm():
             for w in bf16:
                 torch.mm(inputs16[w.shape[1]], w.t())
 
         row = dict(rows=rows, layers=DRAFT_LAYERS,
-                   int8_ms=1e3 * best_seconds(through(int8), args.repeats),
-                   fp32_ms=1e3 * best_seconds(through(dense), args.repeats),
+                   int8_ms=1e3 * best_seconds(projections_pass(int8, rows), args.repeats),
+                   fp32_ms=1e3 * best_seconds(projections_pass(dense, rows), args.repeats),
                    bf16_mm_ms=1e3 * best_seconds(bf16_mm, args.repeats))
         results.append(row)
         print(f"catch-up of {rows} rows through {DRAFT_LAYERS} layers: int8 linear {row['int8_ms']:.1f} ms, "

@@ -181,12 +181,14 @@ def test_int8_weight_a_rows_bits_do_not_depend_on_the_other_rows(k, n):
 
 @pytest.mark.parametrize("rows", [24, 60, 150])  # streaming, then prompt sizes (int8 GEMMs with AMX)
 @pytest.mark.parametrize("k", [37, 576, 4100])
-def test_int8_weight_sums_are_the_exact_integer_sums(device, rows, k):
-    """Every int16 value a row can round to (both extremes, -1, values of either byte alone) against
-    weights at -128 and 127: each output is the exact integer sum times the two scales, to within
-    fp32 rounding of the products' magnitudes (the streaming kernel sums its lanes in fp32; the
-    CPU's AMX path splits each int16 into two bytes, and a wrong byte or offset would be off by
-    at least 128 x the weights' sum)."""
+def test_int8_weight_sums_are_the_exact_integer_sums(rows, k):
+    """The CPU kernels' integer products (AVX512-VNNI, AVX2 vpmaddwd, AMX tiles). Every int16 value
+    a row can round to (both extremes, -1, values of either byte alone) against weights at -128 and
+    127: each output is the exact integer sum times the two scales, to within fp32 rounding of the
+    products' magnitudes (the streaming kernel sums its int32 lanes in fp32; the AMX path splits
+    each int16 into two bytes, and a wrong byte or offset would be off by at least 128 x the
+    weights' sum). CUDA's int8 path is an fp32 GEMM, held to the reference by the tests above."""
+    device = "cpu"
     gen = torch.Generator().manual_seed(k + rows)
     rng = reference.int16_row_range(k)
     specials = torch.tensor([rng, -rng, -1, 1, 255, -256, 256, 128, -129, 0], dtype=torch.float32)
