@@ -1,0 +1,73 @@
+"""A model's weights in transparent huge pages (2 MiB) on Linux CPUs.
+
+Why: a decode step reads every weight once, from DRAM, as a few long streams. With 4 KiB pages
+the CPU's hardware prefetchers stop at every page boundary and each page needs its own TLB entry,
+so a stream keeps stalling to restart; with 2 MiB pages it runs on. Streaming SmolLM2-shaped
+projections (576 x 1536 fp32, 1 GB of them, 2 threads, Intel Xeon with AVX-512) through the CPU's
+`linear` kernel ran 1.09x / 1.12x / 1.16x faster at 1 / 8 / 16 rows.
+
+How: one anonymous mapping sized for all the tensors, advised MADV_HUGEPAGE before anything is
+written to it (on kernels whose THP mode is `madvise`, the common default, only advised memory
+gets huge pages, and pages touched before the advice stay small); each tensor is then copied in
+at a 64-byte aligned offset and the model keeps the views. torch's own `THP_MEM_ALLOC_ENABLE`
+does the same per allocation, but it is read once per process, before the model exists.
+
+`EECORE_HUGE_PAGES=0` keeps the weights where they were loaded (to compare, or where memory is
+tight: packing holds a second copy of the weights until the loaded checkpoint is released).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Iterable
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+_ALIGNMENT = 64  # the CPU kernels' weight alignment (eecore.models.weights.WEIGHT_ALIGNMENT)
+ENV_VAR = "EECORE_HUGE_PAGES"
+
+
+def huge_pages_enabled() -> bool:
+    """Whether weights are packed into huge pages: Linux (MADV_HUGEPAGE exists) and not disabled
+    by EECORE_HUGE_PAGES=0."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(ENV_VAR, "1") != "0"
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+
+
+def pack_in_huge_pages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Copies of the CPU `tensors` in one huge-page-advised mapping, as `{id(original): copy}`
+    (a tensor listed twice, e.g. tied embeddings, is copied once). Empty where huge pages are not
+    available (not Linux, disabled, the kernel refuses the advice) or there is nothing to pack:
+    the caller then keeps its tensors."""
+    unique: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"pack_in_huge_pages: expected contiguous CPU tensors, got {t.device} "
+                             f"{'contiguous' if t.is_contiguous() else 'strided'} {tuple(t.shape)}")
+        unique.setdefault(id(t), t)
+    total = sum(_aligned(t.nbytes) for t in unique.values())
+    if not huge_pages_enabled() or total == 0:
+        return {}
+    # One huge page more than needed, so the packed range can start on a 2 MiB boundary (the
+    # kernel only maps whole aligned huge pages; the unused head is never touched, never backed).
+    size = (total + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out or disabled ("never"): plain pages would only cost a copy
+        mapping.close()
+        return {}
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    start = -arena.data_ptr() % HUGE_PAGE_BYTES
+    packed: dict[int, torch.Tensor] = {}
+    offset = start
+    for key, t in unique.items():
+        view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        packed[key] = view
+        offset += _aligned(t.nbytes)
+    return packed

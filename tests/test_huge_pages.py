@@ -1,0 +1,122 @@
+"""Weights packed into huge pages (eecore.models.huge_pages): the same values, aligned, tied
+weights still shared, the mapping advised where the OS has THP, and the same generations."""
+import mmap
+import re
+
+import pytest
+import torch
+
+from eecore.models.huge_pages import ENV_VAR, HUGE_PAGE_BYTES, huge_pages_enabled, pack_in_huge_pages
+from eecore.models.int8_weights import Int8Weight
+
+linux_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE (not Linux)")
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return re.search(r"\[(\w+)\]", f.read()).group(1)
+    except (OSError, AttributeError):
+        return "never"
+
+
+def _smaps_entry(address: int) -> tuple[int, int, dict[str, str]]:
+    """The mapping holding `address`: its start, end and /proc/self/smaps fields."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m and int(m.group(1), 16) <= address < int(m.group(2), 16):
+            fields = {}
+            for entry in lines[i + 1:]:
+                if re.match(r"[0-9a-f]+-[0-9a-f]+ ", entry):
+                    break
+                key, _, value = entry.partition(":")
+                fields[key] = value.strip()
+            return int(m.group(1), 16), int(m.group(2), 16), fields
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@linux_thp
+def test_pack_copies_each_tensor_once_aligned(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    a, b = torch.randn(300, 7), torch.randint(-127, 128, (5, 33), dtype=torch.int8)
+    c = torch.randn(3, dtype=torch.bfloat16)
+    packed = pack_in_huge_pages([a, b, a, c])
+    assert len(packed) == 3  # `a` listed twice, copied once
+    for t in (a, b, c):
+        got = packed[id(t)]
+        assert got.dtype == t.dtype and got.shape == t.shape and got.is_contiguous()
+        assert torch.equal(got, t) and got.data_ptr() != t.data_ptr()
+        assert got.data_ptr() % 64 == 0
+    # one mapping, starting on a huge-page boundary, in the order given
+    assert packed[id(a)].data_ptr() % HUGE_PAGE_BYTES == 0
+    assert packed[id(a)].data_ptr() < packed[id(b)].data_ptr() < packed[id(c)].data_ptr()
+    packed[id(a)].zero_()  # the copies are writable and independent of the originals
+    assert a.abs().sum() > 0
+
+
+def test_pack_refuses_strided_or_non_cpu_tensors():
+    with pytest.raises(ValueError, match="expected contiguous CPU tensors, got cpu strided"):
+        pack_in_huge_pages([torch.randn(4, 4).t()])
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="expected contiguous CPU tensors, got cuda"):
+            pack_in_huge_pages([torch.randn(4, device="cuda")])
+
+
+def test_disabled_or_empty_packs_nothing(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert not huge_pages_enabled()
+    assert pack_in_huge_pages([torch.randn(8)]) == {}
+    monkeypatch.delenv(ENV_VAR)
+    assert pack_in_huge_pages([]) == {}
+    assert pack_in_huge_pages([torch.empty(0)]) == {}
+
+
+@linux_thp
+@pytest.mark.parametrize("weight_dtype", [None, torch.int8])
+def test_llama_weights_live_in_one_advised_mapping(tmp_path, monkeypatch, weight_dtype):
+    from eecore.models.llama import LlamaModel
+    from eecore.models.loader import load_model
+    from model_factory import make_tiny_hf_model
+
+    path, _ = make_tiny_hf_model(tmp_path, num_layers=2, vocab_size=200, tie=True, with_tokenizer=False)
+    loaded = load_model(path, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ENV_VAR, "0")
+    plain = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=weight_dtype)
+    monkeypatch.delenv(ENV_VAR)
+    packed = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=weight_dtype)
+
+    def tensors(model):
+        out = [model.embed, model.final_norm, model.lm_head]
+        for layer in model.layers:
+            out += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
+        return [u for t in out for u in ((t.data, t.scale) if isinstance(t, Int8Weight) else (t,))]
+
+    for want, got in zip(tensors(plain), tensors(packed), strict=True):
+        assert torch.equal(got, want) and got.data_ptr() != want.data_ptr()
+    if weight_dtype is None:
+        assert packed.lm_head is packed.embed  # tied: still one tensor
+    else:
+        assert isinstance(packed.lm_head, Int8Weight) and isinstance(packed.layers[0].qkv, Int8Weight)
+    start, end, fields = _smaps_entry(packed.embed.data_ptr())
+    assert all(start <= t.data_ptr() < end for t in tensors(packed))
+    assert not any(start <= t.data_ptr() < end for t in tensors(plain))
+    if _thp_mode() != "never" and "THPeligible" in fields:  # the field exists since Linux 5.0
+        assert fields["THPeligible"] == "1"
+
+
+@linux_thp
+def test_generation_is_the_same_with_and_without_huge_pages(tmp_path, monkeypatch):
+    import eecore
+    from model_factory import make_tiny_hf_model
+
+    path, _ = make_tiny_hf_model(tmp_path, num_layers=2, vocab_size=200, with_tokenizer=False)
+    prompts = [[5, 17, 42, 7], [9, 3]]
+    params = eecore.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for setting in ("0", "1"):
+        monkeypatch.setenv(ENV_VAR, setting)
+        llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16, block_size=8)
+        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
