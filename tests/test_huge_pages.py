@@ -120,3 +120,37 @@ def test_generation_is_the_same_with_and_without_huge_pages(tmp_path, monkeypatc
         llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16, block_size=8)
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
+
+
+@linux_thp
+def test_zeros_in_huge_pages(monkeypatch):
+    from eecore.models.huge_pages import zeros_in_huge_pages
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    t = zeros_in_huge_pages((3, 5, 7), torch.bfloat16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0 and not t.any()
+    t[1, 2, 3] = 2.5
+    assert t.sum() == 2.5
+    assert zeros_in_huge_pages((0, 4), torch.float32) is None  # nothing to map
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert zeros_in_huge_pages((4,), torch.float32) is None
+
+
+@linux_thp
+def test_kv_cache_lives_in_huge_pages(monkeypatch):
+    from eecore.engine.kv_cache import KVCache
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    kv = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert kv.tensor.shape == (2, 2, 6, 4, 2, 8) and not kv.tensor.any()
+    start, end, fields = _smaps_entry(kv.tensor.data_ptr())
+    assert start <= kv.tensor.data_ptr() + kv.tensor.nbytes - 1 < end
+    if _thp_mode() != "never" and "THPeligible" in fields:
+        assert fields["THPeligible"] == "1"
+    kv.k(1)[3, 2] = 1.0  # the per-layer views write into the one tensor
+    kv.copy_slots(torch.tensor([3 * 4 + 2]), torch.tensor([0]))
+    assert torch.equal(kv.k(1)[0, 0], torch.ones(2, 8)) and kv.tensor.sum() == 2 * 16
+    monkeypatch.setenv(ENV_VAR, "0")
+    plain = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert not plain.tensor.any() and plain.tensor.shape == kv.tensor.shape

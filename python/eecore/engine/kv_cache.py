@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from eecore.models.huge_pages import zeros_in_huge_pages
+
 
 def _available_host_memory() -> int:
     try:
@@ -35,8 +37,11 @@ class KVCache:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                                  device=device)
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # on the CPU in huge pages where the OS has them (attention streams the cache as the decode
+        # step streams the weights; see eecore.models.huge_pages), backed only as blocks fill
+        in_huge_pages = zeros_in_huge_pages(shape, dtype) if torch.device(device).type == "cpu" else None
+        self.tensor = in_huge_pages if in_huge_pages is not None else torch.zeros(shape, dtype=dtype, device=device)
         self._k = [self.tensor[layer, 0] for layer in range(num_layers)]
         self._v = [self.tensor[layer, 1] for layer in range(num_layers)]
 

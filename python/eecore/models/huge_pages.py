@@ -12,6 +12,8 @@ gets huge pages, and pages touched before the advice stay small); each tensor is
 at a 64-byte aligned offset and the model keeps the views. torch's own `THP_MEM_ALLOC_ENABLE`
 does the same per allocation, but it is read once per process, before the model exists.
 
+The paged KV cache is allocated the same way (`zeros_in_huge_pages`): attention streams it too.
+
 `EECORE_HUGE_PAGES=0` keeps the weights where they were loaded (to compare, or where memory is
 tight: packing holds a second copy of the weights until the loaded checkpoint is released).
 """
@@ -38,6 +40,37 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
 
 
+def _advised_arena(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of zeros (uint8) starting on a huge-page boundary, in an anonymous mapping advised
+    MADV_HUGEPAGE before anything touches it; None where huge pages are not available. Pages are
+    backed on first write, so a large buffer costs memory only as it fills."""
+    if not huge_pages_enabled():
+        return None
+    # One huge page more than needed, so the range can start on a 2 MiB boundary (the kernel only
+    # maps whole aligned huge pages; the unused head is never touched, never backed).
+    size = (nbytes + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out or disabled ("never"): plain pages would only cost a copy
+        mapping.close()
+        return None
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    start = -arena.data_ptr() % HUGE_PAGE_BYTES
+    return arena[start:start + nbytes]
+
+
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A zero-filled CPU tensor in huge pages (a paged KV cache), or None where they are not
+    available (the caller then allocates as usual)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    arena = _advised_arena(nbytes) if nbytes > 0 else None
+    return None if arena is None else arena.view(dtype).view(shape)
+
+
 def pack_in_huge_pages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Copies of the CPU `tensors` in one huge-page-advised mapping, as `{id(original): copy}`
     (a tensor listed twice, e.g. tied embeddings, is copied once). Empty where huge pages are not
@@ -50,21 +83,11 @@ def pack_in_huge_pages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tenso
                              f"{'contiguous' if t.is_contiguous() else 'strided'} {tuple(t.shape)}")
         unique.setdefault(id(t), t)
     total = sum(_aligned(t.nbytes) for t in unique.values())
-    if not huge_pages_enabled() or total == 0:
+    arena = _advised_arena(total) if total > 0 else None
+    if arena is None:
         return {}
-    # One huge page more than needed, so the packed range can start on a 2 MiB boundary (the
-    # kernel only maps whole aligned huge pages; the unused head is never touched, never backed).
-    size = (total + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or disabled ("never"): plain pages would only cost a copy
-        mapping.close()
-        return {}
-    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    start = -arena.data_ptr() % HUGE_PAGE_BYTES
     packed: dict[int, torch.Tensor] = {}
-    offset = start
+    offset = 0
     for key, t in unique.items():
         view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
