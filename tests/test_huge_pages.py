@@ -154,3 +154,22 @@ def test_kv_cache_lives_in_huge_pages(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")
     plain = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert not plain.tensor.any() and plain.tensor.shape == kv.tensor.shape
+
+
+@linux_thp
+@pytest.mark.parametrize("variant", ["v1.1", "original"])
+def test_t5_weights_live_in_one_mapping(tmp_path, monkeypatch, variant):
+    """Decoder, encoder, cross K/V and bias tables all packed; the tied head of the original T5
+    still is its embedding (its outputs against HF: tests/test_t5_model.py)."""
+    import eecore
+    from eecore.models.huge_pages import _tensors_in
+    from t5_factory import make_tiny_t5
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    path, _ = make_tiny_t5(tmp_path, variant)
+    model = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16, block_size=4).model
+    weights = _tensors_in([model.embed, model.lm_head, model.final_norm, model.layers, model.cross_kv_weight,
+                           model.self_bias, model.encoder.bias_weight, model.encoder.final_norm, model.encoder.layers])
+    start, end, _ = _smaps_entry(model.embed.data_ptr())
+    assert all(start <= t.data_ptr() < end for t in weights)
+    assert (model.lm_head is model.embed) == (variant == "original")

@@ -19,9 +19,10 @@ tight: packing holds a second copy of the weights until the loaded checkpoint is
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -94,3 +95,40 @@ def pack_in_huge_pages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tenso
         packed[key] = view
         offset += _aligned(t.nbytes)
     return packed
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a weight attribute: a tensor, a list of them, a dataclass of them (a layer's
+    weights, an Int8Weight's integers and scales), nested; None and other values hold none."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list):
+        return [t for v in value for t in _tensors_in(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name))]
+    return []
+
+
+def _moved(value: Any, packed: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return packed[id(value)]
+    if isinstance(value, list):
+        return [_moved(v, packed) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), packed)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def place_in_huge_pages(*holders: tuple[object, tuple[str, ...]]) -> bool:
+    """Move the weights held in each `(object, attribute names)` into one huge-page mapping: every
+    tensor of those attributes (see _tensors_in) is replaced by its packed copy, and a tensor held
+    twice (tied embeddings) stays one tensor. Returns whether anything moved (not where huge pages
+    are unavailable: the weights then stay as they are)."""
+    packed = pack_in_huge_pages(t for obj, names in holders for name in names for t in _tensors_in(getattr(obj, name)))
+    if not packed:
+        return False
+    for obj, names in holders:
+        for name in names:
+            setattr(obj, name, _moved(getattr(obj, name), packed))
+    return True

@@ -10,14 +10,14 @@ stream after layer E-1, and `kv_fill` starts from it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from eecore import ops
 from eecore.models.config import ModelConfig
-from eecore.models.huge_pages import pack_in_huge_pages
+from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.int8_weights import Int8Weight, Weight, dense, project
 from eecore.models.rope import cos_sin_cache
 from eecore.models.weights import weight_taker
@@ -137,32 +137,11 @@ class LlamaModel:
                 gate_up=proj(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=proj(take(p + "mlp.down_proj.weight")),
             ))
-        if self.device.type == "cpu":
-            self._pack_weights_in_huge_pages()
+        if self.device.type == "cpu":  # see eecore.models.huge_pages
+            place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "layers")))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
-
-    def _pack_weights_in_huge_pages(self) -> None:
-        """Every weight moved into one huge-page mapping (eecore.models.huge_pages), tied ones
-        still shared; unchanged where the OS offers no huge pages."""
-        def tensors(w):
-            return [] if w is None else [w.data, w.scale] if isinstance(w, Int8Weight) else [w]
-
-        holders = [self] + self.layers
-        names = [("embed", "final_norm", "lm_head")] + [tuple(f.name for f in fields(LayerWeights))] * len(self.layers)
-        packed = pack_in_huge_pages(t for h, ns in zip(holders, names) for n in ns for t in tensors(getattr(h, n)))
-        if not packed:
-            return
-
-        def moved(w):
-            if isinstance(w, Int8Weight):
-                return Int8Weight(packed[id(w.data)], packed[id(w.scale)])
-            return None if w is None else packed[id(w)]
-
-        for holder, ns in zip(holders, names):
-            for n in ns:
-                setattr(holder, n, moved(getattr(holder, n)))
 
     def new_workspace(self, max_tokens: int) -> Workspace:
         return Workspace(self.config, max_tokens, self.dtype, self.device)

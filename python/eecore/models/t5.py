@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
+from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.llama import AttentionInputs
 from eecore.models.relative_position import causal_bias_table
 from eecore.models.t5_config import T5Config
@@ -132,6 +133,9 @@ class T5Model:
             take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"), c.num_buckets,
             c.max_distance)
         self.encoder = T5Encoder(c, take)
+        if self.device.type == "cpu":  # see eecore.models.huge_pages
+            place_in_huge_pages((self, ("embed", "lm_head", "final_norm", "layers", "cross_kv_weight", "self_bias")),
+                                (self.encoder, ("bias_weight", "final_norm", "layers")))
         self.act = _activation_(c.activation)
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
