@@ -3,7 +3,7 @@ acceptance, timed around the decoder's and the draft copy's methods, next to ful
 token.
 
     python bench/spec_round_cost.py --exit-adapter [FILE] --exit-layer 8 --num-speculations 2 [--prompts 4]
-        [--batch 1] [--draft-layers shared|separate] [--draft-dtype int8]
+        [--batch 1] [--draft-layers shared|separate] [--draft-dtype int8] [--dtype float32|bfloat16]
 
 At batch 1 the prompts run one at a time; with `--batch B` they run B at a time (`--prompts` of
 them in all), the way a server batches them. A round with shared layers costs the first E layers
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="prompts generated at once")
     ap.add_argument("--draft-layers", choices=["shared", "separate"], default="shared")
     ap.add_argument("--draft-dtype", default=None, help="--draft-layers separate: the copy's dtype")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
@@ -73,7 +74,7 @@ def main() -> None:
     seconds, calls = instrument()
     prompts = heldout_code_prompts(args.prompts)
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    kw = dict(dtype="float32", device="cpu", max_num_seqs=args.batch, exit_adapter=args.exit_adapter)
+    kw = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.batch, exit_adapter=args.exit_adapter)
     llms = {"full": eecore.LLM(**kw),
             "spec": eecore.LLM(**kw, speculative=eecore.SelfSpeculativeConfig(
                 exit_layer=args.exit_layer, num_speculations=args.num_speculations,

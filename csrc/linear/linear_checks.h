@@ -13,6 +13,10 @@ struct LinearDims {
 
 inline bool is_int8_weight(const at::Tensor& weight) { return weight.scalar_type() == at::kChar; }
 
+// A bf16 weight pre-tiled for AMX-BF16 (linear_amx_bf16.h): [N / 16, K / 32, 16, 32], the 16 x 32
+// tile of output rows 16 b.. and input features 32 s.. at [b, s].
+inline bool is_tiled_weight(const at::Tensor& weight) { return weight.dim() == 4; }
+
 inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias,
                                     const std::optional<at::Tensor>& weight_scale) {
@@ -20,7 +24,18 @@ inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& inp
   check_dim(op, "input", input, 2);
   check_float_dtype(op, "input", input);
   check_last_dim_contiguous(op, "input", input);
-  check_dim(op, "weight", weight, 2);
+  const bool tiled = is_tiled_weight(weight);
+  if (tiled) {
+    EECORE_CHECK_ARG(op, "weight", weight.scalar_type() == at::kBFloat16 && input.scalar_type() == at::kBFloat16,
+                     "a tiled weight [N/16, K/32, 16, 32] is bf16 against bf16 'input', got ", weight.scalar_type(),
+                     " against ", input.scalar_type());
+    check_size(op, "weight", weight, 2, 16, "16 output rows per tile (tiled [N/16, K/32, 16, 32])");
+    check_size(op, "weight", weight, 3, 32, "32 input features per tile (tiled [N/16, K/32, 16, 32])");
+    EECORE_CHECK_ARG(op, "weight", weight.size(1) * 32 == input.size(1), "tiled [N/16, K/32, 16, 32] with K/32 = ",
+                     weight.size(1), " does not match the input features K = ", input.size(1), " of 'input' [M, K]");
+  } else {
+    check_dim(op, "weight", weight, 2);
+  }
   const bool has_scale = weight_scale.has_value() && weight_scale->defined();
   if (is_int8_weight(weight)) {
     // weight-only int8: weight[j][k] stands for weight_scale[j] * weight[j][k]
@@ -40,21 +55,22 @@ inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& inp
   }
   check_contiguous(op, "weight", weight);
   check_same_device(op, "weight", weight, "input", input);
-  check_size(op, "weight", weight, 1, input.size(1), "the input features K of 'input' [M, K]");
+  if (!tiled) check_size(op, "weight", weight, 1, input.size(1), "the input features K of 'input' [M, K]");
+  const int64_t n_out = tiled ? weight.size(0) * 16 : weight.size(0);
   check_dim(op, "out", out, 2);
   check_same_dtype(op, "out", out, "input", input);
   check_same_device(op, "out", out, "input", input);
   check_size(op, "out", out, 0, input.size(0), "the rows M of 'input'");
-  check_size(op, "out", out, 1, weight.size(0), "the output features N of 'weight' [N, K]");
+  check_size(op, "out", out, 1, n_out, "the output features N of 'weight' [N, K]");
   check_last_dim_contiguous(op, "out", out);
   if (bias.has_value() && bias->defined()) {
     check_dim(op, "bias", *bias, 1);
     check_same_dtype(op, "bias", *bias, "input", input);
     check_same_device(op, "bias", *bias, "input", input);
-    check_size(op, "bias", *bias, 0, weight.size(0), "the output features N of 'weight'");
+    check_size(op, "bias", *bias, 0, n_out, "the output features N of 'weight'");
     check_contiguous(op, "bias", *bias);
   }
-  return {input.size(0), input.size(1), weight.size(0)};
+  return {input.size(0), input.size(1), n_out};
 }
 
 }  // namespace eecore

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "common/cpu_dots.h"
+#include "linear/linear_amx_bf16.h"
 #include "linear/linear_checks.h"
 #include "linear/linear_gemm.h"
 #include "linear/linear_int8_split.h"
@@ -100,6 +101,14 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const w_t* w, co
 void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, bool accumulate, const std::optional<at::Tensor>& weight_scale) {
   const LinearDims dims = check_linear_args(out, input, weight, bias, weight_scale);
+  if (is_tiled_weight(weight)) {
+    EECORE_CHECK_ARG("linear", "weight", amx::usable(), "is tiled for AMX-BF16 [N/16, K/32, 16, 32], which this CPU "
+                     "(or this build, or the OS) does not offer; pass the [N, K] weight (eecore.models.amx_weights)");
+    if (dims.rows == 0 || dims.out == 0) return;
+    const bool has_bias = bias.has_value() && bias->defined();
+    return amx::linear_tiled(out, input, weight, has_bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr,
+                             accumulate, dims);
+  }
   if (dims.rows == 0 || dims.out == 0) return;
   // Weight-only int8 streams in row blocks at every size, except on CPUs with AMX-INT8 (below):
   // widening the weight for one fp32 GEMM ran SmolLM2's projections at 49-600 rows 1.2-2.7x slower
@@ -143,3 +152,9 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
 }  // namespace eecore
 
 TORCH_LIBRARY_IMPL(eecore, CPU, m) { m.impl("linear", &eecore::linear_cpu); }
+
+namespace eecore {
+// Whether `linear` takes AMX-tiled bf16 weights here: the CPU has AMX-BF16, the build targets it
+// and the OS grants the tile state.
+bool amx_bf16_available() { return amx::usable(); }
+}  // namespace eecore

@@ -187,6 +187,8 @@ def round_rows_to_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear(out, input, weight, bias=None, accumulate=False, weight_scale=None) -> None:
+    if weight.dim() == 4:  # tiled for AMX-BF16 [N/16, K/32, 16, 32]
+        weight = weight.permute(0, 2, 1, 3).reshape(weight.shape[0] * weight.shape[2], -1)
     if weight_scale is None:
         y = input.float() @ weight.float().T
     else:  # weight-only int8: rows rounded to int16, exact integer products, both scales

@@ -18,6 +18,7 @@ from typing import Optional, Union
 import torch
 
 from eecore import ops
+from eecore.models.amx_weights import untile
 
 INT8_MAX = 127
 
@@ -67,6 +68,8 @@ def project(out: torch.Tensor, input: torch.Tensor, weight: Weight, bias: Option
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The weight as a dense tensor in `dtype` (for the rare path that needs one: kv_fill's stacked
-    K/V projections)."""
-    return weight.dequantize(dtype) if isinstance(weight, Int8Weight) else weight.to(dtype)
+    """The weight as a dense `[N, K]` tensor in `dtype` (for the rare path that needs one: kv_fill's
+    stacked K/V projections, a training twin), from int8 or from AMX tiles as well."""
+    if isinstance(weight, Int8Weight):
+        return weight.dequantize(dtype)
+    return untile(weight).to(dtype)

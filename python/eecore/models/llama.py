@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from eecore import ops
+from eecore.models.amx_weights import amx_available, can_tile, tile
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.int8_weights import Int8Weight, Weight, dense, project
@@ -137,11 +138,26 @@ class LlamaModel:
                 gate_up=proj(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=proj(take(p + "mlp.down_proj.weight")),
             ))
+        # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
+        self.lm_head_proj: Weight = self.lm_head
+        if self.device.type == "cpu" and self.weight_dtype == torch.bfloat16 and amx_available():
+            self._tile_projections()
         if self.device.type == "cpu":  # see eecore.models.huge_pages
-            place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "layers")))
+            place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "lm_head_proj", "layers")))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    def _tile_projections(self) -> None:
+        """The layers' projections in AMX tiles (eecore.models.amx_weights), where their shapes
+        allow. The LM head gets a tiled copy for the logits: the confidence ops, the draft heads and
+        the embedding (when tied) read it as `[V, d]`."""
+        for w in self.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                if can_tile(getattr(w, name)):
+                    setattr(w, name, tile(getattr(w, name)))
+        if can_tile(self.lm_head):
+            self.lm_head_proj = tile(self.lm_head)
 
     def new_workspace(self, max_tokens: int) -> Workspace:
         return Workspace(self.config, max_tokens, self.dtype, self.device)
@@ -172,7 +188,7 @@ class LlamaModel:
         return ops.rms_norm(out, hidden, self.final_norm, self.eps)
 
     def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return project(out, normed, self.lm_head)
+        return project(out, normed, self.lm_head_proj)
 
     # ---- early exit support ----------------------------------------------------------------
     def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from eecore.models.exit_adapter import SHIPPED_FILE, AdapterBlock, ExitAdapters, model_fingerprint
+from eecore.models.int8_weights import dense
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.early_exit_loss import EXIT_CURRICULA, exit_curriculum
 from eecore.train.exit_adapter import (TeacherPass, distillation_loss, exit_logits, frequent_tokens, init_block,
@@ -132,11 +133,12 @@ def hf_twin(model):
         state["lm_head.weight"] = model.lm_head
     for i, w in enumerate(model.layers):
         p = f"model.layers.{i}."
-        gate, up = w.gate_up.chunk(2)
+        qkv, o_proj, gate_up, down = (dense(t, torch.float32) for t in (w.qkv, w.o_proj, w.gate_up, w.down))
+        gate, up = gate_up.chunk(2)
         state.update({p + "input_layernorm.weight": w.input_norm, p + "post_attention_layernorm.weight": w.post_norm,
-                      p + "self_attn.q_proj.weight": w.qkv[:q_end], p + "self_attn.k_proj.weight": w.qkv[q_end:k_end],
-                      p + "self_attn.v_proj.weight": w.qkv[k_end:], p + "self_attn.o_proj.weight": w.o_proj,
-                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": w.down})
+                      p + "self_attn.q_proj.weight": qkv[:q_end], p + "self_attn.k_proj.weight": qkv[q_end:k_end],
+                      p + "self_attn.v_proj.weight": qkv[k_end:], p + "self_attn.o_proj.weight": o_proj,
+                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": down})
     missing, unexpected = hf.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing if k != "lm_head.weight"):
         raise RuntimeError(f"hf_twin: missing {missing}, unexpected {unexpected}")
