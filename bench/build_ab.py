@@ -8,7 +8,7 @@ Each build is a source checkout with its extension built in place (`python setup
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python setup.py build_ext --inplace)
     python bench/build_ab.py --a /tmp/before --b . --flags "--exit-ready layer" [--pairs 4]
-        [--prompts code] [--num-prompts 8] [--max-tokens 64] [--out-name NAME]
+        [--base-flags "--dtype bfloat16"] [--prompts code] [--num-prompts 8] [--max-tokens 64] [--out-name NAME]
 
 Each process times full depth, then the configuration `--flags` (`eecore generate` flags), over
 the prompts one at a time. Prints, per pair, B's time over A's for both, and each build's speed-up
@@ -35,7 +35,7 @@ def worker(args) -> None:
 
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     seconds, outputs = {}, {}
-    for name, flags in (("full", ""), ("config", args.flags)):
+    for name, flags in (("full", args.base_flags), ("config", f"{args.base_flags} {args.flags}")):
         llm = llm_from_flags(flags)
         prompts = bench_prompt_ids(llm.tokenizer, args.prompts, args.num_prompts)
         llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))  # warm-up
@@ -52,6 +52,7 @@ def worker(args) -> None:
 def run_build(checkout: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(checkout), "python"))
     cmd = [sys.executable, os.path.join(HERE, "build_ab.py"), "--worker", "--flags", args.flags,
+           f"--base-flags={args.base_flags}",
            "--prompts", args.prompts, "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
     done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True)
     if done.returncode != 0:
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--a", help="checkout of build A (the baseline)")
     ap.add_argument("--b", help="checkout of build B")
     ap.add_argument("--flags", default="--exit-ready layer", help="eecore generate flags of the configuration")
+    ap.add_argument("--base-flags", default="", help="flags of both runs, full depth too (e.g. '--dtype bfloat16')")
     ap.add_argument("--prompts", choices=["chat", "code"], default="code")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -84,7 +86,7 @@ def main() -> None:
     from common import cpu_model, save_results
 
     pairs = []
-    print(f"CPU: {cpu_model()}; {args.flags!r}, {args.num_prompts} {args.prompts} prompts x {args.max_tokens} tokens")
+    print(f"CPU: {cpu_model()}; {args.base_flags + ' ' if args.base_flags else ''}{args.flags!r}, {args.num_prompts} {args.prompts} prompts x {args.max_tokens} tokens")
     for p in range(args.pairs):
         order = ("a", "b") if p % 2 == 0 else ("b", "a")  # ABBA
         runs = {k: run_build(getattr(args, k), args) for k in order}
@@ -100,6 +102,7 @@ def main() -> None:
                for k in ("config_b_over_a", "full_b_over_a", "speedup_a", "speedup_b")}
     print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     path = save_results(args.out_name, dict(a=os.path.abspath(args.a), b=os.path.abspath(args.b), flags=args.flags,
+                                            base_flags=args.base_flags,
                                             prompts=args.prompts, num_prompts=args.num_prompts,
                                             max_tokens=args.max_tokens, pairs=pairs, medians=summary))
     print(f"results: {path}")

@@ -72,7 +72,10 @@ class BlockManager:
             if block in self._digest_of:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                # taken first again (last in, first out): its lines may still be cached, and the
+                # blocks in use stay few, so the KV cache's memory (backed as it is first written,
+                # see KVCache) does not grow past what the load needs
+                self._free.appendleft(block)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -49,7 +49,7 @@ import torch
 
 from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
-from eecore.engine.sampler import Sampler
+from eecore.engine.sampler import Sampler, argmax_rows
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
@@ -214,7 +214,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         results, offsets, offset, moves = [], [], 0, []
         # every greedy row's full-depth token in one op (per sequence, each op would cost tens of
         # microseconds here, right after the verify pass)
-        top = logits.argmax(dim=-1).tolist() if any(seq.params.greedy for seq in seqs) else None
+        top = argmax_rows(logits).tolist() if any(seq.params.greedy for seq in seqs) else None
         for b, (seq, n, probs) in enumerate(zip(seqs, widths, draft_probs)):
             chain = drafts[b]
             # accept="confident": the leading exits are emitted as they are (at layer E; their
@@ -404,7 +404,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         draft_threshold, exit_threshold = self.config.draft_threshold, self.config.exit_confidence
         top1 = None
         if draft_threshold is None and exit_threshold is None:
-            columns = logits.argmax(dim=-1).tolist()
+            columns = argmax_rows(logits).tolist()
         else:
             # the top-1 probability and its column in one softmax and one max: right after a
             # verify pass has streamed the weights through every cache, each torch op costs tens
