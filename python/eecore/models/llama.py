@@ -35,7 +35,9 @@ class LayerWeights:
     gate_up: Weight                   # [2 I, d]: gate and up projections stacked
     down: Weight                      # [d, I]
     # The projections are dense tensors in the model's dtype, or weight-only int8
-    # (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights).
+    # (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights), or, for a bf16 model on a
+    # CPU with AMX-BF16, bf16 tiles [N/16, K/32, 16, 32] (eecore.models.amx_weights; `dense` gives
+    # any of them back as [N, K]).
 
 
 @dataclass
