@@ -170,3 +170,19 @@ def test_the_running_batch_is_bounded_and_admission_is_fcfs(mixed):
         order += [q for q in step.prefills if q.num_computed_tokens == 0]
         _apply(sched, step, 4)
     assert order == seqs
+
+
+def test_released_blocks_are_taken_first_again():
+    """Last in, first out: a new sequence gets the blocks just given back (their KV lines may be
+    cached, and a lazily backed KV cache only grows as far as the load needs)."""
+    bm = BlockManager(10, 4)
+    a, b = _seq(8), _seq(8)
+    bm.grow(a, 8)
+    bm.grow(b, 8)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    bm.free(b)
+    bm.shrink(a, 4)  # a speculative rollback gives back block 1
+    c = _seq(12)
+    bm.grow(c, 12)
+    assert c.block_table == [1, 3, 2]  # the last given back first; then untouched blocks 4..9
+    assert bm.num_free_blocks == 10 - 4

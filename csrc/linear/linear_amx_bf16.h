@@ -135,8 +135,9 @@ inline void linear_tiled(at::Tensor& out, const at::Tensor& input, const at::Ten
   const c10::BFloat16* w = weight.const_data_ptr<c10::BFloat16>();
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0);
-  // at least ~256k multiply-adds a task, as the streaming kernel's tiles
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * kTileRows));
+  // at least ~64k multiply-adds a task; at::parallel_for then splits the blocks evenly (a larger
+  // minimum left SmolLM2's 36-block o_proj at one row as 28 + 8 blocks on 2 threads)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * kTileRows));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     alignas(64) float c[kBlocksInFlight * kTileRows * kChunkRows];
     int64_t configured = -1;
