@@ -146,3 +146,29 @@ def test_bf16_llama_runs_its_projections_in_tiles(tmp_path, monkeypatch):
     x = torch.randn(5, 64, dtype=BF16)
     torch.testing.assert_close(tiled.lm_head_logits(x, torch.empty(5, 320, dtype=BF16)),
                                plain.lm_head_logits(x, torch.empty(5, 320, dtype=BF16)), **tol(BF16, scale=4))
+
+
+@needs_amx
+def test_bf16_t5_runs_its_decoder_projections_in_tiles(tmp_path, monkeypatch):
+    """T5's decoder tiles what its shapes allow (wo [32, 48] cannot: K % 32), its LM head gets a
+    tiled copy, and kv_fill's stacked K/V weights are the same from tiles (outputs against HF in
+    fp32: tests/test_t5_model.py)."""
+    import eecore
+    from t5_factory import make_tiny_t5
+
+    path, _ = make_tiny_t5(tmp_path, "v1.1")
+    def model():
+        return eecore.LLM(path, dtype="bfloat16", device="cpu", num_blocks=16, block_size=4).model
+    tiled = model()
+    monkeypatch.setenv(ENV_VAR, "0")
+    plain = model()
+    for w, p in zip(tiled.layers, plain.layers, strict=True):
+        for name in ("qkv", "self_o", "cross_q", "cross_o", "wi"):
+            assert getattr(w, name).dim() == 4 and torch.equal(untile(getattr(w, name)), getattr(p, name))
+        assert w.wo.dim() == 2 and torch.equal(w.wo, p.wo)
+    assert torch.equal(untile(tiled.lm_head_proj), plain.lm_head) and plain.lm_head_proj is plain.lm_head
+    assert torch.equal(tiled.kv_fill_weights()[0], plain.kv_fill_weights()[0])
+    x = torch.randn(3, tiled.config.hidden_size, dtype=BF16)
+    vocab = tiled.config.vocab_size
+    torch.testing.assert_close(tiled.lm_head_logits(x, torch.empty(3, vocab, dtype=BF16)),
+                               plain.lm_head_logits(x, torch.empty(3, vocab, dtype=BF16)), **tol(BF16, scale=4))

@@ -16,6 +16,7 @@ batch-1 decode alone matters, EECORE_AMX=0.
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import torch
 
@@ -56,3 +57,13 @@ def untile(weight: torch.Tensor) -> torch.Tensor:
         return weight
     blocks, steps, rows, depth = weight.shape
     return weight.permute(0, 2, 1, 3).reshape(blocks * rows, steps * depth)
+
+
+def tile_where_possible(holders: Iterable[object], names: tuple[str, ...]) -> None:
+    """Each holder's weight attribute in `names` replaced by its tiles, where it can be tiled (the
+    others stay `[N, K]`, which `ops.linear` runs as well)."""
+    for holder in holders:
+        for name in names:
+            weight = getattr(holder, name)
+            if can_tile(weight):
+                setattr(holder, name, tile(weight))

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from eecore import ops
-from eecore.models.amx_weights import amx_available, can_tile, tile
+from eecore.models.amx_weights import amx_available, can_tile, tile, tile_where_possible
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.int8_weights import Int8Weight, Weight, dense, project
@@ -154,10 +154,7 @@ class LlamaModel:
         """The layers' projections in AMX tiles (eecore.models.amx_weights), where their shapes
         allow. The LM head gets a tiled copy for the logits: the confidence ops, the draft heads and
         the embedding (when tied) read it as `[V, d]`."""
-        for w in self.layers:
-            for name in ("qkv", "o_proj", "gate_up", "down"):
-                if can_tile(getattr(w, name)):
-                    setattr(w, name, tile(getattr(w, name)))
+        tile_where_possible(self.layers, ("qkv", "o_proj", "gate_up", "down"))
         if can_tile(self.lm_head):
             self.lm_head_proj = tile(self.lm_head)
 

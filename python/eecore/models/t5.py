@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
+from eecore.models.amx_weights import amx_available, can_tile, tile, tile_where_possible
 from eecore.models.huge_pages import place_in_huge_pages
+from eecore.models.int8_weights import dense
 from eecore.models.llama import AttentionInputs
 from eecore.models.relative_position import causal_bias_table
 from eecore.models.t5_config import T5Config
@@ -34,6 +36,7 @@ from eecore.models.workspace import RowViewCache
 @dataclass
 class DecoderLayerWeights:
     self_norm: torch.Tensor   # [d]
+    # the projections are [N, K], or AMX tiles for a bf16 model (eecore.models.amx_weights)
     qkv: torch.Tensor         # [3 inner, d]
     self_o: torch.Tensor      # [d, inner]
     cross_norm: torch.Tensor  # [d]
@@ -133,8 +136,17 @@ class T5Model:
             take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"), c.num_buckets,
             c.max_distance)
         self.encoder = T5Encoder(c, take)
+        # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
+        self.lm_head_proj = self.lm_head
+        if self.device.type == "cpu" and dtype == torch.bfloat16 and amx_available():
+            # the decoder's projections in AMX tiles (eecore.models.amx_weights), as LlamaModel's;
+            # the encoder runs once per request, through torch
+            tile_where_possible(self.layers, ("qkv", "self_o", "cross_q", "cross_o", "wi", "wo"))
+            if can_tile(self.lm_head):
+                self.lm_head_proj = tile(self.lm_head)
         if self.device.type == "cpu":  # see eecore.models.huge_pages
-            place_in_huge_pages((self, ("embed", "lm_head", "final_norm", "layers", "cross_kv_weight", "self_bias")),
+            place_in_huge_pages((self, ("embed", "lm_head", "lm_head_proj", "final_norm", "layers", "cross_kv_weight",
+                                        "self_bias")),
                                 (self.encoder, ("bias_weight", "final_norm", "layers")))
         self.act = _activation_(c.activation)
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
@@ -199,7 +211,7 @@ class T5Model:
         return ops.rms_norm(out, hidden, self.final_norm, self.eps)
 
     def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return ops.linear(out, normed, self.lm_head)
+        return ops.linear(out, normed, self.lm_head_proj)
 
     # ---- early exit support ----------------------------------------------------------------
     def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -207,7 +219,8 @@ class T5Model:
         that layer's self-attention norm gain folded in; no biases (T5 has none)."""
         if self._kv_fill_weights is None:
             inner = self.config.inner_size
-            weight = torch.stack([(w.qkv[inner:].float() * w.self_norm.float()).to(self.dtype) for w in self.layers])
+            weight = torch.stack([(dense(w.qkv, torch.float32)[inner:] * w.self_norm.float()).to(self.dtype)
+                                  for w in self.layers])
             self._kv_fill_weights = (weight.contiguous(), None)
         return self._kv_fill_weights
 
