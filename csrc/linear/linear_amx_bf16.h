@@ -60,18 +60,20 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: the fp32 sums of up to 4 weight blocks (16 outputs x `rows` input rows); 4-5: weight
-// tiles; 6: the input pairs (16 feature pairs x `rows`).
-inline void configure_tiles(int64_t rows) {
+// Tiles 0-3: fp32 sums (16 outputs x input rows): of up to 4 weight blocks against one chunk of
+// `rows0` input rows, or of 2 blocks against 2 chunks (tiles 0-1: the first chunk, 2-3: the second,
+// of `rows1`); 4-5: weight tiles; 6-7: the chunks' input pairs (16 feature pairs x rows).
+inline void configure_tiles(int64_t rows0, int64_t rows1) {
   TileConfig cfg;
   for (int t = 0; t < 4; ++t) {
     cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = static_cast<uint16_t>(4 * rows);
+    cfg.colsb[t] = static_cast<uint16_t>(4 * (t < 2 ? rows0 : rows1));
   }
   cfg.rows[4] = cfg.rows[5] = kTileRows;
   cfg.colsb[4] = cfg.colsb[5] = 2 * kTileDepth;
-  cfg.rows[6] = kTileDepth / 2;
-  cfg.colsb[6] = static_cast<uint16_t>(4 * rows);
+  cfg.rows[6] = cfg.rows[7] = kTileDepth / 2;
+  cfg.colsb[6] = static_cast<uint16_t>(4 * rows0);
+  cfg.colsb[7] = static_cast<uint16_t>(4 * rows1);
   _tile_loadconfig(&cfg);
 }
 
@@ -103,6 +105,66 @@ inline void blocks_times_chunk(const c10::BFloat16* w, int64_t steps, const uint
   if constexpr (NB > 1) _tile_stored(1, c + sums, pair_stride);
   if constexpr (NB > 2) _tile_stored(2, c + 2 * sums, pair_stride);
   if constexpr (NB > 3) _tile_stored(3, c + 3 * sums, pair_stride);
+}
+
+// Two weight blocks against two chunks of input rows (prompt-sized inputs): each weight tile loaded
+// serves 2 chunks, where blocks_times_chunk reloads it (from L2) for every chunk; sums into
+// c0 [2][16][rows0] and c1 [2][16][rows1], each block and chunk in its own tile register, k order.
+inline void two_blocks_times_two_chunks(const c10::BFloat16* w, int64_t steps, const uint32_t* pairs0, int64_t rows0,
+                                        const uint32_t* pairs1, int64_t rows1, float* c0, float* c1) {
+  const int64_t block = steps * kTileRows * kTileDepth;
+  const int64_t tile = kTileRows * kTileDepth;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, pairs0 + s * (kTileDepth / 2) * rows0, 4 * rows0);
+    _tile_loadd(7, pairs1 + s * (kTileDepth / 2) * rows1, 4 * rows1);
+    _tile_loadd(4, w + s * tile, 64);
+    _tile_loadd(5, w + block + s * tile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c0, 4 * rows0);
+  _tile_stored(1, c0 + kTileRows * rows0, 4 * rows0);
+  _tile_stored(2, c1, 4 * rows1);
+  _tile_stored(3, c1 + kTileRows * rows1, 4 * rows1);
+}
+
+// 16 lanes of bf16 as fp32 (bf16 is the top half of an fp32).
+inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 fp32 lanes rounded to bf16 as c10::BFloat16(float) rounds one: to nearest even on the bits,
+// NaN to the canonical 0x7fc0 (vcvtneps2bf16 would treat denormal inputs as zero).
+inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+
+// One weight block's sums c [16 outputs][rows] into out rows j < rows (stride ldo), 16 outputs
+// each: + bias, + out with `accumulate`, rounded once; in that order, as the dot kernel's epilogue.
+// A gather takes output row j's 16 sums, which the tile holds a column apart.
+inline void store_sums(const float* c, int64_t rows, const c10::BFloat16* bias, bool accumulate, c10::BFloat16* out,
+                       int64_t ldo) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(rows)));
+  const __m512 b = bias == nullptr ? _mm512_setzero_ps() : load_bf16x16(bias);
+  for (int64_t j = 0; j < rows; ++j) {
+    c10::BFloat16* dst = out + j * ldo;
+    __m512 v = _mm512_i32gather_ps(column, c + j, 4);
+    if (bias != nullptr) v = _mm512_add_ps(v, b);
+    if (accumulate) v = _mm512_add_ps(v, load_bf16x16(dst));
+    store_bf16x16(dst, v);
+  }
 }
 
 // The input rows as tile products read them: chunk by chunk of 16 rows (m0 = 0, 16, ...), step by
@@ -140,36 +202,44 @@ inline void linear_tiled(at::Tensor& out, const at::Tensor& input, const at::Ten
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * kTileRows));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     alignas(64) float c[kBlocksInFlight * kTileRows * kChunkRows];
-    int64_t configured = -1;
-    for (int64_t b = b0; b < b1; b += kBlocksInFlight) {
-      const int nb = static_cast<int>(std::min<int64_t>(kBlocksInFlight, b1 - b));
+    int64_t configured0 = -1, configured1 = -1;
+    const auto configure = [&](int64_t rows0, int64_t rows1) {
+      if (rows0 != configured0 || rows1 != configured1) configure_tiles(rows0, rows1);
+      configured0 = rows0;
+      configured1 = rows1;
+    };
+    const auto store = [&](const float* sums, int64_t block, int64_t m0, int64_t rows) {
+      const int64_t n0 = block * kTileRows;
+      store_sums(sums, rows, bias == nullptr ? nullptr : bias + n0, accumulate, o + m0 * ldo + n0, ldo);
+    };
+    // Prompt-sized inputs: pairs of blocks against pairs of chunks (a last odd chunk below).
+    const int blocks_in_flight = M > kChunkRows ? 2 : kBlocksInFlight;
+    for (int64_t b = b0; b < b1; b += blocks_in_flight) {
+      const int nb = static_cast<int>(std::min<int64_t>(blocks_in_flight, b1 - b));
       const c10::BFloat16* wb = w + b * steps * kTileRows * kTileDepth;
       for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
         const int64_t rows = std::min(kChunkRows, M - m0);
-        if (rows != configured) {
-          configure_tiles(rows);
-          configured = rows;
-        }
         const uint32_t* chunk = packed + m0 * (K / 2);
+        if (nb == 2 && M - m0 > kChunkRows) {
+          const int64_t rows1 = std::min(kChunkRows, M - m0 - kChunkRows);
+          float* c1 = c + 2 * kTileRows * rows;
+          configure(rows, rows1);
+          two_blocks_times_two_chunks(wb, steps, chunk, rows, chunk + kChunkRows * (K / 2), rows1, c, c1);
+          for (int t = 0; t < 2; ++t) {
+            store(c + t * kTileRows * rows, b + t, m0, rows);
+            store(c1 + t * kTileRows * rows1, b + t, m0 + kChunkRows, rows1);
+          }
+          m0 += kChunkRows;  // two chunks done
+          continue;
+        }
+        configure(rows, rows);
         switch (nb) {
           case 4: blocks_times_chunk<4>(wb, steps, chunk, rows, c); break;
           case 3: blocks_times_chunk<3>(wb, steps, chunk, rows, c); break;
           case 2: blocks_times_chunk<2>(wb, steps, chunk, rows, c); break;
           default: blocks_times_chunk<1>(wb, steps, chunk, rows, c); break;
         }
-        for (int t = 0; t < nb; ++t) {
-          const int64_t n0 = (b + t) * kTileRows;
-          const float* ct = c + t * kTileRows * rows;
-          for (int64_t j = 0; j < rows; ++j) {
-            c10::BFloat16* dst = o + (m0 + j) * ldo + n0;
-            for (int64_t i = 0; i < kTileRows; ++i) {
-              float v = ct[i * rows + j];
-              if (bias != nullptr) v += static_cast<float>(bias[n0 + i]);
-              if (accumulate) v += static_cast<float>(dst[i]);
-              dst[i] = static_cast<c10::BFloat16>(v);
-            }
-          }
-        }
+        for (int t = 0; t < nb; ++t) store(c + t * kTileRows * rows, b + t, m0, rows);
       }
     }
     _tile_release();

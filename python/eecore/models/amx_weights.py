@@ -8,8 +8,9 @@ DRAM took 1.07x the dot kernel's time at 1 row, and 0.75x / 0.43x at 8 / 16 rows
 (csrc/linear/linear_amx_bf16.h). Each input row's outputs keep their bits whatever the batch, so
 a bf16 model tiles every projection it can and runs all of them there. The cost is at batch 1: a
 whole bf16 SmolLM2 pass of 1 / 2 rows took 1.03x / 1.07x the dot kernel's time, of 5 rows 0.93x,
-and at batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/verify_row_cost.py); where
-batch-1 decode alone matters, EECORE_AMX=0.
+and at batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/verify_row_cost.py); a
+prompt of 8 x 94 tokens took 1.03x oneDNN's bf16 GEMM's time. Where batch-1 decode alone
+matters, EECORE_AMX=0.
 
 `EECORE_AMX=0` keeps the `[N, K]` weights (to compare, or to rule the tile engine out).
 """
