@@ -78,6 +78,15 @@ def test_tiled_a_rows_bits_do_not_depend_on_the_other_rows():
 
 
 @needs_amx
+def test_tiled_linear_opcheck():
+    for rows in (2, 20):
+        inp, weight, b = _case(rows, 64, 32, True)
+        tiled = tile(weight)
+        torch.library.opcheck(torch.ops.eecore.linear.default, (torch.empty(rows, 32, dtype=BF16), inp, tiled, b, False))
+        torch.library.opcheck(torch.ops.eecore.linear.default, (torch.randn(rows, 32, dtype=BF16), inp, tiled, None, True))
+
+
+@needs_amx
 def test_tiled_linear_writes_only_its_rows_of_a_strided_out():
     inp, weight, _ = _case(4, 32, 16, False)
     buf = poison(torch.empty(4, 40, dtype=BF16))

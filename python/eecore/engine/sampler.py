@@ -14,13 +14,13 @@ from eecore.engine.sequence import Sequence
 from eecore.sampling_params import SamplingParams
 
 
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first maximal index, NaN counting as maximal, as `argmax`). torch's
     `max` over a dim finds it 2-4x faster than `argmax` on the CPU: 16 rows of SmolLM2's 49,152
     logits in 183 against 620 us (fp32), 318 against 1,403 us (bf16), on an Intel Xeon, 2 threads,
     a share of every greedy step and verify pass."""
     return logits.max(dim=-1).indices
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):

@@ -60,11 +60,17 @@ def untile(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(0, 2, 1, 3).reshape(blocks * rows, steps * depth)
 
 
-def tile_where_possible(holders: Iterable[object], names: tuple[str, ...]) -> None:
-    """Each holder's weight attribute in `names` replaced by its tiles, where it can be tiled (the
-    others stay `[N, K]`, which `ops.linear` runs as well)."""
-    for holder in holders:
+def tile_projections(layers: Iterable[object], names: tuple[str, ...], lm_head: torch.Tensor) -> torch.Tensor:
+    """A bf16 CPU model's projections on AMX, where this process runs tiles (`amx_available`): each
+    layer's weight attributes in `names` replaced by their tiles where they can be tiled (the others
+    stay `[N, K]`, which `ops.linear` runs as well). Returns the LM head as the logits should
+    multiply it: a tiled copy, or `lm_head` itself; the head stays `[V, d]` for the confidence ops,
+    the draft heads and (when tied) the embedding."""
+    if not amx_available():
+        return lm_head
+    for layer in layers:
         for name in names:
-            weight = getattr(holder, name)
+            weight = getattr(layer, name)
             if can_tile(weight):
-                setattr(holder, name, tile(weight))
+                setattr(layer, name, tile(weight))
+    return tile(lm_head) if can_tile(lm_head) else lm_head

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from eecore import ops
-from eecore.models.amx_weights import amx_available, can_tile, tile, tile_where_possible
+from eecore.models.amx_weights import tile_projections
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.int8_weights import Int8Weight, Weight, dense, project
@@ -142,21 +142,13 @@ class LlamaModel:
             ))
         # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
         self.lm_head_proj: Weight = self.lm_head
-        if self.device.type == "cpu" and self.weight_dtype == torch.bfloat16 and amx_available():
-            self._tile_projections()
+        if self.device.type == "cpu" and self.weight_dtype == torch.bfloat16:
+            self.lm_head_proj = tile_projections(self.layers, ("qkv", "o_proj", "gate_up", "down"), self.lm_head)
         if self.device.type == "cpu":  # see eecore.models.huge_pages
             place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "lm_head_proj", "layers")))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
-
-    def _tile_projections(self) -> None:
-        """The layers' projections in AMX tiles (eecore.models.amx_weights), where their shapes
-        allow. The LM head gets a tiled copy for the logits: the confidence ops, the draft heads and
-        the embedding (when tied) read it as `[V, d]`."""
-        tile_where_possible(self.layers, ("qkv", "o_proj", "gate_up", "down"))
-        if can_tile(self.lm_head):
-            self.lm_head_proj = tile(self.lm_head)
 
     def new_workspace(self, max_tokens: int) -> Workspace:
         return Workspace(self.config, max_tokens, self.dtype, self.device)

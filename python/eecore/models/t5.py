@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
-from eecore.models.amx_weights import amx_available, can_tile, tile, tile_where_possible
+from eecore.models.amx_weights import tile_projections
 from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.int8_weights import dense
 from eecore.models.llama import AttentionInputs
@@ -138,12 +138,11 @@ class T5Model:
         self.encoder = T5Encoder(c, take)
         # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
         self.lm_head_proj = self.lm_head
-        if self.device.type == "cpu" and dtype == torch.bfloat16 and amx_available():
-            # the decoder's projections in AMX tiles (eecore.models.amx_weights), as LlamaModel's;
-            # the encoder runs once per request, through torch
-            tile_where_possible(self.layers, ("qkv", "self_o", "cross_q", "cross_o", "wi", "wo"))
-            if can_tile(self.lm_head):
-                self.lm_head_proj = tile(self.lm_head)
+        if self.device.type == "cpu" and dtype == torch.bfloat16:
+            # the decoder's projections in AMX tiles, as LlamaModel's; the encoder runs once per
+            # request, through torch
+            self.lm_head_proj = tile_projections(self.layers, ("qkv", "self_o", "cross_q", "cross_o", "wi", "wo"),
+                                                 self.lm_head)
         if self.device.type == "cpu":  # see eecore.models.huge_pages
             place_in_huge_pages((self, ("embed", "lm_head", "lm_head_proj", "final_norm", "layers", "cross_kv_weight",
                                         "self_bias")),
