@@ -8,10 +8,13 @@ measures where that stops, with the weights of a few layers (they stay in the la
 the time is the kernel's arithmetic) and of all 30 (streamed from DRAM, as in a real step). It also
 times the draft copy's prompt catch-up (8 layers, weight-only int8) against the same projections
 as fp32 weights and as one bf16 `torch.mm` of the int8 values (oneDNN, which uses AMX where the CPU
-has it), the comparison behind the draft-layers model card's notes on batch 8.
+has it), the comparison behind the draft-layers model card's notes on batch 8. Where the CPU runs
+AMX-INT8 tiles (eecore.models.amx_weights), it also times the copy's int8 layers as `[N, K]`
+weights (the dot kernel) against their tiles, by rows and for the catch-up, in the dtype
+`--int8-input-dtype`.
 
     python bench/linear_rows.py [--rows 1 4 8 12 16 24] [--cached-layers 4] [--catch-up-rows 100 752]
-                                [--out-name linear-rows]
+                                [--int8-input-dtype bfloat16] [--out-name linear-rows]
 
 writes bench/results/<out-name>-<date>.json.
 """
@@ -53,8 +56,8 @@ def buffers(rows: int, dtype=torch.float32):
     return inputs, outputs
 
 
-def projections_pass(weights, rows: int):
-    inputs, outputs = buffers(rows)
+def projections_pass(weights, rows: int, dtype=torch.float32):
+    inputs, outputs = buffers(rows, dtype)
 
     def run():
         for w in weights:
@@ -101,12 +104,36 @@ def catch_up(args) -> list[dict]:
     return results
 
 
+def int8_tiles(args) -> list[dict]:
+    """The draft copy's 8 int8 layers, `[N, K]` against AMX-INT8 tiles, same integers, same inputs."""
+    from eecore.models.amx_weights import amx_available, tiled
+
+    if not amx_available(torch.int8):
+        print("no AMX-INT8 here: int8 tiles not timed")
+        return []
+    dtype = getattr(torch, args.int8_input_dtype)
+    flat = [Int8Weight.quantize(w) for w in layer_weights(DRAFT_LAYERS)]
+    tiles = [tiled(w) for w in flat]
+    results = []
+    for rows in list(args.rows) + list(args.catch_up_rows):
+        row = dict(rows=rows, layers=DRAFT_LAYERS, input_dtype=args.int8_input_dtype,
+                   flat_ms=1e3 * best_seconds(projections_pass(flat, rows, dtype), args.repeats),
+                   tiled_ms=1e3 * best_seconds(projections_pass(tiles, rows, dtype), args.repeats))
+        results.append(row)
+        print(f"int8 copy ({DRAFT_LAYERS} layers, {args.int8_input_dtype} rows) rows {rows:3d}: [N, K] "
+              f"{row['flat_ms']:.2f} ms, AMX tiles {row['tiled_ms']:.2f} ms ({row['flat_ms'] / row['tiled_ms']:.2f}x)",
+              flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 12, 16, 24])
     ap.add_argument("--cached-layers", type=int, default=4, help="layers whose weights stay in the cache")
     ap.add_argument("--catch-up-rows", type=int, nargs="*", default=[100, 752])
     ap.add_argument("--repeats", type=int, default=7, help="best of this many passes")
+    ap.add_argument("--int8-input-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                    help="the rows' dtype against the int8 copy's [N, K] and tiled weights")
     ap.add_argument("--out-name", default="linear-rows", help="results file prefix")
     args = ap.parse_args()
     for name in ("rows", "catch_up_rows"):
@@ -116,7 +143,8 @@ def main() -> None:
         ap.error(f"--cached-layers must be in [1, {NUM_LAYERS}], got {args.cached_layers}")
     print(f"CPU: {cpu_model()}, torch threads {torch.get_num_threads()}")
     path = save_results(args.out_name, dict(model_shapes="SmolLM2-135M", layer_shapes=LAYER_SHAPES,
-                                            rows=row_sweep(args), catch_up=catch_up(args)))
+                                            rows=row_sweep(args), catch_up=catch_up(args),
+                                            int8_tiles=int8_tiles(args)))
     print(f"results: {path}")
 
 

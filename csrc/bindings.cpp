@@ -78,9 +78,10 @@ TORCH_LIBRARY(eecore, m) {
   // The model's projections: decode-sized M streams the weight once on the CPU. Weight-only int8:
   // weight int8 [N, K] with weight_scale fp32 [N] stands for weight_scale[:, None] * weight, and
   // each input row is rounded to int16 with a scale of its own first (eecore/int8_linear.h says
-  // exactly how); weight_scale only then. A bf16 weight may also come pre-tiled for AMX-BF16 (CPU):
-  // [N/16, K/32, 16, 32], tile [b, s] holding output rows 16b.. x input features 32s.., for bf16
-  // input; eecore._C.amx_bf16_available() says whether this machine runs it.
+  // exactly how); weight_scale only then. A weight may also come pre-tiled for AMX (CPU): bf16
+  // [N/16, K/32, 16, 32] for bf16 input, or int8 [N/16, K/64, 16, 64] (with its weight_scale [N],
+  // fp32 or bf16 input, K < 65536), tile [b, s] holding output rows 16b.. x input features
+  // depth*s..; eecore._C.amx_bf16_available() / amx_int8_available() say whether this machine runs it.
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate, "
         "Tensor? weight_scale=None) -> ()");
 

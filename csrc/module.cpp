@@ -52,12 +52,15 @@ pybind11::dict build_info() {
 
 namespace eecore {
 bool amx_bf16_available();  // linear/linear_cpu.cpp
+bool amx_int8_available();  // linear/linear_cpu.cpp
 }  // namespace eecore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "eecore compiled ops; see torch.ops.eecore";
   m.def("amx_bf16_available", &eecore::amx_bf16_available,
         "Whether ops.linear runs bf16 weights tiled for AMX-BF16 here (CPU, build and OS all allow it)");
+  m.def("amx_int8_available", &eecore::amx_int8_available,
+        "Whether ops.linear runs weight-only int8 weights tiled for AMX-INT8 here (CPU, build and OS all allow it)");
   m.def("build_info", &build_info,
         "How this eecore._C was built: CUDA or not, toolkit, archs, and which ops have CPU / CUDA kernels");
 }

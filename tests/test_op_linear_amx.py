@@ -1,5 +1,6 @@
 """linear with bf16 weights tiled for AMX-BF16 (csrc/linear/linear_amx_bf16.h) against
-eecore.reference, the bits of a row whatever the batch, and the tiling helpers."""
+eecore.reference, the bits of a row whatever the batch, the tiling helpers, and the argument checks
+of both tiled forms (int8: tests/test_op_linear_amx_int8.py)."""
 import pytest
 import torch
 
@@ -29,10 +30,11 @@ def test_tile_and_untile_are_inverse():
 @pytest.mark.parametrize("weight, why", [
     (torch.randn(48, 96), "float32"), (torch.randn(40, 96).to(BF16), "N % 16"),
     (torch.randn(48, 80).to(BF16), "K % 32"), (torch.randn(48, 96, 1).to(BF16), "2-D"),
+    (torch.zeros(48, 96, dtype=torch.int8), "int8: K % 64"),
 ])
 def test_tile_refuses_what_has_no_tiles(weight, why):
     assert not can_tile(weight), why
-    with pytest.raises(ValueError, match="expected a bf16 CPU weight"):
+    with pytest.raises(ValueError, match="expected a bf16 or int8 CPU weight"):
         tile(weight)
 
 
@@ -98,20 +100,28 @@ def test_tiled_linear_writes_only_its_rows_of_a_strided_out():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: (torch.empty(2, 16), torch.randn(2, 32), torch.randn(1, 1, 16, 32)), "'weight'.*bf16 against bf16"),
+    (lambda: (torch.empty(2, 16), torch.randn(2, 32), torch.randn(1, 1, 16, 32)), "'weight'.*bf16 .* against bf16"),
     (lambda: (torch.empty(2, 16, dtype=BF16), torch.randn(2, 32, dtype=BF16), torch.randn(1, 1, 8, 32, dtype=BF16)),
      "'weight'.*16 output rows per tile"),
     (lambda: (torch.empty(2, 16, dtype=BF16), torch.randn(2, 32, dtype=BF16), torch.randn(1, 1, 16, 16, dtype=BF16)),
      "'weight'.*32 input features per tile"),
     (lambda: (torch.empty(2, 16, dtype=BF16), torch.randn(2, 64, dtype=BF16), torch.randn(1, 1, 16, 32, dtype=BF16)),
      "'weight'.*K/32 = 1 does not match the input features K = 64"),
+    (lambda: (torch.empty(2, 16, dtype=torch.float16), torch.randn(2, 64, dtype=torch.float16),
+              torch.zeros(1, 1, 16, 64, dtype=torch.int8), torch.ones(16)), "'input'.*float32 or bfloat16"),
+    (lambda: (torch.empty(2, 16), torch.randn(2, 64), torch.zeros(1, 1, 16, 32, dtype=torch.int8), torch.ones(16)),
+     "'weight'.*64 input features per tile"),
+    (lambda: (torch.empty(2, 16), torch.randn(2, 64), torch.zeros(1, 1, 16, 64, dtype=torch.int8), torch.ones(8)),
+     "'weight_scale'.*output features"),
+    (lambda: (torch.empty(2, 16), torch.randn(2, 64), torch.zeros(1, 1, 16, 64, dtype=torch.int8)),
+     "'weight_scale'.*required"),
     (lambda: (torch.empty(2, 32, dtype=BF16), torch.randn(2, 32, dtype=BF16), torch.randn(1, 1, 16, 32, dtype=BF16)),
      "'out'.*output features"),
 ])
 def test_tiled_linear_bad_arguments(make, message):
-    out, inp, weight = make()
+    out, inp, weight, *scale = make()
     with pytest.raises(RuntimeError, match=message):
-        ops.linear(out, inp, weight)
+        ops.linear(out, inp, weight, None, False, *scale)
 
 
 def test_tiled_weight_without_amx_is_refused(monkeypatch):
@@ -130,7 +140,7 @@ def test_tiled_weight_is_refused_on_cuda():
 
 def test_env_var_turns_tiling_off(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")
-    assert not amx_available()
+    assert not amx_available() and not amx_available(torch.int8)
 
 
 @needs_amx

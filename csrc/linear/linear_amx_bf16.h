@@ -28,37 +28,15 @@
 
 #include "linear/linear_checks.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define EECORE_CPU_AMX_BF16 1
-#else
-#define EECORE_CPU_AMX_BF16 0
-#endif
+#include "linear/amx_tiles.h"
 
 namespace eecore::amx {
 
-constexpr int64_t kTileRows = 16;   // output features per tile (the weight's tile rows)
-constexpr int64_t kTileDepth = 32;  // input features per tile (64 bytes of bf16)
-constexpr int64_t kChunkRows = 16;  // input rows per tile product (a B tile's 16 words a row)
+constexpr int64_t kTileDepth = kTileBytes / 2;  // bf16 input features per tile
 constexpr int kBlocksInFlight = 4;  // 16-row weight blocks sharing each loaded input tile
 
 #if EECORE_CPU_AMX_BF16
-// Linux hands out the tile registers' state (8 KiB a thread) on request only.
-inline bool usable() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                      18 /* XFEATURE_XTILEDATA */) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+inline bool usable() { return tiles_granted(); }
 
 // Tiles 0-3: fp32 sums (16 outputs x input rows): of up to 4 weight blocks against one chunk of
 // `rows0` input rows, or of 2 blocks against 2 chunks (tiles 0-1: the first chunk, 2-3: the second,
@@ -134,29 +112,12 @@ inline void two_blocks_times_two_chunks(const c10::BFloat16* w, int64_t steps, c
   _tile_stored(3, c1 + kTileRows * rows1, 4 * rows1);
 }
 
-// 16 lanes of bf16 as fp32 (bf16 is the top half of an fp32).
-inline __m512 load_bf16x16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// 16 fp32 lanes rounded to bf16 as c10::BFloat16(float) rounds one: to nearest even on the bits,
-// NaN to the canonical 0x7fc0 (vcvtneps2bf16 would treat denormal inputs as zero).
-inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7fff))), 16);
-  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
-
 // One weight block's sums c [16 outputs][rows] into out rows j < rows (stride ldo), 16 outputs
 // each: + bias, + out with `accumulate`, rounded once; in that order, as the dot kernel's epilogue.
 // A gather takes output row j's 16 sums, which the tile holds a column apart.
 inline void store_sums(const float* c, int64_t rows, const c10::BFloat16* bias, bool accumulate, c10::BFloat16* out,
                        int64_t ldo) {
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(rows)));
+  const __m512i column = sum_columns(rows);
   const __m512 b = bias == nullptr ? _mm512_setzero_ps() : load_bf16x16(bias);
   for (int64_t j = 0; j < rows; ++j) {
     c10::BFloat16* dst = out + j * ldo;

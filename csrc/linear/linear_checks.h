@@ -13,8 +13,9 @@ struct LinearDims {
 
 inline bool is_int8_weight(const at::Tensor& weight) { return weight.scalar_type() == at::kChar; }
 
-// A bf16 weight pre-tiled for AMX-BF16 (linear_amx_bf16.h): [N / 16, K / 32, 16, 32], the 16 x 32
-// tile of output rows 16 b.. and input features 32 s.. at [b, s].
+// A weight pre-tiled for AMX (amx_tiles.h): bf16 [N / 16, K / 32, 16, 32] (linear_amx_bf16.h) or
+// weight-only int8 [N / 16, K / 64, 16, 64] (linear_amx_int8.h), the tile of output rows 16 b.. and
+// input features depth * s.. at [b, s].
 inline bool is_tiled_weight(const at::Tensor& weight) { return weight.dim() == 4; }
 
 inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
@@ -26,13 +27,22 @@ inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& inp
   check_last_dim_contiguous(op, "input", input);
   const bool tiled = is_tiled_weight(weight);
   if (tiled) {
-    EECORE_CHECK_ARG(op, "weight", weight.scalar_type() == at::kBFloat16 && input.scalar_type() == at::kBFloat16,
-                     "a tiled weight [N/16, K/32, 16, 32] is bf16 against bf16 'input', got ", weight.scalar_type(),
-                     " against ", input.scalar_type());
-    check_size(op, "weight", weight, 2, 16, "16 output rows per tile (tiled [N/16, K/32, 16, 32])");
-    check_size(op, "weight", weight, 3, 32, "32 input features per tile (tiled [N/16, K/32, 16, 32])");
-    EECORE_CHECK_ARG(op, "weight", weight.size(1) * 32 == input.size(1), "tiled [N/16, K/32, 16, 32] with K/32 = ",
+    const bool int8 = is_int8_weight(weight);
+    const int64_t depth = int8 ? 64 : 32;
+    const char* form = int8 ? "tiled int8 [N/16, K/64, 16, 64]" : "tiled bf16 [N/16, K/32, 16, 32]";
+    EECORE_CHECK_ARG(op, "weight", int8 || (weight.scalar_type() == at::kBFloat16 && input.scalar_type() == at::kBFloat16),
+                     "a tiled weight is bf16 [N/16, K/32, 16, 32] against bf16 'input', or int8 [N/16, K/64, 16, 64], "
+                     "got ", weight.scalar_type(), " against ", input.scalar_type());
+    EECORE_CHECK_ARG(op, "input", !int8 || input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
+                     "must be float32 or bfloat16 against a ", form, " weight, got ", input.scalar_type());
+    check_size(op, "weight", weight, 2, 16, int8 ? "16 output rows per tile (tiled int8 [N/16, K/64, 16, 64])"
+                                                   : "16 output rows per tile (tiled bf16 [N/16, K/32, 16, 32])");
+    check_size(op, "weight", weight, 3, depth, int8 ? "64 input features per tile (tiled int8 [N/16, K/64, 16, 64])"
+                                                    : "32 input features per tile (tiled bf16 [N/16, K/32, 16, 32])");
+    EECORE_CHECK_ARG(op, "weight", weight.size(1) * depth == input.size(1), form, " with K/", depth, " = ",
                      weight.size(1), " does not match the input features K = ", input.size(1), " of 'input' [M, K]");
+    EECORE_CHECK_ARG(op, "weight", !int8 || input.size(1) < 65536, form, ": at most 65,535 input features (the tile "
+                     "sums' int32 range), got K = ", input.size(1));
   } else {
     check_dim(op, "weight", weight, 2);
   }
@@ -44,7 +54,8 @@ inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& inp
     check_dim(op, "weight_scale", *weight_scale, 1);
     check_dtype(op, "weight_scale", *weight_scale, at::kFloat);
     check_same_device(op, "weight_scale", *weight_scale, "input", input);
-    check_size(op, "weight_scale", *weight_scale, 0, weight.size(0), "the output features N of 'weight'");
+    check_size(op, "weight_scale", *weight_scale, 0, tiled ? weight.size(0) * 16 : weight.size(0),
+               "the output features N of 'weight'");
     check_contiguous(op, "weight_scale", *weight_scale);
   } else {
     EECORE_CHECK_ARG(op, "weight", weight.scalar_type() == input.scalar_type(),

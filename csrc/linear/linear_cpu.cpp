@@ -18,6 +18,7 @@
 
 #include "common/cpu_dots.h"
 #include "linear/linear_amx_bf16.h"
+#include "linear/linear_amx_int8.h"
 #include "linear/linear_checks.h"
 #include "linear/linear_gemm.h"
 #include "linear/linear_int8_split.h"
@@ -101,6 +102,19 @@ void linear_streaming(at::Tensor& out, const at::Tensor& input, const w_t* w, co
 void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, bool accumulate, const std::optional<at::Tensor>& weight_scale) {
   const LinearDims dims = check_linear_args(out, input, weight, bias, weight_scale);
+  if (is_tiled_weight(weight) && is_int8_weight(weight)) {
+    EECORE_CHECK_ARG("linear", "weight", amx::int8_usable(), "is tiled for AMX-INT8 [N/16, K/64, 16, 64], which this "
+                     "CPU (or this build, or the OS) does not offer; pass the [N, K] weight (eecore.models.amx_weights)");
+    if (dims.rows == 0 || dims.out == 0) return;
+    const bool has_bias = bias.has_value() && bias->defined();
+    const float* scale = weight_scale->const_data_ptr<float>();
+    if (input.scalar_type() == at::kFloat)
+      return amx::linear_tiled_int8<float>(out, input, weight, scale, has_bias ? bias->const_data_ptr<float>() : nullptr,
+                                           accumulate, dims);
+    return amx::linear_tiled_int8<c10::BFloat16>(out, input, weight, scale,
+                                                 has_bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr,
+                                                 accumulate, dims);
+  }
   if (is_tiled_weight(weight)) {
     EECORE_CHECK_ARG("linear", "weight", amx::usable(), "is tiled for AMX-BF16 [N/16, K/32, 16, 32], which this CPU "
                      "(or this build, or the OS) does not offer; pass the [N, K] weight (eecore.models.amx_weights)");
@@ -157,4 +171,6 @@ namespace eecore {
 // Whether `linear` takes AMX-tiled bf16 weights here: the CPU has AMX-BF16, the build targets it
 // and the OS grants the tile state.
 bool amx_bf16_available() { return amx::usable(); }
+// Whether `linear` takes AMX-tiled int8 weights here (AMX-INT8, as above).
+bool amx_int8_available() { return amx::int8_usable(); }
 }  // namespace eecore

@@ -13,8 +13,8 @@ namespace {
 void linear_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias, bool accumulate, const std::optional<at::Tensor>& weight_scale) {
   const LinearDims dims = check_linear_args(out, input, weight, bias, weight_scale);
-  EECORE_CHECK_ARG("linear", "weight", !is_tiled_weight(weight), "is tiled for AMX-BF16 [N/16, K/32, 16, 32], a CPU "
-                   "format; pass the [N, K] weight on CUDA");
+  EECORE_CHECK_ARG("linear", "weight", !is_tiled_weight(weight), "is tiled for AMX ([N/16, K/depth, 16, depth]), a "
+                   "CPU format; pass the [N, K] weight on CUDA");
   if (dims.rows == 0 || dims.out == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
   linear_with_gemm(out, input, weight, bias, accumulate, weight_scale);

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from eecore import ops
+from eecore.models.amx_weights import tiled
 from eecore.models.int8_weights import Int8Weight, project
 from eecore.models.lora import LoraDeltas, layer_index
 
@@ -239,6 +240,10 @@ class DraftHead:
         if self.vocab is not None:
             head = head.rows(self.vocab) if isinstance(head, Int8Weight) else head.index_select(0, self.vocab).contiguous()
         self.head = head
+        if isinstance(head, Int8Weight) and model.device.type == "cpu":  # an int8 copy: AMX-INT8 tiles where it runs
+            self.head = tiled(head)
+            if self.block is not None:
+                self.block = AdapterBlock(self.block.norm, tiled(self.block.gate_up), tiled(self.block.down))
         width = self.head.shape[0]
         self._state = torch.empty(max_rows, d, dtype=dtype, device=device)
         self._normed_buf = torch.empty(max_rows, d, dtype=dtype, device=device)

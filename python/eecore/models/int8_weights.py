@@ -25,7 +25,7 @@ INT8_MAX = 127
 
 @dataclass(frozen=True)
 class Int8Weight:
-    data: torch.Tensor   # int8 [N, K]
+    data: torch.Tensor   # int8 [N, K], or its AMX tiles [N/16, K/64, 16, 64] (eecore.models.amx_weights)
     scale: torch.Tensor  # fp32 [N]
 
     @classmethod
@@ -42,7 +42,11 @@ class Int8Weight:
 
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        """`[N, K]`, tiled or not."""
+        if self.data.dim() == 2:
+            return self.data.shape
+        blocks, steps, rows, depth = self.data.shape
+        return torch.Size((blocks * rows, steps * depth))
 
     @property
     def nbytes(self) -> int:
@@ -50,10 +54,11 @@ class Int8Weight:
 
     def rows(self, index: torch.Tensor) -> "Int8Weight":
         """The weight rows `index` (e.g. the draft vocabulary's rows of an LM head)."""
-        return Int8Weight(self.data.index_select(0, index).contiguous(), self.scale.index_select(0, index).contiguous())
+        return Int8Weight(untile(self.data).index_select(0, index).contiguous(),
+                          self.scale.index_select(0, index).contiguous())
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.data.float() * self.scale[:, None]).to(dtype)
+        return (untile(self.data).float() * self.scale[:, None]).to(dtype)
 
 
 Weight = Union[torch.Tensor, Int8Weight]

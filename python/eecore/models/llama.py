@@ -35,9 +35,9 @@ class LayerWeights:
     gate_up: Weight                   # [2 I, d]: gate and up projections stacked
     down: Weight                      # [d, I]
     # The projections are dense tensors in the model's dtype, or weight-only int8
-    # (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights), or, for a bf16 model on a
-    # CPU with AMX-BF16, bf16 tiles [N/16, K/32, 16, 32] (eecore.models.amx_weights; `dense` gives
-    # any of them back as [N, K]).
+    # (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights), or, on a CPU with AMX, their
+    # tiles: bf16 [N/16, K/32, 16, 32], int8 [N/16, K/64, 16, 64] (eecore.models.amx_weights; `dense`
+    # gives any of them back as [N, K]).
 
 
 @dataclass
@@ -142,8 +142,12 @@ class LlamaModel:
             ))
         # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
         self.lm_head_proj: Weight = self.lm_head
-        if self.device.type == "cpu" and self.weight_dtype == torch.bfloat16:
-            self.lm_head_proj = tile_projections(self.layers, ("qkv", "o_proj", "gate_up", "down"), self.lm_head)
+        if self.device.type == "cpu" and self.weight_dtype in (torch.bfloat16, torch.int8):
+            # an int8 model is a draft copy, whose logits come from its draft head's rows (DraftHead):
+            # a tiled copy of its whole head would go unread
+            head = tile_projections(self.layers, ("qkv", "o_proj", "gate_up", "down"),
+                                    self.lm_head if self.weight_dtype == torch.bfloat16 else None)
+            self.lm_head_proj = self.lm_head if head is None else head
         if self.device.type == "cpu":  # see eecore.models.huge_pages
             place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "lm_head_proj", "layers")))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
