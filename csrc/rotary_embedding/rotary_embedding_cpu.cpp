@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common/cpu_vec.h"
 #include "common/rotary_dispatch.h"
 #include "eecore/rotary.h"
 #include "rotary_embedding/rotary_embedding_checks.h"
@@ -24,6 +25,21 @@ struct HeadRows {
 // threads costs more than rotating a few hundred heads.
 inline int64_t head_grain(int64_t half) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(half, 1)); }
 
+// A NeoX head whose halves are whole vectors, 8 pairs at a time: the same fp32 rotation as
+// rotary::rotate_head, which a compiler does not vectorize through bf16's conversions. At SmolLM2's
+// batch-8 verify shapes (16-40 rows of 12 heads, 32 pairs) the scalar loop took ~3.5 ns a pair,
+// 0.6-1.4 ms of a 16-27 ms pass.
+template <typename scalar_t, typename cache_t>
+inline void rotate_neox_head_vec(scalar_t* x, const cache_t* cos, const cache_t* sin, int64_t half) {
+  using cpu::Vec8;
+  for (int64_t i = 0; i < half; i += cpu::kVecWidth) {
+    const Vec8 x1 = Vec8::load(x + i), x2 = Vec8::load(x + half + i);
+    const Vec8 c = Vec8::load(cos + i), s = Vec8::load(sin + i);
+    (x1 * c - x2 * s).store(x + i);
+    (x2 * c + x1 * s).store(x + half + i);
+  }
+}
+
 template <bool kNeox, typename scalar_t, typename cache_t>
 void rotate_all_heads(const int64_t* positions, int64_t positions_stride, HeadRows<scalar_t> query,
                       HeadRows<scalar_t> key, const cache_t* cos_sin_cache, int64_t num_tokens, int64_t rot_dim) {
@@ -37,7 +53,10 @@ void rotate_all_heads(const int64_t* positions, int64_t positions_stride, HeadRo
       const int64_t h = r % heads_per_token;
       const cache_t* cos = cos_sin_cache + positions[t * positions_stride] * rot_dim;
       scalar_t* x = h < query.num_heads ? query.row(t, h) : key.row(t, h - query.num_heads);
-      rotary::rotate_head<kNeox>(x, x, cos, cos + half, static_cast<int>(half));
+      if (kNeox && half % cpu::kVecWidth == 0)
+        rotate_neox_head_vec(x, cos, cos + half, half);
+      else
+        rotary::rotate_head<kNeox>(x, x, cos, cos + half, static_cast<int>(half));
     }
   });
 }

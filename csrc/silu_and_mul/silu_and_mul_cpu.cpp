@@ -47,7 +47,7 @@ void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
   const int64_t d = out.size(-1);
   if (rows == 0) return;
   // Rows per task: enough elements that waking a thread pays (a decode row runs inline).
-  const int64_t grain = std::max<int64_t>(1, 32768 / d);
+  const int64_t grain = std::max<int64_t>(1, 8192 / d);
   EECORE_DISPATCH_FLOAT(input.scalar_type(), "eecore::silu_and_mul", [&] {
     const scalar_t* in = input.const_data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
