@@ -12,8 +12,11 @@ reading the weight, and each input row's outputs keep their bits whatever the ba
   bf16 SmolLM2 pass of 1 / 2 rows took 1.03x / 1.07x the dot kernel's time, of 5 rows 0.93x, and at
   batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/verify_row_cost.py); a prompt of
   8 x 94 tokens took 1.03x oneDNN's bf16 GEMM's time.
-- int8: the draft copy of separate draft layers (csrc/linear/linear_amx_int8.h); its 8 layers and
-  head at 1 / 8 / 16 rows took 1.10x / 0.90x / 0.57x the int16 x int8 dot kernel's time.
+- int8: the draft copy of separate draft layers (csrc/linear/linear_amx_int8.h); its 8 layers at
+  1 / 8 / 16 / 94 rows took 0.96x / 0.53x / 0.38x / 0.37x the int16 x int8 dot kernel's time
+  (bench/linear_rows.py, weights in the last-level cache), and six copies with their heads cycled
+  (216 MB) 1.10x / 0.90x / 0.57x / 0.34x. A batch-8 pass of the copy's 8 layers and head at one row
+  a sequence went from 4.3 to 2.3 ms.
 
 A model tiles every projection it can. Where batch-1 decode alone matters, or to compare,
 `EECORE_AMX=0` keeps the `[N, K]` weights.
