@@ -22,8 +22,10 @@ def run_both(positions, query, key, cache, is_neox):
     return q, k, q_ref, k_ref
 
 
-# (T, Hq, Hkv, D, rot_dim): decode and prefill sizes, GQA 1/2/4/8, odd T, partial rotary.
+# (T, Hq, Hkv, D, rot_dim): decode and prefill sizes, GQA 1/2/4/8, odd T, partial rotary; NeoX
+# halves of whole vectors of 8 (the CPU's vector path) and not (20: its scalar loop).
 SHAPES = [
+    (3, 4, 2, 64, 20),
     (1, 32, 8, 64, 64),
     (7, 4, 4, 128, 128),
     (13, 6, 3, 80, 32),
