@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import eecore
+from eecore.models.amx_weights import ENV_VAR, amx_available
 from eecore.models.exit_adapter import SHIPPED_FILE, DraftHead, ExitAdapters
 from eecore.models.int8_weights import dense
 from engine_utils import greedy
@@ -76,15 +77,24 @@ def test_the_draft_layers_file_loads_and_leaves_full_depth_alone():
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 
+def test_layer_preset_drafts_up_to_2_sequences_without_amx_int8(monkeypatch):
+    """Without the copy on AMX-INT8 tiles (EECORE_AMX=0 here) the layer preset stops drafting above 2
+    running sequences, where d = 4 stopped paying on CPUs without them; an override still wins."""
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert eecore.SelfSpeculativeConfig.exit_ready().disable_by_batch_size == 2
+    assert eecore.SelfSpeculativeConfig.exit_ready("hybrid").disable_by_batch_size == 4
+    assert eecore.SelfSpeculativeConfig.exit_ready(disable_by_batch_size=6).disable_by_batch_size == 6
+
+
 def test_exit_ready_presets():
     """SelfSpeculativeConfig.exit_ready: the shipped draft layers' settings, overridable, and the CLI's
     --exit-ready stands for --speculate --exit-adapter with them (flags given as well win)."""
     from eecore import cli
-    from eecore.speculative.config import EXIT_READY_PRESETS
-
     layer = eecore.SelfSpeculativeConfig.exit_ready()
+    # drafting stops above 2 running sequences, or 4 where the int8 copy runs on AMX-INT8 tiles
     assert (layer.exit_layer, layer.num_speculations, layer.draft_threshold, layer.draft_layers, layer.draft_dtype,
-            layer.draft, layer.disable_by_batch_size) == (8, 4, 0.15, "separate", "int8", "layer", 2)
+            layer.draft, layer.disable_by_batch_size) == (8, 4, 0.15, "separate", "int8", "layer",
+                                                          4 if amx_available(torch.int8) else 2)
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
     assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer_speculations,
             hybrid.lookup_min_ngram, hybrid.lookup_max_ngram, hybrid.draft_threshold) == ("hybrid", "token", 6, 3, 2, 4, 0.15)
@@ -100,7 +110,7 @@ def test_exit_ready_presets():
 
     args = parsed("--exit-ready")
     assert args.speculate and args.exit_adapter is True
-    assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig(**EXIT_READY_PRESETS["layer"])
+    assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig.exit_ready("layer")
     args = parsed("--exit-ready", "hybrid", "--num-speculations", "6", "--exit-adapter", "my.safetensors")
     assert args.exit_adapter == "my.safetensors"
     assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
+
 from eecore.engine.inputs import MAX_TREE_TOKENS
+from eecore.models.amx_weights import amx_available
 from eecore.models.exit_adapter import ExitAdapters
 
 BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
@@ -26,6 +29,10 @@ HYBRID_SWITCHES = ("round", "token")
 # without VNNI, it ran 1.03x that older preset (the model card has both). Larger batches verify
 # at the cost of arithmetic, not of weight reads, so each preset stops drafting where it stopped
 # paying: layer d = 4 ran 1.47x at batch 2 and 0.85x at 4; lookup drafts 1.10x at 4, 0.88x at 8.
+# Where the int8 copy runs on AMX-INT8 tiles (eecore.models.amx_weights) its passes cost little at
+# any of these batches, and the layer preset drafts up to 4 sequences (LAYER_PRESET_AMX_MAX_BATCH):
+# on an Intel Xeon (2 cores) d = 4 ran 1.40x / 1.27x / 1.17x full depth at batch 2 / 3 / 4 in fp32
+# and 1.22x / 1.16x at 2 / 4 in bf16, while d = 1 at batch 8 ran 0.93-0.97x.
 EXIT_READY_PRESETS = {
     "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, draft_layers="separate",
                   draft_dtype="int8", disable_by_batch_size=2),
@@ -33,6 +40,7 @@ EXIT_READY_PRESETS = {
                    lookup_min_ngram=2, lookup_max_ngram=4, draft_threshold=0.15, draft_layers="separate",
                    draft_dtype="int8", disable_by_batch_size=4),
 }
+LAYER_PRESET_AMX_MAX_BATCH = 4
 
 
 @dataclass
@@ -185,7 +193,10 @@ class SelfSpeculativeConfig:
         if preset not in EXIT_READY_PRESETS:
             raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'preset' must be one of "
                              f"{', '.join(EXIT_READY_PRESETS)}, got {preset!r}")
-        return cls(**{**EXIT_READY_PRESETS[preset], **overrides})
+        settings = dict(EXIT_READY_PRESETS[preset])
+        if preset == "layer" and amx_available(torch.int8):
+            settings["disable_by_batch_size"] = LAYER_PRESET_AMX_MAX_BATCH
+        return cls(**{**settings, **overrides})
 
     def __post_init__(self):
         if self.draft not in DRAFT_MODES:
