@@ -87,7 +87,7 @@ def tiled(weight):
         if amx_available(torch.int8) and can_tile(weight.data):
             return Int8Weight(tile(weight.data), weight.scale)
         return weight
-    return tile(weight) if amx_available(torch.bfloat16) and can_tile(weight) else weight
+    return tile(weight) if can_tile(weight) and amx_available(weight.dtype) else weight
 
 
 def tile_projections(layers: Iterable[object], names: tuple[str, ...], lm_head=None):
