@@ -38,11 +38,11 @@ from common import PROMPTS, RESULTS_DIR, bench_prompt_ids, chat_prompt_ids, cpu_
 STRATEGIES = {
     "full": [],
     "early-exit": ["--early-exit", "static", "--exit-layer", "24"],
-    # lookup drafts, else one layer-8 draft through the shipped exit adapter; plain full-depth steps
-    # above 4 decoding sequences, where verifying drafts stops paying (bench/self_speculation.py
-    # --draft lookup --batch-sizes 1 2 4 8: 1.44x / 1.27x / 1.10x / 0.88x full depth)
-    "self-speculation": ["--speculate", "--draft", "hybrid", "--exit-adapter", "--exit-layer", "8",
-                         "--layer-speculations", "1", "--num-speculations", "4", "--disable-by-batch-size", "4"],
+    # the embedded model's exit-ready presets (SelfSpeculativeConfig.exit_ready): the shipped draft
+    # layers as an int8 copy, alone or after prompt lookup; each runs plain full-depth steps above
+    # the batch where its drafts stop paying
+    "exit-ready-layer": ["--exit-ready", "layer"],
+    "exit-ready-hybrid": ["--exit-ready", "hybrid"],
 }
 
 
