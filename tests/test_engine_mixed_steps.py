@@ -134,11 +134,14 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_strategies_without_mixed_steps_alternate_bounded_prefill_and_decode_steps(tiny_path, strategy):
+    # (self-speculation alternates only with mixed_steps=False; with mixed steps it takes plain
+    # mixed steps while prompts wait: the test below)
     prompts = random_prompts(VOCAB, [6, 31, 12, 25], seed=13)
     params = [greedy(14) for _ in prompts]
     reference = _llm(tiny_path, max_num_seqs=1, **STRATEGIES[strategy])
     expected = [reference.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
-    llm = _llm(tiny_path, max_num_seqs=4, max_num_batched_tokens=8, **STRATEGIES[strategy])
+    kinds = dict(mixed_steps=False) if strategy == "speculate" else {}
+    llm = _llm(tiny_path, max_num_seqs=4, max_num_batched_tokens=8, **kinds, **STRATEGIES[strategy])
     assert not llm.engine.strategy.supports_mixed_steps and not llm.engine.scheduler.mixed
     engine = llm.engine
     steps = _record_steps(engine)
@@ -151,6 +154,35 @@ def test_strategies_without_mixed_steps_alternate_bounded_prefill_and_decode_ste
     for (_, _, prefilled, _), (ready, decoded, _, _) in zip(steps, steps[1:]):
         if prefilled and ready:
             assert decoded
+
+
+def test_self_speculation_takes_plain_mixed_steps_while_prompts_wait(tiny_path):
+    """While a prompt is being computed the running streams decode one token a step beside its
+    chunks (a plain mixed step) instead of waiting a prefill step between rounds; once the prompts
+    are in they speculate again. Greedy outputs stay full depth's."""
+    prompts = random_prompts(VOCAB, [6, 31, 12, 25], seed=13)
+    params = [greedy(14) for _ in prompts]
+    config = STRATEGIES["speculate"]
+    reference = _llm(tiny_path, max_num_seqs=1, **config)
+    expected = [reference.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    llm = _llm(tiny_path, max_num_seqs=4, max_num_batched_tokens=8, **config)
+    engine = llm.engine
+    kinds = []
+    plan = engine.scheduler.schedule
+
+    def schedule():
+        ready = any(not s.in_prefill for s in engine.scheduler.running)
+        step = plan()
+        if step is not None:
+            kinds.append((ready, len(step.decodes), len(step.prefills), step.decode_cost))
+        return step
+
+    engine.scheduler.schedule = schedule
+    seqs = _run_with_late_arrivals(engine, prompts, params)
+    assert [s.output_token_ids for s in seqs] == expected
+    assert not any(ready and p and not d for ready, d, p, _ in kinds)  # no stream waits out a prefill
+    assert all(cost == 1 for _, d, p, cost in kinds if d and p)        # mixed steps are plain ones
+    assert any(d and p for _, d, p, _ in kinds) and any(d and cost > 1 for _, d, _, cost in kinds)
 
 
 def test_full_depth_declares_mixed_steps():

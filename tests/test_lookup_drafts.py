@@ -287,7 +287,10 @@ def test_lookup_sampling_preserves_the_full_model_law(tiny_vocab):
     # every token occurs in the prompt with a token after it, so every t1 has a lookup draft
     prompt = [3, 7, 1, 5, 9, 0, 2, 4, 6, 8, 10, 11, 3]
     n = 3000
-    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
+    # mixed_steps=False: steps of one kind, so that every request's second token comes from a round
+    # (with mixed steps, requests this short, arriving all along, would take plain steps while
+    # prompts wait)
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64, mixed_steps=False,
                      speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=3))
     counts, outs = _first_two_token_counts(llm, prompt, n, V)
     assert all(o.metrics["num_lookup_drafted_tokens"] >= 1 for o in outs)
@@ -338,12 +341,11 @@ def test_disable_by_batch_size_runs_plain_mixed_steps_above_it(tiny, draft):
                 lambda seqs, *rest, _f=original, _n=name: (calls[_n].append(len(seqs)), _f(seqs, *rest))[1])
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
-    # above 2 decoding sequences: plain steps, some of them carrying prompt chunks; at 2 or
-    # fewer (the batch draining at the end): speculation rounds
-    assert calls["plain"] + calls["mixed"] and all(n > 2 for n in calls["plain"] + calls["mixed"])
-    assert calls["mixed"]
+    # above 2 decoding sequences: plain steps; while prompts wait: plain steps carrying their
+    # chunks, whatever the batch; at 2 or fewer with no prompt waiting (the batch draining at the
+    # end): speculation rounds
+    assert all(n > 2 for n in calls["plain"]) and calls["mixed"]
     assert calls["spec"] and all(n <= 2 for n in calls["spec"])
-    assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
     for o in outs:  # plain rounds count as verify steps that emit one token
         assert o.metrics["num_accepted_tokens"] + o.metrics["num_verify_steps"] == len(o.token_ids) - 1
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

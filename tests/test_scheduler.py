@@ -106,7 +106,7 @@ def test_speculative_lookahead_reserves_slots_and_counts_against_the_budget():
 
 def test_plain_above_plans_plain_mixed_steps_while_the_batch_is_large():
     # self-speculation's disable_by_batch_size: above 2 decodes a step reserves one slot per decode
-    # and may carry prompt chunks; at 2 or fewer it looks ahead and keeps the kinds apart
+    # and may carry prompt chunks; at 2 or fewer it looks ahead, unless prompts wait (below)
     sched = Scheduler(BlockManager(400, 4), max_num_seqs=6, max_num_batched_tokens=12, lookahead=3, mixed=False,
                       plain_above=2, plain_mixed=True)
     seqs = [_seq(5 + 3 * i) for i in range(6)]
@@ -114,10 +114,28 @@ def test_plain_above_plans_plain_mixed_steps_while_the_batch_is_large():
     plain = [s for s in steps if s.decodes and s.decode_cost == 1]
     ahead = [s for s in steps if s.decodes and s.decode_cost == 3]
     assert plain and ahead
-    assert all(len(s.decodes) > 2 for s in plain) and all(len(s.decodes) <= 2 for s in ahead)
+    assert all(len(s.decodes) > 2 or s.prefills for s in plain) and all(len(s.decodes) <= 2 for s in ahead)
+    assert any(len(s.decodes) > 2 for s in plain)
     assert any(s.prefills for s in plain)          # mixed
     assert not any(s.prefills for s in ahead)      # split, as the speculative strategy needs
     assert all(s.num_tokens <= 12 for s in plain)
+    assert all(q.num_output_tokens == 10 for q in seqs)
+
+
+def test_a_lookahead_strategy_takes_plain_mixed_steps_while_prompts_wait():
+    # rounds that cannot carry prompt chunks would alternate with prefill steps, so that a stream
+    # waits a prefill step between rounds; the decodes take plain mixed steps instead until the
+    # prompts are in, then look ahead again
+    sched = Scheduler(BlockManager(400, 4), max_num_seqs=6, max_num_batched_tokens=12, lookahead=3, mixed=False,
+                      plain_mixed=True)
+    seqs = [_seq(5 + 3 * i) for i in range(4)]
+    steps = _run(sched, max_tokens=10, add_at={0: seqs[:2], 4: seqs[2:]})
+    first_decode = next(i for i, s in enumerate(steps) if s.decodes)
+    assert all(s.decodes for s in steps[first_decode:] if s.prefills)  # no prefill step of its own
+    assert all(s.decode_cost == 1 for s in steps if s.decodes and s.prefills)
+    rounds = [i for i, s in enumerate(steps) if s.decode_cost == 3 and s.decodes]
+    last_prefill = max(i for i, s in enumerate(steps) if s.prefills)
+    assert any(i < 4 for i in rounds) and any(i > last_prefill for i in rounds)
     assert all(q.num_output_tokens == 10 for q in seqs)
 
 

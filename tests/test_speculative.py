@@ -248,7 +248,9 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layer
     # max_tokens=3: t2 comes out of a round that drafted it (with 2 tokens, the only decode round
     # would have no room for a draft, and the test would check plain sampling)
     params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    outs = _spec(path, 1, 3, max_num_seqs=64, draft_layers=draft_layers,
+    # mixed_steps=False: steps of one kind, so that every request's t2 comes from a round (with mixed
+    # steps, requests this short, arriving all along, would take plain steps while prompts wait)
+    outs = _spec(path, 1, 3, max_num_seqs=64, mixed_steps=False, draft_layers=draft_layers,
                  guard=None if draft_dtype is None else dict(draft_dtype=draft_dtype)).generate([prompt] * n, params)
     assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
     assert 0 < sum(o.metrics["num_accepted_tokens"] for o in outs) < n

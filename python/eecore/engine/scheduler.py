@@ -17,7 +17,13 @@ or one draft run per row) a step is either prefill or decode, and when both have
 alternate, so a running stream waits at most one budget-bounded prefill step between tokens.
 A strategy with `plain_above` (self-speculation's disable_by_batch_size) runs plain full-depth
 steps while more sequences than that decode: those steps reserve one slot per decode and, with
-`plain_mixed`, take prompt chunks beside the decodes.
+`plain_mixed`, take prompt chunks beside the decodes. With `plain_mixed`, a strategy that looks
+ahead (lookahead > 1) and cannot mix its own steps also runs plain mixed steps while a prompt is
+being computed, and looks ahead again once none is: alternating rounds with prefill steps made
+every stream wait a prefill step between rounds, and under `eecore serve` (SmolLM2, exit-ready
+presets, 4-8 closed-loop clients, an Intel Xeon) the rounds carried 2.6 sequences a step against
+full depth's 3.3 and throughput fell to 0.78-0.95x full depth's; with plain steps while prompts
+wait it was 1.03-1.28x (bench/serve_load.py).
 
 When a sequence needs blocks that are not free, the newest running sequence is preempted (its
 KV is dropped and recomputed on readmission) rather than failing the step; a step that preempted
@@ -92,13 +98,17 @@ class Scheduler:
                 self.blocks.cache_computed(seq)
         decode, prefill = True, True
         num_decodes = sum(1 for s in self.running if not s.in_prefill)
+        has_prefill = any(s.in_prefill for s in self.running) or self._can_admit()
         plain = self.plain_above is not None and num_decodes > self.plain_above
+        # a lookahead strategy whose rounds cannot carry prompt chunks runs plain mixed steps while
+        # prompts wait, instead of alternating rounds with prefill steps (see the module doc)
+        plain = plain or (self.plain_mixed and self.lookahead > 1 and not self.mixed and has_prefill
+                          and num_decodes > 0)
         mixed = self.mixed or (plain and self.plain_mixed)
         lookahead = 1 if plain else self.lookahead
         if not mixed:
             # one kind per step: prefill when there is prefill work, unless the last step was a
             # prefill and some stream is waiting for its next token
-            has_prefill = any(s.in_prefill for s in self.running) or self._can_admit()
             prefill = has_prefill and not (num_decodes and self._last_was_prefill)
             decode = not prefill
         step = self._plan(decode, prefill, lookahead)
