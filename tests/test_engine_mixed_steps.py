@@ -24,7 +24,8 @@ def _llm(path, **kw):
 
 
 def _record_steps(engine) -> list:
-    """Wraps the scheduler so that every planned step is kept (with its token count at plan time)."""
+    """Wraps the scheduler so that every planned step is kept: (a stream was ready, decodes, prefills,
+    tokens at plan time, decode cost)."""
     steps = []
     plan = engine.scheduler.schedule
 
@@ -33,7 +34,7 @@ def _record_steps(engine) -> list:
         ready = any(not s.in_prefill for s in engine.scheduler.running)
         step = plan()
         if step is not None:
-            steps.append((ready, len(step.decodes), len(step.prefills), step.num_tokens))
+            steps.append((ready, len(step.decodes), len(step.prefills), step.num_tokens, step.decode_cost))
         return step
 
     engine.scheduler.schedule = schedule
@@ -71,9 +72,9 @@ def test_a_request_admitted_while_others_decode_gets_its_tokens_alone(tiny_path)
     while engine.has_unfinished():
         engine.step()
     assert [s.output_token_ids for s in first + late] == expected
-    mixed = [(d, p) for _, d, p, _ in steps if d and p]
+    mixed = [(d, p) for _, d, p, _, _ in steps if d and p]
     assert mixed, "the late prompts' chunks rode with the running decodes"
-    assert all(t <= 12 for *_, t in steps)
+    assert all(t <= 12 for _, _, _, t, _ in steps)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
@@ -85,12 +86,12 @@ def test_batch_invariance_with_mixed_steps(tiny_path, budget):
     llm = _llm(tiny_path, max_num_seqs=3, max_num_batched_tokens=budget)
     steps = _record_steps(llm.engine)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert any(d and p for _, d, p, _ in steps)
+    assert any(d and p for _, d, p, _, _ in steps)
     # the same engine without mixing: the same tokens, and no mixed step
     split = _llm(tiny_path, max_num_seqs=3, max_num_batched_tokens=budget, mixed_steps=False)
     split_steps = _record_steps(split.engine)
     assert [o.token_ids for o in split.generate(prompts, params)] == expected
-    assert not any(d and p for _, d, p, _ in split_steps)
+    assert not any(d and p for _, d, p, _, _ in split_steps)
 
 
 def test_every_step_keeps_to_the_token_budget(tiny_path):
@@ -98,8 +99,8 @@ def test_every_step_keeps_to_the_token_budget(tiny_path):
     llm = _llm(tiny_path, max_num_seqs=4, max_num_batched_tokens=10)
     steps = _record_steps(llm.engine)
     llm.generate(prompts, greedy(10))
-    assert max(t for *_, t in steps) == 10  # the budget is used, and never exceeded
-    assert all(t <= 10 for *_, t in steps)
+    assert max(t for _, _, _, t, _ in steps) == 10  # the budget is used, and never exceeded
+    assert all(t <= 10 for _, _, _, t, _ in steps)
 
 
 def test_preemption_with_mixed_steps_keeps_the_outputs(tiny_path):
@@ -111,7 +112,7 @@ def test_preemption_with_mixed_steps_keeps_the_outputs(tiny_path):
     steps = _record_steps(llm.engine)
     outs = llm.generate(prompts, params)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
-    assert any(d and p for _, d, p, _ in steps)
+    assert any(d and p for _, d, p, _, _ in steps)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
@@ -147,11 +148,11 @@ def test_strategies_without_mixed_steps_alternate_bounded_prefill_and_decode_ste
     steps = _record_steps(engine)
     seqs = _run_with_late_arrivals(engine, prompts, params)
     assert [s.output_token_ids for s in seqs] == expected
-    assert not any(d and p for _, d, p, _ in steps)
-    assert all(t <= 8 for _, d, p, t in steps if p)  # prefill steps keep to the budget
-    assert sum(1 for _, d, p, _ in steps[3:] if p) >= 4  # the 74 late prompt tokens took several steps
+    assert not any(d and p for _, d, p, _, _ in steps)
+    assert all(t <= 8 for _, d, p, t, _ in steps if p)  # prefill steps keep to the budget
+    assert sum(1 for _, d, p, _, _ in steps[3:] if p) >= 4  # the 74 late prompt tokens took several steps
     # a stream that waits for its next token waits at most one prefill step
-    for (_, _, prefilled, _), (ready, decoded, _, _) in zip(steps, steps[1:]):
+    for (_, _, prefilled, _, _), (ready, decoded, _, _, _) in zip(steps, steps[1:]):
         if prefilled and ready:
             assert decoded
 
@@ -166,23 +167,12 @@ def test_self_speculation_takes_plain_mixed_steps_while_prompts_wait(tiny_path):
     reference = _llm(tiny_path, max_num_seqs=1, **config)
     expected = [reference.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     llm = _llm(tiny_path, max_num_seqs=4, max_num_batched_tokens=8, **config)
-    engine = llm.engine
-    kinds = []
-    plan = engine.scheduler.schedule
-
-    def schedule():
-        ready = any(not s.in_prefill for s in engine.scheduler.running)
-        step = plan()
-        if step is not None:
-            kinds.append((ready, len(step.decodes), len(step.prefills), step.decode_cost))
-        return step
-
-    engine.scheduler.schedule = schedule
-    seqs = _run_with_late_arrivals(engine, prompts, params)
+    steps = _record_steps(llm.engine)
+    seqs = _run_with_late_arrivals(llm.engine, prompts, params)
     assert [s.output_token_ids for s in seqs] == expected
-    assert not any(ready and p and not d for ready, d, p, _ in kinds)  # no stream waits out a prefill
-    assert all(cost == 1 for _, d, p, cost in kinds if d and p)        # mixed steps are plain ones
-    assert any(d and p for _, d, p, _ in kinds) and any(d and cost > 1 for _, d, _, cost in kinds)
+    assert not any(ready and p and not d for ready, d, p, _, _ in steps)  # no stream waits out a prefill
+    assert all(cost == 1 for _, d, p, _, cost in steps if d and p)        # mixed steps are plain ones
+    assert any(d and p for _, d, p, _, _ in steps) and any(d and cost > 1 for _, d, _, _, cost in steps)
 
 
 def test_full_depth_declares_mixed_steps():
@@ -214,8 +204,8 @@ def test_early_exit_mixed_steps_keep_the_tokens_of_each_request_alone(tiny_path,
     steps = _record_steps(llm.engine)
     engine = llm.engine
     seqs = _run_with_late_arrivals(engine, prompts, params)
-    assert any(d and p for _, d, p, _ in steps)
-    assert all(t <= 10 for *_, t in steps)
+    assert any(d and p for _, d, p, _, _ in steps)
+    assert all(t <= 10 for _, _, _, t, _ in steps)
     for seq, out in zip(seqs, expected):
         assert seq.output_token_ids == out.token_ids
         assert seq.exit_layers == out.exit_layers  # the first token (prefill) ran all 4 layers

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common/cpu_vec.h"
 
@@ -111,16 +112,25 @@ inline void score_rows(const float* q, int64_t ldq, const T* const* k_rows, int6
 // s [M, lds] = q [M, ldq] . k^T for the first num_keys columns. Blocks of 4 rows x 2 keys (8
 // accumulators, 2 key vectors): each key vector is loaded (and converted) once per 4 query
 // vectors, which in decode is once per KV group of 4. Leftover rows go 2 x 4 and 1 x 4.
+// Rows in blocks of 4, then of 2 and 1: f(std::integral_constant<int, R>, first row) for each.
+template <typename F>
+inline void in_row_blocks(int64_t num_rows, F&& f) {
+  int64_t m = 0;
+  for (; m + 4 <= num_rows; m += 4) f(std::integral_constant<int, 4>{}, m);
+  if (m + 2 <= num_rows) {
+    f(std::integral_constant<int, 2>{}, m);
+    m += 2;
+  }
+  if (m < num_rows) f(std::integral_constant<int, 1>{}, m);
+}
+
 template <typename V, typename T>
 inline void tile_scores_in(const float* q, int64_t ldq, int64_t num_rows, const T* const* k_rows, int64_t num_keys,
                            int64_t dim, float* s, int64_t lds) {
-  int64_t m = 0;
-  for (; m + 4 <= num_rows; m += 4) score_rows<4, 2, V>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
-  if (m + 2 <= num_rows) {
-    score_rows<2, 4, V>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
-    m += 2;
-  }
-  if (m < num_rows) score_rows<1, 4, V>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
+  in_row_blocks(num_rows, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    score_rows<R, R == 4 ? 2 : 4, V>(q + m * ldq, ldq, k_rows, num_keys, dim, s + m * lds, lds);
+  });
 }
 
 template <typename T>
@@ -191,14 +201,9 @@ inline void accumulate_rows(const float* p, int64_t ldp, const T* const* v_rows,
 template <typename V, typename T>
 inline void tile_accumulate_in(const float* p, int64_t ldp, int64_t num_rows, const T* const* v_rows,
                                int64_t num_keys, int64_t dim, float* acc, int64_t ldacc) {
-  int64_t m = 0;
-  for (; m + 4 <= num_rows; m += 4)
-    accumulate_rows<4, V>(p + m * ldp, ldp, v_rows, num_keys, dim, acc + m * ldacc, ldacc);
-  if (m + 2 <= num_rows) {
-    accumulate_rows<2, V>(p + m * ldp, ldp, v_rows, num_keys, dim, acc + m * ldacc, ldacc);
-    m += 2;
-  }
-  if (m < num_rows) accumulate_rows<1, V>(p + m * ldp, ldp, v_rows, num_keys, dim, acc + m * ldacc, ldacc);
+  in_row_blocks(num_rows, [&](auto rows, int64_t m) {
+    accumulate_rows<decltype(rows)::value, V>(p + m * ldp, ldp, v_rows, num_keys, dim, acc + m * ldacc, ldacc);
+  });
 }
 
 // acc [M, ldacc] += p [M, ldp] . v for the first num_keys keys. Rows go in blocks of 4 against
