@@ -68,6 +68,15 @@ inline Vec8 fold_to_vec8(Vec16 a) {
 #define EECORE_ATTENTION_VEC16 0
 #endif
 
+// f(V{}) with the widest vector type of the kernels below that this build has and `dim` fills.
+template <typename F>
+inline void with_widest_lanes(int64_t dim, F&& f) {
+#if EECORE_ATTENTION_VEC16
+  if (dim % 16 == 0) return f(Vec16{});
+#endif
+  f(Vec8{});
+}
+
 // s[r * lds + c] = sum_d q[r * ldq + d] * k_rows[c][d] for R query rows and C keys, in lanes of V.
 template <int R, int C, typename V, typename T>
 inline void score_block(const float* q, int64_t ldq, const T* const* k_rows, int64_t dim, float* s, int64_t lds) {
@@ -136,10 +145,9 @@ inline void tile_scores_in(const float* q, int64_t ldq, int64_t num_rows, const 
 template <typename T>
 inline void tile_scores(const float* q, int64_t ldq, int64_t num_rows, const T* const* k_rows, int64_t num_keys,
                         int64_t dim, float* s, int64_t lds) {
-#if EECORE_ATTENTION_VEC16
-  if (dim % 16 == 0) return tile_scores_in<Vec16>(q, ldq, num_rows, k_rows, num_keys, dim, s, lds);
-#endif
-  tile_scores_in<Vec8>(q, ldq, num_rows, k_rows, num_keys, dim, s, lds);
+  with_widest_lanes(dim, [&](auto lanes) {
+    tile_scores_in<decltype(lanes)>(q, ldq, num_rows, k_rows, num_keys, dim, s, lds);
+  });
 }
 
 // One row of the online softmax. `s` holds the row's scores for this tile (masked ones -inf),
@@ -213,10 +221,9 @@ inline void tile_accumulate_in(const float* p, int64_t ldp, int64_t num_rows, co
 template <typename T>
 inline void tile_accumulate(const float* p, int64_t ldp, int64_t num_rows, const T* const* v_rows, int64_t num_keys,
                             int64_t dim, float* acc, int64_t ldacc) {
-#if EECORE_ATTENTION_VEC16
-  if (dim % 16 == 0) return tile_accumulate_in<Vec16>(p, ldp, num_rows, v_rows, num_keys, dim, acc, ldacc);
-#endif
-  tile_accumulate_in<Vec8>(p, ldp, num_rows, v_rows, num_keys, dim, acc, ldacc);
+  with_widest_lanes(dim, [&](auto lanes) {
+    tile_accumulate_in<decltype(lanes)>(p, ldp, num_rows, v_rows, num_keys, dim, acc, ldacc);
+  });
 }
 
 // acc[0:dim] *= factor.
