@@ -330,7 +330,8 @@ def test_hybrid_sampling_preserves_the_full_model_law(tiny_vocab):
 def test_disable_by_batch_size_runs_plain_mixed_steps_above_it(tiny, draft):
     path, hf = tiny
     prompts = repetitive_prompts(hf.config.vocab_size, 6, seed=11)
-    params = [greedy(10 + 4 * (i % 3)) for i in range(6)]
+    # long enough that the batch drains through rounds that draft once the prompts are in
+    params = [greedy(16 + 4 * (i % 3)) for i in range(6)]
     full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
     expected = [o.token_ids for o in full.generate(prompts, params)]
     llm = _llm(path, draft, E=2, d=3, disable_by_batch_size=2, max_num_batched_tokens=16)
@@ -344,8 +345,9 @@ def test_disable_by_batch_size_runs_plain_mixed_steps_above_it(tiny, draft):
     # above 2 decoding sequences: plain steps; while prompts wait: plain steps carrying their
     # chunks, whatever the batch; at 2 or fewer with no prompt waiting (the batch draining at the
     # end): speculation rounds
-    assert all(n > 2 for n in calls["plain"]) and calls["mixed"]
+    assert calls["plain"] and all(n > 2 for n in calls["plain"]) and calls["mixed"]
     assert calls["spec"] and all(n <= 2 for n in calls["spec"])
+    assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
     for o in outs:  # plain rounds count as verify steps that emit one token
         assert o.metrics["num_accepted_tokens"] + o.metrics["num_verify_steps"] == len(o.token_ids) - 1
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
