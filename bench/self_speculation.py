@@ -15,7 +15,7 @@ the LM head).
                                      [--exit-adapter [FILE]]
                                      [--draft-layers shared|separate] [--draft-dtypes float32 bfloat16]
                                      [--draft-top-ks 1 3] [--accept verified|confident]
-                                     [--batch-sizes 1 8] [--prompts chat|code] [--no-hf] [--dtype float32|bfloat16] [--out-name NAME]
+                                     [--batch-sizes 1 8] [--requests N] [--prompts chat|code] [--no-hf] [--dtype float32|bfloat16] [--out-name NAME]
 `--draft lookup` drafts by prompt lookup (no exit layer: the E column is "-"), `--draft hybrid` by
 prompt lookup where a sequence has a match and layer E elsewhere (`--hybrid-switch token`: per drafted
 position; the exit-ready preset is `--draft hybrid --hybrid-switch token --lookup-ngrams 2 4
@@ -35,6 +35,13 @@ configuration alternates with full depth on each group of prompts, `--repeats` t
 the medians, and the file keeps every repeat. `vs full` counts the whole request (the prefill both
 share included), `decode` only what follows each group's first tokens (TPOT's ratio: what the
 strategy changes; a draft copy's catch-up on the prompt stays in).
+
+A group of B prompts that run to their end together (the default) ends with its slowest sequence:
+under speculation the sequences advance at their own pace, so the last rounds of a group carry
+fewer and fewer of them, while full depth keeps all B to the last step. `--requests N` measures the
+other way a batch runs, a server's: N prompts through one engine of `max_num_seqs` B, each finished
+sequence's place taken by the next prompt (continuous batching; its prompts' prefills join the
+decode steps). `decode` is then left out: requests start all along the run.
 """
 from __future__ import annotations
 
@@ -104,6 +111,10 @@ def main():
     ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts-batch1", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="continuous batching: this many prompts go through one generate call of an engine with "
+                         "max_num_seqs = the batch size, as a server runs them (a finished sequence's place goes to "
+                         "the next prompt); by default each group of B prompts runs to its end before the next")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers (only the ratio to full depth)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="eecore's model dtype, for both full depth and speculation (HF stays float32)")
@@ -153,9 +164,16 @@ def main():
     hf = None if args.no_hf else hf_model_from_loaded(load_model(None, dtype=torch.float32))
     # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into,
     # unless separate draft layers take them (then full depth is the original)
+    if args.requests is not None and args.requests < max(args.batch_sizes):
+        ap.error(f"--requests must be at least the largest batch size ({max(args.batch_sizes)}), got {args.requests}")
+
+    def engine_batch(batch: int) -> int:  # max_num_seqs: the batch itself when batching continuously
+        return batch if args.requests else 8
+
     full = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8,
                       exit_adapter=None if separate else args.exit_adapter)
-    prompts_all = bench_prompt_ids(full.tokenizer, args.prompts, max(args.batch_sizes + [args.num_prompts_batch1]))
+    prompts_all = bench_prompt_ids(full.tokenizer, args.prompts,
+                                   max(args.batch_sizes + [args.num_prompts_batch1, args.requests or 0]))
     print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
     params = eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     full.generate(prompts_all[:1], eecore.SamplingParams(max_tokens=4))
@@ -164,7 +182,12 @@ def main():
     for batch in args.batch_sizes:
         prompts = prompts_all[: max(batch, args.num_prompts_batch1)] if batch > 1 else \
             prompts_all[: args.num_prompts_batch1]
-        full_outs, full_tok_s = eecore_run(full, prompts, params, batch)
+        group = batch  # prompts per generate call
+        if args.requests:
+            prompts, group = prompts_all[: args.requests], args.requests
+            full = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=batch,
+                              exit_adapter=None if separate else args.exit_adapter)
+        full_outs, full_tok_s = eecore_run(full, prompts, params, group)
         print(f"\nbatch {batch}: eecore full depth {full_tok_s:.1f} tok/s")
         hf_tok_s = {}
         if batch == 1 and not args.no_hf and layers:
@@ -179,7 +202,8 @@ def main():
               f"{'HF self-spec':>14}{'vs HF':>7}{'exact':>7}{'exits':>8}{'ROUGE':>7}")
         for E, d, threshold, draft_dtype, top_k, exit_threshold in itertools.product(
                 args.exit_layers, args.drafts, thresholds, args.draft_dtypes, args.draft_top_ks, args.exit_thresholds):
-            llm = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8, exit_adapter=args.exit_adapter,
+            llm = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=engine_batch(batch),
+                             exit_adapter=args.exit_adapter,
                              speculative=eecore.SelfSpeculativeConfig(
                                  exit_layer=E, num_speculations=d, draft_threshold=threshold,
                                  min_acceptance=args.min_acceptance, draft=args.draft,
@@ -189,10 +213,11 @@ def main():
                                  else min(args.layer_speculations, d),
                                  draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                                  accept=args.accept, exit_threshold=exit_threshold))
-            outs, runs, full_runs, decode_runs, full_decode_runs = alternate(llm, full, prompts, params, batch,
+            outs, runs, full_runs, decode_runs, full_decode_runs = alternate(llm, full, prompts, params, group,
                                                                              args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
-            decode_ratios = [a / b for a, b in zip(decode_runs, full_decode_runs)]
+            # (continuous batching has no decode-only span: requests start all along)
+            decode_ratios = [] if args.requests else [a / b for a, b in zip(decode_runs, full_decode_runs)]
             accept = statistics.mean(o.metrics["acceptance_rate"] for o in outs)
             per_step = statistics.mean(o.metrics["mean_accepted_tokens_per_step"] for o in outs)
             quality = compare_outputs(outs, full_outs, full.model.num_layers)
@@ -203,7 +228,7 @@ def main():
             head, stack = llm.engine.strategy.draft_head, llm.engine.strategy.draft_stack
             break_even = break_even_acceptance(full.model, E, d, head.weight_bytes(),
                                                None if stack is None else stack.weight_bytes()) if layers else 0.0
-            row = dict(batch=batch, draft=args.draft, exit_layer=E, num_speculations=d,
+            row = dict(batch=batch, requests=args.requests, draft=args.draft, exit_layer=E, num_speculations=d,
                        layer_speculations=llm.engine.strategy.config.layer_speculations, draft_threshold=threshold,
                        draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                        tok_s=tok_s,
@@ -214,7 +239,8 @@ def main():
                        rouge_l_to_full=rouge, tok_s_runs=runs, full_tok_s_runs=full_runs,
                        paired_ratios=[a / b for a, b in zip(runs, full_runs)],
                        decode_tok_s_runs=decode_runs, full_decode_tok_s_runs=full_decode_runs,
-                       paired_decode_ratios=decode_ratios, decode_speedup_vs_full=statistics.median(decode_ratios))
+                       paired_decode_ratios=decode_ratios,
+                       decode_speedup_vs_full=statistics.median(decode_ratios) if decode_ratios else None)
             for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_drafted_tokens",
                         "num_layer_accepted_tokens", "num_tree_alternatives", "num_tree_alternatives_accepted"):
                 if key in outs[0].metrics:
@@ -225,8 +251,9 @@ def main():
                 hf_text = f"{hf_tok_s[E]:.1f}"
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
+            decode_text = "-" if row["decode_speedup_vs_full"] is None else f"{row['decode_speedup_vs_full']:.2f}"
             thr = ("-" if threshold is None else f"{threshold:g}") + ("" if exit_threshold is None else f"/{exit_threshold:g}")
-            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{thr:>9}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{row['decode_speedup_vs_full']:8.2f}{accept:8.2f}"
+            print(f"{E if E is not None else '-':>3}{d:3d}{top_k:3d}{thr:>9}{draft_dtype or '-':>9}{tok_s:9.1f}{tok_s / full_tok_s:9.2f}{decode_text:>8}{accept:8.2f}"
                   f"{break_even:11.2f}{per_step:9.2f}{hf_text:>14}{vs_hf:>7}{str(exact):>7}{'-' if ee_rate is None else f'{ee_rate:.2f}':>8}{rouge:7.3f}")
     name = args.out_name or "-".join(["cpu-self-speculation"] + ([args.draft] if args.draft != "layer" else [])
                                      + (["adapter"] if args.exit_adapter else [])
