@@ -25,9 +25,10 @@ measured pass costs and at that ceiling.
 
     python bench/verify_row_cost.py [--batch 1] [--rows 1 2 3 4 5 7 9 13] [--dtype float32]
                                     [--draft-dtype bfloat16] [--exit-layer 8] [--context 100]
-                                    [--repeats 15] [--tokens-per-round 1.67 2.15 2.55 2.9]
+                                    [--repeats 15] [--tokens-per-round 1.67 2.15 2.55 2.9] [--out-name NAME]
 
-writes bench/results/verify-row-cost-b<B>-<date>.json.
+writes bench/results/<out-name>-<date>.json (default verify-row-cost-b<B>; give runs of one day names
+of their own, or the later one replaces the earlier).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def main():
     ap.add_argument("--exit-layer", type=int, default=8)
     ap.add_argument("--context", type=int, default=100, help="tokens before the verified rows")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out-name", default=None, help="results file prefix (default: verify-row-cost-b<B>)")
     ap.add_argument("--tokens-per-round", type=float, nargs="*", default=[],
                     help="measured tokens per round at d = 1, 2, ...: prints the speed-ups they give")
     args = ap.parse_args()
@@ -143,7 +145,7 @@ def main():
             line += f"{tpr:11.2f}{tpr / measured:10.2f}{tpr / ceiling:9.2f}"
         chain.append(row)
         print(line)
-    path = save_results(f"verify-row-cost-b{args.batch}", dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, batch=args.batch,
+    path = save_results(args.out_name or f"verify-row-cost-b{args.batch}", dict(model="SmolLM2-135M-Instruct", dtype=args.dtype, batch=args.batch,
                                    draft_dtype=args.draft_dtype, exit_layer=args.exit_layer,
                                    context=args.context, repeats=args.repeats, rows=rows,
                                    read_bandwidth_gbs=bandwidth / 1e9, peak_gflops=peak / 1e9,
