@@ -242,6 +242,8 @@ def test_cli_prompt_errors_are_messages(tiny, tmp_path):
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--early-exit", "static", "--sweep-exit-layer", "1", "--sweep-threshold", "0.5"], "do not combine"),
     (["--speculate", "--draft-layers", "separate", "--sweep-exit-layer", "1", "2"], "speculate layer E=2 .*exit_layer"),
+    (["--early-exit", "softmax", "--speculate", "--exit-layer", "1"], "eecore eval: choose --early-exit or --speculate"),
+    (["--early-exit", "softmax", "--threshold", "2.5"], "eecore eval: EarlyExitConfig: 'threshold' must be"),
 ])
 def test_cli_bad_strategy_flags(tiny, prompt_file, flags, message):
     with pytest.raises(SystemExit, match=message):

@@ -137,6 +137,21 @@ def test_cli_min_acceptance_flag(tiny, capsys):
     assert "--min-acceptance" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--early-exit", "softmax", "--speculate", "--exit-layer", "2"], "eecore: choose --early-exit or --speculate"),
+    (["--early-exit", "softmax", "--threshold", "2.5"], "eecore: EarlyExitConfig: 'threshold' must be"),
+    (["--threshold", "0.5", "file.json"], "eecore: --threshold takes numbers, or a single thresholds file"),
+])
+def test_cli_generate_bad_decoding_flags_exit_with_a_message(tiny, flags, message):
+    """A contradiction or a bad setting of the decoding flags ends `eecore generate` with a message
+    (SystemExit), not a traceback."""
+    from eecore.cli import main
+
+    path, _ = tiny
+    with pytest.raises(SystemExit, match=message):
+        main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "2", *flags])
+
+
 def _with_identity_tail(hf, exit_layer: int, path):
     """Save `hf` with its layers from `exit_layer` on zeroed into identities (their attention
     and MLP add nothing to the residual stream): layer E's draft is then always the full model's."""

@@ -129,31 +129,41 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def build_llm(args):
+def early_exit_config(args):
+    """The EarlyExitConfig the early-exit flags ask for, or None (no --early-exit and no thresholds
+    file). A bad combination or setting raises ValueError with the message to show (a wrong
+    thresholds file: ThresholdsFileError, also a ValueError)."""
     import eecore
 
-    early_exit = speculative = None
     if args.early_exit and args.speculate:
-        raise SystemExit("eecore: choose --early-exit or --speculate, not both")
+        raise ValueError("choose --early-exit or --speculate, not both")
     threshold = args.threshold[0] if len(args.threshold) == 1 else args.threshold
     if any(isinstance(t, str) for t in args.threshold) and not isinstance(threshold, str):
-        raise SystemExit("eecore: --threshold takes numbers, or a single thresholds file")
+        raise ValueError("--threshold takes numbers, or a single thresholds file")
+    if not (args.early_exit or isinstance(threshold, str)):  # a thresholds file knows its measure
+        return None
+    return eecore.EarlyExitConfig(
+        measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
+        min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
+        batch_rule=args.batch_rule, classifier_path=args.classifier)
+
+
+def build_llm(args):
+    import eecore
     from eecore.exits.thresholds_file import ThresholdsFileError
 
     try:
-        if args.early_exit or isinstance(threshold, str):  # a thresholds file knows its measure
-            early_exit = eecore.EarlyExitConfig(
-                measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
-                min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
-                batch_rule=args.batch_rule, classifier_path=args.classifier)
-        if args.speculate:
-            speculative = speculative_config(args)
+        early_exit = early_exit_config(args)
+    except ValueError as exc:  # a bad setting or thresholds file: a message, not a traceback
+        raise SystemExit(f"eecore: {exc}") from None
+    speculative = speculative_config(args) if args.speculate else None
+    try:
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
                           speculative=speculative, exit_adapter=args.exit_adapter,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks=args.num_blocks, block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching)
-    except ThresholdsFileError as exc:  # a wrong or mismatched file: a message, not a traceback
+    except ThresholdsFileError as exc:  # a file made for another model: a message, not a traceback
         raise SystemExit(f"eecore: {exc}") from None
 
 

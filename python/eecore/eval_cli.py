@@ -86,25 +86,13 @@ def _label(strategy_args, early_exit, speculative) -> str:
 
 def _one_strategy(args):
     """The Strategy of one setting of the flags (as cli.build_llm reads them, without loading a model)."""
-    import eecore
     from eecore.evaluate import Strategy
 
-    if args.early_exit and args.speculate:
-        _fail("choose --early-exit or --speculate, not both")
-    threshold = args.threshold[0] if len(args.threshold) == 1 else args.threshold
-    if any(isinstance(t, str) for t in args.threshold) and not isinstance(threshold, str):
-        _fail("--threshold takes numbers, or a single thresholds file")
-    early_exit = speculative = None
     try:
-        if args.early_exit or isinstance(threshold, str):  # a thresholds file knows its measure
-            early_exit = eecore.EarlyExitConfig(
-                measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
-                min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
-                batch_rule=args.batch_rule, classifier_path=args.classifier)
+        early_exit = cli.early_exit_config(args)
     except ValueError as exc:  # a bad setting or thresholds file: a message, not a traceback
         _fail(str(exc))
-    if args.speculate:
-        speculative = cli.speculative_config(args)
+    speculative = cli.speculative_config(args) if args.speculate else None
     return Strategy(_label(args, early_exit, speculative), early_exit, speculative)
 
 
