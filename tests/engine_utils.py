@@ -75,3 +75,29 @@ def int8_rounded(hf):
                 module.weight.copy_(Int8Weight.quantize(module.weight).dequantize(module.weight.dtype))
                 module.register_forward_pre_hook(round_input)
     return model.eval()
+
+
+# ---- sampling laws: chi-square tests of the first two sampled tokens ------------------------------
+def first_two_token_counts(outs, vocab_size: int) -> torch.Tensor:
+    """`[V, V]` counts of the (first, second) token pairs of the request outputs `outs`."""
+    counts = torch.zeros(vocab_size, vocab_size)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    return counts
+
+
+def law_p_value(counts: torch.Tensor, law: torch.Tensor) -> float:
+    """The chi-square p-value of pair counts `[V, V]` against a joint law `[V, V]`; the cells expected
+    fewer than 5 times are pooled into one, so that the chi-square approximation holds."""
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    expected = (law.double() * n).flatten()
+    observed = counts.double().flatten()
+    keep = expected >= 5
+    obs, exp = observed[keep], expected[keep]
+    if (~keep).any():
+        obs = torch.cat([obs, observed[~keep].sum()[None]])
+        exp = torch.cat([exp, expected[~keep].sum()[None]])
+    exp = exp * (obs.sum() / exp.sum())
+    return chisquare(obs.numpy(), exp.numpy()).pvalue

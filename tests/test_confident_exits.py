@@ -13,7 +13,7 @@ import torch
 
 import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
-from engine_utils import greedy, random_prompts, truncated_merged
+from engine_utils import first_two_token_counts, greedy, law_p_value, random_prompts, truncated_merged
 from model_factory import make_peaked_tiny_model, random_lora
 
 L, VOCAB = 4, 320
@@ -169,8 +169,6 @@ def test_sampled_exits_follow_the_exit_law(tmp_path, exit_threshold):
     exits at layer 1 (drawn from the exit's law, not the full model's), the third is full depth's.
     With exit_threshold 1.0 the second is a draft no exit is sure enough of: verified by rejection
     sampling, so it follows the full model's law."""
-    from scipy.stats import chisquare
-
     from model_factory import make_tiny_hf_model
 
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=L, vocab_size=12, with_tokenizer=False)
@@ -184,22 +182,10 @@ def test_sampled_exits_follow_the_exit_law(tmp_path, exit_threshold):
         ids = torch.tensor([prompt + [t] for t in range(V)])
         exit_law = exit_model(ids).logits[:, -1].softmax(-1)
         full_law = hf(ids).logits[:, -1].softmax(-1)
-    counts = torch.zeros(V, V)
-    for o in outs:
-        counts[o.token_ids[0], o.token_ids[1]] += 1
-
-    def p_value(law):
-        expected, observed = (law.double() * n).flatten(), counts.double().flatten()
-        keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
-        obs, exp = observed[keep], expected[keep]
-        if (~keep).any():
-            obs = torch.cat([obs, observed[~keep].sum()[None]])
-            exp = torch.cat([exp, expected[~keep].sum()[None]])
-        return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue
-
+    counts = first_two_token_counts(outs, V)
     law, other = (exit_law, full_law) if exit_threshold is None else (full_law, exit_law)
-    assert p_value(p1[:, None] * law) > 1e-3
-    assert p_value(p1[:, None] * other) < 1e-3  # the test tells the two laws apart
+    assert law_p_value(counts, p1[:, None] * law) > 1e-3
+    assert law_p_value(counts, p1[:, None] * other) < 1e-3  # the test tells the two laws apart
 
 
 @pytest.mark.parametrize("kwargs, match", [

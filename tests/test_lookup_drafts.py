@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import eecore
-from engine_utils import greedy
+from engine_utils import first_two_token_counts, greedy, law_p_value
 from model_factory import make_tiny_hf_model
 from eecore.speculative.drafters import NgramIndex, PromptLookup, lookup_reference
 
@@ -240,30 +240,12 @@ def test_lookup_logprobs_are_the_full_models(tiny):
 # ---- sampling: the full model's law ------------------------------------------------------------
 
 
-def _first_two_token_counts(llm, prompt, n, V):
+def _sample_first_two_tokens(llm, prompt, n, V):
     """Counts of (t1, t2) over n seeds at temperature 1 with max_tokens=3, so the second token comes
     out of a verify round that drafted (with 2 tokens, the last round has no room for a draft)."""
     params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     outs = llm.generate([prompt] * n, params)
-    counts = torch.zeros(V, V)
-    for o in outs:
-        counts[o.token_ids[0], o.token_ids[1]] += 1
-    return counts, outs
-
-
-def _p_value(counts, law):
-    from scipy.stats import chisquare
-
-    n = counts.sum()
-    expected = (law.double() * n).flatten()
-    observed = counts.double().flatten()
-    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
-    obs, exp = observed[keep], expected[keep]
-    if (~keep).any():
-        obs = torch.cat([obs, observed[~keep].sum()[None]])
-        exp = torch.cat([exp, expected[~keep].sum()[None]])
-    exp = exp * (obs.sum() / exp.sum())
-    return chisquare(obs.numpy(), exp.numpy()).pvalue
+    return first_two_token_counts(outs, V), outs
 
 
 def _conditionals(hf, prompt):
@@ -292,19 +274,19 @@ def test_lookup_sampling_preserves_the_full_model_law(tiny_vocab):
     # prompts wait)
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64, mixed_steps=False,
                      speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=3))
-    counts, outs = _first_two_token_counts(llm, prompt, n, V)
+    counts, outs = _sample_first_two_tokens(llm, prompt, n, V)
     assert all(o.metrics["num_lookup_drafted_tokens"] >= 1 for o in outs)
     accepted = sum(o.metrics["num_lookup_accepted_tokens"] for o in outs)
     assert 0 < accepted < n
     p1, p2 = _conditionals(hf, prompt)
-    assert _p_value(counts, p1[:, None] * p2) > 1e-3
+    assert law_p_value(counts, p1[:, None] * p2) > 1e-3
     # the test has power against the likely bug: accepting the draft y with probability p(y), but
     # drawing a rejected token from p itself instead of from p with y removed
     broken = p2.clone()
     for t1 in range(V):
         y = lookup_reference(prompt + [t1], 1, 3, 1)[0]
         broken[t1] = p2[t1, y] * torch.nn.functional.one_hot(torch.tensor(y), V) + (1 - p2[t1, y]) * p2[t1]
-    assert _p_value(counts, p1[:, None] * broken) < 1e-3
+    assert law_p_value(counts, p1[:, None] * broken) < 1e-3
 
 
 def test_hybrid_sampling_preserves_the_full_model_law(tiny_vocab):
@@ -316,11 +298,11 @@ def test_hybrid_sampling_preserves_the_full_model_law(tiny_vocab):
     n = 3000
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
                      speculative=eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=1, num_speculations=3))
-    counts, outs = _first_two_token_counts(llm, prompt, n, V)
+    counts, outs = _sample_first_two_tokens(llm, prompt, n, V)
     assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
     assert sum(o.metrics["num_layer_drafted_tokens"] for o in outs) > 0
     p1, p2 = _conditionals(hf, prompt)
-    assert _p_value(counts, p1[:, None] * p2) > 1e-3
+    assert law_p_value(counts, p1[:, None] * p2) > 1e-3
 
 
 # ---- configuration and CLI ---------------------------------------------------------------------

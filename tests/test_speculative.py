@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import eecore
-from engine_utils import greedy, random_prompts
+from engine_utils import first_two_token_counts, greedy, law_p_value, random_prompts
 from model_factory import make_tiny_hf_model
 
 NUM_LAYERS = 4
@@ -254,8 +254,6 @@ def _joint_law(hf, prompt, num_layers=None):
 
 @pytest.mark.parametrize("draft_layers, draft_dtype", [("shared", None), ("separate", None), ("separate", "int8")])
 def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layers, draft_dtype):
-    from scipy.stats import chisquare
-
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=NUM_LAYERS, vocab_size=12,
                                   with_tokenizer=False)
     prompt = [3, 7, 1]
@@ -269,27 +267,13 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layer
                  guard=None if draft_dtype is None else dict(draft_dtype=draft_dtype)).generate([prompt] * n, params)
     assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
     assert 0 < sum(o.metrics["num_accepted_tokens"] for o in outs) < n
-    counts = torch.zeros(12, 12)
-    for o in outs:
-        counts[o.token_ids[0], o.token_ids[1]] += 1
-
-    def p_value(law):
-        expected = (law.double() * n).flatten()
-        observed = counts.double().flatten()
-        keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
-        obs, exp = observed[keep], expected[keep]
-        if (~keep).any():
-            obs = torch.cat([obs, observed[~keep].sum()[None]])
-            exp = torch.cat([exp, expected[~keep].sum()[None]])
-        exp = exp * (obs.sum() / exp.sum())
-        return chisquare(obs.numpy(), exp.numpy()).pvalue
-
+    counts = first_two_token_counts(outs, 12)
     full = _joint_law(hf, prompt)
-    assert p_value(full) > 1e-3
+    assert law_p_value(counts, full) > 1e-3
     # the test has power: t2 drawn from the draft's own law (what accepting every draft would
     # give; t1 always comes from the full model's prefill) is rejected
     draft = _joint_law(hf, prompt, num_layers=1)
-    assert p_value(full.sum(1, keepdim=True) * draft / draft.sum(1, keepdim=True)) < 1e-3
+    assert law_p_value(counts, full.sum(1, keepdim=True) * draft / draft.sum(1, keepdim=True)) < 1e-3
 
 
 def test_bad_speculative_config():
