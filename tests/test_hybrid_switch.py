@@ -8,9 +8,9 @@ import torch
 
 import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
-from engine_utils import assert_copy_logits_match, greedy
+from engine_utils import assert_copy_logits_match, greedy, law_p_value
 from model_factory import random_lora
-from test_lookup_drafts import _p_value, repetitive_prompts, tiny_vocab  # noqa: F401 (a fixture)
+from test_lookup_drafts import repetitive_prompts, tiny_vocab  # noqa: F401 (a fixture)
 from test_separate_draft_layers import VOCAB, tiny  # noqa: F401 (a fixture)
 
 
@@ -147,7 +147,7 @@ def test_sampling_preserves_the_full_model_law(tiny_vocab):
         pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
         p3 = hf(pairs).logits[:, -1].double().softmax(-1).view(V, V, V)
     law = torch.einsum("a,ab,abc->bc", p1, p2, p3)
-    assert _p_value(counts, law) > 1e-3  # (the rejection rule's power check: test_lookup_drafts)
+    assert law_p_value(counts, law) > 1e-3  # (the rejection rule's power check: test_lookup_drafts)
 
 
 @pytest.mark.parametrize("kwargs, match", [
