@@ -162,14 +162,14 @@ def main():
     from eecore.models.loader import load_model
 
     hf = None if args.no_hf else hf_model_from_loaded(load_model(None, dtype=torch.float32))
-    # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into,
-    # unless separate draft layers take them (then full depth is the original)
     if args.requests is not None and args.requests < max(args.batch_sizes):
         ap.error(f"--requests must be at least the largest batch size ({max(args.batch_sizes)}), got {args.requests}")
 
     def engine_batch(batch: int) -> int:  # max_num_seqs: the batch itself when batching continuously
         return batch if args.requests else 8
 
+    # full depth of the same model: an exit-ready file with LoRA pairs changes the base it merges into,
+    # unless separate draft layers take them (then full depth is the original)
     full = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=8,
                       exit_adapter=None if separate else args.exit_adapter)
     prompts_all = bench_prompt_ids(full.tokenizer, args.prompts,
@@ -185,7 +185,7 @@ def main():
         group = batch  # prompts per generate call
         if args.requests:
             prompts, group = prompts_all[: args.requests], args.requests
-            full = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=batch,
+            full = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=engine_batch(batch),
                               exit_adapter=None if separate else args.exit_adapter)
         full_outs, full_tok_s = eecore_run(full, prompts, params, group)
         print(f"\nbatch {batch}: eecore full depth {full_tok_s:.1f} tok/s")
