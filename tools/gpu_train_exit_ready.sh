@@ -36,6 +36,13 @@
 #       --lora-rank 32 --lora-alpha 64 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
 #   (the file is rank 8: a higher --lora-rank grows it, starting from the same deltas with the extra
 #   ranks at zero; rank 32 on layers 0-7 is 5.2 MB in bf16).
+#   The next run to try (2026-11-25): the shipped file (rank 24, held-out agreement 0.618, where three
+#   rank-32 stages had flattened) grown to rank 64, to see whether the pairs' capacity is what limits
+#   the drafts; judge it by acceptance at d = 1-3 on the 64-token code prompts (bench/self_speculation.py):
+#     start 14 --draft-only --exit-layers 8 --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors \
+#       --lora-rank 64 --lora-alpha 128 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
+#   (rank 64 is about 10 MB of pairs in bf16: shipping it beside the 16 MB exit adapters needs the
+#   25 MB budget rethought, or `python -m eecore.train.truncate_lora` if a lower rank keeps the gain).
 #   Measured on an H100: 32 x 512 tokens a step at 2.9 steps/s (150 K tokens/s).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
