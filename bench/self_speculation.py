@@ -147,6 +147,10 @@ def main():
     ap.add_argument("--exit-thresholds", type=float, nargs="+", default=[None],
                     help="--accept confident: SelfSpeculativeConfig(exit_threshold=...) values to run (default: "
                          "the draft threshold)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                    help="SelfSpeculativeConfig(disable_by_batch_size=N): plain steps above N decoding sequences")
+    ap.add_argument("--layer-disable-by-batch-size", type=int, default=None, metavar="N",
+                    help="--draft hybrid: SelfSpeculativeConfig(layer_disable_by_batch_size=N)")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
@@ -212,7 +216,9 @@ def main():
                                  layer_speculations=None if args.layer_speculations is None
                                  else min(args.layer_speculations, d),
                                  draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
-                                 accept=args.accept, exit_threshold=exit_threshold))
+                                 accept=args.accept, exit_threshold=exit_threshold,
+                                 disable_by_batch_size=args.disable_by_batch_size,
+                                 layer_disable_by_batch_size=args.layer_disable_by_batch_size))
             outs, runs, full_runs, decode_runs, full_decode_runs = alternate(llm, full, prompts, params, group,
                                                                              args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
@@ -228,7 +234,8 @@ def main():
             head, stack = llm.engine.strategy.draft_head, llm.engine.strategy.draft_stack
             break_even = break_even_acceptance(full.model, E, d, head.weight_bytes(),
                                                None if stack is None else stack.weight_bytes()) if layers else 0.0
-            row = dict(batch=batch, requests=args.requests, draft=args.draft, exit_layer=E, num_speculations=d,
+            row = dict(batch=batch, requests=args.requests, disable_by_batch_size=args.disable_by_batch_size,
+                       layer_disable_by_batch_size=args.layer_disable_by_batch_size, draft=args.draft, exit_layer=E, num_speculations=d,
                        layer_speculations=llm.engine.strategy.config.layer_speculations, draft_threshold=threshold,
                        draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                        tok_s=tok_s,

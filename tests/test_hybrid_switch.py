@@ -46,8 +46,8 @@ def _record_chains(llm) -> list[list[bool]]:
     strategy, chains = llm.engine.strategy, []
     original = strategy._switching_drafts
 
-    def spy(seqs, budgets):
-        drafts, probs, from_lookup, copy_ran = original(seqs, budgets)
+    def spy(seqs, budgets, layers):
+        drafts, probs, from_lookup, copy_ran = original(seqs, budgets, layers)
         chains.extend(f for f in from_lookup if f)
         return drafts, probs, from_lookup, copy_ran
 
@@ -174,3 +174,44 @@ def test_cli_flag(tiny, capsys):
     with pytest.raises(SystemExit, match="needs draft_layers='separate'"):
         main(["generate", "Hello", "--model", path, "--speculate", "--draft", "hybrid", "--hybrid-switch", "token",
               "--exit-layer", "2"])
+
+
+@pytest.mark.parametrize("switch", ["round", "token"])
+def test_layer_drafts_stop_above_their_batch_size_while_lookup_drafts_go_on(tiny, lora_file, switch):
+    """layer_disable_by_batch_size=2: in steps of 3-4 decoding sequences the copy never runs and
+    lookup drafts still do; with 2 or fewer the copy drafts again. Greedy output stays full depth's."""
+    path, _ = tiny
+    file, _ = lora_file
+    prompts = _prompts(4)
+    params = [greedy(8 + 6 * i) for i in range(4)]  # unequal lengths: the batch shrinks from 4 to 1
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, params)]
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file, max_num_seqs=8,
+                     speculative=eecore.SelfSpeculativeConfig(
+                         draft="hybrid", hybrid_switch=switch, exit_layer=2, num_speculations=4,
+                         layer_speculations=2, lookup_min_ngram=2, draft_layers="separate",
+                         layer_disable_by_batch_size=2))
+    strategy = llm.engine.strategy
+    decoding, copy_steps, lookup_steps = [], [], []
+    decode, first_pass, propose = strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.propose
+
+    def decode_spy(seqs):
+        decoding.append(len(seqs))
+        return decode(seqs)
+
+    def first_pass_spy(seqs, drafts=None):
+        copy_steps.append(decoding[-1])
+        return first_pass(seqs, drafts)
+
+    def propose_spy(seq, n, after=()):
+        found = propose(seq, n, after=after)
+        if found:
+            lookup_steps.append(decoding[-1])
+        return found
+
+    strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.propose = decode_spy, first_pass_spy, propose_spy
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert copy_steps and max(copy_steps) <= 2
+    assert any(n > 2 for n in lookup_steps)  # lookup drafted where the layers did not
+

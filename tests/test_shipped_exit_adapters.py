@@ -82,8 +82,24 @@ def test_layer_preset_drafts_up_to_2_sequences_without_amx_int8(monkeypatch):
     running sequences, where d = 4 stopped paying on CPUs without them; an override still wins."""
     monkeypatch.setenv(ENV_VAR, "0")
     assert eecore.SelfSpeculativeConfig.exit_ready().disable_by_batch_size == 2
-    assert eecore.SelfSpeculativeConfig.exit_ready("hybrid").disable_by_batch_size == 4
+    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid")
+    assert (hybrid.disable_by_batch_size, hybrid.layer_disable_by_batch_size) == (4, None)
     assert eecore.SelfSpeculativeConfig.exit_ready(disable_by_batch_size=6).disable_by_batch_size == 6
+
+
+@pytest.mark.skipif(not amx_available(torch.bfloat16), reason="no AMX-BF16 on this CPU (or build, or OS)")
+def test_hybrid_preset_goes_on_with_lookup_drafts_up_to_8_sequences_on_amx_bf16():
+    """Where bf16 verify rows run on AMX-BF16 tiles, the hybrid preset's layer drafts stop above 4
+    running sequences and its lookup drafts above 8; an overall limit given alone lowers both."""
+    C = eecore.SelfSpeculativeConfig
+    hybrid = C.exit_ready("hybrid")
+    assert (hybrid.disable_by_batch_size, hybrid.layer_disable_by_batch_size) == (8, 4)
+    low = C.exit_ready("hybrid", disable_by_batch_size=2)
+    assert (low.disable_by_batch_size, low.layer_disable_by_batch_size) == (2, 2)
+    high = C.exit_ready("hybrid", disable_by_batch_size=16)
+    assert (high.disable_by_batch_size, high.layer_disable_by_batch_size) == (16, 4)
+    both = C.exit_ready("hybrid", disable_by_batch_size=6, layer_disable_by_batch_size=1)
+    assert (both.disable_by_batch_size, both.layer_disable_by_batch_size) == (6, 1)
 
 
 def test_exit_ready_presets():

@@ -289,6 +289,14 @@ def test_bad_speculative_config():
         eecore.SelfSpeculativeConfig(exit_layer=2, min_acceptance="auto")
     with pytest.raises(ValueError, match="'probe_every'"):
         eecore.SelfSpeculativeConfig(exit_layer=2, probe_every=0)
+    with pytest.raises(ValueError, match="'layer_disable_by_batch_size' applies to draft='hybrid' only"):
+        eecore.SelfSpeculativeConfig(exit_layer=2, layer_disable_by_batch_size=2)
+    with pytest.raises(ValueError, match=r"'layer_disable_by_batch_size' must be an int >= 1 and at most "
+                                         r"disable_by_batch_size \(4\), got 6"):
+        eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, disable_by_batch_size=4, layer_disable_by_batch_size=6)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="'layer_disable_by_batch_size' must be an int >= 1, got"):
+            eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, layer_disable_by_batch_size=bad)
 
 
 def test_exit_layer_must_be_below_the_depth(tiny):

@@ -86,6 +86,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
                    help="run plain full-depth steps while more than N sequences decode: in a large batch "
                         "verifying drafts costs arithmetic, not only weight reads (default: never)")
+    s.add_argument("--layer-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="--draft hybrid: layer drafts stop while more than N sequences decode, lookup drafts go on "
+                        "(up to --disable-by-batch-size)")
     s.add_argument("--draft-layers", choices=["shared", "separate"], default=None,
                    help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip, the default) or a copy of "
                         "them with a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the "
@@ -171,6 +174,7 @@ def build_llm(args):
 # config's default, or --exit-ready's setting
 SPECULATION_FLAGS = ("exit_layer", "num_speculations", "draft_threshold", "min_acceptance", "draft",
                      "layer_speculations", "lookup_min_ngram", "lookup_max_ngram", "disable_by_batch_size",
+                     "layer_disable_by_batch_size",
                      "draft_layers", "draft_dtype", "draft_top_k", "accept", "exit_threshold", "hybrid_switch")
 
 

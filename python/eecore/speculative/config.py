@@ -41,6 +41,10 @@ EXIT_READY_PRESETS = {
                    draft_dtype="int8", disable_by_batch_size=4),
 }
 LAYER_PRESET_AMX_MAX_BATCH = 4
+# ... and where bf16 verify rows run on AMX-BF16 tiles, the hybrid preset goes on with lookup drafts
+# alone up to 8 running sequences (lookup drafts at batch 8: 1.15-1.17x bf16 full depth, 0.98-1.00x
+# fp32; continuous batching on an Intel Xeon, bench/self_speculation.py --draft lookup --requests 32)
+HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH = 8
 
 
 @dataclass
@@ -94,6 +98,12 @@ class SelfSpeculativeConfig:
     rounds that draft run slower than plain steps (SmolLM2-135M on 2 CPU cores: lookup drafts ran
     1.44x / 1.27x / 1.10x / 0.88x full depth at batch 1 / 2 / 4 / 8). Such steps are plain full-depth steps, and they may carry prompt
     chunks beside the decodes (mixed steps), as full depth does.
+
+    layer_disable_by_batch_size: hybrid only: layer drafts stop in any step that decodes more than
+    this many sequences, while lookup drafts go on (up to disable_by_batch_size). A layer draft
+    costs passes of E layers; a lookup draft costs only its verify rows, which on a CPU with AMX
+    are nearly free in bf16: lookup drafts alone ran 1.15-1.17x full depth at batch 8 there (bf16
+    SmolLM2, continuous batching), 0.98-1.00x in fp32 (bench/self_speculation.py --requests).
 
     draft_threshold: adaptive draft length for layer drafts (off by default). A sequence stops
     drafting early once the top-1 probability of its draft falls below this value.
@@ -177,6 +187,7 @@ class SelfSpeculativeConfig:
     lookup_min_ngram: int = 1
     lookup_max_ngram: int = 3
     disable_by_batch_size: Optional[int] = None
+    layer_disable_by_batch_size: Optional[int] = None
     draft_layers: str = "shared"
     draft_dtype: Optional[str] = None
     draft_top_k: int = 1
@@ -196,6 +207,13 @@ class SelfSpeculativeConfig:
         settings = dict(EXIT_READY_PRESETS[preset])
         if preset == "layer" and amx_available(torch.int8):
             settings["disable_by_batch_size"] = LAYER_PRESET_AMX_MAX_BATCH
+        if preset == "hybrid" and amx_available(torch.bfloat16):
+            settings["layer_disable_by_batch_size"] = settings["disable_by_batch_size"]
+            settings["disable_by_batch_size"] = HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH
+            limit = overrides.get("disable_by_batch_size")
+            if limit is not None and "layer_disable_by_batch_size" not in overrides:
+                # a lower overall limit given alone lowers the layer drafts' with it
+                settings["layer_disable_by_batch_size"] = min(settings["layer_disable_by_batch_size"], limit)
         return cls(**{**settings, **overrides})
 
     def __post_init__(self):
@@ -236,6 +254,16 @@ class SelfSpeculativeConfig:
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"SelfSpeculativeConfig: 'disable_by_batch_size' must be an int >= 1 or None, "
                              f"got {self.disable_by_batch_size!r}")
+        if self.layer_disable_by_batch_size is not None:
+            if self.draft != "hybrid":
+                raise ValueError(f"SelfSpeculativeConfig: 'layer_disable_by_batch_size' applies to draft='hybrid' only "
+                                 f"(with draft={self.draft!r} use disable_by_batch_size), got "
+                                 f"{self.layer_disable_by_batch_size!r}")
+            value, limit = self.layer_disable_by_batch_size, self.disable_by_batch_size
+            if not _is_int(value) or value < 1 or (limit is not None and value > limit):
+                bound = "" if limit is None else f" and at most disable_by_batch_size ({limit})"
+                raise ValueError(f"SelfSpeculativeConfig: 'layer_disable_by_batch_size' must be an int >= 1{bound}, "
+                                 f"got {value!r}")
         if self.draft_layers not in DRAFT_LAYERS:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_layers' must be one of {', '.join(DRAFT_LAYERS)}, "
                              f"got {self.draft_layers!r}")

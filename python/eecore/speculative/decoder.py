@@ -73,6 +73,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.top_k = config.draft_top_k
         self._plain = FullDepthDecoder(runner, sampler)
         self.plain_above = config.disable_by_batch_size
+        self.layers_above = config.layer_disable_by_batch_size  # more decoding: lookup drafts alone
         model = runner.model
         rows = runner.builder.max_seqs
         self.lookup = PromptLookup(config.lookup_min_ngram, config.lookup_max_ngram) if config.uses_lookup else None
@@ -103,13 +104,14 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     # ---- one round -------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
+        layers = self.draft_head is not None and (self.layers_above is None or len(seqs) <= self.layers_above)
         if self.config.switches_per_token:
-            return self._decode_switching(seqs, budgets)
+            return self._decode_switching(seqs, budgets, layers)
         lookup = [self.lookup.propose(s, n) if self.lookup is not None and n else [] for s, n in zip(seqs, budgets)]
         # layer drafts: sequences without a lookup draft, as far as the guard allows; the guard
         # sees only the rounds in which a sequence could draft with the layers
         layer_budgets, shadowed = [0] * len(seqs), []
-        if self.draft_head is not None:
+        if layers:
             for b, seq in enumerate(seqs):
                 if lookup[b]:
                     continue
@@ -143,10 +145,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         return results
 
-    def _decode_switching(self, seqs: list[Sequence], budgets: list[int]) -> list[list[Token]]:
-        """A round of hybrid_switch="token": drafts from _switching_drafts, verified by one varlen
-        full-depth pass."""
-        drafts, draft_probs, from_lookup, copy_ran = self._switching_drafts(seqs, budgets)
+    def _decode_switching(self, seqs: list[Sequence], budgets: list[int], layers: bool) -> list[list[Token]]:
+        """A round of hybrid_switch="token": drafts from _switching_drafts (`layers`: whether the copy
+        may draft this round), verified by one varlen full-depth pass."""
+        drafts, draft_probs, from_lookup, copy_ran = self._switching_drafts(seqs, budgets, layers)
         if not any(drafts):  # no match, and no copy token sure enough: a plain step
             starts = [s.num_computed_tokens for s in seqs]
             results = self._plain.decode(seqs)
@@ -162,7 +164,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                                       logits, from_lookup, copy_ran, copy_ran)
         return results
 
-    def _switching_drafts(self, seqs: list[Sequence], budgets: list[int]):
+    def _switching_drafts(self, seqs: list[Sequence], budgets: list[int], layers: bool):
         """hybrid_switch="token": each sequence's draft grows by lookup continuations while it ends
         in an n-gram match, and by one copy token where it does not (one copy pass for all such
         sequences at once, which first runs what the copy has not seen: its catch-up, the pending
@@ -174,7 +176,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         drafts: list[list[int]] = [[] for _ in seqs]
         draft_probs: list[list] = [[] for _ in seqs]
         from_lookup: list[list[bool]] = [[] for _ in seqs]
-        passes_left = [self.layer_drafts if n and (self.guard is None or self.guard.allows(s)) else 0
+        passes_left = [self.layer_drafts if layers and n and (self.guard is None or self.guard.allows(s)) else 0
                        for s, n in zip(seqs, budgets)]
         copy_ran = [False] * B
 
