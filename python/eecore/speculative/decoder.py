@@ -169,7 +169,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         in an n-gram match, and by one copy token where it does not (one copy pass for all such
         sequences at once, which first runs what the copy has not seen: its catch-up, the pending
         token and the draft's lookup tokens), until budgets[b] tokens, `layer_speculations` copy
-        passes, or a doubtful copy token. Returns the drafts, their q (None: a lookup token, or
+        passes, or a doubtful copy token; without `layers` (more sequences decode than
+        layer_disable_by_batch_size) the copy does not run and drafts are lookup runs alone. Returns the drafts, their q (None: a lookup token, or
         greedy), which tokens came from lookup, and whose copy ran (the rounds the guard judges:
         a round the lookup drafted alone tells nothing of the layers)."""
         B = len(seqs)
