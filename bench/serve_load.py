@@ -43,6 +43,8 @@ STRATEGIES = {
     # the batch where its drafts stop paying
     "exit-ready-layer": ["--exit-ready", "layer"],
     "exit-ready-hybrid": ["--exit-ready", "hybrid"],
+    # the hybrid preset as it was before it kept lookup drafts above 4 sequences on AMX-BF16
+    "exit-ready-hybrid-stop-at-4": ["--exit-ready", "hybrid", "--disable-by-batch-size", "4"],
 }
 
 
@@ -95,8 +97,8 @@ class Server:
 
 
 def engine_flags(args) -> list[str]:
-    """The batch flags given to this bench; none means `eecore serve`'s own defaults."""
-    flags = []
+    """The model and batch flags given to this bench; none means `eecore serve`'s own defaults."""
+    flags = [] if args.dtype is None else ["--dtype", args.dtype]
     if args.max_num_seqs is not None:
         flags += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.max_num_batched_tokens is not None:
@@ -256,7 +258,7 @@ def markdown(payload: dict) -> str:
     out = [f"# eecore serve under load ({payload['machine']}, {payload['cpu_count']} cores, {payload['date']})",
            "", f"Reproduce: `{payload['command']}`", "",
            f"Load average (1 min) before / after the run: {payload.get('load_average', '?')}. "
-           f"Server batch flags: {' '.join(payload.get('engine_flags') or []) or 'the eecore serve defaults'}. "
+           f"Server flags: {' '.join(payload.get('engine_flags') or []) or 'the eecore serve defaults'}. "
            f"OMP_NUM_THREADS: {payload.get('omp_num_threads') or 'unset (torch uses every core)'}.", "",
            f"{payload['prompts']} prompts (bench_prompt_ids), {payload['max_tokens']} output tokens per request "
            f"(ignore_eos), greedy; requests per scenario: max({payload['min_requests']}, 2 x concurrency); "
@@ -302,6 +304,8 @@ def main() -> None:
                    help="send the 8 chat prompts as they are, cycled (before prefix caching the default); by "
                         "default each request's message starts with its own number, so requests share the chat "
                         "template's system prompt and nothing else, and the prefix cache cannot serve repeats")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the eecore server's model dtype (default: eecore serve's)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the server's running batch (default: eecore serve's default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
