@@ -77,10 +77,7 @@ using dot_input_t = std::conditional_t<
 #if defined(__AVX512F__)
 // 16 elements as fp32 lanes, for the rounding below (fp32 and bf16 rows; other types go scalar).
 inline __m512 load_row_x16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_row_x16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load_row_x16(const c10::BFloat16* p) { return load_bf16x16(p); }
 
 // round_row_to_int16 16 lanes at a time: the same max, the same fp32 products and the same
 // round-half-even (vrndscaleps in the default rounding mode is nearbyint), so the same integers.

@@ -240,6 +240,15 @@ inline Vec8 exp(Vec8 x) {
 
 #endif  // EECORE_VEC8_AVX2
 
+#if defined(__AVX512F__) && EECORE_VEC8_AVX2
+// 16 bf16 values as fp32 lanes (bf16 is the top half of an fp32): the one widening every AVX-512
+// kernel uses (attention's Vec16, the int16 rounding of rows, the AMX epilogues).
+inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 // n values of any activation dtype -> fp32 (n may be anything; the tail is scalar).
 template <typename T>
 inline void convert_to_float(const T* src, float* dst, int64_t n) {

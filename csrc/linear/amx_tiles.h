@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "common/cpu_vec.h"
+
 #if defined(__AMX_TILE__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -54,11 +56,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// 16 lanes of bf16 as fp32 (bf16 is the top half of an fp32).
-inline __m512 load_bf16x16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using cpu::load_bf16x16;
 
 // 16 fp32 lanes rounded to bf16 as c10::BFloat16(float) rounds one: to nearest even on the bits,
 // NaN to the canonical 0x7fc0 (vcvtneps2bf16 would treat denormal inputs as zero).

@@ -46,10 +46,7 @@ struct Vec16 {
   static Vec16 zero() { return {_mm512_setzero_ps()}; }
   static Vec16 broadcast(float x) { return {_mm512_set1_ps(x)}; }
   static Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec16 load(const c10::BFloat16* p) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
-  }
+  static Vec16 load(const c10::BFloat16* p) { return {load_bf16x16(p)}; }
   static Vec16 load(const c10::Half* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
