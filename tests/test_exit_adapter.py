@@ -373,7 +373,7 @@ def test_load_errors(tmp_path):
     tensors = {"exit.2.norm": block.norm, "exit.2.gate_up": block.gate_up, "exit.2.down": block.down}
     other = str(tmp_path / "other.safetensors")
     save_file(tensors, other, metadata={"format": "some-other-format"})
-    with pytest.raises(ValueError, match="format 'some-other-format', expected 'eecore-exit-adapter-1'"):
+    with pytest.raises(ValueError, match="format 'some-other-format', expected one of 'eecore-exit-adapter-1'"):
         ExitAdapters.load(other)
     save_file(tensors, other)  # no metadata at all
     with pytest.raises(ValueError, match="format None"):

@@ -266,6 +266,35 @@ def test_training_cli_end_to_end(tiny, tmp_path, capsys):
         [o.token_ids for o in eecore.LLM(path, **kw).generate(prompts, greedy(8))]
 
 
+def test_eval_only_reports_what_the_trainer_measured_for_the_file(tiny, tmp_path, capsys):
+    """--eval-only on a float32 file gives the held-out figures its training run recorded; it needs
+    --init-adapters, and training needs --out and --checkpoint-dir."""
+    import json
+
+    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+    from eecore.train.exit_ready import main
+
+    path, _ = tiny
+    write_corpus(Corpus(train=[CorpusFile("fake", "a.py", "def add(a, b):\n    return a + b\n" * 20, "0")],
+                        heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),
+                 str(tmp_path / "corpus"))
+    out = str(tmp_path / "er.safetensors")
+    common = ["--corpus", str(tmp_path / "corpus"), "--model", path, "--exit-layers", "2", "--draft-only",
+              "--adapter-hidden", "8", "--lora-rank", "2", "--draft-vocab", "40", "--seq-len", str(S),
+              "--batch-size", str(B), "--warmup", "0", "--device", "cpu"]
+    assert main(common + ["--out", out, "--checkpoint-dir", str(tmp_path / "ck"), "--steps", "2",
+                          "--save-dtype", "float32"]) == 0
+    capsys.readouterr()
+    assert main(common + ["--init-adapters", out, "--eval-only"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == ExitAdapters.load(out).info["final_heldout"]
+    with pytest.raises(SystemExit):
+        main(common + ["--eval-only"])
+    assert "--eval-only evaluates the file given by --init-adapters" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(common + ["--checkpoint-dir", str(tmp_path / "ck2")])
+    assert "training needs --out and --checkpoint-dir" in capsys.readouterr().err
+
+
 def test_training_cli_continued_from_a_file_keeps_its_draft_vocabulary(tiny, tmp_path):
     """A run started from a file (--init-adapters) trains for the draft vocabulary that file ships,
     even on a corpus whose counts would pick other tokens; a --draft-vocab of another size is refused."""

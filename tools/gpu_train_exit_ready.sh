@@ -36,13 +36,19 @@
 #       --lora-rank 32 --lora-alpha 64 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
 #   (the file is rank 8: a higher --lora-rank grows it, starting from the same deltas with the extra
 #   ranks at zero; rank 32 on layers 0-7 is 5.2 MB in bf16).
-#   The next run to try (2026-11-25): the shipped file (rank 24, held-out agreement 0.618, where three
-#   rank-32 stages had flattened) grown to rank 64, to see whether the pairs' capacity is what limits
-#   the drafts; judge it by acceptance at d = 1-3 on the 64-token code prompts (bench/self_speculation.py):
-#     start 14 --draft-only --exit-layers 8 --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors \
-#       --lora-rank 64 --lora-alpha 128 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
-#   (rank 64 is about 10 MB of pairs in bf16: shipping it beside the 16 MB exit adapters needs the
-#   25 MB budget rethought, or `python -m eecore.train.truncate_lora` if a lower rank keeps the gain).
+#   Run on an H200 on 2026-11-26 (bench/results/h200-draft-layers-rank64-train-2026-11-26.json): the
+#   shipped rank-24 pairs grown to rank 64, 1,500 + 1,000 steps of 32 x 512 tokens (~8 steps/s alone),
+#   held-out agreement 0.614 -> 0.632 and acceptance up 1-4 points at d = 1-4: capacity is a small part
+#   of what limits the drafts. Stored as int8 (`--save-dtype int8`, or `python -m eecore.train.truncate_lora
+#   IN OUT --int8`) it is 8.1 MB, and it is what ships now.
+#   The next run to try: on-policy data at the GPU's scale (the CPU's 410 K tokens moved agreement
+#   on the model's own continuations by under a point). Generate the original model's greedy
+#   continuations on the GPU, then train the shipped pairs on them (`generate` is not yet run on a GPU):
+#     generate 20000            (after the three receive calls and with part4 carried; ~3 minutes)
+#     start 8 --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 --init-adapters \
+#       python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 --lora-alpha 128 \
+#       --steps 2000 --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 --save-dtype int8 --export-on-stop
+#   and judge it by acceptance at d = 1-4 on the 64-token code prompts (bench/self_speculation.py).
 #   Measured on an H100: 32 x 512 tokens a step at 2.9 steps/s (150 K tokens/s).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -129,13 +135,10 @@ collect() {
   cp "$BACKGROUND_OUT"/* "${OUT:?collect runs on the device machine}/"
 }
 
-train() {
-  local minutes="${1:?train MINUTES [trainer args...]}" out="${OUT:-$BACKGROUND_OUT}" work="$PWD/$PAYLOAD/work"
-  shift
-  # the log to bring back is the one of this run's checkpoint folder: the last --checkpoint-dir wins
-  local ckpt="$work/ckpt" prev=""
-  for arg in "$@"; do [ "$prev" = "--checkpoint-dir" ] && ckpt="$arg"; prev="$arg"; done
-  mkdir -p "$out" "$work/corpus"
+# assemble: the model and the corpus from the carried parts, once per machine, into $PAYLOAD/work
+assemble() {
+  local work="$PWD/$PAYLOAD/work"
+  mkdir -p "$work/corpus"
   for part in 1 2 3 4; do [ -d "$PAYLOAD/part$part" ] || { echo "missing $PAYLOAD/part$part: carry it first"; exit 1; }; done
   if [ ! -f "$work/model.gguf" ]; then
     cat "$PAYLOAD"/part1/model.gguf.part00 "$PAYLOAD"/part2/model.gguf.part01 "$PAYLOAD"/part3/model.gguf.part02 \
@@ -143,6 +146,29 @@ train() {
     cp "$PAYLOAD"/part4/corpus/manifest.json "$PAYLOAD"/part4/corpus/heldout.npy "$work/corpus/"
     xz -dc "$PAYLOAD"/part4/corpus/train.npy.xz > "$work/corpus/train.npy"
   fi
+}
+
+# generate PROMPTS [ARGS...]: on-policy data, the original model's greedy continuations of PROMPTS code
+# prompts made from the machine's installed packages (eecore.train.generated_corpus, in bf16 on the
+# GPU), into $PAYLOAD/work/gen; train on it with `start MINUTES --corpus .gpu_payload/work/gen ...`
+generate() {
+  local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work"
+  shift
+  assemble
+  environment
+  build "${OUT:-/tmp}"
+  "$PY" -m eecore.train.generated_corpus --out "$work/gen" --model "$work/model.gguf" --device cuda \
+    --dtype bfloat16 --max-num-seqs 128 --train-prompts "$prompts" --heldout-prompts 64 "$@"
+}
+
+train() {
+  local minutes="${1:?train MINUTES [trainer args...]}" out="${OUT:-$BACKGROUND_OUT}" work="$PWD/$PAYLOAD/work"
+  shift
+  # the log to bring back is the one of this run's checkpoint folder: the last --checkpoint-dir wins
+  local ckpt="$work/ckpt" prev=""
+  for arg in "$@"; do [ "$prev" = "--checkpoint-dir" ] && ckpt="$arg"; prev="$arg"; done
+  mkdir -p "$out"
+  assemble
   environment
   build "$out"
   local rc=0
@@ -161,6 +187,7 @@ case "${1:-}" in
   receive) receive ;;
   train) shift; train "$@" ;;
   start) shift; start "$@" ;;
+  generate) shift; generate "$@" ;;
   collect) collect ;;
-  *) echo "usage: $0 pack | receive | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
+  *) echo "usage: $0 pack | receive | generate PROMPTS [args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
 esac

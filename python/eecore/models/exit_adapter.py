@@ -25,9 +25,14 @@ File format (safetensors, `save` / `load`):
     draft_vocab int32 [K]                                                 optional
     lora.{module path}.a [r, in], lora.{module path}.b [out, r]          optional (format 2 only)
     metadata: format, base (the model fingerprint, see `model_fingerprint`), info (JSON: training),
-              lora_scale (format 2)
+              lora_scale (with pairs)
 Format 1 files have no LoRA pairs; a file with pairs is format 2, so that an eecore that predates
-them refuses it instead of drafting for a base it would not have merged.
+them refuses it instead of drafting for a base it would not have merged. Format 3 (`save(int8=True)`)
+holds either, with every projection (gate_up, down, each pair's A and B) stored as weight-only int8
+(eecore.models.int8_weights): its integers under the tensor's name, its per-row fp32 scales under
+the name + ".scale". That halves a bf16 file, so a draft copy's pairs can have twice the rank in the
+same bytes; the pairs' int8 error (~1% of a delta's norm) is below what the extra rank buys, and an
+int8 draft copy quantizes the merged weights anyway. Loading widens them back to fp32.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ from eecore.models.lora import LoraDeltas, layer_index
 
 FORMAT = "eecore-exit-adapter-1"
 FORMAT_LORA = "eecore-exit-adapter-2"  # with LoRA pairs merged into the base at load
+FORMAT_INT8 = "eecore-exit-adapter-3"  # format 1 or 2's tensors, projections stored as int8
+FORMATS = (FORMAT, FORMAT_LORA, FORMAT_INT8)
+_SCALE = ".scale"  # format 3: the suffix of an int8 tensor's per-row scales
 # The exit adapters trained by eecore for the default model, shipped inside the package.
 _DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 SHIPPED_FILE = os.path.join(_DATA, "smollm2-135m-instruct-exit-adapters.safetensors")
@@ -74,6 +82,30 @@ class AdapterBlock:
     def int8(self) -> "AdapterBlock":
         """Its projections as weight-only int8 (the norm as it is): for a draft copy in int8."""
         return AdapterBlock(self.norm, Int8Weight.quantize(self.gate_up), Int8Weight.quantize(self.down))
+
+
+def _widen_int8(tensors: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    """A format-3 file's tensors with each int8 projection and its scales replaced by the fp32 weight."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(_SCALE):
+            if name[:-len(_SCALE)] not in tensors:
+                raise ValueError(f"{path}: scales {name!r} belong to no tensor")
+            continue
+        scale = tensors.get(name + _SCALE)
+        if name.startswith("lora.") or name.endswith((".gate_up", ".down")):
+            if t.dtype != torch.int8 or t.dim() != 2 or scale is None:
+                raise ValueError(f"{path}: format {FORMAT_INT8!r} stores {name!r} as 2-D int8 with its scales "
+                                 f"{name + _SCALE!r}; found {t.dtype} {tuple(t.shape)}"
+                                 + ("" if scale is not None else " and no scales"))
+            if scale.dtype != torch.float32 or scale.shape != (t.shape[0],) or not bool(torch.isfinite(scale).all()):
+                raise ValueError(f"{path}: {name + _SCALE!r} must be {t.shape[0]} finite float32 scales, "
+                                 f"found {scale.dtype} {tuple(scale.shape)}")
+            t = Int8Weight(t, scale).dequantize(torch.float32)
+        elif scale is not None:
+            raise ValueError(f"{path}: {name!r} is not a projection, so it has no int8 scales")
+        out[name] = t
+    return out
 
 
 def adapter_reference(block: AdapterBlock, hidden: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,19 +165,29 @@ class ExitAdapters:
         info = dict(self.info, draft_layers_subset={"exit_layers": sorted(exit_layers), "lora_layers_below": below})
         return ExitAdapters({E: self.blocks[E] for E in exit_layers}, self.vocab, self.base, info, lora, self.source)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, int8: bool = False) -> None:
+        """Writes the file (module doc); `int8=True` stores the projections as int8 (format 3)."""
         from safetensors.torch import save_file
 
-        tensors = {}
+        tensors, projections = {}, {}
         for E, block in self.blocks.items():
-            for name, t in zip(("norm", "gate_up", "down"), block.tensors()):
-                tensors[f"exit.{E}.{name}"] = t.detach().contiguous().cpu()
+            tensors[f"exit.{E}.norm"] = block.norm.detach().contiguous().cpu()
+            projections.update({f"exit.{E}.gate_up": block.gate_up, f"exit.{E}.down": block.down})
         if self.vocab is not None:
             tensors["draft_vocab"] = self.vocab.to(torch.int32).contiguous().cpu()
         metadata = {"format": FORMAT, "base": json.dumps(self.base), "info": json.dumps(self.info)}
         if self.lora is not None:
-            tensors.update(self.lora.tensors())
+            projections.update(self.lora.tensors())
             metadata.update(format=FORMAT_LORA, lora_scale=repr(float(self.lora.scale)))
+        for name, t in projections.items():
+            t = t.detach().cpu()
+            if int8:
+                q = Int8Weight.quantize(t)
+                tensors[name], tensors[name + _SCALE] = q.data, q.scale
+            else:
+                tensors[name] = t.contiguous()
+        if int8:
+            metadata["format"] = FORMAT_INT8
         save_file(tensors, path, metadata=metadata)
 
     @classmethod
@@ -160,10 +202,13 @@ class ExitAdapters:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as exc:  # safetensors raises its own error types for a malformed header
             raise ValueError(f"{path}: not a safetensors exit adapter file ({exc})") from exc
-        if meta.get("format") not in (FORMAT, FORMAT_LORA):
-            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} or {FORMAT_LORA!r}")
+        if meta.get("format") not in FORMATS:
+            raise ValueError(f"{path}: format {meta.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))}")
+        if meta["format"] == FORMAT_INT8:
+            tensors = _widen_int8(tensors, path)
         lora = None
-        if meta["format"] == FORMAT_LORA:
+        has_pairs = any(name.startswith("lora.") for name in tensors)
+        if meta["format"] == FORMAT_LORA or (meta["format"] == FORMAT_INT8 and has_pairs):
             try:
                 scale = float(meta.get("lora_scale", "nan"))
             except ValueError:
@@ -171,7 +216,7 @@ class ExitAdapters:
             lora = LoraDeltas.from_tensors(tensors, scale, path)
             if not lora.pairs:
                 raise ValueError(f"{path}: format {FORMAT_LORA!r} but no lora.* tensors")
-        elif any(name.startswith("lora.") for name in tensors):
+        elif has_pairs:
             raise ValueError(f"{path}: format {FORMAT!r} cannot hold lora.* tensors (they need {FORMAT_LORA!r})")
         blocks = {}
         for name in tensors:

@@ -387,8 +387,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m eecore.train.exit_ready", description=__doc__.split("\n")[0])
     ap.add_argument("--corpus", required=True, help="folder from `python -m eecore.train.corpus`")
-    ap.add_argument("--out", required=True, help="the exit-ready adapter file to write (.safetensors)")
-    ap.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints, the log and the token cache")
+    ap.add_argument("--out", help="the exit-ready adapter file to write (.safetensors)")
+    ap.add_argument("--checkpoint-dir", help="resumable checkpoints, the log and the token cache")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--init-adapters", default=None,
                     help="start the exit adapters, and the LoRA pairs if it has any, from this file ('shipped': "
@@ -407,13 +407,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(d, f.name))
     ap.add_argument("--checkpoint-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--save-dtype", choices=("float32", "bfloat16", "int8"), default="bfloat16",
+                    help="int8: weight-only int8 projections (format 3), half a bf16 file")
     ap.add_argument("--stop-after-minutes", type=float, default=None,
                     help="stop (with a checkpoint) after this long; run again to resume")
     ap.add_argument("--export-on-stop", action="store_true",
                     help="when stopped early, write --out anyway from the weights reached (its info records "
                          "the steps): for a time-boxed run, such as one on a lent GPU")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="print the held-out losses and agreements of --init-adapters (on batch-size x seq-len "
+                         "held-out tokens, as training evaluates) and exit: no training, no file")
     args = ap.parse_args(argv)
+    if args.eval_only and not args.init_adapters:
+        ap.error("--eval-only evaluates the file given by --init-adapters")
+    if not args.eval_only and not (args.out and args.checkpoint_dir):
+        ap.error("training needs --out and --checkpoint-dir")
     config = ExitReadyConfig(exit_layers=tuple(args.exit_layers),
                              **{f.name: getattr(args, f.name) for f in dataclasses.fields(ExitReadyConfig)
                                 if f.name != "exit_layers"})
@@ -423,7 +431,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     llm = eecore.LLM(args.model, dtype="float32", device="cpu",
                      max_num_seqs=config.batch_size, max_num_batched_tokens=config.batch_size * config.seq_len,
                      max_model_len=config.seq_len + 1)
-    tokens, heldout = (corpus_tokens(llm.tokenizer, args.corpus, split, args.checkpoint_dir) for split in ("train", "heldout"))
+    heldout = corpus_tokens(llm.tokenizer, args.corpus, "heldout", args.checkpoint_dir)
     init = None
     if args.init_adapters:
         init = ExitAdapters.load(SHIPPED_FILE if args.init_adapters == "shipped" else args.init_adapters)
@@ -438,8 +446,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  f"of {init.vocab.numel()} tokens; pass --draft-vocab {init.vocab.numel()}")
             vocab = init.vocab
         else:
-            vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab,
-                                    tuple(llm.config.eos_token_ids))
+            vocab = frequent_tokens(corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir),
+                                    llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
+    if args.eval_only:
+        trainer = ExitReadyTrainer(llm, config, vocab, init, args.device)
+        print(json.dumps(trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1))))
+        return 0
+    tokens = corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir)
     log_path = os.path.join(args.checkpoint_dir, "train_log.jsonl")
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     started = time.time()
@@ -471,7 +484,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                             config.seed + 1)),
             "device": args.device, "wall_seconds_this_run": round(time.time() - started, 1)}
     dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
-    trainer.exit_adapters(info, dtype).save(args.out)
+    trainer.exit_adapters(info, dtype).save(args.out, int8=args.save_dtype == "int8")
     print(json.dumps(info["final_heldout"]))
     return 3 if stopped_early else 0
 
