@@ -33,9 +33,9 @@
 #   For separate draft layers: pairs of the layers below exit 8 only, trained for the exit alone
 #   (full depth never sees them), from the shipped draft file (it travels with the repository):
 #     start 14 --draft-only --exit-layers 8 --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors \
-#       --lora-rank 32 --lora-alpha 64 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
-#   (the file is rank 8: a higher --lora-rank grows it, starting from the same deltas with the extra
-#   ranks at zero; rank 32 on layers 0-7 is 5.2 MB in bf16).
+#       --lora-rank 64 --lora-alpha 128 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
+#   (the file is rank 64; a higher --lora-rank grows it, starting from the same deltas with the extra
+#   ranks at zero; rank 64 on layers 0-7 is 10.4 MB in bf16, 5.3 MB in int8).
 #   Run on an H200 on 2026-11-26 (bench/results/h200-draft-layers-rank64-train-2026-11-26.json): the
 #   shipped rank-24 pairs grown to rank 64, 1,500 + 1,000 steps of 32 x 512 tokens (~8 steps/s alone),
 #   held-out agreement 0.614 -> 0.632 and acceptance up 1-4 points at d = 1-4: capacity is a small part
