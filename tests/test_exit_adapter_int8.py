@@ -1,6 +1,6 @@
 """Format 3 of the exit adapter file: projections (exit blocks, LoRA pairs) stored as weight-only int8
 with per-row scales. The round trip against Int8Weight's quantization, the merged model against
-the same pairs from a float file, the file's size, the refusals, and the two commands that write it."""
+the same pairs from a float file, the file's size, the refusals, and the shrink command (the trainer's --save-dtype int8: test_exit_ready.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -88,7 +88,7 @@ def test_a_file_without_pairs_stays_without_them(tmp_path):
 
 def test_merged_model_is_the_one_of_the_widened_pairs(tiny, tmp_path):
     """LLM(exit_adapter=int8 file) is exactly the model of a float file holding the widened pairs and
-    blocks: logits at full depth and the separate draft copy's tokens alike."""
+    blocks: the same greedy tokens and top-5 logprobs at full depth."""
     path, _ = tiny
     llm = eecore.LLM(path, dtype="float32", device="cpu")
     adapters = _adapters(seed=1, base=model_fingerprint(llm.model))
@@ -160,20 +160,3 @@ def test_the_shrink_command_writes_int8_with_or_without_a_new_rank(tmp_path, cap
         shrink_main([src, str(tmp_path / "x.safetensors")])
     assert "nothing to shrink" in capsys.readouterr().err
 
-
-def test_the_trainer_saves_int8(tiny, tmp_path):
-    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
-    from eecore.train.exit_ready import main
-
-    path, _ = tiny
-    write_corpus(Corpus(train=[CorpusFile("fake", "a.py", "def add(a, b):\n    return a + b\n" * 20, "0")],
-                        heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),
-                 str(tmp_path / "corpus"))
-    out = str(tmp_path / "er.safetensors")
-    assert main(["--corpus", str(tmp_path / "corpus"), "--out", out, "--checkpoint-dir", str(tmp_path / "ck"),
-                 "--model", path, "--exit-layers", "2", "--draft-only", "--adapter-hidden", "8", "--lora-rank", "2",
-                 "--draft-vocab", "40", "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--warmup", "0",
-                 "--device", "cpu", "--save-dtype", "int8"]) == 0
-    with safe_open(out, framework="pt") as f:
-        assert f.metadata()["format"] == FORMAT_INT8
-    assert ExitAdapters.load(out).info["trained_steps"] == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eecore
-from eecore.models.exit_adapter import FORMAT, FORMAT_LORA, ExitAdapters, model_fingerprint
+from eecore.models.exit_adapter import FORMAT, FORMAT_INT8, FORMAT_LORA, ExitAdapters, model_fingerprint
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.exit_adapter import batch_windows, frequent_tokens
 from eecore.train.exit_ready import ExitReadyConfig, ExitReadyTrainer, hf_twin, train
@@ -231,18 +231,24 @@ def test_checkpoint_of_another_configuration_is_refused(llm, tokens, vocab, tmp_
         train(llm, tokens, dataclasses.replace(CONFIG, lora_rank=2), vocab=vocab, checkpoint_dir=ckpt)
 
 
+def _toy_corpus(folder, code: str) -> str:
+    """A corpus folder (eecore.train.corpus layout): `code` twenty times to train on, prose held out."""
+    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+
+    write_corpus(Corpus(train=[CorpusFile("fake", "a.py", code * 20, "0")],
+                        heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),
+                 str(folder))
+    return str(folder)
+
+
 def test_training_cli_end_to_end(tiny, tmp_path, capsys):
     """python -m eecore.train.exit_ready on a corpus folder, then the file in LLM(exit_adapter=)."""
     import json
 
-    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
     from eecore.train.exit_ready import main
 
     path, _ = tiny
-    code = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * 2)\n"
-    corpus = Corpus(train=[CorpusFile("fake", "a.py", code * 20, "0")],
-                    heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"})
-    write_corpus(corpus, str(tmp_path / "corpus"))
+    _toy_corpus(tmp_path / "corpus", "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * 2)\n")
     out, ckpt = str(tmp_path / "er.safetensors"), str(tmp_path / "ckpt")
     args = ["--corpus", str(tmp_path / "corpus"), "--out", out, "--checkpoint-dir", ckpt, "--model", path,
             "--exit-layers", "1", "3", "--adapter-hidden", "8", "--lora-rank", "2", "--draft-vocab", "40",
@@ -268,16 +274,15 @@ def test_training_cli_end_to_end(tiny, tmp_path, capsys):
 
 def test_eval_only_reports_what_the_trainer_measured_for_the_file(tiny, tmp_path, capsys):
     """--eval-only on a float32 file gives the held-out figures its training run recorded; it needs
-    --init-adapters, and training needs --out and --checkpoint-dir."""
+    --init-adapters, and training needs --out and --checkpoint-dir. --save-dtype int8 writes format 3."""
     import json
 
-    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+    from safetensors import safe_open
+
     from eecore.train.exit_ready import main
 
     path, _ = tiny
-    write_corpus(Corpus(train=[CorpusFile("fake", "a.py", "def add(a, b):\n    return a + b\n" * 20, "0")],
-                        heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),
-                 str(tmp_path / "corpus"))
+    _toy_corpus(tmp_path / "corpus", "def add(a, b):\n    return a + b\n")
     out = str(tmp_path / "er.safetensors")
     common = ["--corpus", str(tmp_path / "corpus"), "--model", path, "--exit-layers", "2", "--draft-only",
               "--adapter-hidden", "8", "--lora-rank", "2", "--draft-vocab", "40", "--seq-len", str(S),
@@ -287,6 +292,12 @@ def test_eval_only_reports_what_the_trainer_measured_for_the_file(tiny, tmp_path
     capsys.readouterr()
     assert main(common + ["--init-adapters", out, "--eval-only"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == ExitAdapters.load(out).info["final_heldout"]
+    int8 = str(tmp_path / "er8.safetensors")  # --save-dtype int8 writes format 3
+    assert main(common + ["--out", int8, "--checkpoint-dir", str(tmp_path / "ck8"), "--steps", "1",
+                          "--save-dtype", "int8"]) == 0
+    with safe_open(int8, framework="pt") as f:
+        assert f.metadata()["format"] == FORMAT_INT8
+    assert ExitAdapters.load(int8).info["trained_steps"] == 1
     with pytest.raises(SystemExit):
         main(common + ["--eval-only"])
     assert "--eval-only evaluates the file given by --init-adapters" in capsys.readouterr().err
@@ -298,16 +309,12 @@ def test_eval_only_reports_what_the_trainer_measured_for_the_file(tiny, tmp_path
 def test_training_cli_continued_from_a_file_keeps_its_draft_vocabulary(tiny, tmp_path):
     """A run started from a file (--init-adapters) trains for the draft vocabulary that file ships,
     even on a corpus whose counts would pick other tokens; a --draft-vocab of another size is refused."""
-    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
     from eecore.train.exit_ready import main
 
     path, _ = tiny
 
     def corpus(folder, text):
-        write_corpus(Corpus(train=[CorpusFile("fake", "a.py", text * 20, "0")],
-                            heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),
-                     str(tmp_path / folder))
-        return str(tmp_path / folder)
+        return _toy_corpus(tmp_path / folder, text)
 
     common = ["--model", path, "--exit-layers", "2", "--draft-only", "--adapter-hidden", "8", "--lora-rank", "2",
               "--seq-len", str(S), "--batch-size", str(B), "--steps", "1", "--warmup", "0", "--device", "cpu"]

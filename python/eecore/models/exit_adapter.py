@@ -23,7 +23,7 @@ measures against the original.
 File format (safetensors, `save` / `load`):
     exit.{E}.norm [d], exit.{E}.gate_up [2m, d], exit.{E}.down [d, m]   one block per exit layer E
     draft_vocab int32 [K]                                                 optional
-    lora.{module path}.a [r, in], lora.{module path}.b [out, r]          optional (format 2 only)
+    lora.{module path}.a [r, in], lora.{module path}.b [out, r]          optional (formats 2 and 3)
     metadata: format, base (the model fingerprint, see `model_fingerprint`), info (JSON: training),
               lora_scale (with pairs)
 Format 1 files have no LoRA pairs; a file with pairs is format 2, so that an eecore that predates

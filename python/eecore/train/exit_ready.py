@@ -431,6 +431,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     llm = eecore.LLM(args.model, dtype="float32", device="cpu",
                      max_num_seqs=config.batch_size, max_num_batched_tokens=config.batch_size * config.seq_len,
                      max_model_len=config.seq_len + 1)
+    # --eval-only reads the train split only if it must count a draft vocabulary
+    tokens = None if args.eval_only else corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir)
     heldout = corpus_tokens(llm.tokenizer, args.corpus, "heldout", args.checkpoint_dir)
     init = None
     if args.init_adapters:
@@ -446,13 +448,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  f"of {init.vocab.numel()} tokens; pass --draft-vocab {init.vocab.numel()}")
             vocab = init.vocab
         else:
-            vocab = frequent_tokens(corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir),
-                                    llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
+            if tokens is None:
+                tokens = corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir)
+            vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
     if args.eval_only:
         trainer = ExitReadyTrainer(llm, config, vocab, init, args.device)
         print(json.dumps(trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1))))
         return 0
-    tokens = corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir)
     log_path = os.path.join(args.checkpoint_dir, "train_log.jsonl")
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     started = time.time()

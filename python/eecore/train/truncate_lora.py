@@ -16,7 +16,6 @@ import dataclasses
 import os
 from typing import Optional
 
-import torch
 
 from eecore.models.exit_adapter import ExitAdapters
 
