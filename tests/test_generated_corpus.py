@@ -48,6 +48,31 @@ def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path)
             assert len(out.token_ids) == 6 and sample == prompt + out.text
 
 
+def test_the_clock_cuts_the_train_split_between_chunks(llm, tmp_path):
+    """With stop_at, chunks of train prompts run until the clock reaches it; the held-out split is
+    whole whatever the clock says, and the train split is the first chunks' samples, as an unstopped
+    run writes them, with the stop in the manifest."""
+    files = [CorpusFile(f"pkg_{i}", "a.py", CODE.format(name=f"fn_{i}"), str(i)) for i in range(5)]
+    held = [CorpusFile("pkg_h", "h.py", CODE.format(name="held_out_names"), "h")]
+    args = dict(train_files=files, heldout_files=held, train_prompts=5, heldout_prompts=1, max_tokens=4)
+    full = write_generated_corpus(llm, str(tmp_path / "full"), **args)
+    full_train = (tmp_path / "full" / "train.txt").read_text().split(FILE_SEPARATOR)
+    assert full["train"]["prompts"] == 5 and "stopped_by_clock" not in full["train"]
+    # the clock is read after each chunk: 0.5 after the first (go on), 2.0 after the second (stop)
+    ticks = iter([0.5, 2.0])
+    cut = write_generated_corpus(llm, str(tmp_path / "cut"), **args, stop_at=1.0, chunk_prompts=2,
+                                 clock=lambda: next(ticks))
+    assert cut["train"]["prompts"] == 4 and cut["train"]["stopped_by_clock"] == {"prompts_asked": 5}
+    assert cut["train"]["packages"] == ["pkg_0", "pkg_1", "pkg_2", "pkg_3"]
+    assert (tmp_path / "cut" / "train.txt").read_text().split(FILE_SEPARATOR) == full_train[:4]
+    assert cut["heldout"] == full["heldout"]
+    assert (tmp_path / "cut" / "heldout.txt").read_text() == (tmp_path / "full" / "heldout.txt").read_text()
+    # a clock already past the stop still runs the held-out split and the first chunk
+    late = write_generated_corpus(llm, str(tmp_path / "late"), **args, stop_at=0.0, chunk_prompts=2, clock=lambda: 5.0)
+    assert late["train"]["prompts"] == 2 and late["heldout"] == full["heldout"]
+    assert (tmp_path / "late" / "train.txt").read_text().split(FILE_SEPARATOR) == full_train[:2]
+
+
 def test_the_folder_trains_draft_layers(tmp_path):
     """The folder is a corpus the trainer runs on to the end and exports from (its manifest has
     the keys the trainer records)."""
@@ -71,6 +96,17 @@ def test_files_without_a_code_prompt_are_refused(llm, tmp_path):
     with pytest.raises(ValueError, match="the train files hold no usable code prompt"):
         write_generated_corpus(llm, str(tmp_path), train_files=[CorpusFile("p", "a.py", "x = 1\n", "0")],
                                heldout_files=[], train_prompts=1, heldout_prompts=1)
+    with pytest.raises(ValueError, match="chunk_prompts must be >= 1"):
+        write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=1,
+                               heldout_prompts=1, chunk_prompts=0)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=1,
                                heldout_prompts=1, max_tokens=0)
+
+
+def test_the_command_refuses_a_stop_that_is_not_positive(capsys):
+    from eecore.train.generated_corpus import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--out", "unused", "--stop-after-minutes", "0"])
+    assert stop.value.code == 2 and "--stop-after-minutes must be > 0, got 0.0" in capsys.readouterr().err

@@ -44,7 +44,9 @@
 #   The next run to try: on-policy data at the GPU's scale (the CPU's 410 K tokens moved agreement
 #   on the model's own continuations by under a point). Generate the original model's greedy
 #   continuations on the GPU, then train the shipped pairs on them (`generate` is not yet run on a GPU):
-#     generate 20000            (after the three receive calls and with part4 carried; ~3 minutes)
+#     generate 20000            (after the three receive calls and with part4 carried; it starts no new
+#                               chunk of 512 prompts after 7 minutes, so the call ends within its limit
+#                               and the folder is usable: the manifest says how many prompts were done)
 #     start 8 --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 --init-adapters \
 #       python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 --lora-alpha 128 \
 #       --steps 2000 --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 --save-dtype int8 --export-on-stop
@@ -158,7 +160,7 @@ generate() {
   environment
   build "${OUT:-/tmp}"
   "$PY" -m eecore.train.generated_corpus --out "$work/gen" --model "$work/model.gguf" --device cuda \
-    --dtype bfloat16 --max-num-seqs 128 --train-prompts "$prompts" --heldout-prompts 64 "$@"
+    --dtype bfloat16 --max-num-seqs 128 --train-prompts "$prompts" --heldout-prompts 64 --stop-after-minutes 7 "$@"
 }
 
 train() {

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 from eecore.prompts import heldout_code_prompt_records
 from eecore.train.corpus import (DEFAULT_HELDOUT_PACKAGES, DEFAULT_TRAIN_PACKAGES, FILE_SEPARATOR, CorpusFile,
@@ -36,24 +37,42 @@ def greedy_continuations(llm, prompts: list[str], max_tokens: int) -> list[str]:
 
 def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], heldout_files: list[CorpusFile],
                            train_prompts: int, heldout_prompts: int, max_tokens: int = 128,
-                           versions: Optional[dict[str, str]] = None) -> dict:
+                           versions: Optional[dict[str, str]] = None, stop_at: Optional[float] = None,
+                           chunk_prompts: int = 512, clock: Callable[[], float] = time.monotonic) -> dict:
     """Writes train.txt and heldout.txt (samples separated as in `eecore.train.corpus`) and a manifest
-    with the keys the trainer records in its file (`versions`: the source packages' versions)."""
-    if min(train_prompts, heldout_prompts, max_tokens) < 1:
-        raise ValueError(f"train_prompts, heldout_prompts and max_tokens must be >= 1, got "
-                         f"{train_prompts!r}, {heldout_prompts!r}, {max_tokens!r}")
-    os.makedirs(out_dir, exist_ok=True)
-    manifest = {"kind": "greedy continuations of code prompts", "max_tokens": max_tokens,
-                "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
+    with the keys the trainer records in its file (`versions`: the source packages' versions).
+
+    The held-out split is generated first and always whole. The train prompts then go to the model
+    `chunk_prompts` at a time, and once `clock()` has reached `stop_at` no further chunk starts (the
+    first always does): the split keeps the prompts done (a prefix of the full list, which
+    interleaves the packages), and the manifest says so ("stopped_by_clock"). That is how a run on a
+    lent machine, whose calls have a time limit, still leaves a corpus the trainer can use."""
+    for name, value in (("train_prompts", train_prompts), ("heldout_prompts", heldout_prompts),
+                        ("max_tokens", max_tokens), ("chunk_prompts", chunk_prompts)):
+        if value < 1:
+            raise ValueError(f"write_generated_corpus: {name} must be >= 1, got {value!r}")
+    splits = {}
     for split, files, n in (("train", train_files, train_prompts), ("heldout", heldout_files, heldout_prompts)):
         records = heldout_code_prompt_records(n, packages=sorted({f.package for f in files}), files=files)
         if not records:
             raise ValueError(f"write_generated_corpus: the {split} files hold no usable code prompt")
-        samples = greedy_continuations(llm, [r.text for r in records], max_tokens)
+        splits[split] = records
+    os.makedirs(out_dir, exist_ok=True)
+    manifest = {"kind": "greedy continuations of code prompts", "max_tokens": max_tokens,
+                "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
+    for split in ("heldout", "train"):
+        records, samples, done = splits[split], [], 0
+        step = len(records) if split == "heldout" else chunk_prompts
+        while done < len(records) and (split == "heldout" or done == 0 or stop_at is None or clock() < stop_at):
+            batch = records[done: done + step]
+            samples += greedy_continuations(llm, [r.text for r in batch], max_tokens)
+            done += len(batch)
         with open(os.path.join(out_dir, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write(FILE_SEPARATOR.join(samples))
-        manifest[split] = {"prompts": len(records), "chars": sum(map(len, samples)),
-                           "packages": sorted({r.package for r in records})}
+        manifest[split] = {"prompts": done, "chars": sum(map(len, samples)),
+                           "packages": sorted({r.package for r in records[:done]})}
+        if done < len(records):
+            manifest[split]["stopped_by_clock"] = {"prompts_asked": len(records)}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     return manifest
@@ -71,12 +90,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="where the model generates (cuda: tools/gpu_train_exit_ready.sh generate)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--stop-after-minutes", type=float, default=None,
+                    help="start no further chunk of train prompts after this long (the held-out split is always "
+                         "whole); the manifest records the stop")
     args = ap.parse_args(argv)
+    if args.stop_after_minutes is not None and not args.stop_after_minutes > 0:
+        ap.error(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes!r}")
+    stop_at = None if args.stop_after_minutes is None else time.monotonic() + 60 * args.stop_after_minutes
     corpus = build_corpus(DEFAULT_TRAIN_PACKAGES, DEFAULT_HELDOUT_PACKAGES)
     llm = eecore.LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
     manifest = write_generated_corpus(llm, args.out, train_files=corpus.train, heldout_files=corpus.heldout,
                                       train_prompts=args.train_prompts, heldout_prompts=args.heldout_prompts,
-                                      max_tokens=args.max_tokens, versions=corpus.versions)
+                                      max_tokens=args.max_tokens, versions=corpus.versions, stop_at=stop_at)
     print(json.dumps({k: manifest[k] for k in ("train", "heldout")}, indent=1))
     return 0
 

@@ -95,10 +95,14 @@ def _decoder(model):
 def _layer_masks(config, embeds, attention_mask, position_ids) -> list:
     """The attention mask each decoder layer gets, built the way the model's own forward builds them
     (transformers' masking utils, so every attention implementation gets the form it expects)."""
+    import inspect
+
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kwargs = dict(config=config, inputs_embeds=embeds, attention_mask=attention_mask, past_key_values=None,
-                  position_ids=position_ids)
+    # no cache: transformers 5.x calls the argument `cache` (`past_key_values` is deprecated there)
+    cache_arg = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    kwargs = {"config": config, "inputs_embeds": embeds, "attention_mask": attention_mask, cache_arg: None,
+              "position_ids": position_ids}
     num_layers = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # Llama: all full; Mistral: all sliding when it has a window
@@ -154,7 +158,7 @@ def forward_with_layer_dropout(model, input_ids: torch.Tensor, rates: Sequence[f
         def run(x, rows, layer=layer, mask=mask):
             return layer(x, attention_mask=_select_rows(mask, rows, batch),
                          position_embeddings=_select_rows(position_embeddings, rows, batch),
-                         position_ids=position_ids, past_key_values=None, use_cache=False)
+                         position_ids=position_ids, use_cache=False)  # the cache argument's default: none
 
         hidden = drop_layer(run, hidden, kept_rows)
         hidden_states.append(hidden)
