@@ -97,6 +97,15 @@ def make_peaked_tiny_model(tmp_path, **kwargs):
     return path, model
 
 
+def load_for_windows(path, batch: int, seq_len: int, **kwargs):
+    """An fp32 CPU eecore.LLM of `path` sized for training windows: `batch` sequences of `seq_len`
+    tokens in one step (the trainers' teacher passes), and one generated token more."""
+    import eecore
+
+    return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=batch, max_num_batched_tokens=batch * seq_len,
+                      max_model_len=seq_len + 1, **kwargs)
+
+
 def write_tiny_tokenizer(path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (SmolLM2-style pre-tokenizer: single digits, then GPT-2's split)
     trained on `_CORPUS`, saved as tokenizer.json + tokenizer_config.json with a ChatML template."""

@@ -19,7 +19,7 @@ from eecore.sampling_params import SamplingParams
 from eecore.train.exit_adapter import (AdapterTrainConfig, AdapterTrainer, TeacherPass, batch_windows,
                                        frequent_tokens, tokenize_file, tokenizer_fingerprint, train)
 from engine_utils import greedy, random_prompts
-from model_factory import make_peaked_tiny_model, make_tiny_hf_model
+from model_factory import load_for_windows, make_peaked_tiny_model, make_tiny_hf_model
 
 L, VOCAB, D = 4, 320, 64
 B, S = 2, 16                     # windows per step, window length
@@ -29,8 +29,7 @@ CONFIG = AdapterTrainConfig(exit_layers=(1, 2, 3), adapter_hidden=16, draft_voca
 
 
 def _load(path, **kw):
-    return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=B, max_num_batched_tokens=B * S,
-                      max_model_len=S + 1, **kw)
+    return load_for_windows(path, B, S, **kw)
 
 
 @pytest.fixture(scope="module")

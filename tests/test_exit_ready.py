@@ -15,7 +15,7 @@ from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
 from eecore.train.exit_adapter import batch_windows, frequent_tokens
 from eecore.train.exit_ready import ExitReadyConfig, ExitReadyTrainer, hf_twin, train
 from engine_utils import greedy, random_prompts
-from model_factory import make_peaked_tiny_model
+from model_factory import load_for_windows, make_peaked_tiny_model
 
 L, VOCAB, D = 4, 320, 64
 B, S = 2, 16
@@ -24,8 +24,7 @@ CONFIG = ExitReadyConfig(exit_layers=(1, 2), adapter_hidden=16, lora_rank=4, lor
 
 
 def _load(path, **kw):
-    return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=B, max_num_batched_tokens=B * S,
-                      max_model_len=S + 1, **kw)
+    return load_for_windows(path, B, S, **kw)
 
 
 @pytest.fixture(scope="module")
