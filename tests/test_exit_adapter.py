@@ -16,8 +16,9 @@ from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import FORMAT, AdapterBlock, DraftHead, ExitAdapters, model_fingerprint
 from eecore.sampling_params import SamplingParams
-from eecore.train.exit_adapter import (AdapterTrainConfig, AdapterTrainer, TeacherPass, batch_windows,
+from eecore.train.exit_adapter import (AdapterTrainConfig, AdapterTrainer, TeacherPass,
                                        frequent_tokens, tokenize_file, tokenizer_fingerprint, train)
+from eecore.train.loop import batch_windows
 from engine_utils import greedy, random_prompts
 from model_factory import load_for_windows, make_peaked_tiny_model, make_tiny_hf_model
 

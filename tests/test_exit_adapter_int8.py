@@ -1,6 +1,7 @@
 """Format 3 of the exit adapter file: projections (exit blocks, LoRA pairs) stored as weight-only int8
 with per-row scales. The round trip against Int8Weight's quantization, the merged model against
-the same pairs from a float file, the file's size, the refusals, and the shrink command (the trainer's --save-dtype int8: test_exit_ready.py)."""
+the same pairs from a float file, the file's size, the refusals, and the shrink command (the
+trainer's --save-dtype int8 is tested in test_exit_ready.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -12,8 +12,9 @@ import torch
 import eecore
 from eecore.models.exit_adapter import FORMAT, FORMAT_INT8, FORMAT_LORA, ExitAdapters, model_fingerprint
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
-from eecore.train.exit_adapter import batch_windows, frequent_tokens
+from eecore.train.exit_adapter import frequent_tokens
 from eecore.train.exit_ready import ExitReadyConfig, ExitReadyTrainer, hf_twin, train
+from eecore.train.loop import batch_windows
 from engine_utils import greedy, random_prompts
 from model_factory import load_for_windows, make_peaked_tiny_model
 

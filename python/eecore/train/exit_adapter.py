@@ -44,7 +44,7 @@ from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import AdapterBlock, ExitAdapters, adapter_reference, model_fingerprint
 from eecore.sampling_params import SamplingParams
-from eecore.train.loop import batch_windows, restore, run
+from eecore.train.loop import heldout_windows, restore, run
 
 
 @dataclass(frozen=True)
@@ -331,8 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "config": dataclasses.asdict(config), "trained_tokens": config.steps * config.batch_size * config.seq_len,
             "corpus": {k: manifest[k] for k in ("train", "heldout", "versions")},
             "final_train": {k: v for k, v in last.items() if k.startswith(("loss_", "agree_"))},
-            "final_heldout": trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len,
-                                                            config.seed + 1)),
+            "final_heldout": trainer.evaluate(heldout_windows(heldout, config)),
             "wall_seconds_this_run": round(time.time() - started, 1)}
     dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
     trainer.adapters(info, dtype).save(args.out)

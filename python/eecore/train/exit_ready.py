@@ -60,7 +60,7 @@ from eecore.train.exit_adapter import (TeacherPass, distillation_loss, exit_logi
                                        tokenize_file, tokenizer_fingerprint)
 from eecore.train.layerskip import forward_with_layer_dropout
 from eecore.train.layer_dropout import dropout_rates
-from eecore.train.loop import batch_windows, restore, run
+from eecore.train.loop import heldout_windows, restore, run
 
 
 @dataclass(frozen=True)
@@ -453,7 +453,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             vocab = frequent_tokens(tokens, llm.config.vocab_size, config.draft_vocab, tuple(llm.config.eos_token_ids))
     if args.eval_only:
         trainer = ExitReadyTrainer(llm, config, vocab, init, args.device)
-        print(json.dumps(trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1))))
+        print(json.dumps(trainer.evaluate(heldout_windows(heldout, config))))
         return 0
     log_path = os.path.join(args.checkpoint_dir, "train_log.jsonl")
     os.makedirs(args.checkpoint_dir, exist_ok=True)
@@ -482,8 +482,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "config": dataclasses.asdict(config), "init_adapters": args.init_adapters,
             "trained_steps": trainer.step, "trained_tokens": trainer.step * config.batch_size * config.seq_len,
             "corpus": {k: manifest[k] for k in ("train", "heldout", "versions")},
-            "final_heldout": trainer.evaluate(batch_windows(heldout, 0, config.batch_size, config.seq_len,
-                                                            config.seed + 1)),
+            "final_heldout": trainer.evaluate(heldout_windows(heldout, config)),
             "device": args.device, "wall_seconds_this_run": round(time.time() - started, 1)}
     dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
     trainer.exit_adapters(info, dtype).save(args.out, int8=args.save_dtype == "int8")

@@ -9,10 +9,10 @@ greedy continuation, in the folder layout `python -m eecore.train.exit_ready --c
 
 Greedy decoding on one machine is deterministic; another CPU's kernels may round differently and
 so, rarely, continue differently, and a GPU in bf16 (`--device cuda --dtype bfloat16`, for a corpus
-a hundred times larger) more often: the text is then nearly, not exactly, the fp32 model's own, while
-the trainer's targets stay the original model's distributions on it. Measured on SmolLM2 (the draft layers' model card): 2,400 prompts
-x 128 tokens took 22 minutes on 2 CPU cores, and 200 steps on them moved the copy's agreement less
-than a point.
+a hundred times larger) more often: the text is then nearly, not exactly, the fp32 model's own,
+while the trainer's targets stay the original model's distributions on it. Measured on SmolLM2
+(the draft layers' model card): 2,400 prompts x 128 tokens took 22 minutes on 2 CPU cores, and
+200 steps on them moved the copy's agreement less than a point.
 """
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--heldout-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--device", default="cpu", help="where the model generates (cuda: tools/gpu_train_exit_ready.sh generate)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model generates (cuda: tools/gpu_train_exit_ready.sh generate)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--stop-after-minutes", type=float, default=None,
                     help="start no further chunk of train prompts after this long (the held-out split is always "

@@ -31,6 +31,12 @@ def batch_windows(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, 
     return torch.from_numpy(np.stack([tokens[s:s + seq_len] for s in starts]).astype(np.int64))
 
 
+def heldout_windows(heldout: np.ndarray, config) -> torch.Tensor:
+    """The held-out windows every evaluation of a run scores (the periodic ones, the file's final
+    figures, `--eval-only`): one fixed draw, so that the figures compare across steps and files."""
+    return batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1)
+
+
 def check_resumable(state: dict, config, vocab: Optional[torch.Tensor], fingerprint: dict) -> None:
     """Raises unless checkpoint `state` was made by a run of the same configuration, draft
     vocabulary and model (`fingerprint`: eecore.models.exit_adapter.model_fingerprint)."""
@@ -80,7 +86,7 @@ def run(trainer, tokens: np.ndarray, config, *, desc: str, checkpoint_dir: Optio
             trainer.load_state_dict(torch.load(ckpt, weights_only=False))
     eval_windows = None
     if heldout is not None and eval_every:
-        eval_windows = batch_windows(heldout, 0, config.batch_size, config.seq_len, config.seed + 1)
+        eval_windows = heldout_windows(heldout, config)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -16,7 +16,6 @@ import dataclasses
 import os
 from typing import Optional
 
-
 from eecore.models.exit_adapter import ExitAdapters
 
 
