@@ -100,18 +100,26 @@ EOF
 
 receive() {
   ls -la "$PAYLOAD"/part* 2>/dev/null || { echo "no payload here: carry .gpu_payload/partN"; exit 1; }
+  # the first receive call also builds eecore (35 s on an H200), so the later calls' limits go to work
+  toolchain
+  build "${OUT:-/tmp}"
 }
 
 BACKGROUND_OUT=/tmp/eecore-exit-ready  # where a `start`ed run leaves its log and file
 
-# environment(): the carried gguf wheel, eecore's sources, and the toolchain setup.py needs there
-environment() {
-  "$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$PAYLOAD"/part3/gguf-*.whl
-  export PYTHONPATH="/tmp/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# toolchain(): what setup.py needs there to build the CUDA extension
+toolchain() {
   export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
   if [ -x /usr/bin/g++ ]; then  # see tools/gpu_check.sh: the image's g++ links libstdc++ statically
     export CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" LDCXXSHARED="/usr/bin/g++ -shared"
   fi
+}
+
+# environment(): the carried gguf wheel, eecore's sources and the toolchain
+environment() {
+  "$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$PAYLOAD"/part3/gguf-*.whl
+  export PYTHONPATH="/tmp/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  toolchain
 }
 
 build() {
