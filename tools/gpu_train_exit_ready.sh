@@ -1,62 +1,50 @@
 #!/usr/bin/env bash
-# The exit-ready training run (python -m eecore.train.exit_ready) on a lent GPU, where a 15-20 minute
-# run sees ~100x the tokens this project's 2-core CPU can. The device machine has torch, transformers
+# The exit-ready training run (python -m eecore.train.exit_ready) on a lent GPU, where a 15-minute
+# lease sees ~100x the tokens this project's 2-core CPU can. The device machine has torch, transformers
 # and peft but not the model file, gguf or the corpus, and a call uploads at most 64 MiB with the
-# repository (~22 MiB), so the model (98 MB) and the token stream travel in three parts:
+# repository (~22 MB), so the model (98 MB) and the token stream travel in parts:
 #
 #   here:    tools/gpu_train_exit_ready.sh pack          # -> .gpu_payload/part{1,2,3,4} (git-ignored)
-#   device:  four `run` calls back to back (the machine stays warm 30 s between calls), each
-#            carrying one part; the parts stay in the repo's ignored folder there:
-#              carry [".gpu_payload/part1"]  command: tools/gpu_train_exit_ready.sh receive
-#              carry [".gpu_payload/part2"]  command: tools/gpu_train_exit_ready.sh receive
-#              carry [".gpu_payload/part3"]  command: tools/gpu_train_exit_ready.sh receive
-#              carry [".gpu_payload/part4"]  command: tools/gpu_train_exit_ready.sh train 8
-#            `train MINUTES [ARGS...]` builds eecore, trains for MINUTES (resumable: call it again on
-#            the warm machine to go on; ARGS go to the trainer, e.g. --steps 4000 --batch-size 32) and
-#            puts the log and, when the run is complete, the adapter file (split in 15 MB pieces:
-#            cat exit-ready.safetensors.part* > FILE) into $OUT.
-#   or, so that the training outlives one call (at most 10 minutes) and shares the GPU with
-#   tools/gpu_check.sh, as on 2026-11-24:
-#              carry [".gpu_payload/part4"]  command: tools/gpu_train_exit_ready.sh start 15 ARGS...; EECORE_SKIP_BUILD=1 EECORE_GPU_CHECK_SECONDS=450 tools/gpu_check.sh
-#              (no carry)                    command: tools/gpu_train_exit_ready.sh collect
-#            `start` builds eecore, then trains in a process of its own session (setsid), which the
-#            device tool lets run until the machine goes back; `collect` waits for it (9 minutes at
-#            most: call it again if it says so) and copies the log and the file into $OUT. Keep a
-#            call in flight all along: an idle machine goes back after 30 s, and the run with it.
-#   Add --export-on-stop to ARGS so that a run the clock stops still writes its file.
-#   A second stage on the same machine starts from the first's file, with a checkpoint folder of its
-#   own (ARGS come after the defaults, so they win), e.g. to pull the last layer back toward the
-#   original while the exits at 8/12/16 stay as they are:
-#     start 8 --init-adapters .gpu_payload/work/exit-ready.safetensors --checkpoint-dir .gpu_payload/work/ckpt2 \
-#       --frozen-layers 16 --e-scale 0 --steps 1500 --batch-size 32 --seq-len 512 --export-on-stop
-#   (its file replaces the first's; its log, ckpt2/train_log.jsonl, and train.txt come back).
-#   For separate draft layers: pairs of the layers below exit 8 only, trained for the exit alone
-#   (full depth never sees them), from the shipped draft file (it travels with the repository):
-#     start 14 --draft-only --exit-layers 8 --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors \
-#       --lora-rank 64 --lora-alpha 128 --steps 2400 --batch-size 32 --seq-len 512 --export-on-stop
-#   (the file is rank 64; a higher --lora-rank grows it, starting from the same deltas with the extra
-#   ranks at zero; rank 64 on layers 0-7 is 10.4 MB in bf16, 5.3 MB in int8).
-#   Run on an H200 on 2026-11-26 (bench/results/h200-draft-layers-rank64-train-2026-11-26.json): the
-#   shipped rank-24 pairs grown to rank 64, 1,500 + 1,000 steps of 32 x 512 tokens (~8 steps/s alone),
-#   held-out agreement 0.614 -> 0.632 and acceptance up 1-4 points at d = 1-4: capacity is a small part
-#   of what limits the drafts. Stored as int8 (`--save-dtype int8`, or `python -m eecore.train.truncate_lora
-#   IN OUT --int8`) it is 8.1 MB, and it is what ships now.
-#   The next run to try: on-policy data at the GPU's scale (the CPU's 410 K tokens moved agreement
-#   on the model's own continuations by under a point). Generate the original model's greedy
-#   continuations on the GPU, then train the shipped pairs on them (`generate` is not yet run on a GPU):
-#     generate 20000            (after the three receive calls and with part4 carried; it builds eecore,
-#                               then starts no new chunk of 512 prompts after 4 minutes of generating
-#                               (--stop-after-minutes N after the count changes it), so the call ends
-#                               within its limit with a usable folder: its manifest says how many prompts ran)
-#     start 8 --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 --init-adapters \
-#       python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 --lora-alpha 128 \
-#       --steps 2000 --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 --save-dtype int8 --export-on-stop
-#   and judge it by acceptance at d = 1-4 on the 64-token code prompts (bench/self_speculation.py).
-#   On the CPU (2026-11-26, 1,600 prompts, 410 K tokens) this moved acceptance up 1-2 points; a
-#   sharper target (--temperature 0.5) bought no more agreement and a far worse KL: keep the default.
-#   With 15 minutes of device time, skip tools/gpu_check.sh (run on 2026-11-26): start-up, the three
-#   receive calls, generate (which builds eecore first) and about 5 minutes of training fit.
-#   Measured on an H100: 32 x 512 tokens a step at 2.9 steps/s (150 K tokens/s).
+#   device:  calls back to back (an idle machine goes back after 30 s), each carrying parts that stay
+#            in the repo's ignored folder there:
+#              carry [".gpu_payload/part1"]                       receive   (also builds eecore: 35 s on an H200)
+#              carry [".gpu_payload/part2"]                       receive
+#              carry [".gpu_payload/part3", ".gpu_payload/part4"] then the work (61 MiB with the repository
+#                                                                 on 2026-11-26; carry part4 in a call of its
+#                                                                 own once the repository passes ~25 MB)
+#   The work:
+#     train MINUTES [ARGS...]   trains within the call (at most 10 minutes; resumable: call it again on the
+#                               warm machine to go on) and puts the log and the file (split in 15 MB
+#                               pieces: cat exit-ready.safetensors.part* > FILE) into $OUT;
+#     start MINUTES [ARGS...]   trains in a process of its own session (setsid), which runs on until the
+#                               machine goes back, so that training outlives a call; then (no carry)
+#     collect                   waits for it (9 minutes at most: call it again if it says so) and copies
+#                               the log and the file into $OUT. Keep a call in flight all along: an idle
+#                               machine goes back after 30 s, and the run with it;
+#     generate PROMPTS [ARGS...] on-policy data: the original model's greedy continuations of PROMPTS code
+#                               prompts (eecore.train.generated_corpus, bf16 on the GPU) into
+#                               .gpu_payload/work/gen; no new chunk of 512 prompts starts after 4 minutes
+#                               (--stop-after-minutes N after the count changes it), and its manifest says
+#                               how many ran. Train on it with `--corpus .gpu_payload/work/gen`.
+#   ARGS go to the trainer after the defaults (so they win). Add --export-on-stop so that a run its
+#   clock stops still writes its file; a second stage on the same machine starts from the first's file
+#   (--init-adapters .gpu_payload/work/exit-ready.safetensors) with a --checkpoint-dir of its own.
+#
+# What ships now (2026-11-26, H200, 557 s of device time in all; bench/results/h200-draft-layers-onpolicy-train-2026-11-26.json):
+# the separate draft layers (pairs of the layers below exit 8 only, trained for the exit alone) on
+# on-policy data. In the third call, with the device time left before it as BUDGET seconds:
+#     T0=$(date +%s); tools/gpu_train_exit_ready.sh generate 20000
+#     M=$(python3 -c "print(round(($BUDGET - ($(date +%s) - T0) - 200) / 60, 2))")
+#     tools/gpu_train_exit_ready.sh start $M --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 \
+#       --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 \
+#       --lora-alpha 128 --steps 2897 --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 \
+#       --save-dtype int8 --export-on-stop
+# then `collect`. The 20,000 prompts x 128 tokens took 110 s (the call's generate step 169 s), the
+# 2,897 steps of 32 x 512 tokens 284 s (~10 steps/s), and acceptance at d = 1-4 rose 6 points
+# (judged with bench/self_speculation.py on the CPU; the draft layers' card has the figures).
+# The 200 s leave room for the collect call and the file's way back. Earlier runs: human-written code
+# (python -m eecore.train.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
+# card's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
