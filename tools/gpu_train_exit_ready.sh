@@ -42,7 +42,11 @@
 # then `collect`. The 20,000 prompts x 128 tokens took 110 s (the call's generate step 169 s), the
 # 2,897 steps of 32 x 512 tokens 284 s (~10 steps/s), and acceptance at d = 1-4 rose 6 points
 # (judged with bench/self_speculation.py on the CPU; the draft layers' card has the figures).
-# The 200 s leave room for the collect call and the file's way back. Earlier runs: human-written code
+# The 200 s leave room for the collect call and the file's way back. Next: the held-out agreement
+# was flat over the run's last 600 steps (about 11 passes over the data), so the next run should
+# see more of it: generate 40000 (about 4 minutes there; the prompts are every usable function of
+# the training packages, evenly picked, so a larger count adds new ones) and train from the shipped
+# file for what is left. Earlier runs: human-written code
 # (python -m eecore.train.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
 # card's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
 set -euo pipefail

@@ -12,7 +12,9 @@ so, rarely, continue differently, and a GPU in bf16 (`--device cuda --dtype bflo
 a hundred times larger) more often: the text is then nearly, not exactly, the fp32 model's own,
 while the trainer's targets stay the original model's distributions on it. Measured on SmolLM2
 (the draft layers' model card): 2,400 prompts x 128 tokens took 22 minutes on 2 CPU cores, and
-200 steps on them moved the copy's agreement less than a point.
+200 steps on them moved the copy's agreement less than a point; 20,000 prompts took 110 s on an
+H200 (bf16, 128 sequences), and 2,897 steps of 32 x 512 tokens on them moved it 3-4 points and
+the drafts' acceptance 6 (the shipped draft file since 2026-11-26).
 """
 from __future__ import annotations
 
