@@ -379,6 +379,13 @@ def test_second_stage_refuses_pairs_of_another_shape(llm, vocab):
         ExitReadyTrainer(llm, dataclasses.replace(CONFIG, frozen_layers=L), vocab)
 
 
+def test_trainer_refuses_bad_models(tiny, llm, vocab):
+    with pytest.raises(ValueError, match=f"ExitReadyTrainer: exit layer {L} must be below the model's {L} layers"):
+        ExitReadyTrainer(llm, dataclasses.replace(CONFIG, exit_layers=(1, L)), vocab)
+    with pytest.raises(ValueError, match="ExitReadyTrainer: load the model in float32 for training, got torch.bfloat16"):
+        ExitReadyTrainer(eecore.LLM(tiny[0], dtype="bfloat16", device="cpu"), CONFIG, vocab)
+
+
 def test_a_second_stage_may_grow_the_rank(llm, tokens, vocab):
     """Pairs of rank 3 start a rank-4 run (another alpha too): every delta is the file's at the start,
     the extra rank has a random A and a zero B, and after a step the extra ranks have moved."""

@@ -44,7 +44,7 @@ from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import AdapterBlock, ExitAdapters, adapter_reference, model_fingerprint
 from eecore.sampling_params import SamplingParams
-from eecore.train.loop import heldout_windows, restore, run
+from eecore.train.loop import check_student_model, heldout_windows, restore, run
 
 
 @dataclass(frozen=True)
@@ -204,11 +204,7 @@ class AdapterTrainer:
 
     def __init__(self, llm, config: AdapterTrainConfig, vocab: Optional[torch.Tensor]):
         model = llm.model
-        if model.dtype != torch.float32:
-            raise ValueError("AdapterTrainer: load the model in float32 for training")
-        for E in config.exit_layers:
-            if E >= model.num_layers:
-                raise ValueError(f"exit layer {E} must be below the model's {model.num_layers} layers")
+        check_student_model(model, config.exit_layers, "AdapterTrainer")
         self.llm, self.config, self.vocab = llm, config, vocab
         self.eps = model.eps
         self.final_norm = model.final_norm.float()

@@ -60,7 +60,7 @@ from eecore.train.exit_adapter import (TeacherPass, distillation_loss, exit_logi
                                        tokenize_file, tokenizer_fingerprint)
 from eecore.train.layerskip import forward_with_layer_dropout
 from eecore.train.layer_dropout import dropout_rates
-from eecore.train.loop import heldout_windows, restore, run
+from eecore.train.loop import check_student_model, heldout_windows, restore, run
 
 
 @dataclass(frozen=True)
@@ -168,11 +168,7 @@ class ExitReadyTrainer:
         from peft import LoraConfig, get_peft_model
 
         model = llm.model
-        if model.dtype != torch.float32:
-            raise ValueError("ExitReadyTrainer: load the model in float32 for training")
-        for E in config.exit_layers:
-            if E >= model.num_layers:
-                raise ValueError(f"exit layer {E} must be below the model's {model.num_layers} layers")
+        check_student_model(model, config.exit_layers, "ExitReadyTrainer")
         if config.frozen_layers >= model.num_layers:
             raise ValueError(f"frozen_layers={config.frozen_layers} leaves none of the model's "
                              f"{model.num_layers} layers to train")

@@ -22,6 +22,16 @@ from eecore.models.exit_adapter import model_fingerprint
 CHECKPOINT = "last.pt"
 
 
+def check_student_model(model, exit_layers, owner: str) -> None:
+    """What both exit trainers need of the eecore model they train on: fp32 weights (the optimizer's
+    updates would vanish in bf16) and every exit below the last layer."""
+    if model.dtype != torch.float32:
+        raise ValueError(f"{owner}: load the model in float32 for training, got {model.dtype}")
+    for E in exit_layers:
+        if E >= model.num_layers:
+            raise ValueError(f"{owner}: exit layer {E} must be below the model's {model.num_layers} layers")
+
+
 def batch_windows(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
     """Step `step`'s batch [batch_size, seq_len] of windows of the stream, a function of (seed, step)."""
     if len(tokens) < seq_len:
