@@ -34,7 +34,7 @@
 # the separate draft layers (pairs of the layers below exit 8 only, trained for the exit alone) on
 # on-policy data. In the third call, with the device time left before it as BUDGET seconds:
 #     T0=$(date +%s); tools/gpu_train_exit_ready.sh generate 20000
-#     M=$(python3 -c "print(round(($BUDGET - ($(date +%s) - T0) - 200) / 60, 2))")
+#     M=$(python3 -c "print(round(($BUDGET - ($(date +%s) - $T0) - 200) / 60, 2))")
 #     tools/gpu_train_exit_ready.sh start $M --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 \
 #       --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 \
 #       --lora-alpha 128 --steps 2897 --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 \
