@@ -18,13 +18,11 @@ import statistics
 
 import eecore
 from common import bench_prompt_ids, cpu_model, save_results, timed
-from eecore.cli import apply_exit_ready, build_llm, make_parser
+from eecore.cli import build_llm, parse_args
 
 
 def llm_from_flags(flags: str):
-    args = make_parser().parse_args(["generate", "-", "--dtype", "float32"] + shlex.split(flags))
-    apply_exit_ready(args)  # as `eecore generate` does
-    return build_llm(args)
+    return build_llm(parse_args(["generate", "-", "--dtype", "float32"] + shlex.split(flags)))  # as `eecore generate`
 
 
 def main() -> None:

@@ -120,9 +120,7 @@ def test_exit_ready_presets():
         eecore.SelfSpeculativeConfig.exit_ready(draft_threshold=2.0)
 
     def parsed(*flags):
-        args = cli.make_parser().parse_args(["generate", "hello", *flags])
-        cli.apply_exit_ready(args)
-        return args
+        return cli.parse_args(["generate", "hello", *flags])
 
     args = parsed("--exit-ready")
     assert args.speculate and args.exit_adapter is True
@@ -139,6 +137,25 @@ def test_exit_ready_presets():
     assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig(exit_layer=3)
     with pytest.raises(SystemExit, match="--speculate needs --exit-layer"):
         cli.speculative_config(parsed("--speculate"))
+
+
+def test_exit_ready_before_the_prompt():
+    """`eecore generate --exit-ready "def f():"`: a word after the flag that is not a preset is the
+    prompt, and the flag means the default preset; a preset's misspelling is refused, not generated."""
+    from eecore import cli
+    from eecore.speculative.config import EXIT_READY_PRESETS
+
+    assert set(cli.EXIT_READY_CHOICES) == set(EXIT_READY_PRESETS)
+    args = cli.parse_args(["generate", "--exit-ready", "def f():", "second prompt", "--max-tokens", "4"])
+    assert (args.exit_ready, args.prompt, args.max_tokens, args.speculate) == \
+        ("layer", ["def f():", "second prompt"], 4, True)
+    args = cli.parse_args(["generate", "--exit-ready", "hybrid", "def f():"])
+    assert (args.exit_ready, args.prompt) == ("hybrid", ["def f():"])
+    args = cli.parse_args(["generate", "--exit-ready", "--", "--not-a-flag"])  # after "--" every word is a prompt
+    assert (args.exit_ready, args.prompt) == ("layer", ["--not-a-flag"])
+    for typo in ("hybird", "layers"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["generate", "--exit-ready", typo, "def f():"])
 
 
 @pytest.mark.parametrize("preset", ["layer", "hybrid"])

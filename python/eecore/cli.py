@@ -3,8 +3,13 @@ throughput. Both take the model, dtype and decoding-strategy flags."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
+
+
+# SelfSpeculativeConfig.EXIT_READY_PRESETS' names, spelled out so that `eecore --help` needs no torch
+EXIT_READY_CHOICES = ("layer", "hybrid")
 
 
 def parse_min_acceptance(text: str):
@@ -62,7 +67,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("self-speculation (LayerSkip)")
     s.add_argument("--speculate", action="store_true")
-    s.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=["layer", "hybrid"],
+    s.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=EXIT_READY_CHOICES,
                    help="the embedded model's exit-ready self-speculation in one flag: --speculate --exit-adapter "
                         "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
                         "0-7; hybrid: with prompt lookup); self-speculation flags given as well override it")
@@ -309,9 +314,32 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+def bare_exit_ready_last(argv: list[str]) -> list[str]:
+    """`--exit-ready` takes an optional preset, so argparse reads the word after it as the preset even
+    when that word is the prompt (`eecore generate --exit-ready "def f():"` would fail with "invalid
+    choice"). Where the next word is not a preset, the flag moves to the end of the options, where
+    it stands alone and means the default preset; the prompt stays where it was. A word close to a
+    preset's name ("hybird") stays the flag's value, so that argparse refuses it rather than
+    generating for it as a prompt."""
+    end = argv.index("--") if "--" in argv else len(argv)  # after "--" every word is a prompt
+    for i in range(end - 1):
+        word = argv[i + 1]
+        if (argv[i] == "--exit-ready" and not word.startswith("-") and word not in EXIT_READY_CHOICES
+                and not difflib.get_close_matches(word, EXIT_READY_CHOICES, n=1, cutoff=0.6)):
+            return argv[:i] + argv[i + 1:end] + ["--exit-ready"] + argv[end:]
+    return argv
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed (`bare_exit_ready_last` first), with --exit-ready applied."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = make_parser().parse_args(bare_exit_ready_last(argv))
     apply_exit_ready(args)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     return args.func(args)
 
 
