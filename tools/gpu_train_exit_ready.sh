@@ -25,28 +25,31 @@
 #                               prompts (eecore.train.generated_corpus, bf16 on the GPU) into
 #                               .gpu_payload/work/gen; no new chunk of 512 prompts starts after 4 minutes
 #                               (--stop-after-minutes N after the count changes it), and its manifest says
-#                               how many ran. Train on it with `--corpus .gpu_payload/work/gen`.
+#                               how many ran. Train on it with `--corpus .gpu_payload/work/gen`;
+#     onpolicy BUDGET PROMPTS [ARGS...]  generate, then start the draft layers' training on the data for
+#                               what the device time left allows (below), in one call; then collect.
 #   ARGS go to the trainer after the defaults (so they win). Add --export-on-stop so that a run its
 #   clock stops still writes its file; a second stage on the same machine starts from the first's file
 #   (--init-adapters .gpu_payload/work/exit-ready.safetensors) with a --checkpoint-dir of its own.
 #
 # What ships now (2026-11-26, H200, 557 s of device time in all; bench/results/h200-draft-layers-onpolicy-train-2026-11-26.json):
 # the separate draft layers (pairs of the layers below exit 8 only, trained for the exit alone) on
-# on-policy data. In the third call, with the device time left before it as BUDGET seconds:
-#     T0=$(date +%s); tools/gpu_train_exit_ready.sh generate 20000
-#     M=$(python3 -c "print(round(($BUDGET - ($(date +%s) - $T0) - 200) / 60, 2))")
-#     tools/gpu_train_exit_ready.sh start $M --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 \
+# on-policy data. The third call ran what `onpolicy BUDGET 20000` now does in one command (BUDGET:
+# status's budget_left_s just before the call, less ~15 s for the upload):
+#     generate 20000, then
+#     start MINUTES --corpus .gpu_payload/work/gen --draft-only --exit-layers 8 \
 #       --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 \
 #       --lora-alpha 128 --steps 2897 --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 \
 #       --save-dtype int8 --export-on-stop
+#     with MINUTES what BUDGET left after generating, less 200 s;
 # then `collect`. The 20,000 prompts x 128 tokens took 110 s (the call's generate step 169 s), the
 # 2,897 steps of 32 x 512 tokens 284 s (~10 steps/s), and acceptance at d = 1-4 rose 6 points
 # (judged with bench/self_speculation.py on the CPU; the draft layers' card has the figures).
 # The 200 s leave room for the collect call and the file's way back. Next: the held-out agreement
 # was flat over the run's last 600 steps (about 11 passes over the data), so the next run should
-# see more of it: generate 40000 (about 4 minutes there; the prompts are every usable function of
-# the training packages, evenly picked, so a larger count adds new ones) and train from the shipped
-# file for what is left. Earlier runs: human-written code
+# see more of it: `onpolicy BUDGET 40000` (generating takes about 4 minutes there; the prompts are
+# every usable function of the training packages, evenly picked, so a larger count adds new ones),
+# which trains from the shipped file for what is left. Earlier runs: human-written code
 # (python -m eecore.train.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
 # card's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
 set -euo pipefail
@@ -168,6 +171,27 @@ generate() {
     --dtype bfloat16 --max-num-seqs 128 --train-prompts "$prompts" --heldout-prompts 64 --stop-after-minutes 4 "$@"
 }
 
+# onpolicy BUDGET PROMPTS [ARGS...]: the run that made the shipped draft file, in one call: generate
+# PROMPTS prompts' continuations, then `start` the draft layers' training on them (from the shipped
+# file) for what BUDGET leaves, BUDGET being the device seconds left as the call began (status's
+# budget_left_s); 200 s stay for `collect` and the file's way back. ARGS go to the trainer last.
+onpolicy() {
+  local usage="onpolicy BUDGET PROMPTS [trainer args...]"
+  local budget="${1:?$usage}" prompts="${2:?$usage}" t0 minutes steps out="${OUT:-/tmp}" gen="$PAYLOAD/work/gen"
+  shift 2
+  t0=$(date +%s)
+  generate "$prompts" > "$out/gen.txt" 2>&1 || { tail -30 "$out/gen.txt"; exit 1; }
+  cp "$gen/manifest.json" "$out/gen-manifest.json"
+  cp "$gen/heldout.txt" "$out/gen-heldout.txt"  # to evaluate the file on later, here
+  minutes=$("$PY" -c "print(round(($budget - ($(date +%s) - $t0) - 200) / 60, 2))")
+  steps=$("$PY" -c "print(int($minutes * 60 * 9))")  # ~10 steps/s on an H200, start-up included
+  if [ "$steps" -lt 300 ]; then echo "generated, but only $minutes minutes are left to train: not started"; exit 1; fi
+  echo "generated in $(( $(date +%s) - t0 )) s; training for $minutes minutes, $steps steps"
+  start "$minutes" --corpus "$gen" --draft-only --exit-layers 8 \
+    --init-adapters python/eecore/data/smollm2-135m-instruct-draft-layers.safetensors --lora-rank 64 --lora-alpha 128 \
+    --steps "$steps" --lr 8e-5 --adapter-lr 1.5e-4 --batch-size 32 --seq-len 512 --save-dtype int8 --export-on-stop "$@"
+}
+
 train() {
   local minutes="${1:?train MINUTES [trainer args...]}" out="${OUT:-$BACKGROUND_OUT}" work="$PWD/$PAYLOAD/work"
   shift
@@ -195,6 +219,7 @@ case "${1:-}" in
   train) shift; train "$@" ;;
   start) shift; start "$@" ;;
   generate) shift; generate "$@" ;;
+  onpolicy) shift; onpolicy "$@" ;;
   collect) collect ;;
-  *) echo "usage: $0 pack | receive | generate PROMPTS [args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
+  *) echo "usage: $0 pack | receive | generate PROMPTS [args] | onpolicy BUDGET PROMPTS [trainer args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
 esac
