@@ -32,7 +32,8 @@
 #   clock stops still writes its file; a second stage on the same machine starts from the first's file
 #   (--init-adapters .gpu_payload/work/exit-ready.safetensors) with a --checkpoint-dir of its own.
 #
-# What ships now (2026-11-26, H200, 557 s of device time in all; bench/results/h200-draft-layers-onpolicy-train-2026-11-26.json):
+# What ships now (2026-11-26, H200, 557 s of device time in all;
+# bench/results/h200-draft-layers-onpolicy-train-2026-11-26.json):
 # the separate draft layers (pairs of the layers below exit 8 only, trained for the exit alone) on
 # on-policy data. The third call ran what `onpolicy BUDGET 20000` now does in one command (BUDGET:
 # status's budget_left_s just before the call, less ~15 s for the upload):
