@@ -158,6 +158,23 @@ def test_exit_ready_before_the_prompt():
             cli.parse_args(["generate", "--exit-ready", typo, "def f():"])
 
 
+def test_a_prompt_after_exit_adapter_is_refused_with_a_hint(capsys, tmp_path):
+    """--exit-adapter's FILE is optional too, but a path cannot be told from a prompt: a word after it
+    that names no file (and no .safetensors) is refused with what to write instead; a file, a
+    .safetensors path (test_exit_ready_presets) or no word stays as it was."""
+    from eecore import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["generate", "--exit-adapter", "def f():"])
+    assert "--exit-adapter: 'def f():' is no file. The FILE is optional" in capsys.readouterr().err
+    args = cli.parse_args(["generate", "def f():", "--exit-adapter"])
+    assert (args.exit_adapter, args.prompt) == (True, ["def f():"])
+    path = tmp_path / "mine.safetensors"
+    path.write_bytes(b"")
+    args = cli.parse_args(["generate", "--exit-adapter", str(path), "def f():"])
+    assert (args.exit_adapter, args.prompt) == (str(path), ["def f():"])
+
+
 @pytest.mark.parametrize("preset", ["layer", "hybrid"])
 def test_exit_ready_outputs_are_full_depths(preset):
     prompts = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):"]

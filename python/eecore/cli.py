@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 import time
 
@@ -330,10 +331,26 @@ def bare_exit_ready_last(argv: list[str]) -> list[str]:
     return argv
 
 
+def refuse_prompt_as_adapter_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`--exit-adapter [FILE]` has the same trap as --exit-ready, but a path has no closed set of
+    values to tell a prompt from. A word after it that names no file and does not end in .safetensors
+    is refused (as a file it would fail later anyway) with what to write instead, rather than read as
+    something else; a missing .safetensors path keeps its "does not exist" from the loader."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    for i in range(end - 1):
+        word = argv[i + 1]
+        if (argv[i] == "--exit-adapter" and not word.startswith("-") and not word.endswith(".safetensors")
+                and not os.path.exists(word)):
+            parser.error(f"--exit-adapter: {word!r} is no file. The FILE is optional: for the shipped adapters, "
+                         f"put the prompt before --exit-adapter or give another flag after it")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, parsed (`bare_exit_ready_last` first), with --exit-ready applied."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = make_parser().parse_args(bare_exit_ready_last(argv))
+    parser = make_parser()
+    refuse_prompt_as_adapter_file(parser, argv)
+    args = parser.parse_args(bare_exit_ready_last(argv))
     apply_exit_ready(args)
     return args
 
