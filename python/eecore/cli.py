@@ -315,6 +315,18 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def options_end(argv: list[str]) -> int:
+    """Where the options end: at "--", after which every word is a prompt."""
+    return argv.index("--") if "--" in argv else len(argv)
+
+
+def words_after(argv: list[str], flag: str) -> list[tuple[int, str]]:
+    """(i, word) for each `flag` at argv[i] among the options whose next word is no flag: the word
+    argparse gives to a flag whose value is optional (nargs="?")."""
+    end = options_end(argv)
+    return [(i, argv[i + 1]) for i in range(end - 1) if argv[i] == flag and not argv[i + 1].startswith("-")]
+
+
 def bare_exit_ready_last(argv: list[str]) -> list[str]:
     """`--exit-ready` takes an optional preset, so argparse reads the word after it as the preset even
     when that word is the prompt (`eecore generate --exit-ready "def f():"` would fail with "invalid
@@ -322,11 +334,9 @@ def bare_exit_ready_last(argv: list[str]) -> list[str]:
     it stands alone and means the default preset; the prompt stays where it was. A word close to a
     preset's name ("hybird") stays the flag's value, so that argparse refuses it rather than
     generating for it as a prompt."""
-    end = argv.index("--") if "--" in argv else len(argv)  # after "--" every word is a prompt
-    for i in range(end - 1):
-        word = argv[i + 1]
-        if (argv[i] == "--exit-ready" and not word.startswith("-") and word not in EXIT_READY_CHOICES
-                and not difflib.get_close_matches(word, EXIT_READY_CHOICES, n=1, cutoff=0.6)):
+    end = options_end(argv)
+    for i, word in words_after(argv, "--exit-ready"):
+        if word not in EXIT_READY_CHOICES and not difflib.get_close_matches(word, EXIT_READY_CHOICES, n=1, cutoff=0.6):
             return argv[:i] + argv[i + 1:end] + ["--exit-ready"] + argv[end:]
     return argv
 
@@ -336,11 +346,8 @@ def refuse_prompt_as_adapter_file(parser: argparse.ArgumentParser, argv: list[st
     values to tell a prompt from. A word after it that names no file and does not end in .safetensors
     is refused (as a file it would fail later anyway) with what to write instead, rather than read as
     something else; a missing .safetensors path keeps its "does not exist" from the loader."""
-    end = argv.index("--") if "--" in argv else len(argv)
-    for i in range(end - 1):
-        word = argv[i + 1]
-        if (argv[i] == "--exit-adapter" and not word.startswith("-") and not word.endswith(".safetensors")
-                and not os.path.exists(word)):
+    for _, word in words_after(argv, "--exit-adapter"):
+        if not word.endswith(".safetensors") and not os.path.exists(word):
             parser.error(f"--exit-adapter: {word!r} is no file. The FILE is optional: for the shipped adapters, "
                          f"put the prompt before --exit-adapter or give another flag after it")
 
