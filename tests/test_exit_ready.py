@@ -306,9 +306,10 @@ def test_eval_only_reports_what_the_trainer_measured_for_the_file(tiny, tmp_path
     assert "training needs --out and --checkpoint-dir" in capsys.readouterr().err
 
 
-def test_training_cli_continued_from_a_file_keeps_its_draft_vocabulary(tiny, tmp_path):
+def test_training_cli_continued_from_a_file_keeps_or_recounts_its_draft_vocabulary(tiny, tmp_path):
     """A run started from a file (--init-adapters) trains for the draft vocabulary that file ships,
-    even on a corpus whose counts would pick other tokens; a --draft-vocab of another size is refused."""
+    even on a corpus whose counts would pick other tokens; a --draft-vocab of another size is refused,
+    unless --recount-draft-vocab asks for the vocabulary to be counted on the new corpus."""
     from eecore.train.exit_ready import main
 
     path, _ = tiny
@@ -329,6 +330,15 @@ def test_training_cli_continued_from_a_file_keeps_its_draft_vocabulary(tiny, tmp
     with pytest.raises(ValueError, match="--draft-vocab 30: .* has a draft vocabulary of 40 tokens"):
         main(["--corpus", other, "--out", second, "--checkpoint-dir", str(tmp_path / "ck3"),
               "--init-adapters", first, "--draft-vocab", "30"] + common)
+    # --recount-draft-vocab counts it afresh on this corpus, at the size asked for, as a fresh run would
+    recounted, fresh = str(tmp_path / "recounted.safetensors"), str(tmp_path / "fresh.safetensors")
+    assert main(["--corpus", other, "--out", recounted, "--checkpoint-dir", str(tmp_path / "ck4"),
+                 "--init-adapters", first, "--draft-vocab", "30", "--recount-draft-vocab"] + common) == 0
+    assert main(["--corpus", other, "--out", fresh, "--checkpoint-dir", str(tmp_path / "ck5"),
+                 "--draft-vocab", "30"] + common) == 0
+    vocab = ExitAdapters.load(recounted).vocab
+    assert vocab.numel() == 30 and torch.equal(vocab, ExitAdapters.load(fresh).vocab)
+    assert not torch.equal(vocab[:30], ExitAdapters.load(first).vocab[:30])
 
 
 def test_student_without_its_pairs_is_the_engine_teacher(llm, tokens, vocab):

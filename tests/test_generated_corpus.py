@@ -1,4 +1,5 @@
-"""eecore.train.generated_corpus: code prompts followed by the model's own greedy continuations."""
+"""eecore.train.generated_corpus: code prompts and chat instructions followed by the model's own greedy
+continuations."""
 from __future__ import annotations
 
 import json
@@ -46,6 +47,39 @@ def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path)
             assert f"def {name}(" in prompt
             out = llm.generate([prompt], eecore.SamplingParams(temperature=0.0, max_tokens=6))[0]
             assert len(out.token_ids) == 6 and sample == prompt + out.text
+
+
+def test_chat_instructions_are_answered_in_the_chat_template(llm, tmp_path):
+    """Chat samples are the instruction in the model's chat template, then its greedy answer, closed
+    with the end-of-turn token when the answer ended there; interleaved with the code samples."""
+    from eecore.train.chat_prompts import chat_instruction_records
+
+    train = [CorpusFile("pkg_a", "a.py", CODE.format(name="list_reports"), "0"),
+             CorpusFile("pkg_b", "b.py", CODE.format(name="find_logs"), "1")]
+    held = [CorpusFile("pkg_h", "h.py", CODE.format(name="held_out_names"), "2")]
+    manifest = write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held, train_prompts=2,
+                                      heldout_prompts=0, chat_train_prompts=2, chat_heldout_prompts=1, max_tokens=6)
+    assert manifest["train"]["prompts"] == 4 and manifest["train"]["chat_prompts"] == 2
+    assert manifest["heldout"]["prompts"] == manifest["heldout"]["chat_prompts"] == 1
+    samples = (tmp_path / "train.txt").read_text().split(FILE_SEPARATOR)
+    chat = [s for s in samples if s.startswith("<|im_start|>")]
+    assert len(chat) == 2 and samples.index(chat[0]) < 2  # interleaved: not all code first
+    for sample, instruction in zip(chat, chat_instruction_records(2, train)):
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": instruction.text}])
+        out = llm.generate([prompt], eecore.SamplingParams(temperature=0.0, max_tokens=6))[0]
+        closed = llm.tokenizer.eos_token if out.finish_reason == "stop" else ""
+        assert sample == prompt + out.text + closed
+    with pytest.raises(ValueError, match="the heldout split needs at least one prompt"):
+        write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held, train_prompts=1,
+                               heldout_prompts=0)
+
+
+def test_chat_instructions_need_a_chat_template(llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    files = [CorpusFile("pkg_a", "a.py", CODE.format(name="list_reports"), "0")]
+    with pytest.raises(ValueError, match="chat prompts need a model with a chat template"):
+        write_generated_corpus(llm, str(tmp_path), train_files=files, heldout_files=files, train_prompts=0,
+                               heldout_prompts=1, chat_train_prompts=1)
 
 
 def test_the_clock_cuts_the_train_split_between_chunks(llm, tmp_path):
@@ -99,6 +133,9 @@ def test_files_without_a_code_prompt_are_refused(llm, tmp_path):
     with pytest.raises(ValueError, match="chunk_prompts must be >= 1"):
         write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=1,
                                heldout_prompts=1, chunk_prompts=0)
+    with pytest.raises(ValueError, match="chat_train_prompts must be >= 0"):
+        write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=1,
+                               heldout_prompts=1, chat_train_prompts=-1)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=1,
                                heldout_prompts=1, max_tokens=0)

@@ -22,7 +22,8 @@
 #                               the log and the file into $OUT. Keep a call in flight all along: an idle
 #                               machine goes back after 30 s, and the run with it;
 #     generate PROMPTS [ARGS...] on-policy data: the original model's greedy continuations of PROMPTS code
-#                               prompts (eecore.train.generated_corpus, bf16 on the GPU) into
+#                               prompts, or of CODE code prompts and CHAT chat instructions when PROMPTS
+#                               is CODE+CHAT (eecore.train.generated_corpus, bf16 on the GPU) into
 #                               .gpu_payload/work/gen; no new chunk of 512 prompts starts after 4 minutes
 #                               (--stop-after-minutes N after the count changes it), and its manifest says
 #                               how many ran. Train on it with `--corpus .gpu_payload/work/gen`;
@@ -163,13 +164,17 @@ assemble() {
 # prompts made from the machine's installed packages (eecore.train.generated_corpus, in bf16 on the
 # GPU), into $PAYLOAD/work/gen; train on it with `start MINUTES --corpus .gpu_payload/work/gen ...`
 generate() {
-  local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work"
+  local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work" code chat=0
   shift
+  # PROMPTS: CODE, or CODE+CHAT for chat instructions (eecore.train.chat_prompts) besides the code prompts
+  code="${prompts%%+*}"
+  [ "$code" = "$prompts" ] || chat="${prompts#*+}"
   assemble
   environment
   build "${OUT:-/tmp}"
   "$PY" -m eecore.train.generated_corpus --out "$work/gen" --model "$work/model.gguf" --device cuda \
-    --dtype bfloat16 --max-num-seqs 128 --train-prompts "$prompts" --heldout-prompts 64 --stop-after-minutes 4 "$@"
+    --dtype bfloat16 --max-num-seqs 128 --train-prompts "$code" --heldout-prompts 64 --chat-train-prompts "$chat" \
+    --chat-heldout-prompts "$((chat > 0 ? 48 : 0))" --stop-after-minutes 4 "$@"
 }
 
 # onpolicy BUDGET PROMPTS [ARGS...]: the run that made the shipped draft file, in one call: generate

@@ -389,6 +389,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--init-adapters", default=None,
                     help="start the exit adapters, and the LoRA pairs if it has any, from this file ('shipped': "
                          "the default model's); its pairs may be of a lower rank than --lora-rank (grown)")
+    ap.add_argument("--recount-draft-vocab", action="store_true",
+                    help="with --init-adapters: count the draft vocabulary afresh on this corpus instead of keeping "
+                         "the file's (for continued training on text of another kind, such as chat answers)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     d = ExitReadyConfig()
     ap.add_argument("--exit-layers", type=int, nargs="+", default=list(d.exit_layers))
@@ -436,12 +439,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         init.check_model(llm.model)
     vocab = None
     if config.draft_vocab:
-        if init is not None and init.vocab is not None:
+        if init is not None and init.vocab is not None and not args.recount_draft_vocab:
             # continued training keeps the draft vocabulary the starting file was trained (and its
-            # head rows chosen) for, whatever this corpus's counts would pick
+            # head rows chosen) for, whatever this corpus's counts would pick, unless asked
             if init.vocab.numel() != config.draft_vocab:
                 raise ValueError(f"--draft-vocab {config.draft_vocab}: {args.init_adapters} has a draft vocabulary "
-                                 f"of {init.vocab.numel()} tokens; pass --draft-vocab {init.vocab.numel()}")
+                                 f"of {init.vocab.numel()} tokens; pass --draft-vocab {init.vocab.numel()}, or "
+                                 f"--recount-draft-vocab to count a new one on this corpus")
             vocab = init.vocab
         else:
             if tokens is None:

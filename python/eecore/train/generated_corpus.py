@@ -1,11 +1,13 @@
 """A corpus of the model's own greedy continuations: on-policy data for training drafts.
 
 Draft layers are used on what the model itself writes, while `eecore.train.corpus` holds source code
-as people wrote it. This builds the other kind: code-completion prompts (`eecore.prompts`) from the
-training packages' files and from the held-out packages', each followed by the original model's
+as people wrote it. This builds the other kind: code-completion prompts (`eecore.prompts`) and, for
+an instruction-tuned model, chat instructions (`eecore.train.chat_prompts`, in its chat template)
+from the training packages and from the held-out packages, each followed by the original model's
 greedy continuation, in the folder layout `python -m eecore.train.exit_ready --corpus` reads.
 
-    python -m eecore.train.generated_corpus --out gen/ --train-prompts 2400 --heldout-prompts 64
+    python -m eecore.train.generated_corpus --out gen/ --train-prompts 2400 --heldout-prompts 64 \
+        [--chat-train-prompts 1400 --chat-heldout-prompts 48]
 
 Greedy decoding on one machine is deterministic; another CPU's kernels may round differently and
 so, rarely, continue differently, and a GPU in bf16 (`--device cuda --dtype bfloat16`, for a corpus
@@ -25,56 +27,99 @@ import time
 from typing import Callable, Optional
 
 from eecore.prompts import heldout_code_prompt_records
+from eecore.train.chat_prompts import chat_instruction_records
 from eecore.train.corpus import (DEFAULT_HELDOUT_PACKAGES, DEFAULT_TRAIN_PACKAGES, FILE_SEPARATOR, CorpusFile,
                                  build_corpus)
 
 
-def greedy_continuations(llm, prompts: list[str], max_tokens: int) -> list[str]:
-    """Each prompt followed by the model's greedy continuation of at most `max_tokens` tokens."""
+def greedy_continuations(llm, prompts: list[str], max_tokens: int, *, close_turns: bool = False) -> list[str]:
+    """Each prompt followed by the model's greedy continuation of at most `max_tokens` tokens; with
+    `close_turns`, a continuation that ended on an end-of-sequence token gets that token's text
+    back (a chat answer's end-of-turn marker, which drafts must learn to propose too)."""
     import eecore
 
     outs = llm.generate(prompts, eecore.SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return [p + o.text for p, o in zip(prompts, outs)]
+    eos = llm.tokenizer.eos_token if close_turns else None
+    return [p + o.text + (eos if eos and o.finish_reason == "stop" else "") for p, o in zip(prompts, outs)]
+
+
+def _interleave(a: list, b: list) -> list:
+    """a and b merged so that every prefix holds both in their overall proportion (each keeps its
+    order): a corpus cut short by the clock still has both kinds."""
+    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)] + [((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)]
+    return [x for _, _, x in sorted(keyed, key=lambda k: (k[0], k[1]))]
+
+
+def _split_prompts(llm, files: list[CorpusFile], code: int, chat: int) -> list[tuple[str, str, bool]]:
+    """(package, prompt text, is chat) for `code` code-completion prompts and `chat` chat
+    instructions (in the model's chat template) from `files`, interleaved."""
+    code_records = heldout_code_prompt_records(code, packages=sorted({f.package for f in files}), files=files) \
+        if code else []
+    chat_prompts = []
+    if chat:
+        if not getattr(llm.tokenizer, "chat_template", None):
+            raise ValueError("write_generated_corpus: chat prompts need a model with a chat template")
+        for r in chat_instruction_records(chat, files):
+            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": r.text}], add_generation_prompt=True)
+            chat_prompts.append((r.package, text, True))
+    return _interleave([(r.package, r.text, False) for r in code_records], chat_prompts)
 
 
 def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], heldout_files: list[CorpusFile],
-                           train_prompts: int, heldout_prompts: int, max_tokens: int = 128,
+                           train_prompts: int, heldout_prompts: int, chat_train_prompts: int = 0,
+                           chat_heldout_prompts: int = 0, max_tokens: int = 128,
                            versions: Optional[dict[str, str]] = None, stop_at: Optional[float] = None,
                            chunk_prompts: int = 512, clock: Callable[[], float] = time.monotonic) -> dict:
     """Writes train.txt and heldout.txt (samples separated as in `eecore.train.corpus`) and a manifest
     with the keys the trainer records in its file (`versions`: the source packages' versions).
 
-    The held-out split is generated first and always whole. The train prompts then go to the model
-    `chunk_prompts` at a time, and once `clock()` has reached `stop_at` no further chunk starts (the
-    first always does): the split keeps the prompts done (a prefix of the full list, which
-    interleaves the packages), and the manifest says so ("stopped_by_clock"). That is how a run on a
-    lent machine, whose calls have a time limit, still leaves a corpus the trainer can use."""
-    for name, value in (("train_prompts", train_prompts), ("heldout_prompts", heldout_prompts),
-                        ("max_tokens", max_tokens), ("chunk_prompts", chunk_prompts)):
+    Each split holds `*_prompts` code-completion prompts and `chat_*_prompts` chat instructions
+    (`eecore.train.chat_prompts`, in the model's chat template, each answer closed with its
+    end-of-turn token when it ended there), interleaved. The held-out split is generated first and
+    always whole. The train prompts then go to the model `chunk_prompts` at a time, and once
+    `clock()` has reached `stop_at` no further chunk starts (the first always does): the split
+    keeps the prompts done (a prefix of the full list, which interleaves the packages and the two
+    kinds), and the manifest says so ("stopped_by_clock"). That is how a run on a lent machine,
+    whose calls have a time limit, still leaves a corpus the trainer can use."""
+    for name, value in (("max_tokens", max_tokens), ("chunk_prompts", chunk_prompts)):
         if value < 1:
             raise ValueError(f"write_generated_corpus: {name} must be >= 1, got {value!r}")
+    for name, value in (("train_prompts", train_prompts), ("heldout_prompts", heldout_prompts),
+                        ("chat_train_prompts", chat_train_prompts), ("chat_heldout_prompts", chat_heldout_prompts)):
+        if value < 0:
+            raise ValueError(f"write_generated_corpus: {name} must be >= 0, got {value!r}")
     splits = {}
-    for split, files, n in (("train", train_files, train_prompts), ("heldout", heldout_files, heldout_prompts)):
-        records = heldout_code_prompt_records(n, packages=sorted({f.package for f in files}), files=files)
-        if not records:
-            raise ValueError(f"write_generated_corpus: the {split} files hold no usable code prompt")
-        splits[split] = records
+    for split, files, code, chat in (("train", train_files, train_prompts, chat_train_prompts),
+                                     ("heldout", heldout_files, heldout_prompts, chat_heldout_prompts)):
+        if code + chat < 1:
+            raise ValueError(f"write_generated_corpus: the {split} split needs at least one prompt, code or chat")
+        prompts = _split_prompts(llm, files, code, chat)
+        if not prompts:
+            raise ValueError(f"write_generated_corpus: the {split} files hold no usable code prompt or instruction")
+        splits[split] = prompts
     os.makedirs(out_dir, exist_ok=True)
-    manifest = {"kind": "greedy continuations of code prompts", "max_tokens": max_tokens,
-                "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
+    kind = "greedy continuations of code prompts" + (" and chat instructions" if chat_train_prompts else "")
+    manifest = {"kind": kind, "max_tokens": max_tokens, "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
     for split in ("heldout", "train"):
-        records, samples, done = splits[split], [], 0
-        step = len(records) if split == "heldout" else chunk_prompts
-        while done < len(records) and (split == "heldout" or done == 0 or stop_at is None or clock() < stop_at):
-            batch = records[done: done + step]
-            samples += greedy_continuations(llm, [r.text for r in batch], max_tokens)
+        prompts, samples, done = splits[split], [], 0
+        step = len(prompts) if split == "heldout" else chunk_prompts
+        while done < len(prompts) and (split == "heldout" or done == 0 or stop_at is None or clock() < stop_at):
+            batch = prompts[done: done + step]
+            for chat in (False, True):  # one generate call per kind: only chat answers are closed
+                texts = [text for _, text, is_chat in batch if is_chat == chat]
+                if texts:
+                    generated = iter(greedy_continuations(llm, texts, max_tokens, close_turns=chat))
+                    for i, (_, _, is_chat) in enumerate(batch):
+                        if is_chat == chat:
+                            batch[i] = (batch[i][0], next(generated), is_chat)
+            samples += [text for _, text, _ in batch]
             done += len(batch)
         with open(os.path.join(out_dir, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write(FILE_SEPARATOR.join(samples))
-        manifest[split] = {"prompts": done, "chars": sum(map(len, samples)),
-                           "packages": sorted({r.package for r in records[:done]})}
-        if done < len(records):
-            manifest[split]["stopped_by_clock"] = {"prompts_asked": len(records)}
+        manifest[split] = {"prompts": done, "chat_prompts": sum(c for _, _, c in prompts[:done]),
+                           "chars": sum(map(len, samples)), "packages": sorted({p for p, _, _ in prompts[:done]})}
+        if done < len(prompts):
+            manifest[split]["stopped_by_clock"] = {"prompts_asked": len(prompts)}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     return manifest
@@ -88,6 +133,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--train-prompts", type=int, default=2400)
     ap.add_argument("--heldout-prompts", type=int, default=64)
+    ap.add_argument("--chat-train-prompts", type=int, default=0,
+                    help="chat instructions (eecore.train.chat_prompts) in the train split, besides the code prompts")
+    ap.add_argument("--chat-heldout-prompts", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--device", default="cpu",
@@ -104,6 +152,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     llm = eecore.LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
     manifest = write_generated_corpus(llm, args.out, train_files=corpus.train, heldout_files=corpus.heldout,
                                       train_prompts=args.train_prompts, heldout_prompts=args.heldout_prompts,
+                                      chat_train_prompts=args.chat_train_prompts,
+                                      chat_heldout_prompts=args.chat_heldout_prompts,
                                       max_tokens=args.max_tokens, versions=corpus.versions, stop_at=stop_at)
     print(json.dumps({k: manifest[k] for k in ("train", "heldout")}, indent=1))
     return 0
