@@ -46,7 +46,8 @@ def greedy_continuations(llm, prompts: list[str], max_tokens: int, *, close_turn
 def _interleave(a: list, b: list) -> list:
     """a and b merged so that every prefix holds both in their overall proportion (each keeps its
     order): a corpus cut short by the clock still has both kinds."""
-    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)] + [((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)]
+    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)]
+    keyed += [((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)]
     return [x for _, _, x in sorted(keyed, key=lambda k: (k[0], k[1]))]
 
 
@@ -98,21 +99,22 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
             raise ValueError(f"write_generated_corpus: the {split} files hold no usable code prompt or instruction")
         splits[split] = prompts
     os.makedirs(out_dir, exist_ok=True)
-    kind = "greedy continuations of code prompts" + (" and chat instructions" if chat_train_prompts else "")
+    with_chat = chat_train_prompts or chat_heldout_prompts
+    kind = "greedy continuations of code prompts" + (" and chat instructions" if with_chat else "")
     manifest = {"kind": kind, "max_tokens": max_tokens, "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
     for split in ("heldout", "train"):
         prompts, samples, done = splits[split], [], 0
         step = len(prompts) if split == "heldout" else chunk_prompts
         while done < len(prompts) and (split == "heldout" or done == 0 or stop_at is None or clock() < stop_at):
             batch = prompts[done: done + step]
+            texts = [""] * len(batch)
             for chat in (False, True):  # one generate call per kind: only chat answers are closed
-                texts = [text for _, text, is_chat in batch if is_chat == chat]
-                if texts:
-                    generated = iter(greedy_continuations(llm, texts, max_tokens, close_turns=chat))
-                    for i, (_, _, is_chat) in enumerate(batch):
-                        if is_chat == chat:
-                            batch[i] = (batch[i][0], next(generated), is_chat)
-            samples += [text for _, text, _ in batch]
+                where = [i for i, (_, _, is_chat) in enumerate(batch) if is_chat == chat]
+                if where:
+                    answers = greedy_continuations(llm, [batch[i][1] for i in where], max_tokens, close_turns=chat)
+                    for i, text in zip(where, answers):
+                        texts[i] = text
+            samples += texts
             done += len(batch)
         with open(os.path.join(out_dir, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write(FILE_SEPARATOR.join(samples))
