@@ -194,7 +194,7 @@ def heldout_code_prompt_records(n: int = 16, *, packages: Iterable[str] = DEFAUL
                 continue
             seen.add(text)
             per_package.setdefault(f.package, []).append(CodePrompt(f.package, f.path, name, lineno, header, text, doc))
-    return _balanced_picks(per_package, n)
+    return balanced_picks(per_package, n)
 
 
 def heldout_code_prompts(n: int = 16, **kwargs) -> list[str]:
@@ -301,7 +301,8 @@ def _split_paragraph(text: str, min_prompt_words: int) -> Optional[tuple[str, st
     return None
 
 
-def _description(package: str) -> str:
+def package_description(package: str) -> str:
+    """The long description of an installed distribution: its dist-info METADATA, read from disk."""
     from importlib import metadata
 
     meta = metadata.distribution(package).metadata
@@ -328,7 +329,7 @@ def prose_prompt_records(n: int = 16, *, packages: Optional[Iterable[str]] = Non
     seen: set[str] = set()   # the same boilerplate paragraph in several descriptions counts once
     for name in names:
         try:
-            description = _description(name)
+            description = package_description(name)
         except Exception:  # not installed, or metadata without a description: no prose from it
             continue
         for paragraph in prose_paragraphs(description, min_words=min_words):
@@ -337,10 +338,10 @@ def prose_prompt_records(n: int = 16, *, packages: Optional[Iterable[str]] = Non
                 continue
             seen.add(paragraph)
             per_package.setdefault(name, []).append(ProsePrompt(name, split[0], split[1]))
-    return _balanced_picks(per_package, n)
+    return balanced_picks(per_package, n)
 
 
-def _balanced_picks(per_package: dict[str, list], n: int) -> list:
+def balanced_picks(per_package: dict[str, list], n: int) -> list:
     """`n` items: each group's share as equal as the groups' sizes allow (a short group leaves its
     rest to the others), evenly spaced within a group, interleaved group by group."""
     shares = {p: 0 for p in per_package}

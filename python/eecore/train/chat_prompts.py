@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from eecore.prompts import _balanced_picks, _description, prose_paragraphs
+from eecore.prompts import balanced_picks, package_description, prose_paragraphs
 from eecore.train.corpus import CorpusFile
 
 _FIRST_SENTENCE = re.compile(r"^(.+?[.!?])(?:\s|$)", re.S)
@@ -81,7 +81,7 @@ def description_instructions(package: str) -> list[ChatInstruction]:
     (`eecore.prompts.prose_paragraphs`, 30-200 words)."""
     out = [ChatInstruction(package, "about", f"What is the Python package {package} used for?")]
     try:
-        description = _description(package)
+        description = package_description(package)
     except Exception:  # not installed, or metadata without a description
         return out
     for paragraph in prose_paragraphs(description):
@@ -107,4 +107,4 @@ def chat_instruction_records(n: int, files: Iterable[CorpusFile]) -> list[ChatIn
             if instruction.text not in seen:
                 seen.add(instruction.text)
                 per_package[f.package].append(instruction)
-    return _balanced_picks({p: v for p, v in per_package.items() if v}, n)
+    return balanced_picks({p: v for p, v in per_package.items() if v}, n)
