@@ -265,6 +265,20 @@ def test_builtin_code_set_has_no_references():
         load_prompt_set("code", 0)
 
 
+def test_builtin_instructions_are_chat_messages_from_the_heldout_packages():
+    from eecore.prompt_files import chat_mode
+    from eecore.train.chat_prompts import chat_instruction_records
+    from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+
+    items, builtin = load_prompt_set("instructions", 3)
+    expected = chat_instruction_records(3, build_corpus((), DEFAULT_HELDOUT_PACKAGES).heldout)
+    assert builtin and [i.prompt for i in items] == [r.text for r in expected] and len(items) == 3
+    assert all(i.reference is None for i in items)
+    # --chat auto wraps these in the chat template, never the completion sets; on / off are obeyed
+    assert chat_mode("instructions", True, "auto") == "on" and chat_mode("code", True, "auto") == "off"
+    assert chat_mode("prompts.txt", False, "auto") == "auto" and chat_mode("instructions", True, "off") == "off"
+
+
 # ---- exit adapters -----------------------------------------------------------------------------
 def test_exit_adapter_rows(tiny, prompt_file, tmp_path):
     """`--exit-adapter FILE` reaches both kinds of strategy: a static exit at an adapter layer reads

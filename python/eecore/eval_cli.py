@@ -14,9 +14,10 @@ speed-up about 1). One result row per strategy; sweeps make several rows:
 
 Prompts (--prompts): "code" (held-out code-completion prompts, eecore.prompts), "prose" (English
 paragraphs from the descriptions of installed dependencies, with their continuations as
-references), or a file: one prompt per line, or JSONL {"prompt": ..., "reference": ...}
-(eecore.prompt_files). --chat auto wraps file prompts in the model's chat template when it has
-one, never the built-in completion sets.
+references), "instructions" (chat requests made from the held-out packages: write, explain or
+summarize; eecore.train.chat_prompts), or a file: one prompt per line, or JSONL {"prompt": ...,
+"reference": ...} (eecore.prompt_files). --chat auto wraps file prompts and the instructions in the
+model's chat template when it has one, never the built-in completion sets.
 
 Reported per row (eecore.eval_metrics): tokens/s of the strategy and of full depth and the
 speed-up (alternating runs, --repeats times, median times), early-exit rate and mean layers per
@@ -38,8 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="speed-up and agreement of a strategy against full depth on a prompt set",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("evaluation")
-    g.add_argument("--prompts", default="code", metavar="code|prose|FILE",
-                   help="built-in set (code, prose) or a prompt file: text or JSONL (default: code)")
+    g.add_argument("--prompts", default="code", metavar="code|prose|instructions|FILE",
+                   help="built-in set (code, prose, instructions) or a prompt file: text or JSONL (default: code)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="how many prompts (built-in sets: 16 by default; files: the first N, all by default)")
     g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
@@ -133,7 +134,7 @@ def cmd_eval(args) -> int:
     import eecore
     from eecore import eval_report
     from eecore.evaluate import evaluate_strategy
-    from eecore.prompt_files import PromptFileError, load_prompt_set
+    from eecore.prompt_files import PromptFileError, chat_mode, load_prompt_set
 
     if args.repeats < 1:
         _fail(f"--repeats must be >= 1, got {args.repeats}")
@@ -158,7 +159,7 @@ def cmd_eval(args) -> int:
     except ValueError as exc:  # e.g. separate draft layers on an encoder-decoder: a message
         _fail(f"{first.label}: {exc}")
     _check_against_model(strategies, base)
-    chat = "off" if builtin and args.chat == "auto" else args.chat  # built-in sets are completions
+    chat = chat_mode(args.prompts, builtin, args.chat)
     prompts = [cli._prompt(base, item.prompt, chat) for item in items]
     references = [item.reference for item in items]
     params = cli._sampling(args)

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["EvalPrompt", "PromptFileError", "read_prompt_file", "load_prompt_set", "BUILTIN_SETS"]
+__all__ = ["EvalPrompt", "PromptFileError", "read_prompt_file", "load_prompt_set", "chat_mode", "BUILTIN_SETS",
+           "CHAT_SETS"]
 
 
 class PromptFileError(ValueError):
@@ -60,14 +61,16 @@ def _jsonl_prompt(path: str, number: int, line: str) -> EvalPrompt:
     return EvalPrompt(prompt, reference)
 
 
-BUILTIN_SETS = ("code", "prose")
+BUILTIN_SETS = ("code", "prose", "instructions")
+CHAT_SETS = ("instructions",)  # built-in sets of chat messages (the others are text to continue)
 DEFAULT_BUILTIN_COUNT = 16
 
 
 def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[EvalPrompt], bool]:
     """(prompts, whether the set is built in). `spec`: "code" (eecore.prompts.heldout_code_prompts,
     no references), "prose" (eecore.prompts.prose_prompt_records: each paragraph's continuation is
-    the reference), or a prompt file (module doc). `num_prompts`: how many (built-in sets:
+    the reference), "instructions" (chat messages made from the held-out packages,
+    eecore.train.chat_prompts; no references), or a prompt file (module doc). `num_prompts`: how many (built-in sets:
     DEFAULT_BUILTIN_COUNT when None; files: the first N, all when None). A file named like a
     built-in set must be given with a path, e.g. ./code."""
     if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
@@ -78,6 +81,12 @@ def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[
         n = DEFAULT_BUILTIN_COUNT if num_prompts is None else num_prompts
         if spec == "code":
             items = [EvalPrompt(text) for text in prompts.heldout_code_prompts(n)]
+        elif spec == "instructions":
+            from eecore.train.chat_prompts import chat_instruction_records
+            from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+
+            files = build_corpus((), DEFAULT_HELDOUT_PACKAGES).heldout
+            items = [EvalPrompt(r.text) for r in chat_instruction_records(n, files)]
         else:
             items = [EvalPrompt(r.text, r.reference) for r in prompts.prose_prompt_records(n)]
         if not items:
@@ -85,3 +94,12 @@ def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[
         return items, True
     items = read_prompt_file(spec)
     return (items if num_prompts is None else items[:num_prompts]), False
+
+
+def chat_mode(spec: str, builtin: bool, chat: str) -> str:
+    """What --chat (on|off|auto) means for the set `spec`: auto leaves the built-in completion sets
+    as they are and wraps the built-in chat messages (CHAT_SETS) and prompt files in the model's chat
+    template when it has one (the caller's "auto")."""
+    if builtin and chat == "auto":
+        return "on" if spec in CHAT_SETS else "off"
+    return chat
