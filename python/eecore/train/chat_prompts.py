@@ -52,8 +52,9 @@ def _docstring_sentence(fn: ast.AST) -> Optional[str]:
 
 
 def function_instructions(file: CorpusFile) -> list[ChatInstruction]:
-    """One instruction per documented public function of a file, in line order: "write" and
-    "explain" alternate, so each function is asked about one way."""
+    """One instruction per documented public function of a file, in `ast.walk`'s order (module-level
+    functions before the methods and nested functions below them): "write" and "explain" alternate,
+    so each function is asked about one way."""
     try:
         tree = ast.parse(file.text)
     except SyntaxError:

@@ -34,8 +34,9 @@ from eecore.train.corpus import (DEFAULT_HELDOUT_PACKAGES, DEFAULT_TRAIN_PACKAGE
 
 def greedy_continuations(llm, prompts: list[str], max_tokens: int, *, close_turns: bool = False) -> list[str]:
     """Each prompt followed by the model's greedy continuation of at most `max_tokens` tokens; with
-    `close_turns`, a continuation that ended on an end-of-sequence token gets that token's text
-    back (a chat answer's end-of-turn marker, which drafts must learn to propose too)."""
+    `close_turns`, a continuation that ended on an end-of-sequence token gets the tokenizer's
+    end-of-sequence text appended (a chat model's end-of-turn marker, which drafts must learn to
+    propose too)."""
     import eecore
 
     outs = llm.generate(prompts, eecore.SamplingParams(temperature=0.0, max_tokens=max_tokens))
