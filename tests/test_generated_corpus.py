@@ -147,3 +147,28 @@ def test_the_command_refuses_a_stop_that_is_not_positive(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--out", "unused", "--stop-after-minutes", "0"])
     assert stop.value.code == 2 and "--stop-after-minutes must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_everyday_requests_are_answered_in_the_chat_template(llm, tmp_path, monkeypatch):
+    """General requests (eecore.train.general_chat_prompts) of each split are answered like the
+    technical ones, counted apart in the manifest, and interleaved with the code samples."""
+    from eecore.train import general_chat_prompts as gcp
+
+    monkeypatch.setattr(gcp, "TRAIN_TOPICS", ("bees", "tea"))
+    monkeypatch.setattr(gcp, "HELDOUT_TOPICS", ("owls",))
+    train = [CorpusFile("pkg_a", "a.py", CODE.format(name="list_reports"), "0")]
+    held = [CorpusFile("pkg_h", "h.py", CODE.format(name="held_out_names"), "2")]
+    manifest = write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held, train_prompts=1,
+                                      heldout_prompts=0, general_train_prompts=3, general_heldout_prompts=2,
+                                      max_tokens=5)
+    assert manifest["train"]["general_prompts"] == manifest["train"]["chat_prompts"] == 3
+    assert manifest["train"]["packages"] == ["pkg_a"] and manifest["heldout"]["packages"] == []
+    assert manifest["heldout"]["general_prompts"] == 2
+    for split, n in (("train", 3), ("heldout", 2)):
+        samples = [s for s in (tmp_path / f"{split}.txt").read_text().split(FILE_SEPARATOR)
+                   if s.startswith("<|im_start|>")]
+        for sample, request in zip(samples, gcp.general_instruction_records(n, split), strict=True):
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": request.text}])
+            out = llm.generate([prompt], eecore.SamplingParams(temperature=0.0, max_tokens=5))[0]
+            assert sample == prompt + out.text + (llm.tokenizer.eos_token if out.finish_reason == "stop" else "")
+    assert "owls" in (tmp_path / "heldout.txt").read_text() and "owls" not in (tmp_path / "train.txt").read_text()

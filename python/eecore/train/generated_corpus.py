@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 from eecore.prompts import heldout_code_prompt_records
 from eecore.train.chat_prompts import chat_instruction_records
+from eecore.train.general_chat_prompts import general_instruction_records
 from eecore.train.corpus import (DEFAULT_HELDOUT_PACKAGES, DEFAULT_TRAIN_PACKAGES, FILE_SEPARATOR, CorpusFile,
                                  build_corpus)
 
@@ -44,40 +45,48 @@ def greedy_continuations(llm, prompts: list[str], max_tokens: int, *, close_turn
     return [p + o.text + (eos if eos and o.finish_reason == "stop" else "") for p, o in zip(prompts, outs)]
 
 
-def _interleave(a: list, b: list) -> list:
-    """a and b merged so that every prefix holds both in their overall proportion (each keeps its
-    order): a corpus cut short by the clock still has both kinds."""
-    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)]
-    keyed += [((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)]
-    return [x for _, _, x in sorted(keyed, key=lambda k: (k[0], k[1]))]
+def _interleave(*lists: list) -> list:
+    """The lists merged so that every prefix holds each in its overall proportion (each keeps its
+    order): a corpus cut short by the clock still has every kind."""
+    keyed = [((i + 0.5) / len(v), k, x) for k, v in enumerate(lists) for i, x in enumerate(v)]
+    return [x for _, _, x in sorted(keyed, key=lambda key: (key[0], key[1]))]
 
 
-def _split_prompts(llm, files: list[CorpusFile], code: int, chat: int) -> list[tuple[str, str, bool]]:
-    """(package, prompt text, is chat) for `code` code-completion prompts and `chat` chat
-    instructions (in the model's chat template) from `files`, interleaved."""
+def _in_chat_template(llm, message: str) -> str:
+    if not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError("write_generated_corpus: chat prompts need a model with a chat template")
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+
+
+def _split_prompts(llm, split: str, files: list[CorpusFile], code: int, chat: int, general: int,
+                   asked_per_topic: int) -> list[tuple[str, str, bool]]:
+    """(source, prompt text, is chat) for `code` code-completion prompts and `chat` technical
+    instructions from `files` (source: the package), and `general` everyday requests of `split`
+    (`eecore.train.general_chat_prompts`; source: "topic:" and the topic), the requests in the
+    model's chat template, the three kinds interleaved."""
     code_records = heldout_code_prompt_records(code, packages=sorted({f.package for f in files}), files=files) \
         if code else []
-    chat_prompts = []
-    if chat:
-        if not getattr(llm.tokenizer, "chat_template", None):
-            raise ValueError("write_generated_corpus: chat prompts need a model with a chat template")
-        for r in chat_instruction_records(chat, files):
-            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": r.text}], add_generation_prompt=True)
-            chat_prompts.append((r.package, text, True))
-    return _interleave([(r.package, r.text, False) for r in code_records], chat_prompts)
+    chat_prompts = [(r.package, _in_chat_template(llm, r.text), True)
+                    for r in (chat_instruction_records(chat, files) if chat else [])]
+    general_prompts = [(f"topic:{r.topic}", _in_chat_template(llm, r.text), True)
+                       for r in (general_instruction_records(general, split, llm, asked_per_topic) if general else [])]
+    return _interleave([(r.package, r.text, False) for r in code_records], chat_prompts, general_prompts)
 
 
 def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], heldout_files: list[CorpusFile],
                            train_prompts: int, heldout_prompts: int, chat_train_prompts: int = 0,
-                           chat_heldout_prompts: int = 0, max_tokens: int = 128,
+                           chat_heldout_prompts: int = 0, general_train_prompts: int = 0,
+                           general_heldout_prompts: int = 0, asked_per_topic: int = 0, max_tokens: int = 128,
                            versions: Optional[dict[str, str]] = None, stop_at: Optional[float] = None,
                            chunk_prompts: int = 512, clock: Callable[[], float] = time.monotonic) -> dict:
     """Writes train.txt and heldout.txt (samples separated as in `eecore.train.corpus`) and a manifest
     with the keys the trainer records in its file (`versions`: the source packages' versions).
 
-    Each split holds `*_prompts` code-completion prompts and `chat_*_prompts` chat instructions
-    (`eecore.train.chat_prompts`, in the model's chat template, each answer closed with its
-    end-of-turn token when it ended there), interleaved. The held-out split is generated first and
+    Each split holds `*_prompts` code-completion prompts, `chat_*_prompts` technical instructions
+    (`eecore.train.chat_prompts`) and `general_*_prompts` everyday requests (templated, and with
+    `asked_per_topic` as many tries a topic at requests the model writes itself:
+    `eecore.train.general_chat_prompts`), the requests in the model's chat template and each answer
+    closed with its end-of-turn token when it ended there, the kinds interleaved. The held-out split is generated first and
     always whole. The train prompts then go to the model `chunk_prompts` at a time, and once
     `clock()` has reached `stop_at` no further chunk starts (the first always does): the split
     keeps the prompts done (a prefix of the full list, which interleaves the packages and the two
@@ -87,20 +96,23 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
         if value < 1:
             raise ValueError(f"write_generated_corpus: {name} must be >= 1, got {value!r}")
     for name, value in (("train_prompts", train_prompts), ("heldout_prompts", heldout_prompts),
-                        ("chat_train_prompts", chat_train_prompts), ("chat_heldout_prompts", chat_heldout_prompts)):
+                        ("chat_train_prompts", chat_train_prompts), ("chat_heldout_prompts", chat_heldout_prompts),
+                        ("general_train_prompts", general_train_prompts),
+                        ("general_heldout_prompts", general_heldout_prompts), ("asked_per_topic", asked_per_topic)):
         if value < 0:
             raise ValueError(f"write_generated_corpus: {name} must be >= 0, got {value!r}")
     splits = {}
-    for split, files, code, chat in (("train", train_files, train_prompts, chat_train_prompts),
-                                     ("heldout", heldout_files, heldout_prompts, chat_heldout_prompts)):
-        if code + chat < 1:
+    for split, files, code, chat, general in (
+            ("train", train_files, train_prompts, chat_train_prompts, general_train_prompts),
+            ("heldout", heldout_files, heldout_prompts, chat_heldout_prompts, general_heldout_prompts)):
+        if code + chat + general < 1:
             raise ValueError(f"write_generated_corpus: the {split} split needs at least one prompt, code or chat")
-        prompts = _split_prompts(llm, files, code, chat)
+        prompts = _split_prompts(llm, split, files, code, chat, general, asked_per_topic)
         if not prompts:
             raise ValueError(f"write_generated_corpus: the {split} files hold no usable code prompt or instruction")
         splits[split] = prompts
     os.makedirs(out_dir, exist_ok=True)
-    with_chat = chat_train_prompts or chat_heldout_prompts
+    with_chat = chat_train_prompts or chat_heldout_prompts or general_train_prompts or general_heldout_prompts
     kind = "greedy continuations of code prompts" + (" and chat instructions" if with_chat else "")
     manifest = {"kind": kind, "max_tokens": max_tokens, "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
     for split in ("heldout", "train"):
@@ -119,8 +131,11 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
             done += len(batch)
         with open(os.path.join(out_dir, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write(FILE_SEPARATOR.join(samples))
+        sources = {p for p, _, _ in prompts[:done]}
         manifest[split] = {"prompts": done, "chat_prompts": sum(c for _, _, c in prompts[:done]),
-                           "chars": sum(map(len, samples)), "packages": sorted({p for p, _, _ in prompts[:done]})}
+                           "general_prompts": sum(p.startswith("topic:") for p, _, _ in prompts[:done]),
+                           "chars": sum(map(len, samples)),
+                           "packages": sorted(p for p in sources if not p.startswith("topic:"))}
         if done < len(prompts):
             manifest[split]["stopped_by_clock"] = {"prompts_asked": len(prompts)}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
@@ -139,6 +154,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--chat-train-prompts", type=int, default=0,
                     help="chat instructions (eecore.train.chat_prompts) in the train split, besides the code prompts")
     ap.add_argument("--chat-heldout-prompts", type=int, default=0)
+    ap.add_argument("--general-train-prompts", type=int, default=0,
+                    help="everyday chat requests (eecore.train.general_chat_prompts) in the train split")
+    ap.add_argument("--general-heldout-prompts", type=int, default=0)
+    ap.add_argument("--asked-per-topic", type=int, default=0,
+                    help="tries a topic at a request the model writes itself (sampled, seeded), besides the templated "
+                         "ones; kept when eecore.train.general_chat_prompts.clean_request accepts it")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--device", default="cpu",
@@ -157,6 +178,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       train_prompts=args.train_prompts, heldout_prompts=args.heldout_prompts,
                                       chat_train_prompts=args.chat_train_prompts,
                                       chat_heldout_prompts=args.chat_heldout_prompts,
+                                      general_train_prompts=args.general_train_prompts,
+                                      general_heldout_prompts=args.general_heldout_prompts,
+                                      asked_per_topic=args.asked_per_topic,
                                       max_tokens=args.max_tokens, versions=corpus.versions, stop_at=stop_at)
     print(json.dumps({k: manifest[k] for k in ("train", "heldout")}, indent=1))
     return 0
