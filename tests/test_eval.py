@@ -279,6 +279,21 @@ def test_builtin_instructions_are_chat_messages_from_the_heldout_packages():
     assert chat_mode("prompts.txt", False, "auto") == "auto" and chat_mode("instructions", True, "off") == "off"
 
 
+def test_builtin_everyday_set_covers_the_heldout_topics_and_every_form():
+    from eecore.prompt_files import chat_mode
+    from eecore.train.general_chat_prompts import HELDOUT_TOPICS, TEMPLATES, heldout_requests
+
+    items, builtin = load_prompt_set("everyday", 24)
+    records = heldout_requests(24)
+    assert builtin and [i.prompt for i in items] == [r.text for r in records]
+    assert {r.topic for r in records} == set(HELDOUT_TOPICS) and {r.kind for r in records} == {k for k, _ in TEMPLATES}
+    assert len({i.prompt for i in items}) == 24 and all(i.reference is None for i in items)
+    assert len(heldout_requests(10 ** 6)) == len(HELDOUT_TOPICS) * len(TEMPLATES)
+    assert chat_mode("everyday", True, "auto") == "on"
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        heldout_requests(-1)
+
+
 # ---- exit adapters -----------------------------------------------------------------------------
 def test_exit_adapter_rows(tiny, prompt_file, tmp_path):
     """`--exit-adapter FILE` reaches both kinds of strategy: a static exit at an adapter layer reads

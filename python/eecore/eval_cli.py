@@ -15,8 +15,9 @@ speed-up about 1). One result row per strategy; sweeps make several rows:
 Prompts (--prompts): "code" (held-out code-completion prompts, eecore.prompts), "prose" (English
 paragraphs from the descriptions of installed dependencies, with their continuations as
 references), "instructions" (chat requests made from the held-out packages: write, explain or
-summarize; eecore.train.chat_prompts), or a file: one prompt per line, or JSONL {"prompt": ...,
-"reference": ...} (eecore.prompt_files). --chat auto wraps file prompts and the instructions in the
+summarize; eecore.train.chat_prompts), "everyday" (everyday chat requests on held-out topics: a
+poem, tips, an explanation; eecore.train.general_chat_prompts), or a file: one prompt per line,
+or JSONL {"prompt": ..., "reference": ...} (eecore.prompt_files). --chat auto wraps file prompts and the two chat sets in the
 model's chat template when it has one, never the built-in completion sets.
 
 Reported per row (eecore.eval_metrics): tokens/s of the strategy and of full depth and the
@@ -39,8 +40,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="speed-up and agreement of a strategy against full depth on a prompt set",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("evaluation")
-    g.add_argument("--prompts", default="code", metavar="code|prose|instructions|FILE",
-                   help="built-in set (code, prose, instructions) or a prompt file: text or JSONL (default: code)")
+    g.add_argument("--prompts", default="code", metavar="code|prose|instructions|everyday|FILE",
+                   help="built-in set (code, prose, instructions, everyday) or a prompt file: text or JSONL (default: code)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="how many prompts (built-in sets: 16 by default; files: the first N, all by default)")
     g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",

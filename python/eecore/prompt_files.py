@@ -61,8 +61,8 @@ def _jsonl_prompt(path: str, number: int, line: str) -> EvalPrompt:
     return EvalPrompt(prompt, reference)
 
 
-BUILTIN_SETS = ("code", "prose", "instructions")
-CHAT_SETS = ("instructions",)  # built-in sets of chat messages (the others are text to continue)
+BUILTIN_SETS = ("code", "prose", "instructions", "everyday")
+CHAT_SETS = ("instructions", "everyday")  # built-in sets of chat messages (the others are text to continue)
 DEFAULT_BUILTIN_COUNT = 16
 
 
@@ -70,7 +70,8 @@ def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[
     """(prompts, whether the set is built in). `spec`: "code" (eecore.prompts.heldout_code_prompts,
     no references), "prose" (eecore.prompts.prose_prompt_records: each paragraph's continuation is
     the reference), "instructions" (chat messages made from the held-out packages,
-    eecore.train.chat_prompts; no references), or a prompt file (module doc). `num_prompts`: how many (built-in sets:
+    eecore.train.chat_prompts; no references), "everyday" (everyday chat requests on held-out
+    topics, eecore.train.general_chat_prompts.heldout_requests; no references), or a prompt file (module doc). `num_prompts`: how many (built-in sets:
     DEFAULT_BUILTIN_COUNT when None; files: the first N, all when None). A file named like a
     built-in set must be given with a path, e.g. ./code."""
     if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
@@ -87,6 +88,10 @@ def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[
 
             files = build_corpus((), DEFAULT_HELDOUT_PACKAGES).heldout
             items = [EvalPrompt(r.text) for r in chat_instruction_records(n, files)]
+        elif spec == "everyday":
+            from eecore.train.general_chat_prompts import heldout_requests
+
+            items = [EvalPrompt(r.text) for r in heldout_requests(n)]
         else:
             items = [EvalPrompt(r.text, r.reference) for r in prompts.prose_prompt_records(n)]
         if not items:

@@ -90,6 +90,20 @@ def templated_instructions(split: str) -> dict[str, list[GeneralInstruction]]:
     return {t: [GeneralInstruction(t, kind, form.format(topic=t)) for kind, form in TEMPLATES] for t in topics(split)}
 
 
+def heldout_requests(n: int) -> list[GeneralInstruction]:
+    """`n` held-out requests for evaluation (`eecore eval --prompts everyday`): topic after topic,
+    the form moving on by one each round, so that a few cover every topic and every form."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"heldout_requests: n must be an int >= 0, got {n!r}")
+    n = min(n, len(HELDOUT_TOPICS) * len(TEMPLATES))
+    out = []
+    for k in range(n):
+        rounds, i = divmod(k, len(HELDOUT_TOPICS))
+        kind, form = TEMPLATES[(i + rounds) % len(TEMPLATES)]
+        out.append(GeneralInstruction(HELDOUT_TOPICS[i], kind, form.format(topic=HELDOUT_TOPICS[i])))
+    return out
+
+
 def clean_request(text: str) -> Optional[str]:
     """A model-written question made usable, or None. The small model often wraps its question
     ('What a delightful topic! A curious person might ask: "Why ...?"'), so a quoted span that asks
