@@ -23,7 +23,8 @@
 #                               machine goes back after 30 s, and the run with it;
 #     generate PROMPTS [ARGS...] on-policy data: the original model's greedy continuations of PROMPTS code
 #                               prompts, or of CODE code prompts and CHAT chat instructions when PROMPTS
-#                               is CODE+CHAT (eecore.train.generated_corpus, bf16 on the GPU) into
+#                               is CODE+CHAT, and GENERAL everyday requests when it is CODE+CHAT+GENERAL
+#                               (eecore.train.generated_corpus, bf16 on the GPU) into
 #                               .gpu_payload/work/gen; no new chunk of 512 prompts starts after 4 minutes
 #                               (--stop-after-minutes N after the count changes it), and its manifest says
 #                               how many ran. Train on it with `--corpus .gpu_payload/work/gen`;
@@ -166,17 +167,21 @@ assemble() {
 # prompts made from the machine's installed packages (eecore.train.generated_corpus, in bf16 on the
 # GPU), into $PAYLOAD/work/gen; train on it with `start MINUTES --corpus .gpu_payload/work/gen ...`
 generate() {
-  local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work" code chat=0
+  local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work" code chat general
   shift
-  # PROMPTS: CODE, or CODE+CHAT for chat instructions (eecore.train.chat_prompts) besides the code prompts
-  code="${prompts%%+*}"
-  [ "$code" = "$prompts" ] || chat="${prompts#*+}"
+  # PROMPTS: CODE, CODE+CHAT for technical chat instructions (eecore.train.chat_prompts) besides the code
+  # prompts, or CODE+CHAT+GENERAL for everyday chat requests too (eecore.train.general_chat_prompts, 16
+  # tries a topic at requests the model writes itself besides the templated ones)
+  IFS=+ read -r code chat general <<< "$prompts"
+  chat="${chat:-0}" general="${general:-0}"
   assemble
   environment
   build "${OUT:-/tmp}"
   "$PY" -m eecore.train.generated_corpus --out "$work/gen" --model "$work/model.gguf" --device cuda \
     --dtype bfloat16 --max-num-seqs 128 --train-prompts "$code" --heldout-prompts 64 --chat-train-prompts "$chat" \
-    --chat-heldout-prompts "$((chat > 0 ? 48 : 0))" --stop-after-minutes 4 "$@"
+    --chat-heldout-prompts "$((chat > 0 ? 48 : 0))" --general-train-prompts "$general" \
+    --general-heldout-prompts "$((general > 0 ? 48 : 0))" --asked-per-topic "$((general > 0 ? 16 : 0))" \
+    --stop-after-minutes 4 "$@"
 }
 
 # onpolicy BUDGET PROMPTS [ARGS...]: the run that made the shipped draft file, in one call: generate
