@@ -86,8 +86,10 @@ def test_records_mix_asked_and_templated_requests_topic_by_topic(llm, monkeypatc
         gcp.general_instruction_records(5, "train", asked_per_topic=1)
     with pytest.raises(ValueError, match="n must be an int >= 0, got -1"):
         gcp.general_instruction_records(-1, "train")
-    with pytest.raises(ValueError, match="per_topic must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"per_topic must be an int in \[0, 1000\], got -2"):
         gcp.ask_prompts("train", -2)
+    with pytest.raises(ValueError, match="per_topic must be an int in"):
+        gcp.ask_prompts("train", 1001)  # its seeds would meet the next topic's
 
 
 def test_asked_requests_need_a_chat_template(llm, monkeypatch):

@@ -68,6 +68,7 @@ TEMPLATES = (
 # The request the model answers to write a question of its own.
 ASK = "Write one question that a curious person might ask about {topic}. Reply with the question only."
 
+_SEEDS_PER_TOPIC = 1000
 _PREFIX = re.compile(r"^(?:question|q|user|request)\s*[:.\-]\s*", re.I)
 _ALLOWED = re.compile(r"^[A-Za-z0-9 ,.'\"?!;:()\-]+$")
 
@@ -134,10 +135,10 @@ def clean_request(text: str) -> Optional[str]:
 def ask_prompts(split: str, per_topic: int) -> list[tuple[str, int]]:
     """(topic, seed) for `per_topic` model-written requests a topic of `split`: the seed makes each
     sampled request repeatable and different from its topic's others."""
-    if not isinstance(per_topic, int) or per_topic < 0:
-        raise ValueError(f"ask_prompts: per_topic must be an int >= 0, got {per_topic!r}")
-    base = 0 if split == "train" else 1_000_000
-    return [(t, base + 1000 * i + k) for i, t in enumerate(topics(split)) for k in range(per_topic)]
+    if not isinstance(per_topic, int) or not 0 <= per_topic <= _SEEDS_PER_TOPIC:
+        raise ValueError(f"ask_prompts: per_topic must be an int in [0, {_SEEDS_PER_TOPIC}], got {per_topic!r}")
+    base = 0 if split == "train" else 1_000_000  # the splits' seeds never meet
+    return [(t, base + _SEEDS_PER_TOPIC * i + k) for i, t in enumerate(topics(split)) for k in range(per_topic)]
 
 
 def asked_instructions(llm, split: str, per_topic: int, *, temperature: float = 0.8,
