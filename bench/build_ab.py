@@ -66,12 +66,14 @@ def run_build(checkout: str, args) -> dict:
 
 
 def main() -> None:
+    from common import PROMPT_KINDS, cpu_model, save_results
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", help="checkout of build A (the baseline)")
     ap.add_argument("--b", help="checkout of build B")
     ap.add_argument("--flags", default="--exit-ready layer", help="eecore generate flags of the configuration")
     ap.add_argument("--base-flags", default="", help="flags of both runs, full depth too (e.g. '--dtype bfloat16')")
-    ap.add_argument("--prompts", choices=["chat", "code"], default="code")
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="code")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=4)
@@ -82,8 +84,6 @@ def main() -> None:
         return worker(args)
     if not args.a or not args.b:
         ap.error("--a and --b (two checkouts) are required")
-
-    from common import cpu_model, save_results
 
     pairs = []
     print(f"CPU: {cpu_model()}; {args.base_flags + ' ' if args.base_flags else ''}{args.flags!r}, {args.num_prompts} {args.prompts} prompts x {args.max_tokens} tokens")

@@ -17,7 +17,7 @@ import shlex
 import statistics
 
 import eecore
-from common import bench_prompt_ids, cpu_model, save_results, timed
+from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, save_results, timed
 from eecore.cli import build_llm, parse_args
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", required=True, help="eecore generate flags of configuration A (the baseline)")
     ap.add_argument("--b", required=True, help="eecore generate flags of configuration B")
-    ap.add_argument("--prompts", choices=["chat", "code"], default="code")
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="code")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

@@ -26,7 +26,7 @@ import statistics
 
 import eecore
 from eecore.rouge import rouge_l
-from common import RESULTS_DIR, bench_prompt_ids, cpu_model, save_results, timed
+from common import PROMPT_KINDS, RESULTS_DIR, bench_prompt_ids, cpu_model, save_results, timed
 from roofline import weight_bytes_ideal_speedup
 
 L = 30  # SmolLM2-135M
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per configuration; medians")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--prompts", choices=["chat", "code"], default="chat",
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="chat",
                     help="the CLI's chat prompts, or held-out code-completion prompts")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters (the shipped ones without FILE): tokens read through them")

@@ -21,7 +21,6 @@ writes bench/results/<out-name>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch

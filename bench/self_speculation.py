@@ -55,7 +55,7 @@ import eecore
 from eecore.cli import parse_min_acceptance
 from eecore.eval_metrics import compare_outputs
 from eecore.speculative.guard import break_even_acceptance
-from common import bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
+from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
 
 def eecore_run(llm, prompts, params, batch):
@@ -125,7 +125,7 @@ def main():
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
     ap.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default="layer",
                     help="where drafts come from (SelfSpeculativeConfig(draft=...))")
-    ap.add_argument("--prompts", choices=["chat", "code"], default="chat",
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="chat",
                     help="the CLI's chat prompts, or held-out code-completion prompts")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters for layer drafts: the ones shipped for the default model (no FILE), or a file")

@@ -33,7 +33,7 @@ import time
 
 import httpx
 
-from common import PROMPTS, RESULTS_DIR, bench_prompt_ids, chat_prompt_ids, cpu_model, save_results
+from common import PROMPT_KINDS, PROMPTS, RESULTS_DIR, bench_prompt_ids, chat_prompt_ids, cpu_model, save_results
 
 STRATEGIES = {
     "full": [],
@@ -299,7 +299,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=None, help="requests per scenario (default: see --min-requests)")
-    p.add_argument("--prompts", choices=["chat", "code"], default="chat")
+    p.add_argument("--prompts", choices=PROMPT_KINDS, default="chat")
     p.add_argument("--repeat-prompts", action="store_true",
                    help="send the 8 chat prompts as they are, cycled (before prefix caching the default); by "
                         "default each request's message starts with its own number, so requests share the chat "
