@@ -2,12 +2,14 @@
 
 Draft layers are used on what the model itself writes, while `eecore.train.corpus` holds source code
 as people wrote it. This builds the other kind: code-completion prompts (`eecore.prompts`) and, for
-an instruction-tuned model, chat instructions (`eecore.train.chat_prompts`, in its chat template)
+an instruction-tuned model, chat requests (technical ones, `eecore.train.chat_prompts`, and
+everyday ones, `eecore.train.general_chat_prompts`, in its chat template)
 from the training packages and from the held-out packages, each followed by the original model's
 greedy continuation, in the folder layout `python -m eecore.train.exit_ready --corpus` reads.
 
     python -m eecore.train.generated_corpus --out gen/ --train-prompts 2400 --heldout-prompts 64 \
-        [--chat-train-prompts 1400 --chat-heldout-prompts 48]
+        [--chat-train-prompts 1400 --chat-heldout-prompts 48] \
+        [--general-train-prompts 1400 --general-heldout-prompts 48 --asked-per-topic 4]
 
 Greedy decoding on one machine is deterministic; another CPU's kernels may round differently and
 so, rarely, continue differently, and a GPU in bf16 (`--device cuda --dtype bfloat16`, for a corpus
