@@ -42,7 +42,8 @@ def test_templated_requests_fill_every_form_with_every_topic():
     ('A curious person might ask, "What makes chocolate so delicious?"', "What makes chocolate so delicious?"),
     ('What a delightful topic! A curious person might ask: "Which breed is your favorite?"',
      "Which breed is your favorite?"),
-    ("Which part of the bee do you find most interesting?\nMore text.", "Which part of the bee do you find most interesting?"),
+    ("Which part of the bee do you find most interesting?\nMore text.",
+     "Which part of the bee do you find most interesting?"),
     ("What an intriguing topic! why do owls hunt at night?", "Why do owls hunt at night?"),
     ("Question: how tall can a sunflower grow?", "How tall can a sunflower grow?"),
     ("What would be the best question for a curious person to ask?", None),   # about the question itself

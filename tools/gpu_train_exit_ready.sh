@@ -51,11 +51,13 @@
 # The 200 s leave room for the collect call and the file's way back. Next: the held-out agreement
 # was flat over the run's last 600 steps (about 11 passes over the data), so the next run should
 # see more of it, and chat as well (the drafts pay on code, not on chat: the card's section
-# "2026-11-26, night" and "fifth session"): `onpolicy BUDGET 30000+6800+1300 --recount-draft-vocab --draft-vocab 12288`
+# "2026-11-26, night" and "fifth session"):
+#     onpolicy BUDGET 30000+6800+1300 --recount-draft-vocab --draft-vocab 12288
 # (generating stops starting chunks after 4 minutes; the code prompts are every usable function of
 # the training packages, evenly picked, so a larger count adds new ones; 6,860 chat instructions
-# exist; 1,300 takes every everyday request of general_chat_prompts), which trains from the shipped file
-# for what is left. Earlier runs: human-written code
+# exist; the 1,300 everyday requests are picked evenly over the topics from their 1,080 templated
+# ones and the model's own, about 8 kept of its 16 tries a topic), which trains from the shipped
+# file for what is left. Earlier runs: human-written code
 # (python -m eecore.train.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
 # card's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
 set -euo pipefail

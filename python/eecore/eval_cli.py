@@ -17,8 +17,9 @@ paragraphs from the descriptions of installed dependencies, with their continuat
 references), "instructions" (chat requests made from the held-out packages: write, explain or
 summarize; eecore.train.chat_prompts), "everyday" (everyday chat requests on held-out topics: a
 poem, tips, an explanation; eecore.train.general_chat_prompts), or a file: one prompt per line,
-or JSONL {"prompt": ..., "reference": ...} (eecore.prompt_files). --chat auto wraps file prompts and the two chat sets in the
-model's chat template when it has one, never the built-in completion sets.
+or JSONL {"prompt": ..., "reference": ...} (eecore.prompt_files). --chat auto wraps file prompts
+and the two chat sets in the model's chat template when it has one, never the built-in completion
+sets.
 
 Reported per row (eecore.eval_metrics): tokens/s of the strategy and of full depth and the
 speed-up (alternating runs, --repeats times, median times), early-exit rate and mean layers per
@@ -41,7 +42,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("evaluation")
     g.add_argument("--prompts", default="code", metavar="code|prose|instructions|everyday|FILE",
-                   help="built-in set (code, prose, instructions, everyday) or a prompt file: text or JSONL (default: code)")
+                   help="built-in set (code, prose, instructions, everyday) or a prompt file: text or JSONL "
+                        "(default: code)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="how many prompts (built-in sets: 16 by default; files: the first N, all by default)")
     g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",

@@ -71,8 +71,9 @@ def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[
     no references), "prose" (eecore.prompts.prose_prompt_records: each paragraph's continuation is
     the reference), "instructions" (chat messages made from the held-out packages,
     eecore.train.chat_prompts; no references), "everyday" (everyday chat requests on held-out
-    topics, eecore.train.general_chat_prompts.heldout_requests; no references), or a prompt file (module doc). `num_prompts`: how many (built-in sets:
-    DEFAULT_BUILTIN_COUNT when None; files: the first N, all when None). A file named like a
+    topics, eecore.train.general_chat_prompts.heldout_requests; no references), or a prompt file
+    (module doc). `num_prompts`: how many (built-in sets: DEFAULT_BUILTIN_COUNT when None; files:
+    the first N, all when None). A file named like a
     built-in set must be given with a path, e.g. ./code."""
     if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
         raise PromptFileError(f"the number of prompts must be a positive int, got {num_prompts!r}")

@@ -70,8 +70,8 @@ def _split_prompts(llm, split: str, files: list[CorpusFile], code: int, chat: in
         if code else []
     chat_prompts = [(r.package, _in_chat_template(llm, r.text), True)
                     for r in (chat_instruction_records(chat, files) if chat else [])]
-    general_prompts = [(f"topic:{r.topic}", _in_chat_template(llm, r.text), True)
-                       for r in (general_instruction_records(general, split, llm, asked_per_topic) if general else [])]
+    general_records = general_instruction_records(general, split, llm, asked_per_topic) if general else []
+    general_prompts = [(f"topic:{r.topic}", _in_chat_template(llm, r.text), True) for r in general_records]
     return _interleave([(r.package, r.text, False) for r in code_records], chat_prompts, general_prompts)
 
 
