@@ -51,7 +51,8 @@
 # The 200 s leave room for the collect call and the file's way back. Next: the held-out agreement
 # was flat over the run's last 600 steps (about 11 passes over the data), so the next run should
 # see more of it, and chat as well (the drafts pay on code, not on chat: the card's section
-# "2026-11-26, night" and "fifth session"):
+# "2026-11-26, night" and "fifth session"; "sixth session": on the CPU, twice the code data did not
+# keep the code acceptance, so chat and code need the GPU's scale together):
 #     onpolicy BUDGET 30000+6800+1300 --recount-draft-vocab --draft-vocab 12288
 # (generating stops starting chunks after 4 minutes; the code prompts are every usable function of
 # the training packages, evenly picked, so a larger count adds new ones; 6,860 chat instructions

@@ -73,8 +73,8 @@ def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[
     eecore.train.chat_prompts; no references), "everyday" (everyday chat requests on held-out
     topics, eecore.train.general_chat_prompts.heldout_requests; no references), or a prompt file
     (module doc). `num_prompts`: how many (built-in sets: DEFAULT_BUILTIN_COUNT when None; files:
-    the first N, all when None). A file named like a
-    built-in set must be given with a path, e.g. ./code."""
+    the first N, all when None). A file named like a built-in set must be given with a path, e.g.
+    ./code."""
     if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
         raise PromptFileError(f"the number of prompts must be a positive int, got {num_prompts!r}")
     if spec in BUILTIN_SETS:
