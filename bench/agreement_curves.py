@@ -15,7 +15,11 @@ Settings (one curve each):
   restricted to the draft vocabulary, no adapter, at every exit;
 - `adapter`: at the exits the file covers, the DraftHead (adapter block + draft vocabulary) that
   self-speculation drafts with; it agrees when its token equals the full model's full-vocabulary
-  argmax.
+  argmax;
+- `draft_copy` (with `--draft-layers FILE`, an exit-ready draft-layers file): at the file's exit,
+  the separate draft copy that `SelfSpeculativeConfig.exit_ready()` drafts with (layers 0..E-1
+  with the file's LoRA pairs merged, weight-only int8 as the preset runs it, on its own KV cache)
+  read through the file's DraftHead. The model it is compared with stays the original.
 `coverage` is the fraction of the full model's tokens inside the draft vocabulary (the ceiling of
 any draft-vocabulary head). For each exit and d in {1, 2, 3, 4, 6} the JSON also holds the
 bandwidth-bound break-even acceptance (eecore.speculative.break_even_acceptance) of each head,
@@ -25,8 +29,8 @@ agreement on `generated` is above it.
 Every group of sequences (up to `--batch-tokens` tokens) runs as one batched prefill on eecore's
 engine, layer by layer; each layer's states are read by every head in row chunks. fp32, CPU.
 
-    python bench/agreement_curves.py [--exit-adapter FILE] [--windows 16] [--seq-len 256]
-        [--prompts 16] [--max-tokens 64] [--out-name NAME]
+    python bench/agreement_curves.py [--exit-adapter FILE] [--draft-layers FILE] [--windows 16]
+        [--seq-len 256] [--prompts 16] [--max-tokens 64] [--out-name NAME]
 writes bench/results/<out-name>-<date>.{json,png} (out-name: agreement, or agreement-exit-adapter
 with --exit-adapter) and prints a table.
 """
@@ -50,7 +54,7 @@ from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
 
 DS = (1, 2, 3, 4, 6)
 KINDS = ("text", "generated")
-SETTINGS = ("logit_lens", "draft_vocab", "adapter")
+SETTINGS = ("logit_lens", "draft_vocab", "adapter", "draft_copy")
 
 
 def text_windows(tokenizer, num: int, seq_len: int) -> tuple[list[list[int]], dict]:
@@ -97,9 +101,42 @@ def layer_top1(llm, sequences: list[list[int]], first: list[int], last: list[int
     """Teacher-forced over `sequences`, positions first[i]..last[i] (inclusive) of each: the full
     model's top-1 token `[N]`, and every setting's top-1 at every exit it covers `{setting: {E: [N]}}`.
     Sequences go in groups of at most `batch_tokens` tokens, each group one prefill."""
-    engine, model = llm.engine, llm.model
-    L = model.num_layers
+    L = llm.model.num_layers
     full, per = [], {s: {} for s in heads.by_setting}
+    for runner, inputs, hidden, rows in prefill_groups(llm.engine, llm.engine.runner, sequences, first, last,
+                                                       batch_tokens):
+        for layer in range(L):
+            runner.run_layers(hidden, inputs.attn, layer, layer + 1)
+            states = hidden.index_select(0, rows)
+            E = layer + 1
+            if E == L:
+                full.append(top1(heads.lens, states, chunk))
+                continue
+            for setting, head in heads.at(E).items():
+                per[setting].setdefault(E, []).append(top1(head, states, chunk))
+    return torch.cat(full), {s: {E: torch.cat(v) for E, v in d.items()} for s, d in per.items()}
+
+
+@torch.no_grad()
+def copy_top1(llm, sequences: list[list[int]], first: list[int], last: list[int], chunk: int,
+              batch_tokens: int) -> torch.Tensor:
+    """As layer_top1, for the separate draft copy of `llm` (an exit-ready LLM): its DraftHead's top-1
+    at its exit `[N]`, teacher-forced on its own KV cache."""
+    stack = llm.engine.strategy.draft_stack
+    head = DraftHead(stack.model, stack.exit_layer, llm.exit_adapters, chunk)  # the copy's head, `chunk` rows
+    out = []
+    for runner, inputs, hidden, rows in prefill_groups(llm.engine, stack.runner, sequences, first, last,
+                                                       batch_tokens):
+        runner.run_layers(hidden, inputs.attn, 0, stack.exit_layer)
+        out.append(top1(head, hidden.index_select(0, rows), chunk))
+    return torch.cat(out)
+
+
+def prefill_groups(engine, runner, sequences: list[list[int]], first: list[int], last: list[int], batch_tokens: int):
+    """Yields, per group of whole sequences of at most `batch_tokens` tokens, what one batched
+    prefill of the group on `runner` needs: its inputs, its embedded residual stream (no layer run
+    yet) and the rows of positions first[i]..last[i] (inclusive) of each sequence. The sequences hold
+    blocks of `engine` while the caller runs layers, and give them back after."""
     groups, group, size = [], [], 0
     for i, ids in enumerate(sequences):
         if group and size + len(ids) > batch_tokens:
@@ -114,26 +151,16 @@ def layer_top1(llm, sequences: list[list[int]], first: list[int], last: list[int
         for s, i in zip(seqs, group):  # never scheduled: they only hold blocks for this pass
             engine.blocks.grow(s, len(sequences[i]))
         try:
-            inputs = engine.runner.prepare([Row(s, 0, sequences[i]) for s, i in zip(seqs, group)])
-            hidden = engine.runner.embed(inputs)
+            inputs = runner.prepare([Row(s, 0, sequences[i]) for s, i in zip(seqs, group)])
+            hidden = runner.embed(inputs)
             rows, offset = [], 0
             for i in group:
                 rows.append(torch.arange(offset + first[i], offset + last[i] + 1))
                 offset += len(sequences[i])
-            rows = torch.cat(rows).to(hidden.device)
-            for layer in range(L):
-                engine.runner.run_layers(hidden, inputs.attn, layer, layer + 1)
-                states = hidden.index_select(0, rows)
-                E = layer + 1
-                if E == L:
-                    full.append(top1(heads.lens, states, chunk))
-                    continue
-                for setting, head in heads.at(E).items():
-                    per[setting].setdefault(E, []).append(top1(head, states, chunk))
+            yield runner, inputs, hidden, torch.cat(rows).to(hidden.device)
         finally:
             for s in seqs:
                 engine.blocks.free(s)
-    return torch.cat(full), {s: {E: torch.cat(v) for E, v in d.items()} for s, d in per.items()}
 
 
 def agreement(full: torch.Tensor, per: dict) -> dict[str, dict[int, float]]:
@@ -143,6 +170,8 @@ def agreement(full: torch.Tensor, per: dict) -> dict[str, dict[int, float]]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--exit-adapter", default=None, metavar="FILE", help="an ExitAdapters file")
+    ap.add_argument("--draft-layers", default=None, metavar="FILE",
+                    help="an exit-ready draft-layers file (its separate int8 draft copy, as --exit-ready runs it)")
     ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--windows", type=int, default=16, help="held-out text windows")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per window")
@@ -168,9 +197,10 @@ def main(argv=None):
     gen_tokens = sum(len(p) + args.max_tokens for p in prompt_ids)
     block = 16
     num_blocks = max(batch_tokens, gen_tokens) // block + max(args.windows, len(prompt_ids)) + 16
-    llm = eecore.LLM(args.model, dtype="float32", device="cpu", max_num_seqs=max(args.windows, len(prompt_ids)),
+    engine_kw = dict(dtype="float32", device="cpu", max_num_seqs=max(args.windows, len(prompt_ids)),
                      max_num_batched_tokens=batch_tokens, max_model_len=longest + 1, num_blocks=num_blocks,
-                     block_size=block, exit_adapter=args.exit_adapter)
+                     block_size=block)
+    llm = eecore.LLM(args.model, **engine_kw, exit_adapter=args.exit_adapter)
     model = llm.model  # an exit-ready file's LoRA pairs are merged into it: its own curves
     L = model.num_layers
     adapters = None
@@ -203,6 +233,25 @@ def main(argv=None):
     generated = torch.tensor([t for i in keep for t in outs[i].token_ids])
     greedy_match = (full_gen == generated).float().mean().item()
 
+    copy_info = None
+    if args.draft_layers:
+        del llm  # one engine at a time: the copy's LLM holds a KV cache of the same size
+        t0 = time.perf_counter()
+        spec = eecore.LLM(args.model, **engine_kw, exit_adapter=args.draft_layers,
+                          speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
+        stack = spec.engine.strategy.draft_stack
+        E = stack.exit_layer
+        per_text["draft_copy"] = {E: copy_top1(spec, windows, [0] * len(windows), [len(w) - 1 for w in windows],
+                                               args.chunk, batch_tokens)}
+        per_gen["draft_copy"] = {E: copy_top1(spec, [sequences[i] for i in keep], [len(prompt_ids[i]) - 1 for i in keep],
+                                              [len(sequences[i]) - 2 for i in keep], args.chunk, batch_tokens)}
+        with open(args.draft_layers, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        copy_info = dict(path=os.path.abspath(args.draft_layers), sha256=digest, exit=E,
+                         draft_dtype=spec.engine.strategy.config.draft_dtype, copy_bytes=stack.weight_bytes(),
+                         seconds=round(time.perf_counter() - t0, 1))
+        heads.by_setting["draft_copy"] = {E: stack}
+
     full = {"text": full_text, "generated": full_gen}
     agree = {"text": agreement(full_text, per_text), "generated": agreement(full_gen, per_gen)}
     coverage = None
@@ -210,6 +259,7 @@ def main(argv=None):
         coverage = {k: torch.isin(full[k], heads.vocab).float().mean().item() for k in KINDS}
 
     # break-even acceptance of each head, per exit and d
+    # (the draft copy's "head" is the whole copy: it reads its E layers and its DraftHead per token)
     head_bytes = {s: {E: h.weight_bytes() for E, h in hs.items()} for s, hs in heads.by_setting.items()}
     rows = []
     for E in range(1, L):
@@ -217,14 +267,16 @@ def main(argv=None):
         for s in heads.by_setting:
             if E not in heads.by_setting[s]:
                 continue
-            draft_bytes = None if s == "logit_lens" else head_bytes[s][E]
+            kw = {} if s == "logit_lens" else \
+                {"draft_bytes": head_bytes[s][E]} if s == "draft_copy" else {"draft_head_bytes": head_bytes[s][E]}
             row[s] = {"agreement": {k: round(agree[k][s][E], 4) for k in KINDS}, "head_bytes": head_bytes[s][E],
-                      "break_even": {str(d): round(break_even_acceptance(model, E, d, draft_bytes), 4) for d in DS}}
+                      "break_even": {str(d): round(break_even_acceptance(model, E, d, **kw), 4) for d in DS}}
         rows.append(row)
 
     payload = dict(
         model=args.model or "SmolLM2-135M-Instruct", dtype="float32", device="cpu", cpu=cpu_model(),
-        num_layers=L, exit_adapter=adapter_info, settings=list(heads.by_setting), d_values=list(DS),
+        num_layers=L, exit_adapter=adapter_info, draft_layers=copy_info, settings=list(heads.by_setting),
+        d_values=list(DS),
         windows=args.windows, seq_len=args.seq_len, text=text_info,
         prompts=[dict(package=r.package, path=r.path, function=r.function, line=r.lineno,
                       prompt_tokens=len(p), generated_tokens=len(o.token_ids))
@@ -233,7 +285,8 @@ def main(argv=None):
         greedy_match=round(greedy_match, 4), draft_vocab_coverage=coverage, rows=rows,
         seconds=dict(text_pass=round(text_s, 1), generate=round(gen_s, 1), generated_pass=round(forced_s, 1),
                      total=round(time.perf_counter() - started, 1)))
-    name = args.out_name or ("agreement-exit-adapter" if adapters is not None else "agreement")
+    name = args.out_name or ("agreement-exit-ready" if copy_info is not None else
+                             "agreement-exit-adapter" if adapters is not None else "agreement")
     path = save_results(name, payload)
     plot(payload, path[:-len(".json")] + ".png")
     print_table(payload)
@@ -242,7 +295,7 @@ def main(argv=None):
 
 def print_table(p: dict) -> None:
     settings = p["settings"]
-    label = {"logit_lens": "lens", "draft_vocab": "vocab", "adapter": "adapter"}
+    label = {"logit_lens": "lens", "draft_vocab": "vocab", "adapter": "adapter", "draft_copy": "copy"}
     print(f"\n{p['model']}, {p['positions']['text']} text positions, {p['positions']['generated']} generated "
           f"positions (teacher-forced full top-1 = greedy tokens: {p['greedy_match']:.3f})")
     if p["draft_vocab_coverage"]:
@@ -271,8 +324,9 @@ def plot(p: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = {"logit_lens": "original model (logit lens)", "draft_vocab": "draft vocabulary only",
-             "adapter": "exit adapter + draft vocabulary"}
-    colors = {"logit_lens": "C0", "draft_vocab": "C2", "adapter": "C3"}
+             "adapter": "exit adapter + draft vocabulary",
+             "draft_copy": "exit-ready draft copy (layers 0..E-1 + LoRA, int8) + its head"}
+    colors = {"logit_lens": "C0", "draft_vocab": "C2", "adapter": "C3", "draft_copy": "C1"}
     kinds = {"text": ("-", "held-out code, teacher-forced"), "generated": ("--", "own greedy continuations")}
     fig, ax = plt.subplots(figsize=(12, 5))
     for s in p["settings"]:
@@ -284,10 +338,11 @@ def plot(p: dict, path: str) -> None:
         pts = [(r["exit"], r["logit_lens"]["break_even"][str(d)]) for r in p["rows"]]
         ax.plot([x for x, _ in pts], [y for _, y in pts], style, color="gray", lw=0.9,
                 label=f"break-even acceptance, full head, d={d}")
-        pts = [(r["exit"], r["adapter"]["break_even"][str(d)]) for r in p["rows"] if "adapter" in r]
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], "x" if d == 1 else "+", color="C3", ms=8,
-                    label=f"break-even acceptance, adapter + draft vocabulary, d={d}")
+        for s in ("adapter", "draft_copy"):
+            pts = [(r["exit"], r[s]["break_even"][str(d)]) for r in p["rows"] if s in r]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], "x" if d == 1 else "+", color=colors[s], ms=8,
+                        label=f"break-even acceptance, {names[s]}, d={d}")
     ax.set_xlabel("exit layer E")
     ax.set_ylabel("top-1 agreement with the full model")
     ax.set_ylim(0, 1)
