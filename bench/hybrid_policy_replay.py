@@ -21,35 +21,44 @@ prompt is left out (both switches pay it once per sequence). Tokens per round ar
 is only as good as the costs.
 
     python bench/hybrid_policy_replay.py [--num-prompts 24] [--max-tokens 96] [--top 12] [--layer-only]
+        [--prompts code|chat|everyday]
 
 writes bench/results/hybrid-policy-replay-<date>.json (every policy's figures). `--layer-only`
-ranks stopping rules for layer drafts alone instead (the layer preset; layer-policy-replay-<date>.json).
+ranks stopping rules for layer drafts alone instead (the layer preset; layer-policy-replay-<date>.json),
+with and without the per-sequence draft length (long_draft_acceptance: the decoder's own
+eecore.speculative.draft_length rule, run on the replay).
+`--prompts` (default code) replays the benches' chat or everyday requests instead, in the chat
+template, each continuation ending at the model's end of turn (code continuations run the full
+`--max-tokens`); the results' name then ends in the kind (layer-policy-replay-chat-<date>.json).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+from typing import Optional
 
 import torch
 
 import eecore
-from common import cpu_model, save_results
+from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, save_results
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
-from eecore.prompts import heldout_code_prompts
+from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.drafters import NgramIndex
 
 
 @torch.no_grad()
-def record(num_prompts: int, max_tokens: int) -> list[dict]:
-    """Per held-out code prompt: its tokens, the full model's greedy continuation, and the exit-ready
-    draft copy's teacher-forced top-1 token and probability for each continuation position."""
+def record(num_prompts: int, max_tokens: int, kind: str = "code") -> list[dict]:
+    """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default): its tokens, the full
+    model's greedy continuation, and the exit-ready draft copy's teacher-forced top-1 token and
+    probability for each continuation position."""
     full = eecore.LLM(device="cpu", max_num_seqs=8)
     spec = eecore.LLM(device="cpu", max_num_seqs=8, exit_adapter=True,
                       speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
     stack = spec.engine.strategy.draft_stack
-    prompts = [full.tokenizer.encode(t) for t in heldout_code_prompts(num_prompts)]
-    outs = full.generate(prompts, eecore.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts)
+    # a chat answer ends at the end of turn; past it the model would write what no request asks for
+    outs = full.generate(prompts, eecore.SamplingParams(max_tokens=max_tokens, ignore_eos=kind == "code"))
     records = []
     for prompt, out in zip(prompts, outs):
         ids = prompt + list(out.token_ids)
@@ -141,15 +150,19 @@ def replay(records, switch: str, d: int, layer: int, min_n: int, max_n: int, thr
                 verify_rows_per_round=rows / rounds, modelled_speedup=tokens / cost)
 
 
-def replay_layer_only(records, d: int, rule: str, threshold: float, verify_costs, copy_cost) -> dict:
+def replay_layer_only(records, d: int, rule: str, threshold: float, verify_costs, copy_cost,
+                      long_acceptance: Optional[float] = None) -> dict:
     """Layer drafts alone (exit_ready("layer")): up to d copy tokens a round, a copy run stopped at
     the first token whose top-1 probability (rule "token") or whose chain's product of top-1
     probabilities (rule "chain", the expected chance that every draft so far is right) falls
-    below `threshold`; the stopping token's pass is paid."""
+    below `threshold`; the stopping token's pass is paid. `long_acceptance`: the decoder's own
+    DraftLength (long_draft_acceptance) may end the chain after its first draft."""
     rounds = tokens = passes = 0
     cost = 0.0
     for rec in records:
         r = Replay(rec, 1, 1)
+        seq = Sequence(rec["prompt"], eecore.SamplingParams())  # the length rule's key
+        length = None if long_acceptance is None else DraftLength(long_acceptance)
         while r.pos < len(rec["full"]):
             drafts, n, chain = [], 0, 1.0
             while len(drafts) < d:
@@ -160,26 +173,46 @@ def replay_layer_only(records, d: int, rule: str, threshold: float, verify_costs
                     break
                 chain *= p
                 drafts.append(rec["copy"][k])
+                if length is not None and len(drafts) == 1 and not length.goes_on(seq, p):
+                    break
+            if length is not None and n:
+                length.record(seq, bool(drafts) and drafts[0] == rec["full"][r.pos])
             tokens += r.advance(drafts)
             rounds, passes = rounds + 1, passes + n
             cost += verify_costs[len(drafts)] + n * copy_cost
-    return dict(d=d, rule=rule, threshold=threshold, tokens_per_round=tokens / rounds,
-                copy_passes_per_round=passes / rounds, modelled_speedup=tokens / cost)
+    return dict(d=d, rule=rule, threshold=threshold, long_draft_acceptance=long_acceptance,
+                tokens_per_round=tokens / rounds, copy_passes_per_round=passes / rounds, modelled_speedup=tokens / cost)
 
 
-def layer_only(records, args) -> None:
+def results_name(name: str, kind: str) -> str:
+    return name if kind == "code" else f"{name}-{kind}"
+
+
+def layer_only(records, args, agreement: float) -> None:
     rows = [replay_layer_only(records, d, rule, threshold, args.verify_costs, args.copy_pass_cost)
             for d in range(1, len(args.verify_costs))
             for rule, threshold in [("token", t) for t in (0.0, 0.1, 0.15, 0.2, 0.3, 0.4)] +
             [("chain", t) for t in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)]]
+    # the same stopping rules with the per-sequence draft length (long_draft_acceptance)
+    rows += [replay_layer_only(records, d, "token", threshold, args.verify_costs, args.copy_pass_cost, long)
+             for d in range(2, len(args.verify_costs)) for threshold in (0.1, 0.15, 0.2)
+             for long in (0.3, 0.4, 0.5, 0.6)]
     rows.sort(key=lambda row: -row["modelled_speedup"])
-    print(f"{'rank':>4} {'d':>2} {'rule':>6} {'thr':>5} {'tok/round':>9} {'copy passes':>11} {'speed (model)':>13}")
-    for i, row in enumerate(rows[: args.top]):
-        print(f"{i + 1:4d} {row['d']:2d} {row['rule']:>6} {row['threshold']:5g} {row['tokens_per_round']:9.2f} "
-              f"{row['copy_passes_per_round']:11.2f} {row['modelled_speedup']:13.3f}")
-    path = save_results("layer-policy-replay", dict(
-        model="SmolLM2-135M-Instruct", num_prompts=len(records), max_tokens=args.max_tokens,
-        verify_costs=args.verify_costs, copy_pass_cost=args.copy_pass_cost, rows=rows))
+    preset = eecore.SelfSpeculativeConfig.exit_ready("layer")
+    at = next(i for i, row in enumerate(rows) if (row["d"], row["rule"], row["threshold"], row["long_draft_acceptance"])
+              == (preset.num_speculations, "token", preset.draft_threshold, preset.long_draft_acceptance))
+    print(f"{'rank':>4} {'d':>2} {'rule':>6} {'thr':>5} {'long':>5} {'tok/round':>9} {'copy passes':>11} "
+          f"{'speed (model)':>13}")
+    for i, row in enumerate(rows):
+        if i < args.top or i == at:
+            long = "-" if row["long_draft_acceptance"] is None else f"{row['long_draft_acceptance']:g}"
+            print(f"{i + 1:4d} {row['d']:2d} {row['rule']:>6} {row['threshold']:5g} {long:>5} "
+                  f"{row['tokens_per_round']:9.2f} {row['copy_passes_per_round']:11.2f} {row['modelled_speedup']:13.3f}"
+                  f"{'  exit-ready layer preset' if i == at else ''}")
+    path = save_results(results_name("layer-policy-replay", args.prompts), dict(
+        model="SmolLM2-135M-Instruct", prompts=args.prompts, num_prompts=len(records), max_tokens=args.max_tokens,
+        copy_agreement=agreement, verify_costs=args.verify_costs, copy_pass_cost=args.copy_pass_cost,
+        preset=rows[at], preset_rank=at + 1, rows=rows))
     print(f"results: {path}")
 
 
@@ -193,15 +226,17 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--layer-only", action="store_true",
                     help="rank stopping rules for layer drafts alone (the layer preset) instead of hybrid policies")
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="code",
+                    help="held-out code completions, or the benches' chat or everyday requests")
     args = ap.parse_args()
     max_d = len(args.verify_costs) - 1
-    records = record(args.num_prompts, args.max_tokens)
-    agreement = sum(c == f for rec in records for c, f in zip(rec["copy"], rec["full"])) / \
-        sum(len(rec["full"]) for rec in records)
-    print(f"CPU: {cpu_model()}; {len(records)} held-out code prompts x {args.max_tokens} greedy tokens; "
-          f"the copy's teacher-forced top-1 agreement {agreement:.3f}")
+    records = record(args.num_prompts, args.max_tokens, args.prompts)
+    tokens = sum(len(rec["full"]) for rec in records)
+    agreement = sum(c == f for rec in records for c, f in zip(rec["copy"], rec["full"])) / tokens
+    print(f"CPU: {cpu_model()}; {len(records)} {args.prompts} prompts, {tokens} greedy tokens (at most "
+          f"{args.max_tokens} each); the copy's teacher-forced top-1 agreement {agreement:.3f}")
     if args.layer_only:
-        return layer_only(records, args)
+        return layer_only(records, args, agreement)
     rows = []
     for switch, d, layer, min_n, max_n, threshold in itertools.product(
             ["round", "token"], range(2, max_d + 1), [1, 2, 3, 4], [1, 2, 3], [3, 4, 5], [None, 0.15, 0.3]):
@@ -226,8 +261,8 @@ def main():
             print(f"{i + 1:4d} {row['switch']:>6} {row['d']:2d} {row['layer']:5d} {row['min_ngram']:>3}-{row['max_ngram']:<3} "
                   f"{thr:>5} {row['tokens_per_round']:9.2f} {row['copy_passes_per_round']:11.2f} "
                   f"{row['verify_rows_per_round']:5.2f} {row['modelled_speedup']:13.2f}  {', '.join(names)}")
-    path = save_results("hybrid-policy-replay", dict(
-        model="SmolLM2-135M-Instruct", num_prompts=len(records), max_tokens=args.max_tokens,
+    path = save_results(results_name("hybrid-policy-replay", args.prompts), dict(
+        model="SmolLM2-135M-Instruct", prompts=args.prompts, num_prompts=len(records), max_tokens=args.max_tokens,
         copy_agreement=agreement, verify_costs=args.verify_costs, copy_pass_cost=args.copy_pass_cost,
         presets={name: rows[i] for name, i in marked.items()}, rows=rows))
     print(f"results: {path}")

@@ -27,7 +27,8 @@ def lora_file(tiny, tmp_path_factory):
 
 def _switching(path, file=None, E=2, d=4, layer_speculations=2, **kw):
     spec = {k: kw.pop(k) for k in list(kw)
-            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "draft_threshold")}
+            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "draft_threshold",
+                                                "long_draft_acceptance")}
     spec.setdefault("lookup_min_ngram", 2)
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
                       speculative=eecore.SelfSpeculativeConfig(
@@ -148,6 +149,27 @@ def test_sampling_preserves_the_full_model_law(tiny_vocab):
         p3 = hf(pairs).logits[:, -1].double().softmax(-1).view(V, V, V)
     law = torch.einsum("a,ab,abc->bc", p1, p2, p3)
     assert law_p_value(counts, law) > 1e-3  # (the rejection rule's power check: test_lookup_drafts)
+
+
+def test_long_draft_acceptance_ends_copy_runs_and_lookup_goes_on(tiny, lora_file):
+    """long_draft_acceptance=1.0: after a rejected first copy token, a round's copy run ends at its
+    first token (bar a certain one), while lookup continuations still extend the draft."""
+    path, _ = tiny
+    file, _ = lora_file
+    prompts = _prompts(4)
+    params = greedy(40)
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
+    free = _switching(path, file).generate(prompts, params)
+    llm = _switching(path, file, long_draft_acceptance=1.0)
+    chains = _record_chains(llm)
+    short = llm.generate(prompts, params)
+    assert [o.token_ids for o in short] == expected
+    layer = lambda outs: sum(o.metrics["num_layer_drafted_tokens"] for o in outs)  # noqa: E731
+    assert layer(short) < layer(free)
+    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in short) > 0
+    # after the first rounds, chains hold one copy token at most
+    assert sum(c.count(False) <= 1 for c in chains) > 0.8 * len(chains), chains
+    assert len(llm.engine.strategy.draft_length) == 0
 
 
 @pytest.mark.parametrize("kwargs, match", [

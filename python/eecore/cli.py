@@ -108,6 +108,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-threshold", type=float, default=None,
                    help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
                         "--accept confident, the exit confidence a token needs to leave at layer E")
+    s.add_argument("--long-draft-acceptance", type=float, default=None, metavar="A",
+                   help="while the running rate at which a sequence's first layer draft of a round is accepted is "
+                        "below A, its chain goes past that draft only if the draft is at least A sure (--exit-ready: "
+                        "0.5; 0 turns it off)")
     s.add_argument("--accept", choices=["verified", "confident"], default=None,
                    help="verified (the default): the full model checks every layer draft, outputs are its own; "
                         "confident: dynamic early exit, a draft at least --draft-threshold sure is emitted at "
@@ -178,7 +182,8 @@ def build_llm(args):
 
 # SelfSpeculativeConfig fields with a flag of the same name; a flag left out (None) keeps the
 # config's default, or --exit-ready's setting
-SPECULATION_FLAGS = ("exit_layer", "num_speculations", "draft_threshold", "min_acceptance", "draft",
+SPECULATION_FLAGS = ("exit_layer", "num_speculations", "draft_threshold", "long_draft_acceptance", "min_acceptance",
+                     "draft",
                      "layer_speculations", "lookup_min_ngram", "lookup_max_ngram", "disable_by_batch_size",
                      "layer_disable_by_batch_size",
                      "draft_layers", "draft_dtype", "draft_top_k", "accept", "exit_threshold", "hybrid_switch")

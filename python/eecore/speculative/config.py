@@ -34,11 +34,11 @@ HYBRID_SWITCHES = ("round", "token")
 # on an Intel Xeon (2 cores) d = 4 ran 1.40x / 1.27x / 1.17x full depth at batch 2 / 3 / 4 in fp32
 # and 1.22x / 1.16x at 2 / 4 in bf16, while d = 1 at batch 8 ran 0.93-0.97x.
 EXIT_READY_PRESETS = {
-    "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, draft_layers="separate",
-                  draft_dtype="int8", disable_by_batch_size=2),
+    "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, long_draft_acceptance=0.5,
+                  draft_layers="separate", draft_dtype="int8", disable_by_batch_size=2),
     "hybrid": dict(draft="hybrid", hybrid_switch="token", exit_layer=8, num_speculations=4, layer_speculations=3,
-                   lookup_min_ngram=2, lookup_max_ngram=4, draft_threshold=0.15, draft_layers="separate",
-                   draft_dtype="int8", disable_by_batch_size=4),
+                   lookup_min_ngram=2, lookup_max_ngram=4, draft_threshold=0.15, long_draft_acceptance=0.5,
+                   draft_layers="separate", draft_dtype="int8", disable_by_batch_size=4),
 }
 LAYER_PRESET_AMX_MAX_BATCH = 4
 # ... and where bf16 verify rows run on AMX-BF16 tiles, the hybrid preset goes on with lookup drafts
@@ -107,6 +107,14 @@ class SelfSpeculativeConfig:
 
     draft_threshold: adaptive draft length for layer drafts (off by default). A sequence stops
     drafting early once the top-1 probability of its draft falls below this value.
+
+    long_draft_acceptance: adaptive draft length per sequence, for layer drafts (off by default).
+    While the running rate at which a sequence's first layer draft of a round is accepted is below
+    this value, its chain goes past that first draft only when the draft is at least this sure
+    (top-1 probability); else the round verifies the one draft. Where a draft's confidence cannot be
+    trusted (the exit-ready copy of SmolLM2, trained on code, on chat) long chains cost more copy
+    passes than they bring; one draft a round still pays. See eecore.speculative.draft_length; the
+    exit-ready presets use 0.5.
 
     draft_layers: how layer drafts run layers 0..exit_layer-1.
       - "shared" (LayerSkip, the default): they are the model's own layers, writing the shared KV
@@ -180,6 +188,7 @@ class SelfSpeculativeConfig:
     exit_layer: Optional[int] = None
     num_speculations: int = 4
     draft_threshold: Optional[float] = None
+    long_draft_acceptance: Optional[float] = None
     min_acceptance: Optional[Union[float, str]] = None
     probe_every: int = 8
     draft: str = "layer"
@@ -238,6 +247,11 @@ class SelfSpeculativeConfig:
                                  f"{self.num_speculations}], got {self.layer_speculations!r}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
+        if self.long_draft_acceptance is not None and (
+                not isinstance(self.long_draft_acceptance, (int, float)) or isinstance(self.long_draft_acceptance, bool)
+                or not 0.0 <= self.long_draft_acceptance <= 1.0):
+            raise ValueError(f"SelfSpeculativeConfig: 'long_draft_acceptance' must be a number in [0, 1], "
+                             f"got {self.long_draft_acceptance!r}")
         if self.min_acceptance is not None and self.min_acceptance != BREAK_EVEN and not (
                 isinstance(self.min_acceptance, (int, float)) and not isinstance(self.min_acceptance, bool)
                 and 0.0 <= self.min_acceptance <= 1.0):
@@ -246,7 +260,7 @@ class SelfSpeculativeConfig:
         if not _is_int(self.probe_every) or self.probe_every < 1:
             raise ValueError(f"SelfSpeculativeConfig: 'probe_every' must be an int >= 1, got {self.probe_every!r}")
         if not self.uses_layers:
-            for name in ("draft_threshold", "min_acceptance"):
+            for name in ("draft_threshold", "long_draft_acceptance", "min_acceptance"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"SelfSpeculativeConfig: '{name}' applies to layer drafts, and "
                                      f"draft='lookup' makes none (use draft='hybrid')")

@@ -36,6 +36,9 @@ verified, then the full-depth token). The verify pass still runs over every draf
 is what writes the exits' exact K/V in the later layers (deferred K/V, where the seed paper's early
 exit fills it from the exit's state); only the rows after the exits go through the LM head.
 
+With `long_draft_acceptance` (eecore.speculative.draft_length) a sequence whose first layer drafts
+are accepted too rarely ends its round's chain after the first draft unless that draft is sure.
+
 The guard (eecore.speculative.guard) gates layer drafts only. A lookup draft reads no weights: when
 decoding is bound by reading weights, verifying d+1 tokens costs what decoding 1 costs, so its
 bandwidth-bound break-even acceptance is 0 and a wrong lookup draft costs only the extra compute
@@ -53,6 +56,7 @@ from eecore.engine.sampler import Sampler, argmax_rows
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
+from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
@@ -79,9 +83,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.lookup = PromptLookup(config.lookup_min_ngram, config.lookup_max_ngram) if config.uses_lookup else None
         # lookup-only: no layer drafts, so no exit-query cache, draft head or guard
         self.exit_layer = config.exit_layer if config.uses_layers else None
-        self.draft_head = self.guard = self._exit_states = self.draft_stack = None
+        self.draft_head = self.guard = self._exit_states = self.draft_stack = self.draft_length = None
         if not config.uses_layers:
             return
+        if config.long_draft_acceptance is not None:
+            self.draft_length = DraftLength(config.long_draft_acceptance)
         if config.separate_draft_layers != (draft_model is not None):
             raise ValueError("SelfSpeculativeDecoder: a draft model goes with draft_layers='separate', and only there")
         if draft_model is not None:
@@ -199,12 +205,16 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             stack = self.draft_stack
             hidden = stack.first_pass(live_seqs, live_drafts) if first else stack.next_pass(live_seqs, live_drafts)
             first = False
+            opening = [b for b in live if not copy_ran[b]]
             for b in live:
                 copy_ran[b] = True
                 passes_left[b] -= 1
-            kept = self._take_drafts(self.draft_head.columns(hidden), live, seqs, drafts, draft_probs, exits)
+            kept, ended = self._take_drafts(self.draft_head.columns(hidden), live, seqs, drafts, draft_probs, exits,
+                                            opening=opening)
             for b in kept:
                 from_lookup[b].append(False)
+                if b in ended:
+                    passes_left[b] = 0
                 extend_by_lookup(b)
             live = [b for b in kept if len(drafts[b]) < budgets[b] and passes_left[b]]
         return drafts, draft_probs, from_lookup, copy_ran
@@ -272,6 +282,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def release(self, seq: Sequence) -> None:
         if self.guard is not None:
             self.guard.release(seq)
+        if self.draft_length is not None:
+            self.draft_length.release(seq)
         if self.lookup is not None:
             self.lookup.release(seq)
         if self.draft_stack is not None:
@@ -321,10 +333,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 break
             picked = hidden if len(drafting) == len(live) == inputs.num_tokens else \
                 hidden.index_select(0, torch.tensor([starts[j] for j in drafting], device=hidden.device))
-            kept = self._take_drafts(self.draft_head.columns(picked), [live[j] for j in drafting], seqs,
-                                     drafts, draft_probs, exits)
+            rows = [live[j] for j in drafting]
+            kept, ended = self._take_drafts(self.draft_head.columns(picked), rows, seqs, drafts, draft_probs, exits,
+                                            opening=rows if k == 0 else ())
             for b in kept:
                 newest[b] = drafts[b][-1]
+                if b in ended:
+                    budgets[b] = len(drafts[b])  # its last pass writes the draft's layer-E state only
             live = kept
         return drafts, draft_probs, exits
 
@@ -343,29 +358,35 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         hidden = stack.first_pass([seqs[b] for b in live])
         for k in range(1, max(budgets[b] for b in live) + 1):
             logits = self.draft_head.columns(hidden)
-            kept = self._take_drafts(logits, live, seqs, drafts, draft_probs, exits, alternatives)
-            live = [b for b in kept if len(drafts[b]) < budgets[b]]
+            kept, ended = self._take_drafts(logits, live, seqs, drafts, draft_probs, exits, alternatives,
+                                            opening=live if k == 1 else ())
+            live = [b for b in kept if len(drafts[b]) < budgets[b] and b not in ended]
             if not live:
                 break
             hidden = stack.next_pass([seqs[b] for b in live], [drafts[b] for b in live])
         return drafts, draft_probs, alternatives, exits
 
     def _take_drafts(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts, draft_probs,
-                     exits, alternatives=None) -> list[int]:
+                     exits, alternatives=None, opening=()) -> tuple[list[int], set[int]]:
         """Draft tokens of seqs[b] for b in `rows` (one row each of `logits`, the draft head's
         column logits: DraftHead.columns) appended to drafts[b] and their q to draft_probs[b];
         a draft that leads the chain as an exit (accept="confident": every earlier draft of the
         round exited, and it is at least exit_confidence sure) adds its logprobs (None unless
         requested) to exits[b]; with `alternatives`, its tree alternatives too. A doubtful draft
         (below draft_threshold) is dropped and ends its sequence's drafting (adaptive draft
-        length). Returns the rows that drafted."""
+        length). Returns the rows that drafted, and those of them whose chain ends with this
+        draft all the same: rows in `opening` (this is the round's first layer draft of seqs[b])
+        that long_draft_acceptance stops (DraftLength)."""
         live_seqs = [seqs[b] for b in rows]
-        tokens, probs, confident, exiting, logprobs = self._propose(logits, live_seqs)
+        tokens, probs, confident, exiting, logprobs, top1 = self._propose(logits, live_seqs)
         alts = self._alternatives(logits, live_seqs, tokens) if self.top_k > 1 else [[]] * len(rows)
-        kept = []
-        for b, token, p, ok, exit_here, lp, alt in zip(rows, tokens, probs, confident, exiting, logprobs, alts):
+        kept, ended = [], set()
+        for i, (b, token, p, ok, exit_here, lp, alt) in enumerate(
+                zip(rows, tokens, probs, confident, exiting, logprobs, alts)):
             if not ok:
                 continue
+            if self.draft_length is not None and b in opening and not self.draft_length.goes_on(seqs[b], top1[i]):
+                ended.add(b)
             if exit_here and len(exits[b]) == len(drafts[b]):
                 exits[b].append(lp)
             drafts[b].append(token)
@@ -373,7 +394,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             if alternatives is not None:
                 alternatives[b].append(alt)
             kept.append(b)
-        return kept
+        return kept, ended
 
     def _alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
         """The draft's next most likely tokens after each greedy sequence's chain token (up to
@@ -401,12 +422,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         rejection sampling). `confident` is False where the top-1 probability falls below the
         draft threshold; `exiting` is True where it reaches exit_confidence (accept="confident"),
         and `logprobs` holds what such an exit reports: its logprobs under the exit's
-        distribution, where the request asks for them (else None). Greedy rows never leave the
-        K columns (the rest of the vocabulary has logit -inf)."""
+        distribution, where the request asks for them (else None); `top1` is each row's top-1
+        probability (None when neither threshold nor long_draft_acceptance needs it). Greedy rows
+        never leave the K columns (the rest of the vocabulary has logit -inf)."""
         head = self.draft_head
         draft_threshold, exit_threshold = self.config.draft_threshold, self.config.exit_confidence
         top1 = None
-        if draft_threshold is None and exit_threshold is None:
+        if draft_threshold is None and exit_threshold is None and self.draft_length is None:
             columns = argmax_rows(logits).tolist()
         else:
             # the top-1 probability and its column in one softmax and one max: right after a
@@ -426,7 +448,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         exiting = [False] * len(seqs) if exit_threshold is None else [p >= exit_threshold for p in top1]
         logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
                     if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
-        return tokens, probs, confident, exiting, logprobs
+        return tokens, probs, confident, exiting, logprobs, top1
 
     @staticmethod
     def _logit_rows(widths: list[int], exits: list[list]) -> Optional[list[int]]:
@@ -507,6 +529,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         lookup_drafted, lookup_accepted = sum(from_lookup), sum(from_lookup[:accepted])
         if self.guard is not None and attempted:  # the guard judges the layer drafts alone
             self.guard.record_round(seq, drafted - lookup_drafted, accepted - lookup_accepted)
+        if self.draft_length is not None and attempted:
+            # the chain's first layer token (a hybrid draft may open with lookup tokens); none made:
+            # the threshold dropped it, a rejected first draft
+            first = next((i for i, lookup in enumerate(from_lookup) if not lookup), None)
+            self.draft_length.record(seq, first is not None and accepted > first)
         st = seq.stats
         st["spec_drafted"] = st.get("spec_drafted", 0) + drafted
         st["spec_accepted"] = st.get("spec_accepted", 0) + accepted
