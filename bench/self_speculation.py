@@ -248,8 +248,9 @@ def main():
                        decode_tok_s_runs=decode_runs, full_decode_tok_s_runs=full_decode_runs,
                        paired_decode_ratios=decode_ratios,
                        decode_speedup_vs_full=statistics.median(decode_ratios) if decode_ratios else None)
-            for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_drafted_tokens",
-                        "num_layer_accepted_tokens", "num_tree_alternatives", "num_tree_alternatives_accepted"):
+            for key in ("num_lookup_drafted_tokens", "num_lookup_accepted_tokens", "num_layer_proposals",
+                        "num_layer_drafted_tokens", "num_layer_accepted_tokens", "num_tree_alternatives",
+                        "num_tree_alternatives_accepted"):
                 if key in outs[0].metrics:
                     row[key] = sum(o.metrics[key] for o in outs)
             hf_text = "-"

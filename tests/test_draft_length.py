@@ -68,6 +68,9 @@ def test_rejected_first_drafts_end_unsure_chains_and_greedy_stays_exact(tiny, dr
             assert s.metrics["num_drafted_tokens"] <= s.metrics["num_verify_steps"] + 3 * 12, s.metrics
             assert s.metrics["num_drafted_tokens"] < f.metrics["num_drafted_tokens"]
             assert s.metrics["num_drafted_tokens"] / s.metrics["num_verify_steps"] < 1.5, s.metrics
+            # no threshold: every layer proposal is drafted (the metric counts the draft heads paid)
+            assert s.metrics["num_layer_proposals"] == s.metrics["num_layer_drafted_tokens"] \
+                == s.metrics["num_drafted_tokens"]
         assert len(short_llm.engine.strategy.draft_length) == 0  # finished sequences leave no state
 
 
@@ -111,8 +114,10 @@ def test_a_draft_the_threshold_dropped_counts_as_a_rejected_first_draft(tiny):
     rule.record = lambda seq, first_accepted: (rates.append(first_accepted), record(seq, first_accepted))[1]
     out = llm.generate(random_prompts(hf.config.vocab_size, [7], seed=13), greedy(10))[0]
     assert out.metrics["num_drafted_tokens"] == 0
-    # the rounds with room for a draft: 8 of the 9 after the prefill's token, each a miss
+    # the rounds with room for a draft: 8 of the 9 after the prefill's token, each a miss whose
+    # dropped proposal was paid for
     assert rates == [False] * 8
+    assert out.metrics["num_layer_proposals"] == 8
 
 
 @pytest.mark.parametrize("kwargs, match", [

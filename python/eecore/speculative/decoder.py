@@ -378,6 +378,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         draft all the same: rows in `opening` (this is the round's first layer draft of seqs[b])
         that long_draft_acceptance stops (DraftLength)."""
         live_seqs = [seqs[b] for b in rows]
+        for seq in live_seqs:  # every layer proposal costs a draft head (with a copy: a copy pass), kept or not
+            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + 1
         tokens, probs, confident, exiting, logprobs, top1 = self._propose(logits, live_seqs)
         alts = self._alternatives(logits, live_seqs, tokens) if self.top_k > 1 else [[]] * len(rows)
         kept, ended = [], set()
@@ -564,7 +566,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                      num_lookup_accepted_tokens=st.get("lookup_accepted", 0),
                      lookup_acceptance_rate=st.get("lookup_accepted", 0) / max(st.get("lookup_drafted", 0), 1))
         if self.draft_head is not None:
-            m.update(num_layer_drafted_tokens=st.get("layer_drafted", 0),
+            m.update(num_layer_proposals=st.get("layer_proposals", 0),
+                     num_layer_drafted_tokens=st.get("layer_drafted", 0),
                      num_layer_accepted_tokens=st.get("layer_accepted", 0),
                      layer_acceptance_rate=st.get("layer_accepted", 0) / max(st.get("layer_drafted", 0), 1))
         if self.top_k > 1:
