@@ -109,19 +109,29 @@ def test_copy_drafts_after_lookup_tokens_see_them(tiny, lora_file):
     assert_copy_logits_match(hf, lora, 2, seen)
 
 
-def test_the_guard_judges_layer_tokens_alone(tiny, lora_file):
-    """With a floor no draft copy can reach, layer tokens stop (bar probes) and lookup goes on."""
+def _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, **kw):
+    """Greedy runs with `kw` (a rule that cuts layer drafts) against the same runs without it: outputs
+    stay full depth's, fewer layer tokens are drafted, and lookup still drafts. Returns the LLM and
+    its drafted chains."""
     path, _ = tiny
     file, _ = lora_file
     prompts = _prompts(4)
     params = greedy(40)
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
     free = _switching(path, file).generate(prompts, params)
-    guarded = _switching(path, file, min_acceptance=1.0, probe_every=64).generate(prompts, params)
-    assert [o.token_ids for o in guarded] == expected
+    llm = _switching(path, file, **kw)
+    chains = _record_chains(llm)
+    cut = llm.generate(prompts, params)
+    assert [o.token_ids for o in cut] == expected
     layer = lambda outs: sum(o.metrics["num_layer_drafted_tokens"] for o in outs)  # noqa: E731
-    assert layer(guarded) < layer(free)
-    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in guarded) > 0
+    assert layer(cut) < layer(free)
+    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in cut) > 0
+    return llm, chains
+
+
+def test_the_guard_judges_layer_tokens_alone(tiny, lora_file):
+    """With a floor no draft copy can reach, layer tokens stop (bar probes) and lookup goes on."""
+    _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, min_acceptance=1.0, probe_every=64)
 
 
 def test_sampling_preserves_the_full_model_law(tiny_vocab):
@@ -154,19 +164,7 @@ def test_sampling_preserves_the_full_model_law(tiny_vocab):
 def test_long_draft_acceptance_ends_copy_runs_and_lookup_goes_on(tiny, lora_file):
     """long_draft_acceptance=1.0: after a rejected first copy token, a round's copy run ends at its
     first token (bar a certain one), while lookup continuations still extend the draft."""
-    path, _ = tiny
-    file, _ = lora_file
-    prompts = _prompts(4)
-    params = greedy(40)
-    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
-    free = _switching(path, file).generate(prompts, params)
-    llm = _switching(path, file, long_draft_acceptance=1.0)
-    chains = _record_chains(llm)
-    short = llm.generate(prompts, params)
-    assert [o.token_ids for o in short] == expected
-    layer = lambda outs: sum(o.metrics["num_layer_drafted_tokens"] for o in outs)  # noqa: E731
-    assert layer(short) < layer(free)
-    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in short) > 0
+    llm, chains = _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, long_draft_acceptance=1.0)
     # after the first rounds, chains hold one copy token at most
     assert sum(c.count(False) <= 1 for c in chains) > 0.8 * len(chains), chains
     assert len(llm.engine.strategy.draft_length) == 0
