@@ -48,15 +48,19 @@ from eecore.speculative.drafters import NgramIndex
 
 
 @torch.no_grad()
-def record(num_prompts: int, max_tokens: int, kind: str = "code") -> list[dict]:
-    """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default): its tokens, the full
-    model's greedy continuation, and the exit-ready draft copy's teacher-forced top-1 token and
-    probability for each continuation position."""
+def record(num_prompts: int, max_tokens: int, kind: str = "code", prompts: Optional[list[list[int]]] = None,
+           features: bool = False) -> list[dict]:
+    """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default; or `prompts`, token
+    ids): its tokens, the full model's greedy continuation, and the exit-ready draft copy's
+    teacher-forced top-1 token and probability for each continuation position. With `features`,
+    also what an exit decision could read there: the second probability, the entropy over the draft
+    vocabulary, and the copy's layer-E states (fp16)."""
     full = eecore.LLM(device="cpu", max_num_seqs=8)
     spec = eecore.LLM(device="cpu", max_num_seqs=8, exit_adapter=True,
                       speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
     stack = spec.engine.strategy.draft_stack
-    prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts)
+    if prompts is None:
+        prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts)
     # a chat answer ends at the end of turn; past it the model would write what no request asks for
     outs = full.generate(prompts, eecore.SamplingParams(max_tokens=max_tokens, ignore_eos=kind == "code"))
     records = []
@@ -70,11 +74,18 @@ def record(num_prompts: int, max_tokens: int, kind: str = "code") -> list[dict]:
             stack.runner.run_layers(hidden, inputs.attn, 0, stack.exit_layer)
             states = hidden[len(prompt) - 1: len(ids) - 1]  # the states that predict the continuation
             # (the head's logits are a view of its own buffer: each chunk is read before the next)
-            chunks = [stack.head.logits(states[i:i + 8]).softmax(-1).max(-1) for i in range(0, states.shape[0], 8)]
-            top_p, top = torch.cat([c.values for c in chunks]), torch.cat([c.indices for c in chunks])
+            probs = [stack.head.columns(states[i:i + 8]).softmax(-1) for i in range(0, states.shape[0], 8)]
+            top = [p.topk(2, dim=-1) for p in probs]
+            top_p = torch.cat([t.values[:, 0] for t in top])
+            rec = dict(prompt=prompt, full=list(out.token_ids), copy=stack.head.token_ids(
+                torch.cat([t.indices[:, 0] for t in top])).tolist(), copy_p=top_p.tolist())
+            if features:
+                rec.update(copy_p2=torch.cat([t.values[:, 1] for t in top]).tolist(),
+                           copy_entropy=torch.cat([-(p * p.clamp_min(1e-12).log()).sum(-1) for p in probs]).tolist(),
+                           states=states.to(torch.float16).clone())
         finally:
             spec.engine.blocks.free(seq)
-        records.append(dict(prompt=prompt, full=list(out.token_ids), copy=top.tolist(), copy_p=top_p.tolist()))
+        records.append(rec)
     return records
 
 

@@ -1,0 +1,167 @@
+"""How well can a dynamic exit at the exit-ready copy's layer 8 tell its right tokens from its wrong
+ones? The seed's Table 1 point (ROUGE-L to full >= 0.77 at >= 54% of the layers skipped) needs
+about 74% of the tokens exiting at layer 8 (22 of 30 layers skipped), and a greedy continuation
+leaves full depth's path at its first wrong exit, so those exits must be right nearly always.
+
+Teacher-forced along full depth's greedy continuation of each prompt (bench/hybrid_policy_replay.py's
+`record`), every position has the copy's token and what an exit decision could read there. Each
+decision ranks the positions; the table gives, on held-out prompts, the share of positions it can
+let exit (coverage) at a precision (the share of exits equal to full depth's token), and its
+precision at a coverage:
+
+- `top-1 probability` (eecore's `accept="confident"` rule), the top-2 gap, the entropy;
+- `logistic`: a logistic regression on those three;
+- `+ lookup`: with two more inputs, whether prompt lookup (2-4-grams, the hybrid preset's) has a
+  draft there and whether it is the copy's token;
+- `MLP`: a 32-unit MLP on the same inputs;
+- `state + ...`: a logistic regression on the copy's layer-8 state as well (CALM's classifier reads
+  the hidden state);
+- `perfect`: a decision that knows where the copy is right, whose coverage is the copy's agreement.
+
+The learned decisions are fit on code prompts of the training packages (the copy never saw the
+held-out ones), scored on the held-out code prompts of the other benches.
+
+    python bench/exit_decision_ceiling.py [--train-prompts 320] [--eval-prompts 24] [--max-tokens 96]
+
+writes bench/results/exit-decision-ceiling-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import cpu_model, save_results
+from eecore.speculative.drafters import NgramIndex
+from hybrid_policy_replay import record
+
+PRECISIONS = (0.97, 0.98, 0.99)
+COVERAGES = (0.5, 0.6, 0.7, 0.74)
+SKIPPED_PER_EXIT = 22 / 30  # an exit at layer 8 of SmolLM2's 30
+
+
+def training_prompts(tokenizer, n: int) -> list[list[int]]:
+    """`n` code-completion prompts of the training packages (the held-out prompts' recipe)."""
+    from eecore.prompts import heldout_code_prompt_records
+    from eecore.train.corpus import build_corpus
+
+    files = build_corpus().train
+    records = heldout_code_prompt_records(n, packages=sorted({f.package for f in files}), files=files)
+    return [tokenizer.encode(r.text) for r in records]
+
+
+def lookup_drafts(rec: dict) -> list[int]:
+    """Prompt lookup's next token at each continuation position (-1: no 2-4-gram match)."""
+    index = NgramIndex(2, 4)
+    index.extend(rec["prompt"])
+    drafts = []
+    for token in rec["full"]:
+        proposal = index.propose(1)
+        drafts.append(proposal[0] if proposal else -1)
+        index.extend([token])
+    return drafts
+
+
+def features(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scalar inputs [n, 5], the copy's states [n, d], right [n]) over every record's positions.
+    Scalar inputs: top-1 probability, top-2 gap, entropy, lookup has a draft, lookup agrees."""
+    scalars, states, right = [], [], []
+    for rec in records:
+        p1, p2 = torch.tensor(rec["copy_p"]), torch.tensor(rec["copy_p2"])
+        copy, full = torch.tensor(rec["copy"]), torch.tensor(rec["full"])
+        lookup = torch.tensor(lookup_drafts(rec))
+        scalars.append(torch.stack([p1, p1 - p2, torch.tensor(rec["copy_entropy"]),
+                                    (lookup >= 0).float(), (lookup == copy).float()], 1))
+        states.append(rec["states"].float())
+        right.append((copy == full).float())
+    return torch.cat(scalars), torch.cat(states), torch.cat(right)
+
+
+def fit(x: torch.Tensor, y: torch.Tensor, hidden: int = 0, epochs: int = 40, weight_decay: float = 1e-4):
+    """A logistic regression (or a one-hidden-layer MLP) predicting `y` from `x`; returns a scorer."""
+    torch.manual_seed(0)
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    net = torch.nn.Linear(x.shape[1], 1) if not hidden else torch.nn.Sequential(
+        torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3, weight_decay=weight_decay)
+    xn = (x - mean) / std
+    for _ in range(epochs):
+        order = torch.randperm(len(xn))
+        for i in range(0, len(xn), 1024):
+            batch = order[i:i + 1024]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(net(xn[batch]).squeeze(-1), y[batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def score(z: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return net((z - mean) / std).squeeze(-1)
+    return score
+
+
+def curve(score: torch.Tensor, right: torch.Tensor) -> dict:
+    """Coverage at each of PRECISIONS and precision (and wrong exits per 64 tokens) at each of
+    COVERAGES, exiting the highest-scored positions first."""
+    ranked = right[score.argsort(descending=True, stable=True)]
+    kept = torch.arange(1, len(ranked) + 1)
+    precision, coverage = ranked.cumsum(0) / kept, kept / len(ranked)
+    row = {}
+    for p in PRECISIONS:
+        ok = (precision >= p).nonzero()
+        row[f"coverage_at_precision_{p}"] = coverage[ok[-1]].item() if len(ok) else 0.0
+    for c in COVERAGES:
+        i = max(int(c * len(ranked)) - 1, 0)
+        row[f"precision_at_coverage_{c}"] = precision[i].item()
+        row[f"wrong_exits_per_64_at_coverage_{c}"] = 64 * c * (1 - precision[i].item())
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--train-prompts", type=int, default=320)
+    ap.add_argument("--eval-prompts", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    args = ap.parse_args()
+
+    import eecore
+
+    tokenizer = eecore.LLM(device="cpu").tokenizer
+    train = record(0, args.max_tokens, prompts=training_prompts(tokenizer, args.train_prompts), features=True)
+    held_out = record(args.eval_prompts, args.max_tokens, features=True)
+    x, h, y = features(train)
+    xe, he, ye = features(held_out)
+    agreement = ye.mean().item()
+    with_state, with_state_e = torch.cat([h, x], 1), torch.cat([he, xe], 1)
+    decisions = {
+        "top-1 probability": xe[:, 0],
+        "top-2 gap": xe[:, 1],
+        "negative entropy": -xe[:, 2],
+        "logistic": fit(x[:, :3], y)(xe[:, :3]),
+        "logistic + lookup": fit(x, y)(xe),
+        "MLP + lookup": fit(x, y, hidden=32)(xe),
+        "state + logistic + lookup": fit(with_state, y, epochs=30, weight_decay=1e-3)(with_state_e),
+        "perfect": ye,
+    }
+    print(f"CPU: {cpu_model()}; {len(train)} training-package prompts ({len(y)} positions, copy agreement "
+          f"{y.mean():.3f}), {len(held_out)} held-out prompts ({len(ye)} positions, agreement {agreement:.3f})")
+    head = "".join(f"{'cov@' + str(p):>10}" for p in PRECISIONS) + "".join(f"{'prec@' + str(c):>10}" for c in COVERAGES)
+    print(f"{'decision':28}{head}{'wrong/64@0.74':>15}")
+    rows = []
+    for name, score in decisions.items():
+        row = dict(decision=name, **curve(score, ye))
+        rows.append(row)
+        cells = "".join(f"{row[f'coverage_at_precision_{p}']:10.3f}" for p in PRECISIONS)
+        cells += "".join(f"{row[f'precision_at_coverage_{c}']:10.3f}" for c in COVERAGES)
+        print(f"{name:28}{cells}{row['wrong_exits_per_64_at_coverage_0.74']:15.2f}")
+    print(f"perfect decision: {agreement:.1%} of tokens exit, {agreement * SKIPPED_PER_EXIT:.1%} of the layers skipped")
+    path = save_results("exit-decision-ceiling", dict(
+        model="SmolLM2-135M-Instruct", draft="the shipped exit-ready copy, exit 8", max_tokens=args.max_tokens,
+        train_prompts=len(train), train_positions=len(y), train_agreement=y.mean().item(),
+        eval_prompts=len(held_out), eval_positions=len(ye), eval_agreement=agreement,
+        layers_skipped_by_perfect_decision=agreement * SKIPPED_PER_EXIT, rows=rows))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
