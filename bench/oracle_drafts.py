@@ -100,6 +100,8 @@ def main() -> None:
                 drafted = sum(o.metrics["num_drafted_tokens"] for o in outs)
                 accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
                 rounds = sum(o.metrics["num_verify_steps"] for o in outs)
+                if oracle and accepted != drafted:  # the decoder no longer drafts where install_oracle hooks in
+                    raise SystemExit(f"batch {batch}, d = {d}: perfect drafts accepted {accepted} of {drafted}")
                 row = dict(batch=batch, d=d, drafts="perfect" if oracle else "shipped",
                            acceptance=accepted / max(drafted, 1), tokens_per_round=(accepted + rounds) / max(rounds, 1),
                            vs_full=statistics.median(ours) / statistics.median(theirs),
