@@ -40,14 +40,14 @@ COVERAGES = (0.5, 0.6, 0.7, 0.74)
 SKIPPED_PER_EXIT = 22 / 30  # an exit at layer 8 of SmolLM2's 30
 
 
-def training_prompts(tokenizer, n: int) -> list[list[int]]:
+def training_prompts(n: int) -> list[str]:
     """`n` code-completion prompts of the training packages (the held-out prompts' recipe)."""
     from eecore.prompts import heldout_code_prompt_records
     from eecore.train.corpus import build_corpus
 
     files = build_corpus().train
     records = heldout_code_prompt_records(n, packages=sorted({f.package for f in files}), files=files)
-    return [tokenizer.encode(r.text) for r in records]
+    return [r.text for r in records]
 
 
 def lookup_drafts(rec: dict) -> list[int]:
@@ -124,10 +124,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
 
-    import eecore
-
-    tokenizer = eecore.LLM(device="cpu").tokenizer
-    train = record(0, args.max_tokens, prompts=training_prompts(tokenizer, args.train_prompts), features=True)
+    train = record(0, args.max_tokens, texts=training_prompts(args.train_prompts), features=True)
     held_out = record(args.eval_prompts, args.max_tokens, features=True)
     x, h, y = features(train)
     xe, he, ye = features(held_out)

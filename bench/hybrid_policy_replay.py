@@ -48,10 +48,10 @@ from eecore.speculative.drafters import NgramIndex
 
 
 @torch.no_grad()
-def record(num_prompts: int, max_tokens: int, kind: str = "code", prompts: Optional[list[list[int]]] = None,
+def record(num_prompts: int, max_tokens: int, kind: str = "code", texts: Optional[list[str]] = None,
            features: bool = False) -> list[dict]:
-    """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default; or `prompts`, token
-    ids): its tokens, the full model's greedy continuation, and the exit-ready draft copy's
+    """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default; or `texts`, raw
+    prompts continued as code): its tokens, the full model's greedy continuation, and the exit-ready draft copy's
     teacher-forced top-1 token and probability for each continuation position. With `features`,
     also what an exit decision could read there: the second probability, the entropy over the draft
     vocabulary, and the copy's layer-E states (fp16)."""
@@ -59,8 +59,8 @@ def record(num_prompts: int, max_tokens: int, kind: str = "code", prompts: Optio
     spec = eecore.LLM(device="cpu", max_num_seqs=8, exit_adapter=True,
                       speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
     stack = spec.engine.strategy.draft_stack
-    if prompts is None:
-        prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts)
+    prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts) if texts is None else \
+        [full.tokenizer.encode(t) for t in texts]
     # a chat answer ends at the end of turn; past it the model would write what no request asks for
     outs = full.generate(prompts, eecore.SamplingParams(max_tokens=max_tokens, ignore_eos=kind == "code"))
     records = []
