@@ -22,6 +22,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(params=["auto", "decode", "rows", "mma"])
+def attention_kernel(request, monkeypatch):
+    """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
+    a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
+    every kernel is held to the same oracle on the same shapes, whichever the planner prefers."""
+    monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", request.param)
+    return request.param
+
+
 def cuda(*tensors):
     out = tuple(None if t is None else t.cuda() for t in tensors)
     return out if len(out) > 1 else out[0]
@@ -111,7 +120,7 @@ def check_attention(case, cpu_too=True):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 3), (16, 1), (40, 2)])  # G = 1, 4, 4, 16, 20
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_decode(dtype, heads, block_size):
+def test_decode(dtype, heads, block_size, attention_kernel):
     # Short and long contexts in one batch; with only a few sequences the kernel splits the
     # context (flash-decoding) and the combine pass merges the splits.
     case = make_attention(dtype, [1, 17, 300, 2500], [1, 1, 1, 1], *heads, head_dim=128, block_size=block_size)
@@ -120,12 +129,12 @@ def test_decode(dtype, heads, block_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 256, 20, 7])
-def test_decode_head_dims(dtype, head_dim):
+def test_decode_head_dims(dtype, head_dim, attention_kernel):
     case = make_attention(dtype, [3, 64, 700], [1, 1, 1], 8, 2, head_dim=head_dim, block_size=16)
     check_attention(case)
 
 
-def test_decode_large_batch_no_split():
+def test_decode_large_batch_no_split(attention_kernel):
     # 160 sequences x 8 KV heads = 1280 CTAs fill an A100 or H100 (>= 8 per SM): no context split.
     case = make_attention(torch.bfloat16, [50 + 7 * i for i in range(160)], [1] * 160, 16, 8, 64, 16)
     check_attention(case, cpu_too=False)
@@ -143,7 +152,7 @@ def test_prefill_varlen(dtype, heads, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_len", [2, 5, 9])
-def test_verification_long_context_splits(dtype, q_len):
+def test_verification_long_context_splits(dtype, q_len, attention_kernel):
     # Few short queries over a long context: the tensor-core kernel splits the context too.
     case = make_attention(dtype, [3000, 1500], [q_len, q_len], 32, 8, 128, 16)
     check_attention(case)
@@ -152,20 +161,20 @@ def test_verification_long_context_splits(dtype, q_len):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("max_distance", [None, 8, 64])
-def test_causal_and_position_bias(dtype, causal, max_distance):
+def test_causal_and_position_bias(dtype, causal, max_distance, attention_kernel):
     case = make_attention(dtype, [20, 45, 70], [20, 3, 1], 8, 4, 64, 5, causal=causal, max_distance=max_distance)
     check_attention(case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cross_attention_more_queries_than_keys(dtype):
+def test_cross_attention_more_queries_than_keys(dtype, attention_kernel):
     # causal=False (T5 cross-attention): q_len may exceed seq_len.
     case = make_attention(dtype, [7, 30], [19, 40], 8, 8, 64, 16, causal=False, max_distance=16)
     check_attention(case)
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_rows_past_the_batch_are_untouched(dtype):
+def test_rows_past_the_batch_are_untouched(dtype, attention_kernel):
     # The CUDA glue cannot read query_start_loc without a sync, so the kernels must leave the rows
     # past its end alone. The CPU kernel reads it and rejects the mismatch instead (test_op_*).
     case = make_attention(dtype, [30, 12], [4, 1], 8, 2, 64, 16, extra_rows=3)
@@ -173,7 +182,7 @@ def test_rows_past_the_batch_are_untouched(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_unaligned_and_strided_views(dtype):
+def test_unaligned_and_strided_views(dtype, attention_kernel):
     # A query slice of a fused QKV buffer (strided heads), and one starting one element off a
     # 16-byte boundary: the kernels fall back from cp.async/mma to scalar loads.
     case = make_attention(dtype, [50, 9], [50, 1], 8, 2, 64, 16)
@@ -189,7 +198,7 @@ def test_unaligned_and_strided_views(dtype):
     check_attention(case)
 
 
-def test_invalid_block_ids_are_skipped_not_read():
+def test_invalid_block_ids_are_skipped_not_read(attention_kernel):
     # Block ids come from device memory: an out-of-range one cannot raise on the GPU without a
     # synchronization, so the kernels treat its keys as absent. Nothing may fault.
     case = make_attention(torch.bfloat16, [40, 40], [1, 8], 8, 2, 64, 16)

@@ -413,9 +413,11 @@ def test_opcheck_tree_mask(q_lens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
 @pytest.mark.parametrize("head_dim", [64, 20])
-def test_tree_mask_on_cuda(dtype, heads, head_dim):
-    """The CUDA kernels' tree mask: both kernels (rows for short chunks, mma for long ones) against
-    the reference."""
+@pytest.mark.parametrize("kernel", ["auto", "decode", "rows", "mma"])
+def test_tree_mask_on_cuda(dtype, heads, head_dim, kernel, monkeypatch):
+    """The CUDA kernels' tree mask, each kernel forced in turn (one that cannot take the shape
+    leaves it to the planner), against the reference."""
+    monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
     num_q_heads, num_kv_heads = heads
     case = make_tree_case(dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           device="cuda")

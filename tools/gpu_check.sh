@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Everything issue 3 asks of a session that has been lent a GPU, in one command, from the repo root:
-#   1. build the extension for the visible GPU;
-#   2. the op tests on CUDA (test_cuda_vs_cpu.py, and the cuda cases of every test_op_*.py);
-#   3. the op benchmarks (bench/bench_cuda.py -> bench/results/<device>-<date>.*);
-#   4. compute-sanitizer memcheck over test_cuda_vs_cpu.py, alongside the engine on CUDA
-#      (tests/test_engine_cuda.py). The CPU-only tests are left to CI, which runs them all.
-#   5. the decode sweep (bench/cuda_decode_sweep.py) and end-to-end decode against HF
-#      (bench/e2e_cuda.py -> bench/results/<device>-e2e-<date>.json).
-# Usage: tools/gpu_check.sh [--quick]      (--quick: memcheck on a subset of the CUDA op tests)
+# Everything a session lent a GPU runs, in one command, from the repo root. Steps (EECORE_GPU_STEPS,
+# default all of them, in this order):
+#   build      the extension for the visible GPU (skipped with EECORE_SKIP_BUILD=1: carried .so)
+#   attn       paged-attention tests on CUDA, every kernel forced in turn (test_cuda_vs_cpu.py's
+#              attention cases, test_op_paged_attention.py's cuda cases)
+#   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
+#   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/
+#   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
+#   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
+#   engine     tests/test_engine_cuda.py
+#   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<device>-<date>.*)
+#   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<device>-e2e-*)
+# Usage: EECORE_GPU_STEPS="build attn sweep" tools/gpu_check.sh
 # Environment:
-#   EECORE_SKIP_BUILD=1     reuse an eecore/_C*.so built by an earlier run on the same image (carried)
-#   EECORE_SKIP_TESTS=1     steps 1, 3 and 5 only
-#   EECORE_TEST_ARGS        extra pytest arguments for step 2 (-k ...)
-#   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 570: the device tool allows 600)
+#   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
+#   EECORE_TEST_ARGS          extra pytest arguments for the test steps
+#   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
 # Each step's timeout is cut to what is left of the budget, so the logs always come back. Measured
-# on an H100: build 40 s, step 2 ~190 s at -n 8 with the CPU cases too (now left out), step 3 10 s,
-# memcheck ~120 s.
+# on an H100: build 40 s (before the decode kernel), op tests ~190 s at -n 8, memcheck ~120 s.
 # Logs go to $OUT (the device tool's output folder) when set, else to /tmp/eecore-gpu-check; what
 # comes back is summary.txt, logs.tar.gz (every log and today's results) and the built _C*.so.
 set -uo pipefail
@@ -23,10 +25,11 @@ cd "$(dirname "$0")/.."
 LOGS="${OUT:-${TMPDIR:-/tmp}/eecore-gpu-check}"
 WORK="$(mktemp -d)"
 mkdir -p "$LOGS"
-QUICK="${1:-}"
-DEADLINE=$(($(date +%s) + ${EECORE_GPU_CHECK_SECONDS:-570}))
+STEPS=" ${EECORE_GPU_STEPS:-build attn ops sweep ncu sanitize engine bench e2e} "
+[ "${EECORE_SKIP_BUILD:-0}" = "1" ] && STEPS="${STEPS/ build / }"
+DEADLINE=$(($(date +%s) + ${EECORE_GPU_CHECK_SECONDS:-470}))
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export PYTHONUNBUFFERED=1
 # The device image's default g++ (/opt/gcc) links libstdc++ statically, which setup.py refuses (see
@@ -38,8 +41,12 @@ PY="${PYTHON:-python3}"
 JOBS="${EECORE_TEST_JOBS:-8}"
 PARALLEL=()  # pytest-xdist where installed (the device image has it)
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$JOBS")
+SANITIZER="$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")"
+NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 || echo ncu)"
+ATTN_TESTS=(tests/test_cuda_vs_cpu.py -k "decode or prefill or verification or causal or cross or rows_past or unaligned or invalid")
 status=0
 
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 step() { echo "== $1 ($(date +%T))" | tee -a "$LOGS/summary.txt"; }
 # limited SECONDS CMD...: run CMD under a timeout of SECONDS, or of what is left of the budget.
 limited() {
@@ -50,12 +57,13 @@ limited() {
 }
 finish() {
   cp bench/results/*"$(date +%F)"* "$WORK/" 2>/dev/null
+  cp "$WORK"/*.md "$WORK"/ncu-*.txt "$LOGS/" 2>/dev/null
   tar -czf "$LOGS/logs.tar.gz" -C "$WORK" . 2>/dev/null
   cp python/eecore/_C*.so "$LOGS/" 2>/dev/null
   exit $status
 }
 report() {  # report LOG: its failures and its last lines, into the summary
-  grep -E "^(FAILED|ERROR)" "$1" | head -40 | tee -a "$LOGS/summary.txt"
+  grep -E "^(FAILED|ERROR)" "$1" | head -30 | tee -a "$LOGS/summary.txt"
   tail -2 "$1" | tee -a "$LOGS/summary.txt"
 }
 
@@ -64,44 +72,83 @@ step "GPU and toolchain"
   > "$WORK/env.txt" 2>&1
 tail -3 "$WORK/env.txt" | tee -a "$LOGS/summary.txt"
 
-if [ "${EECORE_SKIP_BUILD:-0}" != "1" ]; then
+if want build; then
   step "build (TORCH_CUDA_ARCH_LIST from the visible GPU)"
-  if ! limited 150 "$PY" setup.py build_ext --inplace > "$WORK/build.txt" 2>&1; then
+  if ! limited 200 "$PY" setup.py build_ext --inplace > "$WORK/build.txt" 2>&1; then
     echo "BUILD FAILED" | tee -a "$LOGS/summary.txt"; grep -E "error|Error" "$WORK/build.txt" | head -40 | tee -a "$LOGS/summary.txt"
     status=1; finish
   fi
 fi
 "$PY" -c "import eecore._C as c; print(c.build_info())" 2>&1 | tee -a "$LOGS/summary.txt"
 
-if [ "${EECORE_SKIP_TESTS:-0}" != "1" ]; then
-  step "op tests on CUDA (test_cuda_vs_cpu.py, and the cuda cases of every test_op_*.py)"
-  limited 250 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_cuda_vs_cpu.py tests/test_op_*.py \
-    -k cuda ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
+if want attn; then
+  step "paged-attention tests on CUDA, every kernel forced in turn"
+  limited 150 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider "${ATTN_TESTS[@]}" ${EECORE_TEST_ARGS:-} \
+    > "$WORK/pytest-attn.txt" 2>&1 || status=1
+  report "$WORK/pytest-attn.txt"
+  limited 90 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_op_paged_attention.py -k cuda \
+    > "$WORK/pytest-attn-op.txt" 2>&1 || status=1
+  report "$WORK/pytest-attn-op.txt"
+fi
+
+if want ops; then
+  step "the other CUDA op tests"
+  limited 200 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_cuda_vs_cpu.py tests/test_op_*.py \
+    -k "cuda and not paged_attention" ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
   report "$WORK/pytest-ops.txt"
 fi
 
-step "op benchmarks"
-limited 60 "$PY" bench/bench_cuda.py > "$WORK/bench.txt" 2>&1 || status=1
-tail -14 "$WORK/bench.txt" | tee -a "$LOGS/summary.txt"
-
-if [ "${EECORE_SKIP_TESTS:-0}" != "1" ]; then
-  step "memcheck over the CUDA op tests, and the engine on CUDA, side by side"
-  SANITIZER="$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")"
-  targets=(tests/test_cuda_vs_cpu.py)
-  [ "$QUICK" = "--quick" ] && targets+=(-k "decode_head_dims or prefill_varlen or kv_fill or lm_head")
-  limited 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --target-processes all \
-    "$PY" -m pytest -q -x -p no:cacheprovider "${targets[@]}" > "$WORK/memcheck.txt" 2>&1 &
-  memcheck=$!
-  limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py > "$WORK/pytest-engine.txt" 2>&1 || status=1
-  wait $memcheck || status=1
-  report "$WORK/pytest-engine.txt"
-  grep -E "ERROR SUMMARY|Invalid" "$WORK/memcheck.txt" | head -5 | tee -a "$LOGS/summary.txt"
-  report "$WORK/memcheck.txt"
+if want sweep; then
+  step "decode sweep: every kernel against SDPA"
+  limited 150 "$PY" bench/cuda_decode_sweep.py > "$WORK/decode-sweep.txt" 2>&1 || status=1
+  grep -E "copy|worst|headline|Error|error" "$WORK/decode-sweep.txt" | tail -8 | tee -a "$LOGS/summary.txt"
 fi
 
-step "decode sweep and end-to-end decode against HF"
-limited 40 "$PY" bench/cuda_decode_sweep.py > "$WORK/decode-sweep.txt" 2>&1 || status=1
-tail -8 "$WORK/decode-sweep.txt" | tee -a "$LOGS/summary.txt"
-(cd bench && limited 150 "$PY" e2e_cuda.py) > "$WORK/e2e.txt" 2>&1 || status=1
-grep -E "batch|Error" "$WORK/e2e.txt" | tail -8 | tee -a "$LOGS/summary.txt"
+if want ncu; then
+  step "Nsight Compute: the decode kernel at B=64, ctx 4096, 32/8 heads, D=128"
+  for kernel in ${EECORE_NCU_KERNELS:-decode}; do
+    EECORE_PAGED_ATTENTION_KERNEL=$kernel limited 60 "$NCU" --target-processes all -k "regex:paged_attention_${kernel}" \
+      --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats \
+      "$PY" bench/cuda_decode_sweep.py --headline-only --kernels "$kernel" > "$WORK/ncu-$kernel.txt" 2>&1 || status=1
+  done
+  grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|ERR" \
+    "$WORK/ncu-decode.txt" | head -12 | tee -a "$LOGS/summary.txt"
+fi
+
+if want sanitize; then
+  step "compute-sanitizer memcheck and racecheck, forced decode kernel"
+  # Test ids put the forced kernel first: "test_decode[decode-16-heads1-dtype1]".
+  sub=(tests/test_cuda_vs_cpu.py -k "(test_decode or causal or invalid or rows_past or unaligned) and not large and decode-")
+  EECORE_PAGED_ATTENTION_KERNEL=decode limited 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
+    --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider "${sub[@]}" > "$WORK/memcheck.txt" 2>&1 &
+  mc=$!
+  EECORE_PAGED_ATTENTION_KERNEL=decode limited 150 "$SANITIZER" --tool racecheck --error-exitcode 99 \
+    --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_vs_cpu.py \
+    -k "test_decode and decode- and dtype1 and not large" > "$WORK/racecheck.txt" 2>&1 || status=1
+  wait $mc || status=1
+  for f in memcheck racecheck; do
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$WORK/$f.txt" | head -4 | tee -a "$LOGS/summary.txt"
+    tail -1 "$WORK/$f.txt" | tee -a "$LOGS/summary.txt"
+  done
+fi
+
+if want engine; then
+  step "the engine on CUDA"
+  limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py ${EECORE_TEST_ARGS:-} \
+    > "$WORK/pytest-engine.txt" 2>&1 || status=1
+  report "$WORK/pytest-engine.txt"
+fi
+
+if want bench; then
+  step "op benchmarks"
+  limited 60 "$PY" bench/bench_cuda.py --quick > "$WORK/bench.txt" 2>&1 || status=1
+  tail -14 "$WORK/bench.txt" | tee -a "$LOGS/summary.txt"
+fi
+
+if want e2e; then
+  step "end-to-end decode against HF"
+  (cd bench && limited 150 "$PY" e2e_cuda.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
+  grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
+fi
 finish

@@ -104,19 +104,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kKeysPerPass = kThreads / S::kChunks;
   const int32_t load_chunk = tid % S::kChunks;
   const int32_t load_key = tid / S::kChunks;
+  static_assert(kBlockN % kKeysPerPass == 0, "every thread loads the same number of keys");
+  constexpr int kKeysPerThread = kBlockN / kKeysPerPass;
   auto load_tile = [&](int64_t tile_start, int stage) {
     T* ks = k_s + stage * kBlockN * kPitch;
     T* vs = v_s + stage * kBlockN * kPitch;
-    for (int32_t n = load_key; n < kBlockN; n += kKeysPerPass) {
-      const int64_t pos = tile_start + n;
-      int32_t block = 0, offset = 0;
-      const bool present = pos < k_stop && paged_locate(k_layout, table, p.max_blocks, pos, block, offset);
-      if (load_chunk == 0) valid_s[stage * kBlockN + n] = present;
+    // Every block-table lookup first, then the copies: the copies' asm carries a memory clobber,
+    // which would otherwise serialize lookup -> copy -> lookup and leave one lookup in flight.
+    bool present[kKeysPerThread];
+    int32_t block[kKeysPerThread], offset[kKeysPerThread];
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) {
+      const int64_t pos = tile_start + load_key + i * kKeysPerPass;
+      block[i] = 0;
+      offset[i] = 0;
+      present[i] = pos < k_stop && paged_locate(k_layout, table, p.max_blocks, pos, block[i], offset[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) {
+      const int32_t n = load_key + i * kKeysPerPass;
+      if (load_chunk == 0) valid_s[stage * kBlockN + n] = present[i];
       T* k_dst = ks + n * kPitch + load_chunk * 8;
       T* v_dst = vs + n * kPitch + load_chunk * 8;
-      if (present && load_chunk * 8 < p.head_dim) {
-        cp_async_16(k_dst, k_cache + paged_offset(k_layout, block, offset, kv_head) + load_chunk * 8);
-        cp_async_16(v_dst, v_cache + paged_offset(v_layout, block, offset, kv_head) + load_chunk * 8);
+      if (present[i] && load_chunk * 8 < p.head_dim) {
+        cp_async_16(k_dst, k_cache + paged_offset(k_layout, block[i], offset[i], kv_head) + load_chunk * 8);
+        cp_async_16(v_dst, v_cache + paged_offset(v_layout, block[i], offset[i], kv_head) + load_chunk * 8);
       } else {
         zero_16(k_dst);
         zero_16(v_dst);

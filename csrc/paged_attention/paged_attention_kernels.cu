@@ -1,9 +1,13 @@
 // paged_attention on CUDA: planning (which kernel, how many context splits) and launching.
-// The kernels themselves live in attention_rows.cuh (SIMT, decode and fp32), attention_mma.cuh
-// (tensor cores, prefill and verification) and attention_common.cuh (split combine).
+// The kernels themselves live in attention_decode.cuh (bf16/fp16 decode at memory bandwidth),
+// attention_mma.cuh (tensor cores, prefill and verification), attention_rows.cuh (SIMT fallback:
+// fp32, odd head dims, unaligned views) and attention_common.cuh (split combine).
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "attention_common.cuh"
+#include "attention_decode.cuh"
 #include "attention_mma.cuh"
 #include "attention_rows.cuh"
 
@@ -67,34 +71,164 @@ cudaError_t launch_rows(const PagedAttentionParams& p, const PagedAttentionPlan&
   return cudaGetLastError();
 }
 
+// ---- the decode kernel: instantiated for head dims 64/128/256 and groups 1/2/4/8 ---------------
+
+inline int decode_head_dim(int32_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+inline int decode_group(int32_t group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
+
+// Calls f(std::integral_constant<int, HEAD_DIM>, std::integral_constant<int, GROUP>) for p's shape.
+template <typename F>
+cudaError_t dispatch_decode_shape(const PagedAttentionParams& p, F&& f) {
+  auto with_group = [&](auto head_dim) -> cudaError_t {
+    switch (decode_group(p.num_q_heads / p.num_kv_heads)) {
+      case 1:
+        return f(head_dim, std::integral_constant<int, 1>{});
+      case 2:
+        return f(head_dim, std::integral_constant<int, 2>{});
+      case 4:
+        return f(head_dim, std::integral_constant<int, 4>{});
+      default:
+        return f(head_dim, std::integral_constant<int, 8>{});
+    }
+  };
+  switch (decode_head_dim(p.head_dim)) {
+    case 64:
+      return with_group(std::integral_constant<int, 64>{});
+    case 128:
+      return with_group(std::integral_constant<int, 128>{});
+    default:
+      return with_group(std::integral_constant<int, 256>{});
+  }
+}
+
+// CTAs per query row and KV head (groups above 8 take several) and keys per stage.
+inline int64_t decode_head_chunks(const PagedAttentionParams& p) {
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  return ceil_div(group, decode_group(static_cast<int32_t>(group)));
+}
+
+struct DecodeShape {
+  int64_t tile_keys;   // keys per pipeline stage
+  int64_t min_blocks;  // CTAs per SM the launch bounds guarantee
+};
+
+inline DecodeShape decode_shape(const PagedAttentionParams& p) {
+  DecodeShape shape{};
+  dispatch_decode_shape(p, [&](auto head_dim, auto group) -> cudaError_t {
+    using Shape = attention::decode::Shape<decltype(head_dim)::value, decltype(group)::value>;
+    shape = DecodeShape{Shape::kTileKeys, Shape::kMinBlocks};
+    return cudaSuccess;
+  });
+  return shape;
+}
+
+template <typename T>
+cudaError_t launch_decode(const PagedAttentionParams& p, const PagedAttentionPlan& plan, float* ws,
+                          cudaStream_t stream) {
+  return dispatch_decode_shape(p, [&](auto head_dim, auto group) -> cudaError_t {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    constexpr int kGroup = decltype(group)::value;
+    using Shape = attention::decode::Shape<kHeadDim, kGroup>;
+    auto kernel = attention::decode::paged_attention_decode_kernel<T, kHeadDim, kGroup>;
+    if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
+    const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads * decode_head_chunks(p)),
+                    static_cast<unsigned>(plan.num_splits));
+    kernel<<<grid, attention::decode::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits, plan.split_tokens,
+                                                                              ws);
+    return cudaGetLastError();
+  });
+}
+
+// ---- planning ----------------------------------------------------------------------------------
+
+// The decode kernel has not yet run on a GPU: until it has passed the CUDA tests there, the planner
+// keeps decode on the rows kernel and the decode kernel runs only when forced.
+constexpr bool kDecodeKernelByDefault = false;
+
+// EECORE_PAGED_ATTENTION_KERNEL=decode|mma|rows forces a kernel wherever it applies (benchmarks
+// and tests compare them on identical inputs); unset, empty or "auto" lets the planner choose.
+// Read on every call: a getenv is cheap next to a launch, and tests switch it within one process.
+inline int forced_kernel() {
+  const char* v = std::getenv("EECORE_PAGED_ATTENTION_KERNEL");
+  if (v == nullptr) return -1;
+  if (std::strcmp(v, "rows") == 0) return static_cast<int>(PagedAttentionKernel::kRows);
+  if (std::strcmp(v, "mma") == 0) return static_cast<int>(PagedAttentionKernel::kMma);
+  if (std::strcmp(v, "decode") == 0) return static_cast<int>(PagedAttentionKernel::kDecode);
+  return -1;
+}
+
+// Context splits for a kernel whose natural grid has `ctas` CTAs, `slots` of which fit on the GPU
+// at once, each covering up to `max_context` keys. Models the time as waves of CTAs, each CTA
+// costing its keys plus a fixed overhead worth kOverheadKeys (q load, merge, the combine pass),
+// and takes the cheapest split count: more splits fill the GPU and even out the last wave.
+inline int64_t choose_splits(int64_t ctas, int64_t slots, int64_t max_context, int64_t tile) {
+  constexpr int64_t kOverheadKeys = 256;
+  constexpr int64_t kMinSplitTokens = 256;
+  constexpr int64_t kMaxSplits = 64;
+  const int64_t limit = std::min(kMaxSplits, std::max<int64_t>(1, ceil_div(max_context, kMinSplitTokens)));
+  int64_t best = 1;
+  double best_cost = 0.0;
+  for (int64_t s = 1; s <= limit; ++s) {
+    const int64_t keys = round_up(ceil_div(std::max<int64_t>(max_context, 1), s), tile);
+    const double waves = static_cast<double>(ceil_div(ctas * s, slots));
+    const double cost = waves * static_cast<double>(keys + kOverheadKeys);
+    if (s == 1 || cost < best_cost * 0.97) {  // a split must win clearly: the model is rough
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
 }  // namespace
 
 PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   PagedAttentionPlan plan{PagedAttentionKernel::kRows, 1, 1, 0};
   if (p.num_tokens <= 0 || p.num_seqs <= 0 || p.max_query_len <= 0 || p.num_kv_heads <= 0) return plan;
 
-  const bool mma = p.dtype != DType::kFloat32 && p.max_query_len > 1 && p.head_dim % 8 == 0 &&
-                   p.head_dim <= kPagedAttentionMaxHeadDim && kv_rows_aligned16(p) && mma_m_tiles(p) <= 65535;
-  plan.kernel = mma ? PagedAttentionKernel::kMma : PagedAttentionKernel::kRows;
-  const int64_t tile = mma ? mma_block_n(p.head_dim)
-                           : attention::rows::layout(p.head_dim, static_cast<int32_t>(dtype_size(p.dtype))).tile_n;
+  const bool vec_ok = p.dtype != DType::kFloat32 && p.head_dim % 8 == 0 && p.head_dim <= kPagedAttentionMaxHeadDim &&
+                      kv_rows_aligned16(p);
+  const bool mma_ok = vec_ok && mma_m_tiles(p) <= 65535;
+  const bool decode_ok = vec_ok;
+  PagedAttentionKernel kernel = PagedAttentionKernel::kRows;
+  if (kDecodeKernelByDefault && decode_ok && p.max_query_len == 1) kernel = PagedAttentionKernel::kDecode;
+  else if (mma_ok && p.max_query_len > 1) kernel = PagedAttentionKernel::kMma;
+  const int forced = forced_kernel();
+  if (forced == static_cast<int>(PagedAttentionKernel::kRows) ||
+      (forced == static_cast<int>(PagedAttentionKernel::kMma) && mma_ok) ||
+      (forced == static_cast<int>(PagedAttentionKernel::kDecode) && decode_ok))
+    kernel = static_cast<PagedAttentionKernel>(forced);
+  plan.kernel = kernel;
 
-  // Split the context (flash-decoding) only when the natural grid leaves the GPU underfilled, and
-  // never into splits shorter than a few tiles: the combine pass is not free.
-  const int64_t group = p.num_q_heads / p.num_kv_heads;
-  const int64_t ctas = mma ? p.num_seqs * mma_m_tiles(p) * p.num_kv_heads
-                           : static_cast<int64_t>(p.num_tokens) * p.num_kv_heads *
-                                 ceil_div(group, attention::rows::kMaxGroup);
-  const int64_t target_ctas = 8 * static_cast<int64_t>(num_sms_of_current_device());
   const int64_t max_context = static_cast<int64_t>(p.max_blocks) * p.block_size;
-  constexpr int64_t kMinSplitTokens = 256;
-  constexpr int64_t kMaxSplits = 64;
+  const int64_t sms = num_sms_of_current_device();
   int64_t splits = 1;
-  if (ctas < target_ctas && max_context > kMinSplitTokens) {
-    splits = std::min({ceil_div(target_ctas, ctas), ceil_div(max_context, kMinSplitTokens), kMaxSplits});
-    // With splits, each sequence is one CTA column per split: keep the grid's x within range.
-    if (mma) splits = std::min<int64_t>(splits, INT32_MAX / std::max<int64_t>(p.num_seqs, 1));
+  int64_t tile = 1;
+  if (kernel == PagedAttentionKernel::kDecode) {
+    const DecodeShape shape = decode_shape(p);
+    tile = shape.tile_keys;
+    const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * decode_head_chunks(p);
+    splits = choose_splits(ctas, sms * shape.min_blocks, max_context, tile);
+  } else {
+    // Split the context (flash-decoding) only when the natural grid leaves the GPU underfilled, and
+    // never into splits shorter than a few tiles: the combine pass is not free.
+    const bool mma = kernel == PagedAttentionKernel::kMma;
+    tile = mma ? mma_block_n(p.head_dim)
+               : attention::rows::layout(p.head_dim, static_cast<int32_t>(dtype_size(p.dtype))).tile_n;
+    const int64_t group = p.num_q_heads / p.num_kv_heads;
+    const int64_t ctas = mma ? p.num_seqs * mma_m_tiles(p) * p.num_kv_heads
+                             : static_cast<int64_t>(p.num_tokens) * p.num_kv_heads *
+                                   ceil_div(group, attention::rows::kMaxGroup);
+    const int64_t target_ctas = 8 * sms;
+    constexpr int64_t kMinSplitTokens = 256;
+    constexpr int64_t kMaxSplits = 64;
+    if (ctas < target_ctas && max_context > kMinSplitTokens)
+      splits = std::min({ceil_div(target_ctas, ctas), ceil_div(max_context, kMinSplitTokens), kMaxSplits});
   }
+  // With splits, each sequence is one CTA column per split (mma) or a grid z (decode, rows, at
+  // most 65535): keep the grid within range.
+  if (kernel == PagedAttentionKernel::kMma) splits = std::min<int64_t>(splits, INT32_MAX / std::max<int64_t>(p.num_seqs, 1));
+  splits = std::min<int64_t>(splits, 65535);
   const int64_t split_tokens = std::max<int64_t>(round_up(ceil_div(std::max<int64_t>(max_context, 1), splits), tile), tile);
   splits = std::max<int64_t>(1, ceil_div(max_context, split_tokens));
   plan.num_splits = static_cast<int32_t>(splits);
@@ -111,9 +245,11 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, const PagedAtt
   return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = typename decltype(tag)::type;
     cudaError_t err = cudaSuccess;
-    if (plan.kernel == PagedAttentionKernel::kMma) {
+    if (plan.kernel == PagedAttentionKernel::kMma || plan.kernel == PagedAttentionKernel::kDecode) {
       if constexpr (std::is_same_v<T, float>) {
-        return cudaErrorInvalidValue;  // the planner never picks tensor cores for fp32
+        return cudaErrorInvalidValue;  // the planner picks these for bf16/fp16 only
+      } else if (plan.kernel == PagedAttentionKernel::kDecode) {
+        err = launch_decode<T>(p, plan, workspace, stream);
       } else {
         switch (mma_head_dim(p.head_dim)) {
           case 32:

@@ -1,9 +1,11 @@
 // CUDA launchers of paged_attention (csrc/paged_attention/paged_attention_kernels.cu). Torch-free.
 //
-// Three kernels serve the op:
-//  * "rows" (SIMT): one CTA per (query row, KV head, split of the context) computing every query
-//    head of that KV head's group, so each KV block is read once per KV head. It serves decode
-//    (max_query_len == 1), fp32, and any shape the tensor-core kernel does not take.
+// Four kernels serve the op:
+//  * "decode" (SIMT, bf16/fp16, D % 8 == 0, 16-byte aligned rows): one CTA per (query row, KV
+//    head, split of the context) computing up to 8 query heads of that KV head's group, with a
+//    barrier-free cp.async pipeline; it serves max_query_len == 1.
+//  * "rows" (SIMT): the same grid, any dtype and head dim; it serves fp32, odd head dims and
+//    unaligned views.
 //  * "mma" (tensor cores, bf16/fp16): flash-attention-2 style tiles for prefill, chunked prefill
 //    and the verification of draft tokens. The rows of a tile are (query token, query head)
 //    pairs of one KV head, so short queries with GQA still fill the 16-row MMA tiles.
@@ -55,7 +57,7 @@ struct PagedAttentionParams {
 
 constexpr int32_t kPagedAttentionMaxHeadDim = 256;
 
-enum class PagedAttentionKernel : int32_t { kRows = 0, kMma = 1 };
+enum class PagedAttentionKernel : int32_t { kRows = 0, kMma = 1, kDecode = 2 };
 
 struct PagedAttentionPlan {
   PagedAttentionKernel kernel;
@@ -65,6 +67,7 @@ struct PagedAttentionPlan {
 };
 
 // Decides kernel and split-K from the shapes alone (and the device's SM count).
+// EECORE_PAGED_ATTENTION_KERNEL=decode|mma|rows forces a kernel where it applies.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p);
 
 // `workspace` must hold plan.workspace_floats floats on the same device (unused when 0).
