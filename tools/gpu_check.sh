@@ -16,6 +16,8 @@
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
 #   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
+#   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
+#   EECORE_NCU_KERNELS        kernels Nsight Compute profiles (default: decode)
 # Each step's timeout is cut to what is left of the budget, so the logs always come back. Measured
 # on an H100: build 40 s (before the decode kernel), op tests ~190 s at -n 8, memcheck ~120 s.
 # Logs go to $OUT (the device tool's output folder) when set, else to /tmp/eecore-gpu-check; what
@@ -100,7 +102,7 @@ fi
 
 if want sweep; then
   step "decode sweep: every kernel against SDPA"
-  limited 150 "$PY" bench/cuda_decode_sweep.py > "$WORK/decode-sweep.txt" 2>&1 || status=1
+  limited 150 "$PY" bench/cuda_decode_sweep.py ${EECORE_SWEEP_ARGS:-} > "$WORK/decode-sweep.txt" 2>&1 || status=1
   grep -E "copy|worst|headline|Error|error" "$WORK/decode-sweep.txt" | tail -8 | tee -a "$LOGS/summary.txt"
 fi
 
