@@ -2,7 +2,7 @@
 device-to-device copy bandwidth measured in the same process.
 
     PYTHONPATH=python python bench/cuda_decode_sweep.py [--quick] [--headline-only]
-        [--kernels auto decode rows mma] [--max-kv-gib 16]
+        [--kernels auto decode_mma decode rows mma] [--max-kv-gib 16]
 
 The sweep crosses batch B (1..256), context (256..32k), GQA (1, 4, 8 query heads per KV head with
 32 query heads) and head dim (64, 128), bf16, block size 16, random block tables, and skips cells
@@ -124,7 +124,7 @@ def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", default=["auto", "decode", "rows", "mma"])
+    ap.add_argument("--kernels", nargs="+", default=["auto", "decode_mma", "decode", "rows", "mma"])
     ap.add_argument("--headline-only", action="store_true")
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
     ap.add_argument("--out", type=Path, default=RESULTS)

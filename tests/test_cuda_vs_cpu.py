@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["auto", "decode", "rows", "mma"])
+@pytest.fixture(params=["auto", "decode", "decode_mma", "rows", "mma"])
 def attention_kernel(request, monkeypatch):
     """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so

@@ -413,7 +413,7 @@ def test_opcheck_tree_mask(q_lens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
 @pytest.mark.parametrize("head_dim", [64, 20])
-@pytest.mark.parametrize("kernel", ["auto", "decode", "rows", "mma"])
+@pytest.mark.parametrize("kernel", ["auto", "decode", "decode_mma", "rows", "mma"])
 def test_tree_mask_on_cuda(dtype, heads, head_dim, kernel, monkeypatch):
     """The CUDA kernels' tree mask, each kernel forced in turn (one that cannot take the shape
     leaves it to the planner), against the reference."""

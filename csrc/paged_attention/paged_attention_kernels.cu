@@ -8,6 +8,7 @@
 
 #include "attention_common.cuh"
 #include "attention_decode.cuh"
+#include "attention_decode_mma.cuh"
 #include "attention_mma.cuh"
 #include "attention_rows.cuh"
 
@@ -139,13 +140,64 @@ cudaError_t launch_decode(const PagedAttentionParams& p, const PagedAttentionPla
   });
 }
 
+// ---- the tensor-core decode kernel: head dims 64/128/256, 16 or 32 packed rows per CTA -------------
+
+inline int decode_mma_head_dim(int32_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+inline int decode_mma_m_tiles(const PagedAttentionParams& p) {
+  const int64_t rows = static_cast<int64_t>(p.max_query_len) * (p.num_q_heads / p.num_kv_heads);
+  return rows > 16 && decode_mma_head_dim(p.head_dim) <= 128 ? 2 : 1;
+}
+
+// Calls f(std::integral_constant<int, HEAD_DIM>, std::integral_constant<int, M_TILES>) for p's shape.
+template <typename F>
+cudaError_t dispatch_decode_mma_shape(const PagedAttentionParams& p, F&& f) {
+  const bool two = decode_mma_m_tiles(p) == 2;
+  switch (decode_mma_head_dim(p.head_dim)) {
+    case 64:
+      return two ? f(std::integral_constant<int, 64>{}, std::integral_constant<int, 2>{})
+                 : f(std::integral_constant<int, 64>{}, std::integral_constant<int, 1>{});
+    case 128:
+      return two ? f(std::integral_constant<int, 128>{}, std::integral_constant<int, 2>{})
+                 : f(std::integral_constant<int, 128>{}, std::integral_constant<int, 1>{});
+    default:
+      return f(std::integral_constant<int, 256>{}, std::integral_constant<int, 1>{});
+  }
+}
+
+inline int64_t decode_mma_row_blocks(const PagedAttentionParams& p) {
+  const int64_t rows = static_cast<int64_t>(p.max_query_len) * (p.num_q_heads / p.num_kv_heads);
+  return ceil_div(rows, 16 * decode_mma_m_tiles(p));
+}
+
+inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
+  int64_t ctas = 1;
+  dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
+    ctas = attention::decode_mma::Shape<decltype(head_dim)::value, decltype(m_tiles)::value>::kCtasPerSm;
+    return cudaSuccess;
+  });
+  return ctas;
+}
+
+template <typename T>
+cudaError_t launch_decode_mma(const PagedAttentionParams& p, const PagedAttentionPlan& plan, float* ws,
+                              cudaStream_t stream) {
+  return dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    constexpr int kMTiles = decltype(m_tiles)::value;
+    using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles>;
+    auto kernel = attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles>;
+    if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
+    const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits), static_cast<unsigned>(decode_mma_row_blocks(p)),
+                    static_cast<unsigned>(p.num_kv_heads));
+    kernel<<<grid, attention::decode_mma::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits,
+                                                                                  plan.split_tokens, ws);
+    return cudaGetLastError();
+  });
+}
+
 // ---- planning ----------------------------------------------------------------------------------
 
-// The decode kernel has not yet run on a GPU: until it has passed the CUDA tests there, the planner
-// keeps decode on the rows kernel and the decode kernel runs only when forced.
-constexpr bool kDecodeKernelByDefault = false;
-
-// EECORE_PAGED_ATTENTION_KERNEL=decode|mma|rows forces a kernel wherever it applies (benchmarks
+// EECORE_PAGED_ATTENTION_KERNEL=decode|decode_mma|mma|rows forces a kernel wherever it applies (benchmarks
 // and tests compare them on identical inputs); unset, empty or "auto" lets the planner choose.
 // Read on every call: a getenv is cheap next to a launch, and tests switch it within one process.
 inline int forced_kernel() {
@@ -154,6 +206,7 @@ inline int forced_kernel() {
   if (std::strcmp(v, "rows") == 0) return static_cast<int>(PagedAttentionKernel::kRows);
   if (std::strcmp(v, "mma") == 0) return static_cast<int>(PagedAttentionKernel::kMma);
   if (std::strcmp(v, "decode") == 0) return static_cast<int>(PagedAttentionKernel::kDecode);
+  if (std::strcmp(v, "decode_mma") == 0) return static_cast<int>(PagedAttentionKernel::kDecodeMma);
   return -1;
 }
 
@@ -190,13 +243,23 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
                       kv_rows_aligned16(p);
   const bool mma_ok = vec_ok && mma_m_tiles(p) <= 65535;
   const bool decode_ok = vec_ok;
+  const bool decode_mma_ok = vec_ok && decode_mma_row_blocks(p) <= 65535;
+  // Measured on an H200 (bench/results/nvidia-h200-decode-sweep-2026-11-26-b.md): decode without
+  // GQA streams fastest on the SIMT decode kernel (72-74% of copy bandwidth at large sizes against
+  // 66-69%); with GQA, and for short verification queries (up to 32 packed rows, 16 at D = 256:
+  // one CTA's worth), the tensor-core decode kernel wins (up to 2.7x the SIMT one at G = 4 and 8,
+  // 2.5-3x the prefill tiles on 2-8 verify rows); longer queries take the prefill tiles.
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  const int64_t packed_rows = static_cast<int64_t>(p.max_query_len) * group;
   PagedAttentionKernel kernel = PagedAttentionKernel::kRows;
-  if (kDecodeKernelByDefault && decode_ok && p.max_query_len == 1) kernel = PagedAttentionKernel::kDecode;
+  if (decode_ok && p.max_query_len == 1 && group == 1) kernel = PagedAttentionKernel::kDecode;
+  else if (decode_mma_ok && packed_rows <= 16 * decode_mma_m_tiles(p)) kernel = PagedAttentionKernel::kDecodeMma;
   else if (mma_ok && p.max_query_len > 1) kernel = PagedAttentionKernel::kMma;
   const int forced = forced_kernel();
   if (forced == static_cast<int>(PagedAttentionKernel::kRows) ||
       (forced == static_cast<int>(PagedAttentionKernel::kMma) && mma_ok) ||
-      (forced == static_cast<int>(PagedAttentionKernel::kDecode) && decode_ok))
+      (forced == static_cast<int>(PagedAttentionKernel::kDecode) && decode_ok) ||
+      (forced == static_cast<int>(PagedAttentionKernel::kDecodeMma) && decode_mma_ok))
     kernel = static_cast<PagedAttentionKernel>(forced);
   plan.kernel = kernel;
 
@@ -209,6 +272,10 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
     tile = shape.tile_keys;
     const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * decode_head_chunks(p);
     splits = choose_splits(ctas, sms * shape.min_blocks, max_context, tile);
+  } else if (kernel == PagedAttentionKernel::kDecodeMma) {
+    tile = attention::decode_mma::kWarpKeys * attention::decode_mma::kWarps;
+    const int64_t ctas = static_cast<int64_t>(p.num_seqs) * decode_mma_row_blocks(p) * p.num_kv_heads;
+    splits = choose_splits(ctas, sms * decode_mma_ctas_per_sm(p), max_context, tile);
   } else {
     // Split the context (flash-decoding) only when the natural grid leaves the GPU underfilled, and
     // never into splits shorter than a few tiles: the combine pass is not free.
@@ -227,7 +294,8 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   }
   // With splits, each sequence is one CTA column per split (mma) or a grid z (decode, rows, at
   // most 65535): keep the grid within range.
-  if (kernel == PagedAttentionKernel::kMma) splits = std::min<int64_t>(splits, INT32_MAX / std::max<int64_t>(p.num_seqs, 1));
+  if (kernel == PagedAttentionKernel::kMma || kernel == PagedAttentionKernel::kDecodeMma)
+    splits = std::min<int64_t>(splits, INT32_MAX / std::max<int64_t>(p.num_seqs, 1));
   splits = std::min<int64_t>(splits, 65535);
   const int64_t split_tokens = std::max<int64_t>(round_up(ceil_div(std::max<int64_t>(max_context, 1), splits), tile), tile);
   splits = std::max<int64_t>(1, ceil_div(max_context, split_tokens));
@@ -245,11 +313,13 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, const PagedAtt
   return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = typename decltype(tag)::type;
     cudaError_t err = cudaSuccess;
-    if (plan.kernel == PagedAttentionKernel::kMma || plan.kernel == PagedAttentionKernel::kDecode) {
+    if (plan.kernel != PagedAttentionKernel::kRows) {
       if constexpr (std::is_same_v<T, float>) {
-        return cudaErrorInvalidValue;  // the planner picks these for bf16/fp16 only
+        return cudaErrorInvalidValue;  // the planner picks the others for bf16/fp16 only
       } else if (plan.kernel == PagedAttentionKernel::kDecode) {
         err = launch_decode<T>(p, plan, workspace, stream);
+      } else if (plan.kernel == PagedAttentionKernel::kDecodeMma) {
+        err = launch_decode_mma<T>(p, plan, workspace, stream);
       } else {
         switch (mma_head_dim(p.head_dim)) {
           case 32:

@@ -1,13 +1,16 @@
 // CUDA launchers of paged_attention (csrc/paged_attention/paged_attention_kernels.cu). Torch-free.
 //
-// Four kernels serve the op:
+// Five kernels serve the op:
+//  * "decode_mma" (tensor cores, bf16/fp16): one CTA per (sequence, KV head, split) over up to 32
+//    packed (query token, query head) rows, its 4 warps splitting the keys, each with a private
+//    cp.async pipeline: decode with GQA and short verification queries.
 //  * "decode" (SIMT, bf16/fp16, D % 8 == 0, 16-byte aligned rows): one CTA per (query row, KV
 //    head, split of the context) computing up to 8 query heads of that KV head's group, with a
-//    barrier-free cp.async pipeline; it serves max_query_len == 1.
+//    barrier-free cp.async pipeline; it serves decode without GQA (max_query_len == 1, G == 1).
 //  * "rows" (SIMT): the same grid, any dtype and head dim; it serves fp32, odd head dims and
 //    unaligned views.
 //  * "mma" (tensor cores, bf16/fp16): flash-attention-2 style tiles for prefill, chunked prefill
-//    and the verification of draft tokens. The rows of a tile are (query token, query head)
+//    and verification queries too long for "decode_mma". The rows of a tile are (query token, query head)
 //    pairs of one KV head, so short queries with GQA still fill the 16-row MMA tiles.
 //  * "combine": merges the split-K partial results (flash-decoding) when the context was split.
 // The host plans which ones run and how much fp32 workspace the splits need; no launch reads
@@ -57,7 +60,7 @@ struct PagedAttentionParams {
 
 constexpr int32_t kPagedAttentionMaxHeadDim = 256;
 
-enum class PagedAttentionKernel : int32_t { kRows = 0, kMma = 1, kDecode = 2 };
+enum class PagedAttentionKernel : int32_t { kRows = 0, kMma = 1, kDecode = 2, kDecodeMma = 3 };
 
 struct PagedAttentionPlan {
   PagedAttentionKernel kernel;
@@ -67,7 +70,7 @@ struct PagedAttentionPlan {
 };
 
 // Decides kernel and split-K from the shapes alone (and the device's SM count).
-// EECORE_PAGED_ATTENTION_KERNEL=decode|mma|rows forces a kernel where it applies.
+// EECORE_PAGED_ATTENTION_KERNEL=decode|decode_mma|mma|rows forces a kernel where it applies.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p);
 
 // `workspace` must hold plan.workspace_floats floats on the same device (unused when 0).

@@ -1,0 +1,372 @@
+// The tensor-core decode kernel (bf16/fp16): decode and short verification queries with GQA, at
+// memory bandwidth.
+//
+// Why it exists: with G query heads per KV head, every K/V element read costs 2G multiply-adds.
+// On an H200, SIMT fp32 at G = 4 would need more than half the chip's FMA rate just to keep up
+// with HBM (the SIMT "decode" kernel tops out near 40% of bandwidth there, 23% at G = 8), so the
+// group's arithmetic goes to the tensor cores and the kernel is left with moving bytes.
+//
+// A CTA owns up to kRows = 16 * M_TILES packed rows (row m = q_local * G + g: query token q_local
+// under query head kv_head * G + g, as in the "mma" kernel) of one sequence and one KV head, over
+// one context split. Unlike the "mma" kernel, its 4 warps split the keys, not the rows: warp w
+// takes the split's 16-key tiles w, w + 4, w + 8, ... through a cp.async pipeline of its own
+// (kStages deep, in its own shared memory), so the main loop synchronizes only within a warp, and
+// computes S = Q K^T (mma.m16n8k16), the online softmax on the accumulators, and O += P V for all
+// its rows. The 4 warps' (m, l, O) are merged through shared memory at the end. Fragment layouts
+// follow eecore/cuda/mma.cuh and are the "mma" kernel's.
+#pragma once
+
+#include "attention_common.cuh"
+#include "eecore/cuda/async_copy.cuh"
+#include "eecore/cuda/mma.cuh"
+
+namespace eecore::cuda::attention {
+
+namespace decode_mma {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kWarpKeys = 16;  // keys per warp tile: one k-slice of P V, two n-tiles of S
+constexpr int kStages = 3;     // per-warp pipeline depth: two tiles in flight while one is computed
+
+template <int HEAD_DIM, int M_TILES>
+struct Shape {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: 64, 128 or 256");
+  static_assert(M_TILES == 1 || (M_TILES == 2 && HEAD_DIM <= 128), "M_TILES: 1, or 2 up to D = 128");
+  static constexpr int kRows = 16 * M_TILES;
+  static constexpr int kPitch = HEAD_DIM + 8;  // elements per smem row: conflict-free fragment loads
+  static constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
+  static constexpr int kKeysPerPass = kWarpSize / kChunks;        // keys a warp copies per pass
+  static constexpr int kCopiesPerLane = kWarpKeys / kKeysPerPass;  // keys each lane copies per tile
+  static constexpr int kTileBytes = 2 * kWarpKeys * kPitch * 2;    // K then V of one warp tile
+  static constexpr int kWarpBytes = kStages * (kTileBytes + kWarpKeys * 4);  // + "key present" flags
+  static constexpr int kQBytes = kRows * kPitch * 2;
+  static constexpr int kPipelineBytes = kQBytes + kWarps * kWarpBytes;
+  static constexpr int kMergeBytes = kWarps * kRows * (HEAD_DIM + 2) * 4;  // O, then m and l, per warp
+  static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static constexpr int kCtasPerSm = kSmemBytes <= 110 * 1024 ? 2 : 1;  // 228 KiB per SM on sm_90
+};
+
+// Block id and in-block offset of a sequence's key `pos`; false when absent. Block sizes are
+// usually powers of two: a shift and a mask then replace paged_locate's division.
+__device__ __forceinline__ bool locate_key(const PagedLayout& layout, const int32_t* table, int32_t table_len,
+                                           int32_t block_shift, int64_t pos, int32_t& block, int32_t& offset) {
+  if (block_shift < 0 || pos > INT32_MAX) return paged_locate(layout, table, table_len, pos, block, offset);
+  const int32_t p32 = static_cast<int32_t>(pos);
+  const int32_t index = p32 >> block_shift;
+  offset = p32 & (layout.block_size - 1);
+  if (p32 < 0 || index >= table_len) return false;
+  block = table[index];
+  return block >= 0 && block < layout.num_blocks;
+}
+
+template <typename T, int HEAD_DIM, int M_TILES>
+__global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES>::kCtasPerSm)
+    paged_attention_decode_mma_kernel(const PagedAttentionParams p, const int32_t splits, const int32_t split_tokens,
+                                      float* __restrict__ workspace) {
+  using S = Shape<HEAD_DIM, M_TILES>;
+  constexpr int kRows = S::kRows;
+  constexpr int kPitch = S::kPitch;
+  constexpr int kDimTiles = HEAD_DIM / 8;  // n-tiles of O
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int32_t seq = blockIdx.x / splits;
+  const int32_t split = blockIdx.x % splits;
+  const int32_t m_begin = blockIdx.y * kRows;
+  const int32_t kv_head = blockIdx.z;
+  const int32_t group = p.num_q_heads / p.num_kv_heads;
+
+  // Everything that can end the CTA early depends on blockIdx and device data only: uniform.
+  int32_t q_begin, q_end;
+  if (seq >= p.num_seqs || !seq_query_range(p, seq, q_begin, q_end)) return;
+  const int32_t q_len = q_end - q_begin;
+  const int64_t rows = static_cast<int64_t>(min(q_len, p.max_query_len)) * group;
+  if (m_begin >= rows) return;
+  const int32_t seq_len = max(p.seq_lens[seq], 0);
+  const int64_t first_pos = static_cast<int64_t>(seq_len) - q_len;  // position of query row 0
+  const int32_t last_local = static_cast<int32_t>(min(rows - 1, static_cast<int64_t>(m_begin) + kRows - 1) / group);
+  const int64_t key_end = visible_keys(p, seq_len, first_pos + last_local);
+  const int64_t k_begin = static_cast<int64_t>(split) * split_tokens;
+  const int64_t k_stop = min(k_begin + split_tokens, key_end);
+  const int32_t num_tiles =
+      k_stop > k_begin ? static_cast<int32_t>((k_stop - k_begin + kWarpKeys - 1) / kWarpKeys) : 0;
+
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int quad_row = lane / 4;   // "group" in the PTX fragment tables
+  const int quad_lane = lane % 4;  // "threadID_in_group"
+
+  const T* query = static_cast<const T*>(p.query);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+
+  // ---- the Q tile, shared by the 4 warps (zeros for rows past the query and dims past D)
+  T* q_s = reinterpret_cast<T*>(smem);  // [kRows][kPitch]
+  for (int32_t i = tid; i < kRows * S::kChunks; i += kThreads) {
+    const int32_t r = i / S::kChunks, c = i % S::kChunks;
+    const int64_t m = m_begin + r;
+    T* dst = q_s + r * kPitch + c * 8;
+    if (m < rows && c * 8 < p.head_dim) {
+      const int32_t q_local = static_cast<int32_t>(m / group);
+      const int32_t q_head = kv_head * group + static_cast<int32_t>(m % group);
+      cp_async_16(dst, query + (q_begin + q_local) * p.q_stride_token + q_head * p.q_stride_head + c * 8);
+    } else {
+      zero_16(dst);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- this warp's pipeline: tiles warp, warp + kWarps, ... of the split
+  unsigned char* warp_smem = smem + S::kQBytes + warp * S::kWarpBytes;
+  auto k_tile = [&](int stage) { return reinterpret_cast<T*>(warp_smem + stage * S::kTileBytes); };
+  auto v_tile = [&](int stage) { return k_tile(stage) + kWarpKeys * kPitch; };
+  int32_t* present_s = reinterpret_cast<int32_t*>(warp_smem + kStages * S::kTileBytes);  // [kStages][kWarpKeys]
+  const int32_t my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+
+  const int32_t* table = p.block_table + seq * p.block_table_stride;
+  const PagedLayout k_layout{p.k_stride_block, p.k_stride_token, p.k_stride_head, p.block_size, p.num_blocks};
+  const PagedLayout v_layout{p.v_stride_block, p.v_stride_token, p.v_stride_head, p.block_size, p.num_blocks};
+  const int32_t block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  const int32_t copy_chunk = lane % S::kChunks;
+  const int32_t copy_key = lane / S::kChunks;
+  auto tile_start = [&](int32_t t) { return k_begin + static_cast<int64_t>(warp + t * kWarps) * kWarpKeys; };
+
+  // Copies this warp's tile t into stage t % kStages: every block-table lookup first (the copies'
+  // asm has a memory clobber that would serialize them), then the copies.
+  auto issue = [&](int32_t t) {
+    const int stage = t % kStages;
+    const int64_t first = tile_start(t);
+    bool present[S::kCopiesPerLane];
+    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
+#pragma unroll
+    for (int i = 0; i < S::kCopiesPerLane; ++i) {
+      const int64_t pos = first + copy_key + i * S::kKeysPerPass;
+      block[i] = 0;
+      offset[i] = 0;
+      present[i] = pos < k_stop && locate_key(k_layout, table, p.max_blocks, block_shift, pos, block[i], offset[i]);
+    }
+    T* ks = k_tile(stage);
+    T* vs = v_tile(stage);
+#pragma unroll
+    for (int i = 0; i < S::kCopiesPerLane; ++i) {
+      const int32_t n = copy_key + i * S::kKeysPerPass;
+      if (copy_chunk == 0) present_s[stage * kWarpKeys + n] = present[i];
+      T* k_dst = ks + n * kPitch + copy_chunk * 8;
+      T* v_dst = vs + n * kPitch + copy_chunk * 8;
+      if (present[i] && copy_chunk * 8 < p.head_dim) {
+        cp_async_16(k_dst, k_cache + paged_offset(k_layout, block[i], offset[i], kv_head) + copy_chunk * 8);
+        cp_async_16(v_dst, v_cache + paged_offset(v_layout, block[i], offset[i], kv_head) + copy_chunk * 8);
+      } else {  // absent: zeros, so that p = 0 meets v = 0 and never 0 * garbage
+        zero_16(k_dst);
+        zero_16(v_dst);
+      }
+    }
+  };
+
+  // The two packed rows of each m-tile this thread holds accumulators for: quad_row and quad_row + 8.
+  bool row_ok[M_TILES][2];
+  int64_t row_pos[M_TILES][2];   // query position (causal mask, bias distance)
+  int32_t row_head[M_TILES][2];  // query head
+  int32_t row_token[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t m = m_begin + mt * 16 + quad_row + 8 * h;
+      row_ok[mt][h] = m < rows;
+      const int64_t mm = min(m, rows - 1);
+      const int32_t q_local = static_cast<int32_t>(mm / group);
+      row_pos[mt][h] = first_pos + q_local;
+      row_head[mt][h] = kv_head * group + static_cast<int32_t>(mm % group);
+      row_token[mt][h] = q_begin + q_local;
+    }
+  }
+
+  const float qk_scale = p.scale * kLog2e;
+  float m_run[M_TILES][2], l_run[M_TILES][2];  // l: this lane's share; the quad adds them up at the end
+  float o[M_TILES][kDimTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_run[mt][h] = -INFINITY;
+      l_run[mt][h] = 0.f;
+    }
+#pragma unroll
+    for (int jd = 0; jd < kDimTiles; ++jd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][jd][e] = 0.f;
+  }
+
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < my_tiles) issue(t);
+    cp_async_commit();  // possibly empty: keeps "all but the newest kStages - 1" uniform
+  }
+  for (int32_t it = 0; it < my_tiles; ++it) {
+    if (it + kStages - 1 < my_tiles) issue(it + kStages - 1);  // the stage the warp finished last iteration
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();  // every lane's copies of tile `it` are visible to the whole warp
+    const int stage = it % kStages;
+    const T* ks = k_tile(stage);
+    const T* vs = v_tile(stage);
+    const int64_t first = tile_start(it);
+
+    // ---- S = Q K^T: kRows rows x 16 keys (two n-tiles of 8)
+    float s[M_TILES][2][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      uint32_t b[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const T* kb = ks + (8 * j + quad_row) * kPitch + kk * 16 + 2 * quad_lane;
+        b[j][0] = load_pair(kb);
+        b[j][1] = load_pair(kb + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const T* qa = q_s + (mt * 16 + quad_row) * kPitch + kk * 16 + 2 * quad_lane;
+        const uint32_t a[4] = {load_pair(qa), load_pair(qa + 8 * kPitch), load_pair(qa + 8),
+                               load_pair(qa + 8 * kPitch + 8)};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma<T>(s[mt][j], a, b[j]);
+      }
+    }
+
+    // ---- scale, bias, masks, online softmax per row (rows split over the 4 lanes of a quad)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2;
+          const int32_t n = 8 * j + 2 * quad_lane + (e % 2);
+          const int64_t pos = first + n;
+          float x = -INFINITY;
+          if (row_ok[mt][h] && present_s[stage * kWarpKeys + n] && (!p.causal || pos <= row_pos[mt][h]) &&
+              tree_sees(p, row_token[mt][h], first_pos, pos)) {
+            x = s[mt][j][e] * qk_scale;
+            if (p.position_bias != nullptr) x += position_bias_log2(p, row_head[mt][h], row_pos[mt][h] - pos);
+          }
+          s[mt][j][e] = x;
+          tile_max[h] = fmaxf(tile_max[h], x);
+        }
+      }
+      float m_use[2], alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        const float m_new = fmaxf(m_run[mt][h], tile_max[h]);
+        m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: every p is 0
+        alpha[h] = exp2f(m_run[mt][h] - m_use[h]);
+        m_run[mt][h] = m_new;
+        l_run[mt][h] *= alpha[h];
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float prob = exp2f(s[mt][j][e] - m_use[e / 2]);
+          s[mt][j][e] = prob;
+          l_run[mt][e / 2] += prob;
+        }
+      }
+#pragma unroll
+      for (int jd = 0; jd < kDimTiles; ++jd) {
+        o[mt][jd][0] *= alpha[0];
+        o[mt][jd][1] *= alpha[0];
+        o[mt][jd][2] *= alpha[1];
+        o[mt][jd][3] *= alpha[1];
+      }
+
+      // ---- O += P V: S's two n-tiles are exactly the A fragment of the tile's 16 keys
+      const uint32_t a[4] = {pack_floats<T>(s[mt][0][0], s[mt][0][1]), pack_floats<T>(s[mt][0][2], s[mt][0][3]),
+                             pack_floats<T>(s[mt][1][0], s[mt][1][1]), pack_floats<T>(s[mt][1][2], s[mt][1][3])};
+      const T* vb = vs + (2 * quad_lane) * kPitch + quad_row;
+#pragma unroll
+      for (int jd = 0; jd < kDimTiles; ++jd) {
+        const T* vp = vb + 8 * jd;  // B[k][n] = V[key k][dim 8jd + n]
+        const uint32_t b[2] = {pack_pair(vp[0], vp[kPitch]), pack_pair(vp[8 * kPitch], vp[9 * kPitch])};
+        mma<T>(o[mt][jd], a, b);
+      }
+    }
+    __syncwarp();  // the whole warp has read this stage before a lane refills it
+  }
+  cp_async_wait<0>();
+
+  // ---- complete the row sums over the quad, then merge the 4 warps through shared memory
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 1);
+      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 2);
+    }
+  }
+  float* o_s = reinterpret_cast<float*>(smem);         // [kWarps][kRows][HEAD_DIM]
+  float* ml_s = o_s + kWarps * kRows * HEAD_DIM;       // [kWarps][kRows][m, l]
+  __syncthreads();  // every warp is done with Q and its pipeline
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + quad_row + 8 * h;
+      float* dst = o_s + (warp * kRows + r) * HEAD_DIM + 2 * quad_lane;
+#pragma unroll
+      for (int jd = 0; jd < kDimTiles; ++jd)
+        *reinterpret_cast<float2*>(dst + 8 * jd) = make_float2(o[mt][jd][2 * h], o[mt][jd][2 * h + 1]);
+      if (quad_lane == 0) {
+        ml_s[(warp * kRows + r) * 2] = m_run[mt][h];
+        ml_s[(warp * kRows + r) * 2 + 1] = l_run[mt][h];
+      }
+    }
+  }
+  __syncthreads();
+
+  const int32_t live_rows = static_cast<int32_t>(min(static_cast<int64_t>(kRows), rows - m_begin));
+  for (int32_t i = tid; i < live_rows * p.head_dim; i += kThreads) {
+    const int32_t r = i / p.head_dim, d = i % p.head_dim;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, ml_s[(w * kRows + r) * 2]);
+    const float m_use = m == -INFINITY ? 0.f : m;
+    float l = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float scale = exp2f(ml_s[(w * kRows + r) * 2] - m_use);
+      l += ml_s[(w * kRows + r) * 2 + 1] * scale;
+      acc += o_s[(w * kRows + r) * HEAD_DIM + d] * scale;
+    }
+    const int64_t mrow = m_begin + r;
+    const int32_t token = q_begin + static_cast<int32_t>(mrow / group);
+    const int32_t q_head = kv_head * group + static_cast<int32_t>(mrow % group);
+    if (splits == 1) {
+      T* out = static_cast<T*>(p.out) + token * p.o_stride_token + q_head * p.o_stride_head;
+      out[d] = from_float<T>(l > 0.f ? acc / l : 0.f);  // no visible key: the output is 0
+    } else {
+      const SplitWorkspace ws = split_workspace(workspace, p, splits);
+      const int64_t idx = split_index(p, token, q_head, splits, split);
+      ws.out[idx * p.head_dim + d] = acc;
+      if (d == 0) {
+        ws.m[idx] = m;
+        ws.l[idx] = l;
+      }
+    }
+  }
+}
+
+}  // namespace decode_mma
+}  // namespace eecore::cuda::attention
