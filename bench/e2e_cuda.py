@@ -5,18 +5,20 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
-medians are kept. Writes bench/results/<device>-e2e-<date>.json.
+medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
+enforce_eager=True, so each row also says what the graphs gain. Writes bench/results/<device>-e2e-<date>.json.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import tempfile
 
 import torch
 
 import eecore
-from common import alternate_with_hf, hf_generate_greedy, save_results
+from common import alternate_with_hf, hf_generate_greedy, save_results, timed
 
 MODELS = {  # HF LlamaConfig fields of the real checkpoints
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -58,22 +60,35 @@ def main():
         with tempfile.TemporaryDirectory() as folder:
             hf = random_checkpoint(name, folder, dtype, args.device)
             llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
+            # the same engine launching op by op: what the CUDA graphs of the decode step gain
+            eager = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
+                               enforce_eager=True)
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(0, MODELS[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
             params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-            llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+            for engine in (llm, eager):  # warm-up (and, with graphs, the capture of batch 1)
+                engine.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))
             hf_generate_greedy(hf, prompts[:1], 8)
             for batch in args.batch_sizes:
                 t_ee, t_hf, outs, hf_outs = alternate_with_hf(llm, hf, prompts[:batch], params, args.max_tokens,
                                                               args.repeats)
+                eager_times = []
+                for _ in range(args.repeats):
+                    eager_outs, t = timed(eager.generate, prompts[:batch], params)
+                    eager_times.append(t)
+                t_eager = statistics.median(eager_times)
                 tokens = batch * args.max_tokens
                 same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
-                rows.append(dict(model=name, batch=batch, eecore_tok_s=tokens / t_ee, hf_tok_s=tokens / t_hf,
-                                 speedup=t_hf / t_ee, identical_greedy_outputs=f"{same}/{batch}"))
-                print(f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s   HF {tokens / t_hf:8.1f} tok/s   "
-                      f"speed-up {t_hf / t_ee:5.2f}x   identical greedy outputs {same}/{batch}", flush=True)
-            del llm, hf
+                same_eager = sum(o.token_ids == e.token_ids for o, e in zip(outs, eager_outs))
+                rows.append(dict(model=name, batch=batch, eecore_tok_s=tokens / t_ee, eager_tok_s=tokens / t_eager,
+                                 graphs_vs_eager=t_eager / t_ee, hf_tok_s=tokens / t_hf, speedup=t_hf / t_ee,
+                                 identical_greedy_outputs=f"{same}/{batch}",
+                                 identical_to_eager=f"{same_eager}/{batch}"))
+                print(f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s (eager {tokens / t_eager:8.1f}, "
+                      f"graphs {t_eager / t_ee:4.2f}x)   HF {tokens / t_hf:8.1f} tok/s   speed-up {t_hf / t_ee:5.2f}x   "
+                      f"identical greedy outputs {same}/{batch} (to eager {same_eager}/{batch})", flush=True)
+            del llm, eager, hf
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -116,3 +116,39 @@ def test_token_trees_are_full_depth(tiny):
     cpu = _llm(path, device="cpu").generate(prompts, greedy(16))
     assert [o.token_ids for o in outs] == [o.token_ids for o in cpu]
     assert sum(o.metrics["num_tree_alternatives"] for o in outs) > 0
+
+
+# ---- CUDA graphs of the decode step (eecore.engine.static_decode) ----------------------------
+
+@pytest.mark.parametrize("num_prompts", [1, 3, 6, 11])
+def test_graphs_give_eager_tokens_and_logprobs(tiny, num_prompts):
+    """Captured and replayed decode steps against enforce_eager=True: requests finish on different
+    steps, so the batch passes through several padded sizes (11 -> 16, 6 -> 8, 3 -> 4, ...)."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [2 + (5 * i) % 13 for i in range(num_prompts)], seed=7)
+    params = [greedy(3 + 2 * i, logprobs=3) for i in range(num_prompts)]
+    eager = _llm(path, max_num_seqs=16, enforce_eager=True).generate(prompts, params)
+    llm = _llm(path, max_num_seqs=16)
+    graphed = llm.generate(prompts, params)
+    assert llm.engine.runner.static_decode.graphs, "no decode step was captured"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    for a, b in zip(graphed, eager):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
+
+
+def test_graphs_with_preemption_and_bf16(tiny):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14, 7, 30, 2, 11], seed=3)
+    eager = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=14, block_size=4, enforce_eager=True)
+    tight = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=14, block_size=4)
+    assert [o.token_ids for o in tight.generate(prompts, greedy(16))] == \
+        [o.token_ids for o in eager.generate(prompts, greedy(16))]
+    assert tight.engine.blocks.num_free_blocks == tight.engine.blocks.num_blocks
+    # bf16: the same graphs on the tensor-core attention kernels; close to eager's logits
+    outs = [_llm(path, dtype="bfloat16", enforce_eager=eager_mode).generate(prompts[:3], greedy(1, logprobs=5))
+            for eager_mode in (True, False)]
+    for a, b in zip(*outs):
+        for token in a.logprobs[0].keys() & b.logprobs[0].keys():
+            assert abs(a.logprobs[0][token] - b.logprobs[0][token]) < 0.05

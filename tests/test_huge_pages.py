@@ -143,7 +143,7 @@ def test_kv_cache_lives_in_huge_pages(monkeypatch):
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     kv = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
-    assert kv.tensor.shape == (2, 2, 6, 4, 2, 8) and not kv.tensor.any()
+    assert kv.tensor.shape == (2, 2, 7, 4, 2, 8) and not kv.tensor.any()  # 6 blocks and the pad block
     start, end, fields = _smaps_entry(kv.tensor.data_ptr())
     assert start <= kv.tensor.data_ptr() + kv.tensor.nbytes - 1 < end
     if _thp_mode() != "never" and "THPeligible" in fields:

@@ -49,6 +49,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="share the K/V of full blocks of prompt tokens between requests, so a common prefix "
                         "(a system prompt) is computed once (default: off; eecore serve: on)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="launch every kernel from Python: no CUDA graphs of the decode step (on a GPU they are on)")
     g.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                    help="exit adapters: the ones shipped for the default model (no FILE), or a file")
 
@@ -175,7 +177,7 @@ def build_llm(args):
                           speculative=speculative, exit_adapter=args.exit_adapter,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks=args.num_blocks, block_size=args.block_size,
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
     except ThresholdsFileError as exc:  # a file made for another model: a message, not a traceback
         raise SystemExit(f"eecore: {exc}") from None
 

@@ -58,7 +58,8 @@ class LLM:
         into the base weights as they load, or, with
         `SelfSpeculativeConfig(draft_layers="separate")`, into the draft layers' copy alone (full
         depth then stays the original model).
-    The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig).
+    The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig);
+    `enforce_eager=True` turns off the CUDA graphs that run full-depth decode steps on a GPU.
     """
 
     def __init__(self, model: Optional[str] = None, dtype=None, device=None,
@@ -67,7 +68,8 @@ class LLM:
                  exit_adapter: Union[None, bool, str] = None, *,
                  block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
-                 mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
+                 mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
+                 enforce_eager: bool = False):
         from eecore.models.build import build_model
         from eecore.models.config import ModelConfig
         from eecore.models.exit_adapter import load_exit_adapters
@@ -112,7 +114,8 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            mixed_steps=mixed_steps, enable_prefix_caching=enable_prefix_caching, seed=seed),
+            mixed_steps=mixed_steps, enable_prefix_caching=enable_prefix_caching, seed=seed,
+            enforce_eager=enforce_eager),
             strategy=strategy, lookahead=lookahead)
 
     # ---- generation ------------------------------------------------------------------------

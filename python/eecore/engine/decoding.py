@@ -75,6 +75,8 @@ class FullDepthDecoder(DecodeStrategy):
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]
                      ) -> tuple[list[list[Token]], list[Optional[Token]]]:
+        if not prefill_rows:
+            return self.decode(seqs), []
         # Decode rows first: one query token each, so row i's last token is at index i. The
         # varlen paged attention takes the chunks' longer query runs in the same call.
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs] + prefill_rows
@@ -92,9 +94,14 @@ class FullDepthDecoder(DecodeStrategy):
         return [[t] for t in out[:B]], firsts
 
     def step(self, seqs: list[Sequence], tap=None) -> tuple[list[list[Token]], torch.Tensor]:
-        """The step's tokens and its fp32 logits `[B, V]`; `tap` as in ModelRunner.forward."""
+        """The step's tokens and its fp32 logits `[B, V]`; `tap` as in ModelRunner.forward. Without
+        a tap the step runs static (a CUDA graph replay on a GPU) where the runner has one."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
-        inputs, hidden = self.runner.forward(rows, tap)
-        logits = self.runner.logits(hidden)
+        static = self.runner.static_decode
+        if tap is None and static is not None and static.takes(rows):
+            _, logits = static.run(rows)
+        else:
+            _, hidden = self.runner.forward(rows, tap)
+            logits = self.runner.logits(hidden)
         tokens, logprobs = self.sampler.sample(logits, seqs)
         return [[Token(t, self.num_layers, lp)] for t, lp in zip(tokens, logprobs)], logits

@@ -9,6 +9,11 @@ together with alternative tokens in one pass. A tree's tokens take consecutive c
 token's position (RoPE) is its depth in the tree, and it attends only to the context before the
 row and to its own ancestors (paged_attention's `tree_mask`).
 
+A static decode step (engine.static_decode) asks for the batch padded to a fixed size and the
+block tables at their full width, so that every tensor of the step has the same shape and address
+from one step to the next (what a captured CUDA graph reads). A padded row is a one-token sequence
+that lives in the KV cache's pad block.
+
 On a GPU the host arrays are pinned and copied asynchronously. A step's copy may still be queued
 when the host builds the next step (self-speculation's last draft pass reads nothing back before
 the verify pass is built), so `build` first waits for the previous step's copy: overwriting a
@@ -76,8 +81,9 @@ class StepInputs:
 
 class InputBuilder:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, pad_block: int = -1):
         self.block_size = block_size
+        self.pad_block = pad_block  # the KV cache's pad block (-1: none, padding unavailable)
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks_per_seq
@@ -110,10 +116,18 @@ class InputBuilder:
                     tree=self._h_tree,
                     cross_tables=self._h_cross_tables, cross_lens=self._h_cross_lens)
 
-    def build(self, rows: list[Row]) -> StepInputs:
-        B = len(rows)
+    def build(self, rows: list[Row], pad_to: Optional[int] = None) -> StepInputs:
+        """`pad_to`: append one-token rows in the pad block up to that many rows, and give the block
+        tables their full width (a static step: see the module doc)."""
+        if pad_to is not None:
+            if self.pad_block < 0:
+                raise RuntimeError("InputBuilder: padding needs the KV cache's pad block")
+            if pad_to < len(rows) or any(len(r.tokens) != 1 or r.parents is not None for r in rows):
+                raise ValueError(f"InputBuilder: padding to {pad_to} rows takes at most that many rows of one "
+                                 f"token each, got {len(rows)} rows")
+        B = len(rows) if pad_to is None else pad_to
         lens = [len(r.tokens) for r in rows]
-        T = sum(lens)
+        T = sum(lens) + (B - len(rows))
         if B > self.max_seqs or T > self.max_tokens:
             raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
                                f"{self.max_seqs} / {self.max_tokens}")
@@ -124,7 +138,7 @@ class InputBuilder:
         slots = self._h_slots.numpy()
         qsl = self._h_qsl.numpy()
         seq_lens = self._h_seq_lens.numpy()
-        width = max((len(r.seq.block_table) for r in rows), default=1) or 1
+        width = self.max_blocks if pad_to is not None else max((len(r.seq.block_table) for r in rows), default=1) or 1
         tables = self._h_tables.numpy()[: B * width].reshape(B, width)
         tables.fill(-1)
         qsl[0] = 0
@@ -151,6 +165,14 @@ class InputBuilder:
                 tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
             positions[lo: lo + n] = pos
             seq_lens[b] = row.start + n
+        for b in range(len(rows), B):  # padding: a one-token sequence at position 0 of the pad block
+            lo = int(qsl[b])
+            qsl[b + 1] = lo + 1
+            tables[b, 0] = self.pad_block
+            slots[lo] = self.pad_block * bs
+            tokens[lo] = 0
+            positions[lo] = 0
+            seq_lens[b] = 1
         last = self._h_last.numpy()
         last[:B] = qsl[1: B + 1] - 1
         views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
@@ -164,10 +186,11 @@ class InputBuilder:
             views = {k: self._d[k][: v.numel()].view(v.shape).copy_(v, non_blocking=True) for k, v in views.items()}
             self._copied.record(torch.cuda.current_stream(self.device))
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
-                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens),
+                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens, default=1),
                                cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"),
                                tree_mask=views.get("tree"))
-        return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"], row_lens=lens)
+        return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
+                          row_lens=lens + [1] * (B - len(rows)))
 
     def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models)."""

@@ -1,7 +1,12 @@
 """The paged KV cache: one tensor for every layer, allocated once, with per-layer views.
 
-    kv = empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache(l), v_cache(l) = kv[l, 0], kv[l, 1]          # [NB, BS, Hkv, D], NHD inside a block
+    kv = empty(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+    k_cache(l), v_cache(l) = kv[l, 0], kv[l, 1]          # [NB + 1, BS, Hkv, D], NHD inside a block
+
+Block `num_blocks` is the pad block: no sequence ever owns it (the block manager hands out blocks
+0..num_blocks-1). A static decode step (engine.static_decode) pads the batch to a fixed size with
+rows that write their one token there and attend to it, so padding needs no special case in any
+kernel, on any device.
 """
 from __future__ import annotations
 
@@ -35,9 +40,10 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_layers = num_layers
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # blocks sequences may own
+        self.pad_block = num_blocks
         self.block_size = block_size
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
         # on the CPU in huge pages where the OS has them (attention streams the cache as the decode
         # step streams the weights; see eecore.models.huge_pages), backed only as blocks fill
         in_huge_pages = zeros_in_huge_pages(shape, dtype) if torch.device(device).type == "cpu" else None
@@ -54,7 +60,7 @@ class KVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K and V of slots `src` into slots `dst` (int64 `[n]`, slot = block x
         block_size + offset; no slot in both)."""
-        flat = self.tensor.view(self.num_layers, 2, self.num_blocks * self.block_size, -1)
+        flat = self.tensor.view(self.num_layers, 2, (self.num_blocks + 1) * self.block_size, -1)
         flat[:, :, dst] = flat[:, :, src]
 
     @staticmethod

@@ -19,6 +19,7 @@ from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler
 from eecore.engine.scheduler import Scheduler
 from eecore.engine.sequence import Sequence
+from eecore.engine.static_decode import maybe_static_decode
 from eecore.engine.stopping import StopChecker
 from eecore.models.llama import LlamaModel
 from eecore.outputs import RequestOutput
@@ -40,13 +41,15 @@ class EngineConfig:
     # BlockManager): a common system prompt is computed once
     enable_prefix_caching: bool = False
     seed: int = 0                               # for sampled requests without their own seed
+    # run every step op by op: no CUDA graphs of the decode step (they are on by default on a GPU)
+    enforce_eager: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"'{name}' must be a positive int, got {value!r}")
-        for name in ("mixed_steps", "enable_prefix_caching"):
+        for name in ("mixed_steps", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"'{name}' must be a bool, got {getattr(self, name)!r}")
 
@@ -83,6 +86,7 @@ class LLMEngine:
             max_seqs=config.max_num_seqs, max_logit_rows=config.max_num_seqs * lookahead,
             max_blocks_per_seq=-(-(self.max_model_len + lookahead) // config.block_size),
             max_model_len=self.max_model_len)
+        self.runner.static_decode = maybe_static_decode(self.runner, config.max_num_seqs, config.enforce_eager)
         self.sampler = Sampler(model.device, config.seed)
         self.strategy = strategy(self.runner, self.sampler)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead,

@@ -13,6 +13,7 @@ import torch
 
 from eecore.engine.inputs import InputBuilder, Row, StepInputs
 from eecore.engine.kv_cache import KVCache
+from eecore.engine.static_decode import StaticDecode
 from eecore.models.llama import AttentionInputs, LlamaModel
 
 
@@ -24,7 +25,8 @@ class ModelRunner:
         self.kv = kv_cache
         self.num_layers = model.num_layers
         self.ws = model.new_workspace(max_tokens)
-        self.builder = InputBuilder(max_tokens, max_seqs, max_blocks_per_seq, kv_cache.block_size, model.device)
+        self.builder = InputBuilder(max_tokens, max_seqs, max_blocks_per_seq, kv_cache.block_size, model.device,
+                                    pad_block=kv_cache.pad_block)
         d, vocab = model.config.hidden_size, model.config.vocab_size
         self._head_in = torch.empty(max_logit_rows, d, dtype=model.dtype, device=model.device)
         self._logits = torch.empty(max_logit_rows, vocab, dtype=model.dtype, device=model.device)
@@ -32,6 +34,8 @@ class ModelRunner:
             torch.empty(max_logit_rows, vocab, dtype=torch.float32, device=model.device)
         # tokens each layer has processed: how tests prove that no work is repeated
         self.layer_tokens = [0] * model.num_layers
+        # full-depth decode steps on static buffers (CUDA graphs), set by the engine where enabled
+        self.static_decode: Optional[StaticDecode] = None
 
     def prepare(self, rows: list[Row]) -> StepInputs:
         inputs = self.builder.build(rows)

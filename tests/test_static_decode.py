@@ -1,0 +1,147 @@
+"""The static decode step (eecore.engine.static_decode) on the CPU: the code a CUDA graph captures,
+run eagerly. Padded to a capture size, on buffers at fixed addresses, it must give the plain
+step's tokens and logprobs, count only the real rows' work, and allocate nothing step to step.
+tests/test_engine_cuda.py checks the captured graphs against eager mode on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eecore
+from eecore.engine.inputs import InputBuilder, Row
+from eecore.engine.llm_engine import EngineConfig
+from eecore.engine.sequence import Sequence
+from eecore.engine.static_decode import StaticDecode, capture_sizes
+from engine_utils import greedy, random_prompts
+from model_factory import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("static"), num_layers=3)
+
+
+def _llm(path, static: bool, **kw):
+    llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=kw.pop("num_blocks", 96), block_size=4,
+                     max_num_seqs=kw.pop("max_num_seqs", 12), **kw)
+    if static:
+        runner = llm.engine.runner
+        runner.static_decode = StaticDecode(runner, llm.engine.config.max_num_seqs, capture=False)
+    return llm
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(33) == [1, 2, 4, 8, 16, 24, 32, 33]
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3, 7, 12])
+def test_same_tokens_and_logprobs_as_the_plain_step(tiny, num_prompts):
+    # Different max_tokens: requests finish on different steps, so the batch shrinks through
+    # several padded sizes (7 -> 8, 5 -> 8, 3 -> 4, ...).
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3 + (5 * i) % 11 for i in range(num_prompts)], seed=1)
+    params = [greedy(4 + 2 * i, logprobs=3) for i in range(num_prompts)]
+    plain = _llm(path, static=False).generate(prompts, params)
+    llm = _llm(path, static=True)
+    static = llm.generate(prompts, params)
+    assert [o.token_ids for o in static] == [o.token_ids for o in plain]
+    for a, b in zip(static, plain):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()
+            for token in step_a:
+                assert abs(step_a[token] - step_b[token]) < 1e-4
+    assert llm.engine.runner.static_decode._logits, "the static step never ran"
+
+
+def test_counts_only_real_rows_and_frees_every_block(tiny):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [5, 9, 2], seed=2)
+    plain, static = _llm(path, static=False), _llm(path, static=True)
+    plain.generate(prompts, greedy(6))
+    static.generate(prompts, greedy(6))
+    # 3 rows padded to 4 each step: the layers still did the plain engine's work, no more
+    assert static.engine.runner.layer_tokens == plain.engine.runner.layer_tokens
+    assert static.engine.blocks.num_free_blocks == static.engine.blocks.num_blocks
+
+
+def test_with_preemption(tiny):
+    # 12 blocks of 4 tokens for 6 requests of ~20 tokens: sequences are preempted and recomputed.
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [9, 3, 14, 7, 11, 5], seed=3)
+    plain = _llm(path, static=False, num_blocks=12).generate(prompts, greedy(10))
+    llm = _llm(path, static=True, num_blocks=12)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == [o.token_ids for o in plain]
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_buffers_are_reused_step_to_step(tiny):
+    """What a graph replays reads and writes fixed addresses: the inputs of a padded size and its
+    logits are the same tensors' storage on every step of that size."""
+    path, hf = tiny
+    llm = _llm(path, static=True)
+    static = llm.engine.runner.static_decode
+    seen = {}
+    run = static.run
+
+    def spy(rows):
+        inputs, logits = run(rows)
+        size = static.padded_size(len(rows))
+        ptrs = (inputs.token_ids.data_ptr(), inputs.attn.block_table.data_ptr(), inputs.attn.seq_lens.data_ptr(),
+                inputs.attn.slot_mapping.data_ptr(), logits.data_ptr(), tuple(inputs.attn.block_table.shape))
+        assert seen.setdefault(size, ptrs) == ptrs
+        return inputs, logits
+
+    static.run = spy
+    prompts = random_prompts(hf.config.vocab_size, [4, 6, 8], seed=4)
+    llm.generate(prompts, [greedy(8), greedy(5), greedy(3)])
+    assert set(seen) == {1, 2, 4}
+
+
+def test_the_default_engine_on_the_cpu_has_no_static_step(tiny):
+    path, _ = tiny
+    assert eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16).engine.runner.static_decode is None
+
+
+def test_graphs_need_cuda(tiny):
+    path, _ = tiny
+    llm = _llm(path, static=False)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        StaticDecode(llm.engine.runner, 4, capture=True)
+
+
+def test_enforce_eager_must_be_a_bool():
+    with pytest.raises(ValueError, match="'enforce_eager' must be a bool"):
+        EngineConfig(enforce_eager="yes")
+
+
+def test_padding_rows_live_in_the_pad_block():
+    builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, block_size=4,
+                           device=torch.device("cpu"), pad_block=9)
+    seq = Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=4))
+    seq.block_table = [2, 5]
+    inputs = builder.build([Row(seq, 5, [7])], pad_to=4)
+    assert inputs.token_ids.tolist() == [7, 0, 0, 0]
+    assert inputs.attn.slot_mapping.tolist() == [5 * 4 + 1, 36, 36, 36]
+    assert inputs.attn.seq_lens.tolist() == [6, 1, 1, 1]
+    assert inputs.attn.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.attn.block_table.tolist() == [[2, 5, -1], [9, -1, -1], [9, -1, -1], [9, -1, -1]]
+    assert inputs.attn.positions.tolist() == [5, 0, 0, 0]
+    assert inputs.last_rows.tolist() == [0, 1, 2, 3]
+
+
+def test_padding_errors():
+    builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, block_size=4, device=torch.device("cpu"),
+                           pad_block=9)
+    seq = Sequence([1, 2, 3], eecore.SamplingParams(max_tokens=4))
+    seq.block_table = [0]
+    with pytest.raises(ValueError, match="padding to 1 rows takes at most that many rows of one token"):
+        builder.build([Row(seq, 3, [7]), Row(seq, 3, [8])], pad_to=1)
+    with pytest.raises(ValueError, match="rows of one token"):
+        builder.build([Row(seq, 1, [7, 8])], pad_to=2)
+    no_pad = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, block_size=4, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="padding needs the KV cache's pad block"):
+        no_pad.build([Row(seq, 3, [7])], pad_to=2)
