@@ -11,6 +11,7 @@ enforce_eager=True, so each row also says what the graphs gain. Writes bench/res
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import tempfile
@@ -54,6 +55,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("e2e_cuda.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
+    os.environ.setdefault("EECORE_CUDA_GRAPHS", "1")  # the graphed engine (opt-in while unverified)
 
     rows = []
     for name in args.models:

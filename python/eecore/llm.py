@@ -59,7 +59,8 @@ class LLM:
         `SelfSpeculativeConfig(draft_layers="separate")`, into the draft layers' copy alone (full
         depth then stays the original model).
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig);
-    `enforce_eager=True` turns off the CUDA graphs that run full-depth decode steps on a GPU.
+    `enforce_eager=True` turns off the CUDA graphs of full-depth decode steps on a GPU (opt-in with
+    EECORE_CUDA_GRAPHS=1 until they have run on one).
     """
 
     def __init__(self, model: Optional[str] = None, dtype=None, device=None,
