@@ -21,10 +21,11 @@ MODEL = "tiny"
 class LiveServer:
     """`with LiveServer(llm) as srv:` serves `llm` at `srv.url` until the block ends."""
 
-    def __init__(self, llm, *, max_waiting: int = 256, api_key: str | None = None, model_name: str = MODEL):
+    def __init__(self, llm, *, max_waiting: int = 256, api_key: str | None = None, model_name: str = MODEL,
+                 **app_kw):
         self.llm = llm
         self.engine = AsyncEngine(llm, max_waiting=max_waiting)
-        self.app = build_app(self.engine, model_name, api_key=api_key)
+        self.app = build_app(self.engine, model_name, api_key=api_key, **app_kw)
         self.model_name = model_name
 
     def __enter__(self) -> "LiveServer":

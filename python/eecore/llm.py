@@ -159,12 +159,12 @@ class LLM:
         return outs
 
     def chat_prompt(self, conversation: list[dict]) -> tuple[str, list[int]]:
-        """One conversation through the chat template: its text and token ids."""
+        """One conversation through the chat template: its text and token ids (Tokenizer.encode_chat)."""
         if self.tokenizer is None:
             raise ValueError("LLM.chat: this model has no tokenizer / chat template")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        # the template already wrote the special tokens: encoding must not add a second BOS
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        # message text stays text (a control token spelled in it is not one); the template already
+        # wrote the special tokens, so no second BOS either
+        return self.tokenizer.encode_chat(conversation, add_generation_prompt=True)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _add_all(self, prompts: Prompts, sampling_params):

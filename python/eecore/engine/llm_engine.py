@@ -5,6 +5,7 @@ it holds no tensor code of its own beyond handing rows to the runner.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -150,6 +151,33 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
+
+    def recover_from_failed_step(self) -> list[Sequence]:
+        """After `step` raised: every running sequence goes back to wait for recomputation (the
+        failed step may have written part of its KV or advanced counts it never finished), and the
+        per-request code of every unfinished sequence (its sampling params, seed, logprobs, stop
+        strings) is run again on dummy logits. Returns the sequences whose own code fails there:
+        the caller ends them, and the others go on as if preempted."""
+        self.scheduler.preempt_all()
+        suspects = []
+        for seq in list(self.scheduler.waiting):
+            try:
+                self._probe(seq)
+            except Exception:  # noqa: BLE001: whatever a request's own code raises marks that request
+                suspects.append(seq)
+        return suspects
+
+    def _probe(self, seq: Sequence) -> None:
+        params = dataclasses.replace(seq.params)  # runs the validation again
+        logits = torch.zeros(1, self.model.config.vocab_size)
+        if not params.greedy:
+            self.sampler.draw(self.sampler.probabilities(logits, [params])[0], torch.Generator())
+        if params.seed is not None:
+            torch.Generator().manual_seed(params.seed)
+        if params.logprobs is not None:
+            self.sampler.logprobs(logits[0], 0, params.logprobs)
+        if seq.output_token_ids:
+            self.stopper.detokenize(seq)
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[Sequence]:

@@ -77,7 +77,7 @@ class Sampler:
         lp = torch.log_softmax(logits_row.float(), dim=-1)
         out = {}
         if k > 0:
-            values, ids = lp.topk(k)
+            values, ids = lp.topk(min(k, lp.shape[-1]))
             out = dict(zip(ids.tolist(), values.tolist()))
         out[token] = float(lp[token])
         return out
@@ -87,7 +87,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)[:, None]
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)[:, None]
     drop = ranks >= k
     p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)

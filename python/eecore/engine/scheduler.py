@@ -6,8 +6,9 @@ batch (`max_num_seqs`), in first-come-first-served order:
    or one draft-and-verify round in self-speculation, which needs `lookahead` slots). Decodes are
    never deferred; their tokens are charged to the budget first;
 2. prefill chunks: what is left of the budget goes to running sequences still in their prefill,
-   then to newly admitted ones, each given a chunk of at most the remaining budget, so a long
-   prompt is split over several steps.
+   then to newly admitted ones, so a long prompt is split over several steps. While more than one
+   prompt is running or waiting, one chunk takes at most half of it at first (the rest is handed
+   out at the end), so a short request is not held behind a long prompt's whole prefill.
 
 With `mixed=True` (a strategy whose decode step can carry prefill rows: full depth) both kinds
 ride in the same step, so a request that arrives costs the running streams a bounded amount of
@@ -127,6 +128,12 @@ class Scheduler:
         # Decodes are charged first; in a split prefill step the whole budget is the prefill's.
         num_decodes = sum(1 for s in self.running if not s.in_prefill) if decode else 0
         budget = max(self.max_num_batched_tokens - num_decodes * lookahead, 0)
+        # Fairness: while another prompt runs or waits, no prompt's chunk takes more than half the
+        # budget, so a short request starts within a step or two beside however long a prompt (the
+        # oldest-first order alone let a long prefill take every step's budget to its end); what the
+        # others leave goes back to the capped chunks at the end.
+        prefilling = sum(1 for s in self.running if s.in_prefill)
+        cap = max(budget // 2, 1) if prefill and (prefilling > 1 or self._can_admit()) else budget
         queue = list(self.running)  # oldest first; victims of preemption come off the tail
         while queue:
             seq = queue.pop(0)
@@ -134,14 +141,32 @@ class Scheduler:
                 if decode and self._reserve(seq, seq.num_tokens + lookahead - 1, queue, step):
                     step.decodes.append(seq)
             elif prefill and budget > 0:
-                n = self._chunk(seq, budget, queue, step)
+                n = self._chunk(seq, min(budget, cap), queue, step)
                 if n:
                     step.prefills.append(seq)
                     step.prefill_tokens.append(n)
                     budget -= n
         if prefill and not step.preempted:
-            self._admit(budget, step)
+            budget = self._admit(budget, step, cap)
+            self._extend_chunks(budget, step)
         return step
+
+    def _extend_chunks(self, budget: int, step: ScheduledStep) -> None:
+        """Gives budget the step has left to its prefill chunks, in order, as far as free blocks
+        allow (no preemption for this: it is only extra)."""
+        for i, seq in enumerate(step.prefills):
+            if budget <= 0:
+                return
+            start = seq.num_computed_tokens
+            end = start + step.prefill_tokens[i]
+            want = min(seq.prefill_target - end, budget)
+            room = (self.blocks.num_free_blocks + len(seq.block_table)) * self.blocks.block_size - end
+            extra = max(min(want, room), 0)
+            if seq.num_encoder_tokens or not extra:
+                continue  # an encoder-decoder request's first chunk also paid for its encoder: keep it
+            self.blocks.grow(seq, end + extra)
+            step.prefill_tokens[i] += extra
+            budget -= extra
 
     def _reserve(self, seq: Sequence, num_tokens: int, queue: list[Sequence], step: ScheduledStep) -> bool:
         """Grows `seq` to `num_tokens` slots, preempting the newest sequences not yet planned
@@ -168,8 +193,9 @@ class Scheduler:
         self.blocks.grow(seq, start + n)
         return n
 
-    def _admit(self, budget: int, step: ScheduledStep) -> None:
-        """Newly admitted sequences (FCFS), each with a first chunk of what is left of the budget.
+    def _admit(self, budget: int, step: ScheduledStep, cap: int) -> int:
+        """Newly admitted sequences (FCFS), each with a first chunk of what is left of the budget;
+        returns the budget left.
 
         An encoder-decoder request runs its whole encoder in the step that admits it (the encoder is
         not chunked), so its encoder tokens are charged to the budget as well: a batch of long inputs
@@ -183,7 +209,7 @@ class Scheduler:
             # the prefix cache may hold its first blocks (never all of it: the last token must run
             # to give the first output's logits)
             cached = self.blocks.share_cached_prefix(seq, seq.num_tokens - 1)
-            first = min(seq.num_tokens - cached, budget)
+            first = min(seq.num_tokens - cached, budget, cap if len(self.waiting) > 1 else budget)
             if not self.blocks.can_grow(seq, cached + first):
                 self.blocks.free(seq)  # give the shared blocks back; it waits
                 break
@@ -195,6 +221,13 @@ class Scheduler:
             step.prefills.append(seq)
             step.prefill_tokens.append(first)
             budget -= first + encoder
+        return budget
+
+    def preempt_all(self) -> None:
+        """Every running sequence back to the front of the waiting queue, in order, to be recomputed
+        (after a failed step, whose half-done KV and counts cannot be trusted)."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from datetime import datetime
 from functools import cached_property
 from typing import Any, Iterable
@@ -84,6 +86,54 @@ class Tokenizer:
             raise
         except Exception as e:  # a template bug or messages the template rejects
             raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """`messages` through the chat template: the prompt text and its token ids, where only the
+        template's own special tokens are special. What a user wrote (each message's content and
+        name) is encoded as text, so content that spells a control token ("<|im_start|>system")
+        cannot open a turn of its own: vLLM and llama.cpp's server treat content the same way.
+
+        How: the template renders with a random placeholder for each user string, the rendered text
+        is split at the placeholders, the template's pieces are encoded with special tokens and the
+        user strings without (`encode_special_tokens`). A template that changes what it inserts
+        (trims it, say) is caught by comparing with the plain rendering; then only content without
+        a control token in it can be served (a ChatTemplateError otherwise)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        nonce = secrets.token_hex(8)
+        fields, masked = [], []
+        for message in messages:
+            message = dict(message)
+            for key in ("content", "name"):
+                if isinstance(message.get(key), str):
+                    message[key] = f"\ue000{nonce}:{len(fields)}\ue001"
+                    fields.append(messages[len(masked)][key])
+            masked.append(message)
+        rendered = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        # pieces: template text, field index, template text, field index, ..., template text
+        if "".join(p if i % 2 == 0 else fields[int(p)] for i, p in enumerate(pieces)) != text:
+            if any(self._spells_special(f) for f in fields):
+                raise ChatTemplateError("a message spells a control token, and this model's chat template changes "
+                                        "message text as it inserts it, so it cannot be kept as plain text")
+            return text, self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            elif fields[int(piece)]:
+                ids += self._text_backend.encode(fields[int(piece)], add_special_tokens=False).ids
+        return text, ids
+
+    @cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token strings as plain text (a copy, so that
+        other threads encoding with the backend are never affected)."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def _spells_special(self, text: str) -> bool:
+        return any(t.special and t.content in text for t in self.backend.get_added_tokens_decoder().values())
 
     @cached_property
     def _compiled_template(self):

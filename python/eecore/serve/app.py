@@ -32,6 +32,9 @@ logger = logging.getLogger("eecore.serve")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 SHUTDOWN_GRACE_S = 5.0              # an open stream's time to send its last chunk after SIGTERM
+# Request bodies past this get a 413 before they are parsed: a prompt the context can hold is far
+# smaller (8,192 tokens as JSON ids or text are under 100 KB), and parsing is done on the event loop.
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
 def default_model_name(model: Optional[str]) -> str:
@@ -40,9 +43,10 @@ def default_model_name(model: Optional[str]) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server's ASGI app over a (not yet started) AsyncEngine; its lifespan starts and stops
-    the engine thread."""
+    the engine thread. With `api_key` the API docs are off (they would describe the API to anyone)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,15 +56,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
         finally:
             engine.stop()
 
-    app = FastAPI(title="eecore", version=_version(), lifespan=lifespan)
+    docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, **docs)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     _add_error_handlers(app)
 
     async def check_api_key(authorization: Optional[str] = Header(None)):
         expected = f"Bearer {api_key}".encode()
         if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
             raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
     service = _Service(engine, model_name)
@@ -103,11 +109,17 @@ class _Service:
         self.created = R.now()
         self.logprobs = R.Logprobs(engine.tokenizer)
         self.speculative = engine.engine.strategy.lookahead > 1
+        self._max_chars_per_token: Optional[int] = None
 
     # ---- endpoints -------------------------------------------------------------------------
+    # Tokenizing and rendering templates take a worker thread: on the event loop, a long prompt
+    # would stall every other connection (health checks, open streams) while it is encoded.
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
-        prompts = [(p, self._encode(p, i, "prompt")) for i, p in enumerate(body.prompt)]
+        self._check_fits_the_queue(body.n * len(body.prompt))
+        for i, p in enumerate(body.prompt):
+            self._check_length(p, f"prompt {i}", "prompt")
+        prompts = await asyncio.to_thread(lambda: [(p, self._encode(p, i, "prompt")) for i, p in enumerate(body.prompt)])
         subs = self._subrequests(body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
         run = _Run(self, "text_completion", R.new_id("cmpl"), body, subs, sum(len(ids) for _, ids in prompts),
                    top_logprobs=body.logprobs)
@@ -115,13 +127,10 @@ class _Service:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_fits_the_queue(body.n)
         conversation = [m.as_template_dict() for m in body.messages]
-        try:
-            _, ids = self.engine.llm.chat_prompt(conversation)
-        except Exception as exc:  # no template, or the template refused the conversation
-            raise APIError(400, f"messages: the chat template cannot format them: {exc}", param="messages") \
-                from None
-        ids = self._encode(ids, 0, "messages")
+        self._check_length("".join(m["content"] for m in conversation), "messages", "messages")
+        ids = await asyncio.to_thread(self._chat_ids, conversation)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "pass max_tokens or max_completion_tokens, not both", param="max_tokens")
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -130,7 +139,34 @@ class _Service:
         run = _Run(self, "chat.completion", R.new_id("chatcmpl"), body, subs, len(ids), top_logprobs=top)
         return await run.respond(request)
 
+    def _chat_ids(self, conversation: list[dict]) -> list[int]:
+        try:
+            _, ids = self.engine.llm.chat_prompt(conversation)
+        except Exception as exc:  # no template, or the template refused the conversation
+            raise APIError(400, f"messages: the chat template cannot format them: {exc}", param="messages") \
+                from None
+        return self._encode(ids, 0, "messages")
+
     # ---- validation ------------------------------------------------------------------------
+    def _check_fits_the_queue(self, num_seqs: int) -> None:
+        """A request of more sequences than may ever wait can never run: a 400, not a 503 that
+        clients would retry forever."""
+        if num_seqs > self.engine.max_waiting:
+            raise APIError(400, f"this request asks for {num_seqs} sequences (prompts x n); the server queues at "
+                                f"most {self.engine.max_waiting} (--max-waiting-requests)", param="n")
+
+    def _check_length(self, prompt, where: str, param: str) -> None:
+        """Text longer than the context could hold even at the longest token is refused without
+        being tokenized (a multi-megabyte prompt costs seconds of a worker thread otherwise)."""
+        if not isinstance(prompt, str) or self.engine.tokenizer is None:
+            return
+        if self._max_chars_per_token is None:  # the longest token's string bounds its characters
+            self._max_chars_per_token = max(map(len, self.engine.tokenizer.backend.get_vocab()), default=1) or 1
+        at_least = -(-len(prompt) // self._max_chars_per_token)
+        if at_least >= self.engine.max_model_len:
+            raise APIError(400, f"{where}: {len(prompt)} characters are at least {at_least} tokens, more than the "
+                                f"context of {self.engine.max_model_len} tokens holds", param=param)
+
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -166,12 +202,18 @@ class _Service:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0),
-                seed=None if body.seed is None else body.seed + j, stop=body.stop,
+                seed=None if body.seed is None else _choice_seed(body.seed, j), stop=body.stop,
                 stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, logprobs=logprobs)
         except ValueError as exc:  # a combination the schema let through
             message = str(exc).replace("SamplingParams: ", "")
             param = message.split("'")[1] if message.count("'") >= 2 else None
             raise APIError(400, message, param=param) from None
+
+
+def _choice_seed(seed: int, choice: int) -> int:
+    """Choice j of a seeded request with n > 1 draws with seed + j, wrapped into the signed 64-bit
+    range torch takes (the schema bounds `seed` to it)."""
+    return (seed + choice + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
 class _Run:
@@ -195,7 +237,7 @@ class _Run:
     async def respond(self, request: Request):
         try:
             self.handle = self.engine.add(self.subs)
-        except QueueFullError as exc:
+        except QueueFullError as exc:  # overload that clears as requests finish: retry later
             raise APIError(503, str(exc), type="service_unavailable", code="server_overloaded",
                            headers={"Retry-After": "1"}) from None
         except ShuttingDownError as exc:
@@ -316,6 +358,50 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+# ---- request size -------------------------------------------------------------------------------
+
+
+class BodyLimit:
+    """ASGI middleware: a body longer than `max_bytes` (by its Content-Length, or as it streams in
+    when it has none) gets a 413 in OpenAI's error shape, and is never buffered whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # the error handlers answer it (FastAPI re-raises HTTP errors)
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    async def _refuse(self, send) -> None:
+        exc = BodyTooLarge(self.max_bytes)
+        body = json.dumps(error_body(exc.detail, "invalid_request_error")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"the request body is larger than {max_bytes} bytes (--max-request-bytes)")
+
+
 # ---- errors in OpenAI's shape -------------------------------------------------------------------
 
 
@@ -353,6 +439,8 @@ def _validation_message(errors) -> tuple[str, Optional[str]]:
     if e.get("type") == "extra_forbidden" and loc:
         return f"{_path(loc)}: unknown or unsupported parameter", str(loc[0])
     if not loc:
+        if e.get("type") == "missing":
+            return "the request has no body: expected a JSON object", None
         head = msg.split(":", 1)[0]
         return msg, head if head.isidentifier() and head != msg else None
     return f"{_path(loc)}: {msg}", str(loc[0])

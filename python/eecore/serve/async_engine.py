@@ -95,6 +95,7 @@ class AsyncEngine:
         self._live: dict[int, RequestHandle] = {}          # engine thread only
         self._owner: dict[int, RequestHandle] = {}         # seq_id -> handle, engine thread only
         self._num_inbox_seqs = 0
+        self._failed_in_a_row = 0                          # engine thread only
         self._shutting_down = False
         self._stop = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -141,10 +142,11 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down")
         if self._thread is None:
             raise RuntimeError("AsyncEngine: start() it first")
-        if self.num_waiting + len(subrequests) > self.max_waiting:
+        waiting = self.num_waiting
+        if waiting + len(subrequests) > self.max_waiting:
             self.metrics.rejected_overload.inc()
-            raise QueueFullError(f"the server is overloaded: {self.num_waiting} requests are waiting "
-                                 f"(--max-waiting-requests {self.max_waiting}); retry later")
+            raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting and this request adds "
+                                 f"{len(subrequests)}, past --max-waiting-requests {self.max_waiting}; retry later")
         handle = RequestHandle(subrequests, asyncio.Queue())
         with self._lock:
             self._inbox.append(handle)
@@ -204,20 +206,34 @@ class AsyncEngine:
     def _step(self, out: list) -> None:
         try:
             seqs = self.engine.step()
-        except Exception as exc:  # an engine bug must not take the server down: fail this step's requests
-            logger.exception("engine step failed; aborting the %d requests in flight", len(self._live))
-            error = EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
-            for handle in list(self._live.values()):
-                for seq in handle.seqs:
-                    self.engine.abort_request(seq)
-                    self._tracker.forget(seq)
-                    self._owner.pop(seq.seq_id, None)
-                self._live.pop(handle.request_id, None)
-                out.append((handle, error))
+        except Exception as exc:  # one request's failure must not take the others (or the server) down
+            self._recover(exc, out)
             return
+        self._failed_in_a_row = 0
         self.metrics.observe_step(len(seqs), self.engine.last_step)
         for seq in seqs:
             self._route(seq, out)
+
+    def _recover(self, exc: Exception, out: list) -> None:
+        """A step raised. The engine recomputes every running sequence and names the requests whose
+        own code fails on its own (LLMEngine.recover_from_failed_step): those end with the error and
+        the others go on. If none is named, or steps keep failing, every request in flight ends."""
+        self._failed_in_a_row += 1
+        error = EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
+        suspects = {seq.seq_id for seq in self.engine.recover_from_failed_step()}
+        culprits = [h for h in self._live.values() if any(s.seq_id in suspects for s in h.seqs)]
+        if not culprits or self._failed_in_a_row > 1:
+            culprits = list(self._live.values())
+        logger.exception("engine step failed; ending %d of the %d requests in flight", len(culprits),
+                         len(self._live))
+        for handle in culprits:
+            for seq in handle.seqs:
+                if self.engine.abort_request(seq):
+                    self.metrics.finished.labels("error").inc()
+                self._tracker.forget(seq)
+                self._owner.pop(seq.seq_id, None)
+            self._live.pop(handle.request_id, None)
+            out.append((handle, error))
 
     def _route(self, seq: Sequence, out: list) -> None:
         delta = self._tracker.delta(seq)

@@ -38,6 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="sequences that may wait for a place in the batch; beyond it requests get 503")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of the API (default: the model file or folder name)")
+    g.add_argument("--max-request-bytes", type=int, default=None,
+                   help="request bodies past this size get 413 (default: 2 MiB)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return p
@@ -50,6 +52,8 @@ def cmd_serve(args) -> int:
 
     if args.max_waiting_requests < 1:
         raise SystemExit("eecore: --max-waiting-requests must be at least 1")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise SystemExit("eecore: --max-request-bytes must be at least 1024")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = cli.build_llm(args)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests)
@@ -59,7 +63,8 @@ def cmd_serve(args) -> int:
     # only the requests' objects (measured: 30 ms at most under 32 clients).
     gc.collect()
     gc.freeze()
-    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=args.api_key)
+    limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=args.api_key, **limit)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
     server = _server(config, engine)

@@ -10,6 +10,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eecore.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 
@@ -43,12 +45,12 @@ class StreamOptions(BaseModel):
 class _SamplingFields(_Strict):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, gt=0)
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)       # extension: -1 or 0 disable it
-    seed: Optional[int] = None
-    stop: Union[None, str, list[str]] = None
-    stop_token_ids: Optional[list[int]] = None      # extension
+    temperature: Optional[float] = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: Optional[int] = Field(None, ge=-1)       # extension: -1 or 0 disable it; past the vocabulary: all
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)  # int64, as OpenAI documents it
+    stop: Union[None, str, list[str]] = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=256)  # extension
     ignore_eos: bool = False                        # extension
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -66,6 +68,9 @@ class _SamplingFields(_Strict):
             raise ValueError("stop strings must not be empty")
         if v == "":
             raise ValueError("a stop string must not be empty")
+        total = len(v) if isinstance(v, str) else sum(len(s) for s in v or ())
+        if total > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings may hold {MAX_STOP_CHARS} characters in all, got {total}")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -148,7 +153,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[TextPart]]  # required and not null: eecore has no tool calls to stand in
     name: Optional[str] = None
 
     def as_template_dict(self) -> dict:
