@@ -1,0 +1,130 @@
+"""`eecore serve` under unfair load: a short request beside a long prefill, and the event loop beside
+a huge body. One server process (the embedded model, `eecore serve`'s defaults), loopback only.
+
+1. TTFT of a short streamed chat request alone, then sent 2 s after a streamed completion of a
+   4,096-token (and an 8,191-token, the context minus one) prompt started; the issue's goal: within
+   2x (alone + one step of the long prefill's chunk), and under 5 s on a 2-core CPU.
+2. /health latency (median and max of 20 pings) alone, while a 5 MB body is sent (a 413 before it
+   is parsed) and while a prompt just under the body limit is handled (refused by its length
+   before it is tokenized).
+
+    python bench/serve_fairness.py [--long-tokens 4096 8191] [--max-tokens 16]
+
+Writes bench/results/serve-fairness-<cpu>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import httpx
+
+from common import cpu_model, save_results
+from serve_load import Server
+
+
+def _text_of(chunk: dict) -> str:
+    choice = (chunk.get("choices") or [{}])[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def _first_token_s(client: httpx.AsyncClient, body: dict, route: str) -> float:
+    sent = time.perf_counter()
+    async with client.stream("POST", route, json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            data = line.removeprefix("data:").strip()
+            if line.startswith("data:") and data != "[DONE]" and _text_of(json.loads(data)):
+                return time.perf_counter() - sent
+    raise RuntimeError("the stream ended without a token")
+
+
+async def _long_stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, started: asyncio.Event):
+    async with client.stream("POST", "/v1/completions", json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+        started.set()
+        async for _ in r.aiter_lines():
+            pass
+
+
+async def ttft_beside(url: str, long_tokens: int, max_tokens: int) -> dict:
+    short = {"messages": [{"role": "user", "content": "Name three primary colors."}], "max_tokens": max_tokens,
+             "temperature": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        alone = [await _first_token_s(client, short, "/v1/chat/completions") for _ in range(3)]
+        prompt = [(i * 7919) % 40000 + 100 for i in range(long_tokens)]
+        started = asyncio.Event()
+        long_task = asyncio.ensure_future(_long_stream(client, prompt, 1, started))
+        await started.wait()
+        await asyncio.sleep(2.0)
+        beside = await _first_token_s(client, short, "/v1/chat/completions")
+        long_task.cancel()
+        try:
+            await long_task
+        except (asyncio.CancelledError, httpx.HTTPError):
+            pass
+    return {"long_prompt_tokens": long_tokens, "ttft_alone_s": statistics.median(alone), "ttft_beside_s": beside}
+
+
+async def _pings(url: str, n: int = 20) -> list[float]:
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        for _ in range(n):
+            t = time.perf_counter()
+            (await client.get("/health")).raise_for_status()
+            out.append(time.perf_counter() - t)
+            await asyncio.sleep(0.02)
+    return out
+
+
+async def health_beside(url: str, body: bytes) -> dict:
+    async def send():
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            try:
+                r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                return r.status_code, time.perf_counter()
+            except httpx.HTTPError:  # a 413 answered (and the connection closed) before the upload ended
+                return "closed mid-upload", time.perf_counter()
+
+    t0 = time.perf_counter()
+    sender = asyncio.ensure_future(send())
+    pings = await _pings(url)
+    status, done = await sender
+    return {"body_bytes": len(body), "status": status, "answered_s": done - t0,
+            "health_median_ms": 1e3 * statistics.median(pings), "health_max_ms": 1e3 * max(pings)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--long-tokens", type=int, nargs="+", default=[4096, 8191])
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+    server = Server([sys.executable, "-m", "eecore.cli", "serve", "--log-level", "warning"])
+    try:
+        rows = [asyncio.run(ttft_beside(server.url, n, args.max_tokens)) for n in args.long_tokens]
+        for row in rows:
+            print(f"short TTFT beside a {row['long_prompt_tokens']}-token prefill: {row['ttft_beside_s']:.2f} s "
+                  f"(alone {row['ttft_alone_s']:.2f} s)", flush=True)
+        idle = asyncio.run(_pings(server.url))
+        huge = asyncio.run(health_beside(server.url, b'{"prompt": "' + b"a" * 5_000_000 + b'"}'))
+        near = asyncio.run(health_beside(server.url, b'{"prompt": "' + b"ab " * 690_000 + b'"}'))
+        health = {"idle_median_ms": 1e3 * statistics.median(idle), "idle_max_ms": 1e3 * max(idle),
+                  "5MB_body": huge, "2MB_prompt": near}
+        print(f"/health: idle {health['idle_median_ms']:.1f} ms median; beside a 5 MB body "
+              f"{huge['health_median_ms']:.1f} / {huge['health_max_ms']:.1f} ms (median / max, answered "
+              f"{huge['status']} in {huge['answered_s']:.2f} s); beside a 2 MB prompt "
+              f"{near['health_median_ms']:.1f} / {near['health_max_ms']:.1f} ms ({near['status']} in "
+              f"{near['answered_s']:.2f} s)")
+    finally:
+        server.stop()
+    path = save_results(f"serve-fairness-{cpu_model().split()[0].lower()}",
+                        dict(cpu=cpu_model(), ttft=rows, health=health, max_tokens=args.max_tokens))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
