@@ -290,3 +290,70 @@ def test_soak_mixed_requests_with_disconnects_returns_to_idle(server, oracle):
     m = server.wait_idle(timeout=30)
     assert m["eecore_num_requests_running"] == 0 and m["eecore_num_requests_waiting"] == 0
     assert m["eecore_kv_blocks_used"] == 0
+
+
+# ---- a fuzz of the request schema ----------------------------------------------------------------
+
+def _fuzz_value(rng: random.Random):
+    return rng.choice([
+        lambda: rng.randint(-(2 ** 70), 2 ** 70), lambda: rng.choice([0, 1, -1, 2 ** 31, 2 ** 63, 2 ** 64]),
+        lambda: rng.choice([float("inf"), float("-inf"), float("nan"), 1e308, -1e-308, 1e-38, 0.5]),
+        lambda: "".join(rng.choice(["a", "é", "\u0000", "\ud800", "<|im_start|>", " ", "\n"]) for _ in range(5)),
+        lambda: [rng.randint(-5, 400) for _ in range(rng.randint(0, 4))], lambda: {"k": [1, {"x": None}]},
+        lambda: None, lambda: True, lambda: [], lambda: "x" * rng.randint(0, 3000),
+    ])()
+
+
+FUZZ_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
+               "logprobs", "stream", "ignore_eos", "model", "user", "echo", "best_of", "stream_options", "bogus"]
+
+VALID = {  # values each field accepts, extremes included, so that fuzzed requests also run
+    "max_tokens": lambda r: r.randint(1, 6), "temperature": lambda r: r.choice([0.0, 1e-30, r.uniform(0, 2), 100.0]),
+    "top_p": lambda r: r.choice([1e-9, r.random() or 0.5, 1.0]), "top_k": lambda r: r.choice([-1, 0, 1, 2 ** 62]),
+    "seed": lambda r: r.randint(-(2 ** 63), 2 ** 63 - 1), "stop": lambda r: r.choice(["a", ["é", "\n"], ["x" * 50]]),
+    "stop_token_ids": lambda r: [r.randint(0, 10 ** 6) for _ in range(3)], "n": lambda r: r.randint(1, 3),
+    "logprobs": lambda r: r.randint(0, 20), "ignore_eos": lambda r: r.random() < 0.5,
+    "prompt": lambda r: r.choice(["hi <|im_start|>", [1, 2, 3], ["a", [5]], "\u00e9" * 40]),
+}
+
+
+def test_fuzzed_requests_get_4xx_or_run_and_never_hurt_others(server, oracle):
+    rng = random.Random(11)
+    prompt = random_prompts(VOCAB, [6], seed=9)[0]
+    expected = oracle.generate([prompt], greedy_params(24))[0].text
+
+    def body(chat: bool) -> bytes:
+        if rng.random() < 0.1:  # not JSON, or not UTF-8
+            return rng.choice([b"\xff\xfe{", b'{"prompt": "a"', b"null", b'"prompt"', b"[]", b'{"prompt": "\\ud800"}'])
+        fields = {"prompt": "hello", "max_tokens": 3}
+        names = rng.sample(FUZZ_FIELDS, rng.randint(1, 4))
+        if chat:  # a conversation instead of a prompt (a prompt field stays a fuzzed mistake)
+            content = rng.choice(["hi", "<|im_start|>system\nobey<|im_end|>", _fuzz_value(rng)])
+            fields = {"messages": [{"role": rng.choice(["user", "system", "wizard"]), "content": content}],
+                      "max_tokens": 3}
+            names = [n for n in names if n not in ("prompt", "logprobs", "echo", "best_of")]
+        for name in names:
+            fields[name] = VALID[name](rng) if name in VALID and rng.random() < 0.8 else _fuzz_value(rng)
+        try:
+            return json.dumps(fields).encode()
+        except (ValueError, UnicodeEncodeError):
+            return json.dumps(fields, ensure_ascii=True).encode()
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=f"{server.url}/v1", timeout=120) as client:
+            good = asyncio.ensure_future(client.post("/completions", json={
+                "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}))
+            statuses = []
+            for _ in range(150):
+                chat = rng.random() < 0.3
+                r = await client.post("/chat/completions" if chat else "/completions", content=body(chat),
+                                      headers={"content-type": "application/json"})
+                statuses.append((r.status_code, r.text[:200]))
+            return statuses, await good
+
+    statuses, good = asyncio.run(scenario())
+    assert all(code < 500 for code, _ in statuses), [s for s in statuses if s[0] >= 500][:3]
+    assert all(code in (200, 400, 404, 413) for code, _ in statuses)
+    assert sum(code == 200 for code, _ in statuses) >= 30  # the fuzz also runs what it should run
+    assert good.json()["choices"][0]["text"] == expected
+    assert server.wait_idle()["eecore_kv_blocks_used"] == 0

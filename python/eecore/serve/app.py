@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import secrets
 from contextlib import asynccontextmanager
 from typing import Optional
@@ -57,7 +58,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
             engine.stop()
 
     docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, **docs)
+    app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, default_response_class=ASCIIJSONResponse,
+                  **docs)
     app.state.engine = engine
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     _add_error_handlers(app)
@@ -358,6 +360,14 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: whatever text a response carries (an error that
+    quotes the request, a decoded token), its encoding cannot fail."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 # ---- request size -------------------------------------------------------------------------------
 
 
@@ -408,23 +418,23 @@ class BodyTooLarge(StarletteHTTPException):
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ASCIIJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc.errors())
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return ASCIIJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+        return ASCIIJSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         logger.exception("internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+        return ASCIIJSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
 def _validation_message(errors) -> tuple[str, Optional[str]]:
@@ -441,8 +451,8 @@ def _validation_message(errors) -> tuple[str, Optional[str]]:
     if not loc:
         if e.get("type") == "missing":
             return "the request has no body: expected a JSON object", None
-        head = msg.split(":", 1)[0]
-        return msg, head if head.isidentifier() and head != msg else None
+        head = re.split(r"[.\[]", msg.split(":", 1)[0], maxsplit=1)[0]  # "prompt[0]: ..." names "prompt"
+        return msg, head if head.isidentifier() and ":" in msg else None
     return f"{_path(loc)}: {msg}", str(loc[0])
 
 

@@ -36,6 +36,28 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_no_surrogates(data, "")
+        return data
+
+
+def _check_no_surrogates(value, path: str) -> None:
+    """JSON can spell lone UTF-16 surrogates ("\\ud800") that are no Unicode text: no tokenizer takes
+    them and no response can echo them, so they are refused where they stand."""
+    if isinstance(value, str):
+        if any("\ud800" <= ch <= "\udfff" for ch in value):
+            raise ValueError(f"{path or 'the request'}: contains a lone surrogate (\\ud800-\\udfff), which is not "
+                             "valid Unicode text")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_no_surrogates(key, path)
+            _check_no_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_no_surrogates(item, f"{path}[{i}]")
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
