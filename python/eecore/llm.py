@@ -40,7 +40,7 @@ def resolve_device(device) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not has_cuda_kernels:
         raise ValueError("LLM: device='cuda' but this eecore was built without CUDA kernels; rebuild with a "
-                         "CUDA build of torch and nvcc (see the README)")
+                         "CUDA build of torch and nvcc (see docs/cuda.md)")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"LLM: 'device' must be cpu or cuda, got {device!r}")
     return dev
