@@ -364,3 +364,27 @@ def test_builtin_prose_set_end_to_end(tiny, tmp_path):
     data = run_eval(tiny, tmp_path, "--prompts", "prose", "--num-prompts", "2", "--repeats", "1")
     assert data["prompts"] == dict(source="prose", count=2, chat="off", with_references=2)  # completions: no template
     assert data["rows"][0]["rouge_l_to_reference"] is not None
+
+
+def test_plot_without_matplotlib_names_the_extra_before_running(tiny, tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
+                        find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"--plot needs matplotlib: pip install 'eecore\[plot\]'"):
+        cli.main(["eval", "--model", tiny, "--device", "cpu", "--plot", str(tmp_path / "r.png")])
+
+
+def test_training_entry_points_name_their_extra(monkeypatch):
+    import importlib.util
+
+    from eecore.train import exit_ready, layerskip
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("peft", "transformers") else
+                        find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"needs transformers: pip install 'eecore\[train\]'"):
+        layerskip.main(["--model", "x", "--data", "y", "--out", "z"])
+    with pytest.raises(SystemExit, match=r"needs transformers: pip install 'eecore\[train\]'"):
+        exit_ready.main(["--corpus", "x"])

@@ -137,8 +137,14 @@ def cmd_eval(args) -> int:
     import eecore
     from eecore import eval_report
     from eecore.evaluate import evaluate_strategy
+    from eecore.extras import MissingExtraError, require
     from eecore.prompt_files import PromptFileError, chat_mode, load_prompt_set
 
+    if args.plot:  # before the run, not after it
+        try:
+            require("matplotlib", "--plot")
+        except MissingExtraError as exc:
+            _fail(str(exc))
     if args.repeats < 1:
         _fail(f"--repeats must be >= 1, got {args.repeats}")
     if args.num_prompts is not None and args.num_prompts < 1:

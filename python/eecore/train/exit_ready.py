@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from eecore.extras import require_or_exit
 from eecore.models.exit_adapter import SHIPPED_FILE, AdapterBlock, ExitAdapters, model_fingerprint
 from eecore.models.int8_weights import dense
 from eecore.models.lora import LLAMA_TARGETS, LoraDeltas
@@ -379,6 +380,7 @@ def corpus_tokens(tokenizer, corpus_dir: str, split: str, cache_dir: Optional[st
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    require_or_exit(['transformers', 'peft'], "python -m eecore.train.exit_ready")
     import eecore
 
     ap = argparse.ArgumentParser(prog="python -m eecore.train.exit_ready", description=__doc__.split("\n")[0])

@@ -23,6 +23,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from eecore.extras import require_or_exit
 from eecore.train.early_exit_loss import EXIT_CURRICULA, causal_lm_cross_entropy, normalised_exit_scales
 from eecore.train.layer_dropout import DROPOUT_CURRICULA, drop_layer, dropout_rates, sample_kept_rows
 
@@ -223,6 +224,7 @@ def _batches(token_ids: list[int], seq_len: int, batch_size: int, generator: tor
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    require_or_exit(['transformers'], "python -m eecore.train.layerskip")
     parser = argparse.ArgumentParser(prog="python -m eecore.train.layerskip", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face model folder (weights + tokenizer)")
     parser.add_argument("--data", required=True, help="a UTF-8 text file to train on")
