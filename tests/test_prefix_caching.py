@@ -192,13 +192,14 @@ def test_sampled_outputs_with_a_seed_are_the_same_with_the_cache(tiny):
 
 def test_prefix_caching_flag_and_config(tiny, monkeypatch):
     from eecore import cli
+    from eecore.cli import generate as generate_command
 
     path, _ = tiny
     with pytest.raises(ValueError, match="'enable_prefix_caching' must be a bool"):
         eecore.LLM(path, dtype="float32", device="cpu", enable_prefix_caching="yes")
     seen = []
     build = cli.build_llm
-    monkeypatch.setattr(cli, "build_llm", lambda args: (seen.append(args), build(args))[1])
+    monkeypatch.setattr(generate_command, "build_llm", lambda args: (seen.append(args), build(args))[1])
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "3",
                      "--enable-prefix-caching"]) == 0
     assert seen[-1].enable_prefix_caching is True

@@ -24,6 +24,8 @@ A model tiles every projection it can. Where batch-1 decode alone matters, or to
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Iterable
 
@@ -79,13 +81,12 @@ def untile(weight: torch.Tensor) -> torch.Tensor:
 
 
 def tiled(weight):
-    """`weight` (a tensor or an Int8Weight) tiled where this process runs its tiles and its shape
-    allows; else `weight` itself."""
-    from eecore.models.int8_weights import Int8Weight
-
-    if isinstance(weight, Int8Weight):
+    """`weight` (a tensor, or an Int8Weight: its int8 `data` beside its scales) tiled where this
+    process runs its tiles and its shape allows; else `weight` itself. (Int8Weight is recognised by
+    its shape, not imported: int8_weights imports this module for `untile`.)"""
+    if not isinstance(weight, torch.Tensor):
         if amx_available(torch.int8) and can_tile(weight.data):
-            return Int8Weight(tile(weight.data), weight.scale)
+            return dataclasses.replace(weight, data=tile(weight.data))
         return weight
     return tile(weight) if can_tile(weight) and amx_available(weight.dtype) else weight
 

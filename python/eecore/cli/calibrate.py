@@ -57,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_calibrate(args) -> int:
     import eecore
-    from eecore.cli import _prompt
+    from eecore.cli.args import prompt_input
     from eecore.exits import thresholds_file
     from eecore.exits.calibrator import CalibrationSettings, calibrate
     from eecore.prompt_files import read_prompt_file
@@ -77,7 +77,7 @@ def cmd_calibrate(args) -> int:
         texts = [p.prompt for p in read_prompt_file(args.prompts)]
         llm = eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
                          max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size)
-        prompts = [_prompt(llm, p, args.chat) for p in texts]
+        prompts = [prompt_input(llm, p, args.chat) for p in texts]
         result = calibrate(llm, prompts, settings, prompts_file=args.prompts)
     except ValueError as exc:
         print(f"eecore calibrate: {exc}", file=sys.stderr)

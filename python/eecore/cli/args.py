@@ -1,12 +1,8 @@
-"""The `eecore` command: `eecore generate "prompt"` streams a completion, `eecore bench` measures
-throughput. Both take the model, dtype and decoding-strategy flags."""
+"""What the `eecore` subcommands share: the model, strategy and sampling flags, and what they build
+(the LLM, its strategy configs, sampling params, a prompt in or out of the chat template)."""
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
-import sys
-import time
 
 
 # SelfSpeculativeConfig.EXIT_READY_PRESETS' names, spelled out so that `eecore --help` needs no torch
@@ -34,7 +30,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -56,7 +52,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
     e = p.add_argument_group("early exit")
     e.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
-    e.add_argument("--threshold", type=_threshold_arg, nargs="+", default=[0.9],
+    e.add_argument("--threshold", type=threshold_arg, nargs="+", default=[0.9],
                    help="one value, one per layer, or a thresholds file from `eecore calibrate` (which also "
                         "sets the measure and exit settings it was calibrated for)")
     e.add_argument("--exit-layer", type=int, default=None,
@@ -126,7 +122,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
 
 
-def _threshold_arg(text: str):
+def threshold_arg(text: str):
     """`--threshold`: a number, or the path of a thresholds file (`eecore calibrate --out`)."""
     try:
         return float(text)
@@ -134,7 +130,7 @@ def _threshold_arg(text: str):
         return text
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -217,162 +213,15 @@ def speculative_config(args):
         raise SystemExit(f"eecore: {exc}") from None
 
 
-def _sampling(args):
+def sampling_params(args):
     import eecore
 
     return eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _prompt(llm, prompt: str, chat: str):
+def prompt_input(llm, prompt: str, chat: str):
     use_chat = chat == "on" or (chat == "auto" and llm.tokenizer is not None and llm.tokenizer.chat_template)
     if not use_chat:
         return prompt
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return llm.tokenizer.encode(text, add_special_tokens=False)  # the template already placed them
-
-
-def _summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) -> str:
-    mean = sum(layers) / max(len(layers), 1)
-    return (f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / max(elapsed, 1e-9):.1f} tok/s), "
-            f"mean layers/token {mean:.2f} of {num_layers}")
-
-
-def cmd_generate(args) -> int:
-    llm = build_llm(args)
-    prompts = [_prompt(llm, p, args.chat) for p in args.prompt]
-    texts = [""] * len(prompts)
-    layers: list[int] = []
-    start = time.perf_counter()
-    for delta in llm.generate_stream(prompts, _sampling(args)):
-        texts[delta.index] += delta.text
-        layers += delta.exit_layers
-        if len(prompts) == 1:
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-    elapsed = time.perf_counter() - start
-    if len(prompts) == 1:
-        sys.stdout.write("\n")
-    else:
-        for i, text in enumerate(texts):
-            print(f"[{i}] {text}")
-    print(_summary(len(layers), layers, elapsed, llm.model.num_layers), file=sys.stderr)
-    return 0
-
-
-BENCH_PROMPTS = [
-    "Explain how a paged KV cache works in an LLM inference engine.",
-    "Write a short poem about the sea.",
-    "What are the main differences between Python and C++?",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "Give three tips for writing readable code.",
-    "Why is the sky blue?",
-    "Describe the water cycle.",
-    "How do vaccines work?",
-]
-
-
-def cmd_bench(args) -> int:
-    from tqdm.auto import tqdm
-
-    import eecore
-
-    llm = build_llm(args)
-    params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                   top_k=args.top_k, seed=args.seed, ignore_eos=True)
-    prompts = [_prompt(llm, BENCH_PROMPTS[i % len(BENCH_PROMPTS)], args.chat) for i in range(args.num_prompts)]
-    llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))  # warm-up
-    layers: list[int] = []
-    start = time.perf_counter()
-    with tqdm(total=args.num_prompts * args.max_tokens, desc="tokens", unit="tok") as bar:
-        for delta in llm.generate_stream(prompts, params):
-            bar.update(len(delta.token_ids))
-            layers += delta.exit_layers
-    elapsed = time.perf_counter() - start
-    print(f"{args.num_prompts} requests, batch <= {args.max_num_seqs}: "
-          + _summary(len(layers), layers, elapsed, llm.model.num_layers))
-    return 0
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eecore", description="Early-exit LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate (streamed) completions of one or more prompts")
-    g.add_argument("prompt", nargs="+")
-    g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
-                   help="wrap the prompt in the model's chat template (auto: when it has one)")
-    _add_model_flags(g)
-    _add_sampling_flags(g, max_tokens=128)
-    g.set_defaults(func=cmd_generate)
-    from eecore.eval_cli import add_parser as add_eval_parser  # `eecore eval` lives in its own module
-
-    add_eval_parser(sub)
-    b = sub.add_parser("bench", help="measure decode throughput")
-    b.add_argument("--num-prompts", type=int, default=8)
-    b.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
-    _add_model_flags(b)
-    _add_sampling_flags(b, max_tokens=128)
-    b.set_defaults(func=cmd_bench)
-    from eecore.calibrate_cli import add_parser as add_calibrate_parser
-
-    add_calibrate_parser(sub)
-    from eecore.serve.cli import add_parser as add_serve_parser
-
-    add_serve_parser(sub)
-    return parser
-
-
-def options_end(argv: list[str]) -> int:
-    """Where the options end: at "--", after which every word is a prompt."""
-    return argv.index("--") if "--" in argv else len(argv)
-
-
-def words_after(argv: list[str], flag: str) -> list[tuple[int, str]]:
-    """(i, word) for each `flag` at argv[i] among the options whose next word is no flag: the word
-    argparse gives to a flag whose value is optional (nargs="?")."""
-    end = options_end(argv)
-    return [(i, argv[i + 1]) for i in range(end - 1) if argv[i] == flag and not argv[i + 1].startswith("-")]
-
-
-def bare_exit_ready_last(argv: list[str]) -> list[str]:
-    """`--exit-ready` takes an optional preset, so argparse reads the word after it as the preset even
-    when that word is the prompt (`eecore generate --exit-ready "def f():"` would fail with "invalid
-    choice"). Where the next word is not a preset, the flag moves to the end of the options, where
-    it stands alone and means the default preset; the prompt stays where it was. A word close to a
-    preset's name ("hybird") stays the flag's value, so that argparse refuses it rather than
-    generating for it as a prompt."""
-    end = options_end(argv)
-    for i, word in words_after(argv, "--exit-ready"):
-        if word not in EXIT_READY_CHOICES and not difflib.get_close_matches(word, EXIT_READY_CHOICES, n=1, cutoff=0.6):
-            return argv[:i] + argv[i + 1:end] + ["--exit-ready"] + argv[end:]
-    return argv
-
-
-def refuse_prompt_as_adapter_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """`--exit-adapter [FILE]` has the same trap as --exit-ready, but a path has no closed set of
-    values to tell a prompt from. A word after it that names no file and does not end in .safetensors
-    is refused (as a file it would fail later anyway) with what to write instead, rather than read as
-    something else; a missing .safetensors path keeps its "does not exist" from the loader."""
-    for _, word in words_after(argv, "--exit-adapter"):
-        if not word.endswith(".safetensors") and not os.path.exists(word):
-            parser.error(f"--exit-adapter: {word!r} is no file. The FILE is optional: for the shipped adapters, "
-                         f"put the prompt before --exit-adapter or give another flag after it")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, parsed (`bare_exit_ready_last` first), with --exit-ready applied."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
-    refuse_prompt_as_adapter_file(parser, argv)
-    args = parser.parse_args(bare_exit_ready_last(argv))
-    apply_exit_ready(args)
-    return args
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return llm.chat_prompt([{"role": "user", "content": prompt}])[1]  # the prompt is text, never control tokens

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 
-from eecore import cli
+from eecore.cli.args import add_model_flags, build_llm
 
 # Serving defaults: latency over throughput. Each running sequence makes a CPU decode step longer
 # (bench/step_cost.py: on a 2-core Zen 3 a step of 12 rows costs 1.7-2.5x a step of 1, a step of
@@ -24,7 +24,7 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 12
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
-    cli._add_model_flags(p)
+    add_model_flags(p)
     # --max-num-seqs is the running batch, --max-num-batched-tokens the tokens of one step
     # and requests share the K/V of common prompt prefixes (a chat template's system prompt), as in vLLM
     p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS,
@@ -55,7 +55,7 @@ def cmd_serve(args) -> int:
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise SystemExit("eecore: --max-request-bytes must be at least 1024")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    llm = cli.build_llm(args)
+    llm = build_llm(args)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests)
     # Everything alive now (torch, the model, the tokenizer: hundreds of thousands of objects) lives
     # as long as the server. A full collection walks every tracked object with the GIL held, and at

@@ -34,7 +34,7 @@ import itertools
 import os
 import sys
 
-from eecore import cli
+from eecore.cli import args as cli_args
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -55,8 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="one row per exit layer (static early exit) or draft depth (--speculate)")
     g.add_argument("--out", default=None, metavar="FILE.json", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="plot speed-up against ROUGE-L to full depth")
-    cli._add_model_flags(p)
-    cli._add_sampling_flags(p, max_tokens=64)
+    cli_args.add_model_flags(p)
+    cli_args.add_sampling_flags(p, max_tokens=64)
     p.set_defaults(func=cmd_eval)
     return p
 
@@ -89,14 +89,14 @@ def _label(strategy_args, early_exit, speculative) -> str:
 
 
 def _one_strategy(args):
-    """The Strategy of one setting of the flags (as cli.build_llm reads them, without loading a model)."""
+    """The Strategy of one setting of the flags (as cli_args.build_llm reads them, without loading a model)."""
     from eecore.evaluate import Strategy
 
     try:
-        early_exit = cli.early_exit_config(args)
+        early_exit = cli_args.early_exit_config(args)
     except ValueError as exc:  # a bad setting or thresholds file: a message, not a traceback
         _fail(str(exc))
-    speculative = cli.speculative_config(args) if args.speculate else None
+    speculative = cli_args.speculative_config(args) if args.speculate else None
     return Strategy(_label(args, early_exit, speculative), early_exit, speculative)
 
 
@@ -169,9 +169,9 @@ def cmd_eval(args) -> int:
         _fail(f"{first.label}: {exc}")
     _check_against_model(strategies, base)
     chat = chat_mode(args.prompts, builtin, args.chat)
-    prompts = [cli._prompt(base, item.prompt, chat) for item in items]
+    prompts = [cli_args.prompt_input(base, item.prompt, chat) for item in items]
     references = [item.reference for item in items]
-    params = cli._sampling(args)
+    params = cli_args.sampling_params(args)
     for i, prompt in enumerate(prompts):  # too long for the context, say: a message before any run
         try:
             base.engine.validate(prompt, params, i)

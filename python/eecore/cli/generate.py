@@ -1,0 +1,45 @@
+"""`eecore generate "prompt"`: streams a completion of one or more prompts."""
+from __future__ import annotations
+
+import sys
+import time
+
+from eecore.cli.args import add_model_flags, add_sampling_flags, build_llm, prompt_input, sampling_params
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate (streamed) completions of one or more prompts")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                   help="wrap the prompt in the model's chat template (auto: when it has one)")
+    add_model_flags(g)
+    add_sampling_flags(g, max_tokens=128)
+    g.set_defaults(func=cmd_generate)
+
+
+def summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) -> str:
+    mean = sum(layers) / max(len(layers), 1)
+    return (f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / max(elapsed, 1e-9):.1f} tok/s), "
+            f"mean layers/token {mean:.2f} of {num_layers}")
+
+
+def cmd_generate(args) -> int:
+    llm = build_llm(args)
+    prompts = [prompt_input(llm, p, args.chat) for p in args.prompt]
+    texts = [""] * len(prompts)
+    layers: list[int] = []
+    start = time.perf_counter()
+    for delta in llm.generate_stream(prompts, sampling_params(args)):
+        texts[delta.index] += delta.text
+        layers += delta.exit_layers
+        if len(prompts) == 1:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    if len(prompts) == 1:
+        sys.stdout.write("\n")
+    else:
+        for i, text in enumerate(texts):
+            print(f"[{i}] {text}")
+    print(summary(len(layers), layers, elapsed, llm.model.num_layers), file=sys.stderr)
+    return 0
