@@ -31,32 +31,35 @@ def positive_int(text: str) -> int:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=32,
-                   help="sequences in the running batch (default: %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=1024,
-                   help="tokens one step computes: the decodes first, prefill chunks share the rest, so a "
-                        "longer prompt is split over steps (default: %(default)s)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="share the K/V of full blocks of prompt tokens between requests, so a common prefix "
-                        "(a system prompt) is computed once (default: off; eecore serve: on)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="launch every kernel from Python: no CUDA graphs of the decode step (on a GPU they are on)")
-    g.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
+    """The model, the decoding strategy (common flags first, then the advanced ones) and the engine's
+    sizes. Subcommands add their own arguments and the sampling flags before these."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    m.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                    help="exit adapters: the ones shipped for the default model (no FILE), or a file")
 
-    e = p.add_argument_group("early exit")
-    e.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
-    e.add_argument("--threshold", type=threshold_arg, nargs="+", default=[0.9],
+    t = p.add_argument_group("strategy (default: full depth)")
+    t.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
+    t.add_argument("--threshold", type=threshold_arg, nargs="+", default=[0.9],
                    help="one value, one per layer, or a thresholds file from `eecore calibrate` (which also "
                         "sets the measure and exit settings it was calibrated for)")
-    e.add_argument("--exit-layer", type=int, default=None,
+    t.add_argument("--exit-layer", type=int, default=None,
                    help="static exit layer, or the speculation draft depth (not used by --draft lookup)")
+    t.add_argument("--speculate", action="store_true")
+    t.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=EXIT_READY_CHOICES,
+                   help="the embedded model's exit-ready self-speculation in one flag: --speculate --exit-adapter "
+                        "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
+                        "0-7; hybrid: with prompt lookup); self-speculation flags given as well override it")
+    # (None: SelfSpeculativeConfig's default, or --exit-ready's)
+    t.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default=None,
+                   help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
+                        "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
+                        "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
+    t.add_argument("--num-speculations", type=int, default=None, help="(default: 4)")
+
+    e = p.add_argument_group("early exit, advanced")
     # None: EarlyExitConfig's default, or the thresholds file's value
     e.add_argument("--min-exit-layer", type=int, default=None, help="(default: 1)")
     e.add_argument("--check-every", type=int, default=None, help="(default: 1)")
@@ -64,35 +67,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--batch-rule", choices=["all", "compact"], default=None, help="(default: all)")
     e.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
 
-    s = p.add_argument_group("self-speculation (LayerSkip)")
-    s.add_argument("--speculate", action="store_true")
-    s.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=EXIT_READY_CHOICES,
-                   help="the embedded model's exit-ready self-speculation in one flag: --speculate --exit-adapter "
-                        "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
-                        "0-7; hybrid: with prompt lookup); self-speculation flags given as well override it")
-    # (None: SelfSpeculativeConfig's default, or --exit-ready's)
-    s.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default=None,
-                   help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
-                        "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
-                        "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
-    s.add_argument("--hybrid-switch", choices=["round", "token"], default=None,
-                   help="--draft hybrid: pick the draft's source per round (round, the default) or per drafted "
-                        "position, lookup while the draft ends in a match and layer E where it does not (token; "
-                        "--draft-layers separate)")
-    s.add_argument("--lookup-min-ngram", type=int, default=None,
-                   help="shortest n-gram prompt lookup matches (default: SelfSpeculativeConfig's)")
-    s.add_argument("--lookup-max-ngram", type=int, default=None,
-                   help="longest n-gram prompt lookup matches, tried first (default: SelfSpeculativeConfig's)")
-    s.add_argument("--num-speculations", type=int, default=None, help="(default: 4)")
-    s.add_argument("--layer-speculations", type=int, default=None,
-                   help="--draft hybrid: the longest layer-E draft (default: --num-speculations, then the "
-                        "lookup drafts' bound alone)")
+    s = p.add_argument_group("self-speculation, advanced (--exit-ready sets these)")
+    s.add_argument("--draft-threshold", type=float, default=None,
+                   help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
+                        "--accept confident, the exit confidence a token needs to leave at layer E")
+    s.add_argument("--long-draft-acceptance", type=float, default=None, metavar="A",
+                   help="while the running rate at which a sequence's first layer draft of a round is accepted is "
+                        "below A, its chain goes past that draft only if the draft is at least A sure (--exit-ready: "
+                        "0.5; 0 turns it off)")
+    s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
+                   help="stop drafting for a sequence whose running acceptance rate falls below this "
+                        "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
     s.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
                    help="run plain full-depth steps while more than N sequences decode: in a large batch "
                         "verifying drafts costs arithmetic, not only weight reads (default: never)")
-    s.add_argument("--layer-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="--draft hybrid: layer drafts stop while more than N sequences decode, lookup drafts go on "
-                        "(up to --disable-by-batch-size)")
     s.add_argument("--draft-layers", choices=["shared", "separate"], default=None,
                    help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip, the default) or a copy of "
                         "them with a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the "
@@ -103,13 +91,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-top-k", type=int, default=None, metavar="K",
                    help="--draft-layers separate: verify the draft's K most likely tokens at each drafted position "
                         "(its top-1 chain and K-1 alternatives, a token tree; greedy requests; CPU)")
-    s.add_argument("--draft-threshold", type=float, default=None,
-                   help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
-                        "--accept confident, the exit confidence a token needs to leave at layer E")
-    s.add_argument("--long-draft-acceptance", type=float, default=None, metavar="A",
-                   help="while the running rate at which a sequence's first layer draft of a round is accepted is "
-                        "below A, its chain goes past that draft only if the draft is at least A sure (--exit-ready: "
-                        "0.5; 0 turns it off)")
     s.add_argument("--accept", choices=["verified", "confident"], default=None,
                    help="verified (the default): the full model checks every layer draft, outputs are its own; "
                         "confident: dynamic early exit, a draft at least --draft-threshold sure is emitted at "
@@ -117,9 +98,34 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--exit-threshold", type=float, default=None,
                    help="--accept confident: the top-1 probability at which a draft exits unchecked (default: "
                         "--draft-threshold); drafts between the two thresholds are verified by the same pass")
-    s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
-                   help="stop drafting for a sequence whose running acceptance rate falls below this "
-                        "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
+    s.add_argument("--hybrid-switch", choices=["round", "token"], default=None,
+                   help="--draft hybrid: pick the draft's source per round (round, the default) or per drafted "
+                        "position, lookup while the draft ends in a match and layer E where it does not (token; "
+                        "--draft-layers separate)")
+    s.add_argument("--lookup-min-ngram", type=int, default=None,
+                   help="shortest n-gram prompt lookup matches (default: SelfSpeculativeConfig's)")
+    s.add_argument("--lookup-max-ngram", type=int, default=None,
+                   help="longest n-gram prompt lookup matches, tried first (default: SelfSpeculativeConfig's)")
+    s.add_argument("--layer-speculations", type=int, default=None,
+                   help="--draft hybrid: the longest layer-E draft (default: --num-speculations, then the "
+                        "lookup drafts' bound alone)")
+    s.add_argument("--layer-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="--draft hybrid: layer drafts stop while more than N sequences decode, lookup drafts go on "
+                        "(up to --disable-by-batch-size)")
+
+    b = p.add_argument_group("engine")
+    b.add_argument("--max-num-seqs", type=positive_int, default=32,
+                   help="sequences in the running batch (default: %(default)s)")
+    b.add_argument("--max-num-batched-tokens", type=positive_int, default=1024,
+                   help="tokens one step computes: the decodes first, prefill chunks share the rest, so a "
+                        "longer prompt is split over steps (default: %(default)s)")
+    b.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="share the K/V of full blocks of prompt tokens between requests, so a common prefix "
+                        "(a system prompt) is computed once (default: off; eecore serve: on)")
+    b.add_argument("--enforce-eager", action="store_true",
+                   help="launch every kernel from Python: no CUDA graphs of the decode step (on a GPU they are on)")
 
 
 def threshold_arg(text: str):

@@ -8,11 +8,11 @@ from eecore.cli.generate import summary
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="measure decode throughput")
+    b = sub.add_parser("bench", usage="eecore bench [options]", help="measure decode throughput")
     b.add_argument("--num-prompts", type=int, default=8)
     b.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
-    add_model_flags(b)
     add_sampling_flags(b, max_tokens=128)
+    add_model_flags(b)
     b.set_defaults(func=cmd_bench)
 
 

@@ -38,7 +38,7 @@ from eecore.cli import args as cli_args
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("eval", help="speed-up and agreement of a strategy against full depth on a prompt set",
+    p = sub.add_parser("eval", usage="eecore eval [options]", help="speed-up and agreement of a strategy against full depth on a prompt set",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("evaluation")
     g.add_argument("--prompts", default="code", metavar="code|prose|instructions|everyday|FILE",
@@ -55,8 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="one row per exit layer (static early exit) or draft depth (--speculate)")
     g.add_argument("--out", default=None, metavar="FILE.json", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="plot speed-up against ROUGE-L to full depth")
-    cli_args.add_model_flags(p)
     cli_args.add_sampling_flags(p, max_tokens=64)
+    cli_args.add_model_flags(p)
     p.set_defaults(func=cmd_eval)
     return p
 
