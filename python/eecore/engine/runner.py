@@ -92,8 +92,3 @@ class ModelRunner:
         for row in rows:
             row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + len(row.tokens))
         return inputs, hidden
-
-    def last_token_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        if inputs.num_tokens == len(inputs.row_lens):  # one token per row: no gather needed
-            return self.logits(hidden)
-        return self.logits(hidden.index_select(0, inputs.last_rows))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from eecore.engine.block_manager import BlockManager
-from eecore.engine.sequence import Sequence, SequenceStatus
+from eecore.engine.sequence import Sequence
 
 
 @dataclass
@@ -244,6 +244,3 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + sum(1 for s in self.running if s.status != SequenceStatus.FINISHED)

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from eecore import ops
 from eecore.models.amx_weights import tiled
 from eecore.models.int8_weights import Int8Weight, project
-from eecore.models.lora import LoraDeltas, layer_index
+from eecore.models.lora import LoraDeltas
 
 FORMAT = "eecore-exit-adapter-1"
 FORMAT_LORA = "eecore-exit-adapter-2"  # with LoRA pairs merged into the base at load
@@ -148,22 +148,6 @@ class ExitAdapters:
 
     def exit_layers(self) -> list[int]:
         return sorted(self.blocks)
-
-    def for_draft_layers(self, exit_layers: list[int]) -> "ExitAdapters":
-        """The part separate draft layers at `exit_layers` read: those exits' blocks, the vocabulary,
-        and the LoRA pairs of the layers below the deepest of them (a smaller file to ship)."""
-        missing = sorted(set(exit_layers) - set(self.blocks))
-        if not exit_layers or missing:
-            raise ValueError(f"{self.source}: has no exit adapter for exit layers {missing or exit_layers}; "
-                             f"it covers {self.exit_layers()}")
-        below = max(exit_layers)
-        lora = None
-        if self.lora is not None:
-            pairs = {p: ab for p, ab in self.lora.pairs.items()
-                     if layer_index(p) is not None and layer_index(p) < below}
-            lora = LoraDeltas(pairs, self.lora.scale)
-        info = dict(self.info, draft_layers_subset={"exit_layers": sorted(exit_layers), "lora_layers_below": below})
-        return ExitAdapters({E: self.blocks[E] for E in exit_layers}, self.vocab, self.base, info, lora, self.source)
 
     def save(self, path: str, int8: bool = False) -> None:
         """Writes the file (module doc); `int8=True` stores the projections as int8 (format 3)."""
