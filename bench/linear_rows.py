@@ -8,7 +8,7 @@ measures where that stops, with the weights of a few layers (they stay in the la
 the time is the kernel's arithmetic) and of all 30 (streamed from DRAM, as in a real step). It also
 times the draft copy's prompt catch-up (8 layers, weight-only int8) against the same projections
 as fp32 weights and as one bf16 `torch.mm` of the int8 values (oneDNN, which uses AMX where the CPU
-has it), the comparison behind the draft-layers model card's notes on batch 8. Where the CPU runs
+has it), the comparison behind docs/draft-layers-history.md's notes on batch 8. Where the CPU runs
 AMX-INT8 tiles (eecore.models.amx_weights), it also times the copy's int8 layers as `[N, K]`
 weights (the dot kernel) against their tiles, by rows and for the catch-up, in the dtype
 `--int8-input-dtype`.

@@ -47,10 +47,10 @@
 #     with MINUTES what BUDGET left after generating, less 200 s;
 # then `collect`. The 20,000 prompts x 128 tokens took 110 s (the call's generate step 169 s), the
 # 2,897 steps of 32 x 512 tokens 284 s (~10 steps/s), and acceptance at d = 1-4 rose 6 points
-# (judged with bench/self_speculation.py on the CPU; the draft layers' card has the figures).
+# (judged with bench/self_speculation.py on the CPU; docs/draft-layers-history.md has the figures).
 # The 200 s leave room for the collect call and the file's way back. Next: the held-out agreement
 # was flat over the run's last 600 steps (about 11 passes over the data), so the next run should
-# see more of it, and chat as well (the drafts pay on code, not on chat: the card's section
+# see more of it, and chat as well (the drafts pay on code, not on chat: docs/draft-layers-history.md's section
 # "2026-11-26, night" and "fifth session"; "sixth session": on the CPU, twice the code data did not
 # keep the code acceptance, so chat and code need the GPU's scale together):
 #     onpolicy BUDGET 30000+6800+1300 --recount-draft-vocab --draft-vocab 12288
@@ -60,7 +60,7 @@
 # ones and the model's own, about 8 kept of its 16 tries a topic), which trains from the shipped
 # file for what is left. Earlier runs: human-written code
 # (python -m eecore.train.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
-# card's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
+# docs/draft-layers-history.md's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
