@@ -31,10 +31,8 @@ from eecore.exits import thresholds_file
 from eecore.exits.calibrator import CalibrationSettings, calibrate
 from eecore.exits.config import EarlyExitConfig
 from eecore.prompts import heldout_code_prompts
-from common import cpu_model, save_results
+from common import cpu_model, ensure_classifier, save_results
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CLASSIFIER = os.path.join(HERE, "results", "smollm2-exit-classifier.safetensors")
 
 # Where each measure is checked on the original model: the early-exit sweep's choices
 # (bench/early_exit_sweep.py). A softmax check reads the whole LM head, 21% of the model's bytes,
@@ -72,7 +70,7 @@ def main():
     ap.add_argument("--measures", nargs="+", default=["softmax", "cosine", "classifier"],
                     choices=["softmax", "cosine", "classifier"])
     ap.add_argument("--batch-rules", nargs="+", default=["all", "compact"], choices=["all", "compact"])
-    ap.add_argument("--classifier", default=CLASSIFIER)
+    ap.add_argument("--classifier", default=None, help="exit classifier file (default: the cached one, trained on first use)")
     ap.add_argument("--num-calibration", type=int, default=100)
     ap.add_argument("--num-eval", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -115,7 +113,7 @@ def main():
 def calibrate_measure(base, measure, args, calibration, evaluation, params, folder, calibrations, rows):
     """One full-depth record for `measure`, Learn-then-Test for every tolerance and rule on it, and
     an evaluation of each threshold that passes; appends to `calibrations` and `rows`."""
-    classifier = args.classifier if measure == "classifier" else None
+    classifier = (args.classifier or ensure_classifier()) if measure == "classifier" else None
     checks = checks_for(measure, base.exit_adapters)
     record = None
     for delta in args.tolerances:

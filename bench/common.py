@@ -121,6 +121,24 @@ def bench_prompt_ids(tokenizer, kind: str, n: int) -> list[list[int]]:
     raise ValueError(f"prompts must be one of {PROMPT_KINDS}, got {kind!r}")
 
 
+# The CALM exit classifier the early-exit benches use: trained on first use (a few minutes on the
+# CPU) and cached per user, not committed with the results.
+CLASSIFIER_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eecore",
+                                "smollm2-exit-classifier.safetensors")
+
+
+def ensure_classifier(path: str = CLASSIFIER_CACHE) -> str:
+    """`path`, after training CALM's exit classifier for the embedded model there if it is missing."""
+    if not os.path.exists(path):
+        import eecore
+        from eecore.train import calm_classifier
+
+        print(f"training the exit classifier -> {path}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        calm_classifier.train(eecore.LLM(dtype="float32", device="cpu")).save(path)
+    return path
+
+
 def save_results(name: str, payload: dict) -> str:
     os.makedirs(RESULTS_DIR, exist_ok=True)
     date = datetime.date.today().isoformat()

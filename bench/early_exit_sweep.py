@@ -21,12 +21,11 @@ adapter layers and the softmax gap (read through the adapters) at every adapter 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import eecore
 from eecore.rouge import rouge_l
-from common import PROMPT_KINDS, RESULTS_DIR, bench_prompt_ids, cpu_model, save_results, timed
+from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, ensure_classifier, save_results, timed
 from roofline import weight_bytes_ideal_speedup
 
 L = 30  # SmolLM2-135M
@@ -59,16 +58,6 @@ def configs(classifier_path: str, quick: bool):
             out.append(("classifier", f"t={t} {rule}", dict(measure="classifier", threshold=t, min_exit_layer=8,
                                                             classifier_path=classifier_path, batch_rule=rule)))
     return out
-
-
-def ensure_classifier(path: str) -> str:
-    if not os.path.exists(path):
-        from eecore.train import calm_classifier
-
-        print(f"training the exit classifier -> {path}")
-        llm = eecore.LLM(dtype="float32", device="cpu")
-        calm_classifier.train(llm).save(path)
-    return path
 
 
 def run(llm, prompts, params):
@@ -119,7 +108,7 @@ def main():
     if args.exit_adapter:
         sweep = adapter_configs(base.exit_adapters.exit_layers(), args.quick)
     else:
-        sweep = configs(ensure_classifier(os.path.join(RESULTS_DIR, "smollm2-exit-classifier.safetensors")), args.quick)
+        sweep = configs(ensure_classifier(), args.quick)
     prompts_all = bench_prompt_ids(base.tokenizer, args.prompts, max(args.batch_sizes + [2]))
     print(f"CPU: {cpu_model()}; {len(prompts_all)} {args.prompts} prompts")
     rows = []
