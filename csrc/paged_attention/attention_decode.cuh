@@ -273,30 +273,9 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, GROUP>::kMinBlocks)
 
   for (int32_t i = tid; i < heads * p.head_dim; i += kThreads) {
     const int32_t g = i / p.head_dim, d = i % p.head_dim;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, ml_s[(w * GROUP + g) * 2]);
-    const float m_use = m == -INFINITY ? 0.f : m;
-    float l = 0.f, o = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float scale = exp2f(ml_s[(w * GROUP + g) * 2] - m_use);
-      l += ml_s[(w * GROUP + g) * 2 + 1] * scale;
-      o += acc_s[(w * GROUP + g) * HEAD_DIM + d] * scale;
-    }
-    const int32_t q_head = first_q_head + g;
-    if (splits == 1) {
-      T* out = static_cast<T*>(p.out) + row * p.o_stride_token + q_head * p.o_stride_head;
-      out[d] = from_float<T>(l > 0.f ? o / l : 0.f);  // no visible key: the output is 0
-    } else {
-      const SplitWorkspace ws = split_workspace(workspace, p, splits);
-      const int64_t idx = split_index(p, row, q_head, splits, split);
-      ws.out[idx * p.head_dim + d] = o;
-      if (d == 0) {
-        ws.m[idx] = m;
-        ws.l[idx] = l;
-      }
-    }
+    float m, l, o;
+    merge_parts<kWarps, GROUP, HEAD_DIM>(ml_s, acc_s, g, d, m, l, o);
+    store_output<T>(p, workspace, splits, split, row, first_q_head + g, d, m, l, o);
   }
 }
 

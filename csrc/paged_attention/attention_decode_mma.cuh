@@ -76,18 +76,10 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES>::kCtasPerSm
   const int32_t kv_head = blockIdx.z;
   const int32_t group = p.num_q_heads / p.num_kv_heads;
 
-  // Everything that can end the CTA early depends on blockIdx and device data only: uniform.
-  int32_t q_begin, q_end;
-  if (seq >= p.num_seqs || !seq_query_range(p, seq, q_begin, q_end)) return;
-  const int32_t q_len = q_end - q_begin;
-  const int64_t rows = static_cast<int64_t>(min(q_len, p.max_query_len)) * group;
-  if (m_begin >= rows) return;
-  const int32_t seq_len = max(p.seq_lens[seq], 0);
-  const int64_t first_pos = static_cast<int64_t>(seq_len) - q_len;  // position of query row 0
-  const int32_t last_local = static_cast<int32_t>(min(rows - 1, static_cast<int64_t>(m_begin) + kRows - 1) / group);
-  const int64_t key_end = visible_keys(p, seq_len, first_pos + last_local);
-  const int64_t k_begin = static_cast<int64_t>(split) * split_tokens;
-  const int64_t k_stop = min(k_begin + split_tokens, key_end);
+  PackedRows pr;
+  if (!packed_rows(p, seq, m_begin, kRows, split, split_tokens, pr)) return;  // uniform over the CTA
+  const int32_t q_begin = pr.q_begin;
+  const int64_t rows = pr.rows, first_pos = pr.first_pos, k_begin = pr.k_begin, k_stop = pr.k_stop;
   const int32_t num_tiles =
       k_stop > k_begin ? static_cast<int32_t>((k_stop - k_begin + kWarpKeys - 1) / kWarpKeys) : 0;
 
@@ -97,24 +89,12 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES>::kCtasPerSm
   const int quad_row = lane / 4;   // "group" in the PTX fragment tables
   const int quad_lane = lane % 4;  // "threadID_in_group"
 
-  const T* query = static_cast<const T*>(p.query);
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
 
-  // ---- the Q tile, shared by the 4 warps (zeros for rows past the query and dims past D)
+  // ---- the Q tile, shared by the 4 warps
   T* q_s = reinterpret_cast<T*>(smem);  // [kRows][kPitch]
-  for (int32_t i = tid; i < kRows * S::kChunks; i += kThreads) {
-    const int32_t r = i / S::kChunks, c = i % S::kChunks;
-    const int64_t m = m_begin + r;
-    T* dst = q_s + r * kPitch + c * 8;
-    if (m < rows && c * 8 < p.head_dim) {
-      const int32_t q_local = static_cast<int32_t>(m / group);
-      const int32_t q_head = kv_head * group + static_cast<int32_t>(m % group);
-      cp_async_16(dst, query + (q_begin + q_local) * p.q_stride_token + q_head * p.q_stride_head + c * 8);
-    } else {
-      zero_16(dst);
-    }
-  }
+  load_packed_q<T, kRows, HEAD_DIM, kPitch, kThreads>(p, pr, m_begin, kv_head, q_s);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -339,32 +319,11 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES>::kCtasPerSm
   const int32_t live_rows = static_cast<int32_t>(min(static_cast<int64_t>(kRows), rows - m_begin));
   for (int32_t i = tid; i < live_rows * p.head_dim; i += kThreads) {
     const int32_t r = i / p.head_dim, d = i % p.head_dim;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, ml_s[(w * kRows + r) * 2]);
-    const float m_use = m == -INFINITY ? 0.f : m;
-    float l = 0.f, acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float scale = exp2f(ml_s[(w * kRows + r) * 2] - m_use);
-      l += ml_s[(w * kRows + r) * 2 + 1] * scale;
-      acc += o_s[(w * kRows + r) * HEAD_DIM + d] * scale;
-    }
+    float m, l, o;
+    merge_parts<kWarps, kRows, HEAD_DIM>(ml_s, o_s, r, d, m, l, o);
     const int64_t mrow = m_begin + r;
-    const int32_t token = q_begin + static_cast<int32_t>(mrow / group);
-    const int32_t q_head = kv_head * group + static_cast<int32_t>(mrow % group);
-    if (splits == 1) {
-      T* out = static_cast<T*>(p.out) + token * p.o_stride_token + q_head * p.o_stride_head;
-      out[d] = from_float<T>(l > 0.f ? acc / l : 0.f);  // no visible key: the output is 0
-    } else {
-      const SplitWorkspace ws = split_workspace(workspace, p, splits);
-      const int64_t idx = split_index(p, token, q_head, splits, split);
-      ws.out[idx * p.head_dim + d] = acc;
-      if (d == 0) {
-        ws.m[idx] = m;
-        ws.l[idx] = l;
-      }
-    }
+    store_output<T>(p, workspace, splits, split, q_begin + static_cast<int32_t>(mrow / group),
+                    kv_head * group + static_cast<int32_t>(mrow % group), d, m, l, o);
   }
 }
 

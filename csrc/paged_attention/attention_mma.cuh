@@ -58,18 +58,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int32_t kv_head = blockIdx.z;
   const int32_t group = p.num_q_heads / p.num_kv_heads;
 
-  // Everything that can end the CTA early depends on blockIdx and device data only: uniform.
-  int32_t q_begin, q_end;
-  if (seq >= p.num_seqs || !seq_query_range(p, seq, q_begin, q_end)) return;
-  const int32_t q_len = q_end - q_begin;
-  const int64_t rows = static_cast<int64_t>(min(q_len, p.max_query_len)) * group;
-  if (m_begin >= rows) return;
-  const int32_t seq_len = max(p.seq_lens[seq], 0);
-  const int64_t first_pos = static_cast<int64_t>(seq_len) - q_len;  // position of query row 0
-  const int32_t last_local = static_cast<int32_t>(min(rows - 1, static_cast<int64_t>(m_begin) + kBlockM - 1) / group);
-  const int64_t key_end = visible_keys(p, seq_len, first_pos + last_local);
-  const int64_t k_begin = static_cast<int64_t>(split) * split_tokens;
-  const int64_t k_stop = min(k_begin + split_tokens, key_end);
+  PackedRows pr;
+  if (!packed_rows(p, seq, m_begin, kBlockM, split, split_tokens, pr)) return;  // uniform over the CTA
+  const int32_t q_begin = pr.q_begin;
+  const int64_t rows = pr.rows, first_pos = pr.first_pos, k_begin = pr.k_begin, k_stop = pr.k_stop;
   const int32_t num_tiles = k_stop > k_begin ? static_cast<int32_t>((k_stop - k_begin + kBlockN - 1) / kBlockN) : 0;
 
   const int tid = threadIdx.x;
@@ -78,23 +70,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int quad_row = lane / 4;  // "group" in the PTX fragment tables
   const int quad_lane = lane % 4;  // "threadID_in_group"
 
-  const T* query = static_cast<const T*>(p.query);
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
 
-  // ---- Q tile (zeros for rows past the query and dims past D)
-  for (int32_t i = tid; i < kBlockM * S::kChunks; i += kThreads) {
-    const int32_t r = i / S::kChunks, c = i % S::kChunks;
-    const int64_t m = m_begin + r;
-    T* dst = q_s + r * kPitch + c * 8;
-    if (m < rows && c * 8 < p.head_dim) {
-      const int32_t q_local = static_cast<int32_t>(m / group);
-      const int32_t q_head = kv_head * group + static_cast<int32_t>(m % group);
-      cp_async_16(dst, query + (q_begin + q_local) * p.q_stride_token + q_head * p.q_stride_head + c * 8);
-    } else {
-      zero_16(dst);
-    }
-  }
+  load_packed_q<T, kBlockM, HEAD_DIM, kPitch, kThreads>(p, pr, m_begin, kv_head, q_s);
 
   const int32_t* table = p.block_table + seq * p.block_table_stride;
   const PagedLayout k_layout{p.k_stride_block, p.k_stride_token, p.k_stride_head, p.block_size, p.num_blocks};

@@ -187,8 +187,8 @@ cudaError_t launch_decode_mma(const PagedAttentionParams& p, const PagedAttentio
     using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles>;
     auto kernel = attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles>;
     if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
-    const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits), static_cast<unsigned>(decode_mma_row_blocks(p)),
-                    static_cast<unsigned>(p.num_kv_heads));
+    const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits),
+                    static_cast<unsigned>(decode_mma_row_blocks(p)), static_cast<unsigned>(p.num_kv_heads));
     kernel<<<grid, attention::decode_mma::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits,
                                                                                   plan.split_tokens, ws);
     return cudaGetLastError();
@@ -297,7 +297,8 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   if (kernel == PagedAttentionKernel::kMma || kernel == PagedAttentionKernel::kDecodeMma)
     splits = std::min<int64_t>(splits, INT32_MAX / std::max<int64_t>(p.num_seqs, 1));
   splits = std::min<int64_t>(splits, 65535);
-  const int64_t split_tokens = std::max<int64_t>(round_up(ceil_div(std::max<int64_t>(max_context, 1), splits), tile), tile);
+  const int64_t split_tokens =
+      std::max<int64_t>(round_up(ceil_div(std::max<int64_t>(max_context, 1), splits), tile), tile);
   splits = std::max<int64_t>(1, ceil_div(max_context, split_tokens));
   plan.num_splits = static_cast<int32_t>(splits);
   plan.split_tokens = static_cast<int32_t>(std::min<int64_t>(split_tokens, INT32_MAX));

@@ -38,7 +38,8 @@ from eecore.cli import args as cli_args
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("eval", usage="eecore eval [options]", help="speed-up and agreement of a strategy against full depth on a prompt set",
+    p = sub.add_parser("eval", usage="eecore eval [options]",
+                       help="speed-up and agreement of a strategy against full depth on a prompt set",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("evaluation")
     g.add_argument("--prompts", default="code", metavar="code|prose|instructions|everyday|FILE",

@@ -8,7 +8,8 @@ from eecore.cli.args import add_model_flags, add_sampling_flags, build_llm, prom
 
 
 def add_parser(sub) -> None:
-    g = sub.add_parser("generate", usage="eecore generate [options] prompt [prompt ...]", help="generate (streamed) completions of one or more prompts")
+    g = sub.add_parser("generate", usage="eecore generate [options] prompt [prompt ...]",
+                       help="generate (streamed) completions of one or more prompts")
     g.add_argument("prompt", nargs="+")
     g.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                    help="wrap the prompt in the model's chat template (auto: when it has one)")

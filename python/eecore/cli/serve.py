@@ -23,7 +23,8 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 12
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", usage="eecore serve [options]", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    p = sub.add_parser("serve", usage="eecore serve [options]",
+                       help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     add_model_flags(p)
     # --max-num-seqs is the running batch, --max-num-batched-tokens the tokens of one step
     # and requests share the K/V of common prompt prefixes (a chat template's system prompt), as in vLLM

@@ -186,7 +186,8 @@ class InputBuilder:
             views = {k: self._d[k][: v.numel()].view(v.shape).copy_(v, non_blocking=True) for k, v in views.items()}
             self._copied.record(torch.cuda.current_stream(self.device))
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
-                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"], max_query_len=max(lens, default=1),
+                               seq_lens=views["seq_lens"], query_start_loc=views["qsl"],
+                               max_query_len=max(lens, default=1),
                                cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"),
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],

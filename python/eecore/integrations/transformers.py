@@ -11,8 +11,8 @@ hands over into eecore's paged layout, one block per sequence ([B, S, Hkv, D], o
 transformers' flash-attention path makes its own [B, S, H, D] copy) and runs the varlen kernel
 with the causal mask aligned bottom-right. Padding (a 2-D attention mask, as `generate` builds for
 a batch of prompts of different lengths) becomes blocks of one token holding only each sequence's
-unpadded keys, and the real query rows run back to back (padded rows get 0). No other mask shape is taken (sliding windows, custom 4-D masks): those models keep
-transformers' own attention.
+unpadded keys, and the real query rows run back to back (padded rows get 0). No other mask shape
+is taken (sliding windows, custom 4-D masks): those models keep transformers' own attention.
 """
 from __future__ import annotations
 

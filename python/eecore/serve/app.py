@@ -121,7 +121,8 @@ class _Service:
         self._check_fits_the_queue(body.n * len(body.prompt))
         for i, p in enumerate(body.prompt):
             self._check_length(p, f"prompt {i}", "prompt")
-        prompts = await asyncio.to_thread(lambda: [(p, self._encode(p, i, "prompt")) for i, p in enumerate(body.prompt)])
+        prompts = await asyncio.to_thread(
+            lambda: [(p, self._encode(p, i, "prompt")) for i, p in enumerate(body.prompt)])
         subs = self._subrequests(body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
         run = _Run(self, "text_completion", R.new_id("cmpl"), body, subs, sum(len(ids) for _, ids in prompts),
                    top_logprobs=body.logprobs)
