@@ -2,7 +2,7 @@
 device-to-device copy bandwidth measured in the same process.
 
     PYTHONPATH=python python bench/cuda_decode_sweep.py [--quick] [--headline-only]
-        [--kernels auto decode_mma decode rows mma] [--max-kv-gib 16]
+        [--kernels auto decode_mma decode_mma:2 decode mma] [--max-kv-gib 16]
 
 The sweep crosses batch B (1..256), context (256..32k), GQA (1, 4, 8 query heads per KV head with
 32 query heads) and head dim (64, 128), bf16, block size 16, random block tables, and skips cells
@@ -34,6 +34,7 @@ from bench_cuda import copy_bandwidth  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KERNEL_ENV = "EECORE_PAGED_ATTENTION_KERNEL"
+STAGES_ENV = "EECORE_DECODE_MMA_STAGES"
 HEADLINE = (64, 4096, 32, 8, 128)
 
 
@@ -106,7 +107,12 @@ def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16):
     row["sdpa_us"] = sdpa_ms * 1e3
     row["sdpa_of_copy"] = moved / sdpa_ms / 1e6 / copy_gbps
     for kernel in kernels:
-        os.environ[KERNEL_ENV] = kernel
+        name, _, stages = kernel.partition(":")  # "decode_mma:2": EECORE_DECODE_MMA_STAGES=2
+        os.environ[KERNEL_ENV] = name
+        if stages:
+            os.environ[STAGES_ENV] = stages
+        else:
+            os.environ.pop(STAGES_ENV, None)
         out = torch.full_like(q, float("nan"))
         call = lambda: ops.paged_attention(out, q, k_cache, v_cache, table, seq_lens, starts,  # noqa: E731
                                            q_len, scale, True, None)
@@ -119,12 +125,15 @@ def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16):
         row[f"{kernel}_vs_sdpa"] = sdpa_ms / ms
         row[f"{kernel}_rel_err"] = err
     os.environ.pop(KERNEL_ENV, None)
+    os.environ.pop(STAGES_ENV, None)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", default=["auto", "decode_mma", "decode", "rows", "mma"])
+    ap.add_argument("--kernels", nargs="+", default=["auto", "decode_mma", "decode_mma:2", "decode", "mma"],
+                    help="kernels to time (EECORE_PAGED_ATTENTION_KERNEL values; decode_mma:2 with "
+                         "EECORE_DECODE_MMA_STAGES=2)")
     ap.add_argument("--headline-only", action="store_true")
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
     ap.add_argument("--out", type=Path, default=RESULTS)

@@ -22,12 +22,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["auto", "decode", "decode_mma", "rows", "mma"])
+@pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "rows", "mma"])
 def attention_kernel(request, monkeypatch):
     """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
-    every kernel is held to the same oracle on the same shapes, whichever the planner prefers."""
-    monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", request.param)
+    every kernel is held to the same oracle on the same shapes, whichever the planner prefers.
+    "decode_mma-2stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2."""
+    kernel, _, variant = request.param.partition("-")
+    monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
+    if variant == "2stages":
+        monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", "2")
     return request.param
 
 

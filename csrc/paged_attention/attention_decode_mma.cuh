@@ -27,10 +27,14 @@ namespace decode_mma {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kWarpKeys = 16;  // keys per warp tile: one k-slice of P V, two n-tiles of S
-constexpr int kStages = 3;     // per-warp pipeline depth: two tiles in flight while one is computed
+// Per-warp pipeline depth: 3 keeps two tiles in flight while one is computed. 2 (one in flight)
+// halves the shared memory so that 3 CTAs (12 warps) fit an SM: an experiment for the latency the
+// profile shows (docs/cuda.md), chosen with EECORE_DECODE_MMA_STAGES=2 (D <= 128, 16 rows).
+constexpr int kDefaultStages = 3;
 
-template <int HEAD_DIM, int M_TILES>
+template <int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
 struct Shape {
+  static constexpr int kStages = STAGES;
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: 64, 128 or 256");
   static_assert(M_TILES == 1 || (M_TILES == 2 && HEAD_DIM <= 128), "M_TILES: 1, or 2 up to D = 128");
   static constexpr int kRows = 16 * M_TILES;
@@ -44,7 +48,9 @@ struct Shape {
   static constexpr int kPipelineBytes = kQBytes + kWarps * kWarpBytes;
   static constexpr int kMergeBytes = kWarps * kRows * (HEAD_DIM + 2) * 4;  // O, then m and l, per warp
   static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
-  static constexpr int kCtasPerSm = kSmemBytes <= 110 * 1024 ? 2 : 1;  // 228 KiB per SM on sm_90
+  // 228 KiB of shared memory per SM on sm_90, 1 KiB of it reserved per CTA; 3 CTAs only for the
+  // 2-stage variant (registers: the 3-stage kernels use more than 3 CTAs' share)
+  static constexpr int kCtasPerSm = STAGES == 2 && kSmemBytes <= 75 * 1024 ? 3 : kSmemBytes <= 110 * 1024 ? 2 : 1;
 };
 
 // Block id and in-block offset of a sequence's key `pos`; false when absent. Block sizes are
@@ -60,11 +66,12 @@ __device__ __forceinline__ bool locate_key(const PagedLayout& layout, const int3
   return block >= 0 && block < layout.num_blocks;
 }
 
-template <typename T, int HEAD_DIM, int M_TILES>
-__global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES>::kCtasPerSm)
+template <typename T, int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
+__global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kCtasPerSm)
     paged_attention_decode_mma_kernel(const PagedAttentionParams p, const int32_t splits, const int32_t split_tokens,
                                       float* __restrict__ workspace) {
-  using S = Shape<HEAD_DIM, M_TILES>;
+  using S = Shape<HEAD_DIM, M_TILES, STAGES>;
+  constexpr int kStages = STAGES;
   constexpr int kRows = S::kRows;
   constexpr int kPitch = S::kPitch;
   constexpr int kDimTiles = HEAD_DIM / 8;  // n-tiles of O

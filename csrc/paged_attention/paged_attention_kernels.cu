@@ -169,13 +169,38 @@ inline int64_t decode_mma_row_blocks(const PagedAttentionParams& p) {
   return ceil_div(rows, 16 * decode_mma_m_tiles(p));
 }
 
+// EECORE_DECODE_MMA_STAGES=2: the 2-stage pipeline, 3 CTAs per SM (an experiment; D <= 128, 16 rows).
+inline bool decode_mma_two_stages(const PagedAttentionParams& p) {
+  const char* v = std::getenv("EECORE_DECODE_MMA_STAGES");
+  return v != nullptr && std::strcmp(v, "2") == 0 && decode_mma_m_tiles(p) == 1 &&
+         decode_mma_head_dim(p.head_dim) <= 128;
+}
+
 inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
   int64_t ctas = 1;
   dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
-    ctas = attention::decode_mma::Shape<decltype(head_dim)::value, decltype(m_tiles)::value>::kCtasPerSm;
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    constexpr int kMTiles = decltype(m_tiles)::value;
+    ctas = attention::decode_mma::Shape<kHeadDim, kMTiles>::kCtasPerSm;
+    if constexpr (kMTiles == 1 && kHeadDim <= 128) {
+      if (decode_mma_two_stages(p)) ctas = attention::decode_mma::Shape<kHeadDim, kMTiles, 2>::kCtasPerSm;
+    }
     return cudaSuccess;
   });
   return ctas;
+}
+
+template <typename T, int kHeadDim, int kMTiles, int kStages>
+cudaError_t launch_decode_mma_shape(const PagedAttentionParams& p, const PagedAttentionPlan& plan, float* ws,
+                                    cudaStream_t stream) {
+  using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles, kStages>;
+  auto kernel = attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages>;
+  if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits),
+                  static_cast<unsigned>(decode_mma_row_blocks(p)), static_cast<unsigned>(p.num_kv_heads));
+  kernel<<<grid, attention::decode_mma::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits,
+                                                                                plan.split_tokens, ws);
+  return cudaGetLastError();
 }
 
 template <typename T>
@@ -184,14 +209,10 @@ cudaError_t launch_decode_mma(const PagedAttentionParams& p, const PagedAttentio
   return dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
     constexpr int kHeadDim = decltype(head_dim)::value;
     constexpr int kMTiles = decltype(m_tiles)::value;
-    using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles>;
-    auto kernel = attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles>;
-    if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
-    const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits),
-                    static_cast<unsigned>(decode_mma_row_blocks(p)), static_cast<unsigned>(p.num_kv_heads));
-    kernel<<<grid, attention::decode_mma::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits,
-                                                                                  plan.split_tokens, ws);
-    return cudaGetLastError();
+    if constexpr (kMTiles == 1 && kHeadDim <= 128) {
+      if (decode_mma_two_stages(p)) return launch_decode_mma_shape<T, kHeadDim, kMTiles, 2>(p, plan, ws, stream);
+    }
+    return launch_decode_mma_shape<T, kHeadDim, kMTiles, attention::decode_mma::kDefaultStages>(p, plan, ws, stream);
   });
 }
 
