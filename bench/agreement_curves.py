@@ -2,10 +2,10 @@
 
 The top-1 token read off layer E's residual state is compared with the full model's top-1 at the
 same position, on text that training never saw:
-- `text`: teacher-forced windows of the held-out corpus (eecore.train.corpus: the Python source of
+- `text`: teacher-forced windows of the held-out corpus (eecore.sources.corpus: the Python source of
   jinja2, tqdm and gguf), `--windows` windows of `--seq-len` tokens, evenly spaced over the stream;
 - `generated`: the model's own greedy continuations (`--max-tokens`) of `--prompts` held-out code
-  prompts (eecore.prompts.heldout_code_prompts), teacher-forced on the generated text. These are the
+  prompts (eecore.evaluation.prompts.heldout_code_prompts), teacher-forced on the generated text. These are the
   positions self-speculation drafts at, and a greedy draft is accepted when it agrees.
 
 Settings (one curve each):
@@ -48,9 +48,9 @@ from common import cpu_model, save_results
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
-from eecore.prompts import heldout_code_prompt_records
+from eecore.evaluation.prompts import heldout_code_prompt_records
 from eecore.speculative import break_even_acceptance
-from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
 
 DS = (1, 2, 3, 4, 6)
 KINDS = ("text", "generated")

@@ -6,7 +6,7 @@ cosine read at the adapter layers) it records the calibration prompts at full de
 (eecore.exits.calibration_data.record), then runs Learn-then-Test on that record for every
 tolerance delta and batch rule (the record depends on neither: token consistency is measured at
 batch 1, where the rules coincide). Each threshold that passes is then evaluated like `eecore eval`
-does (eecore.evaluate.evaluate_strategy): on held-out prompts disjoint from the calibration ones,
+does (eecore.evaluation.strategies.evaluate_strategy): on held-out prompts disjoint from the calibration ones,
 alternating with full depth on the same weights, at the given batch size, where the rule "all"
 (the batch exits together) and "compact" (each row leaves on its own) differ.
 
@@ -15,7 +15,7 @@ alternating with full depth on the same weights, at the given batch size, where 
         [--num-eval 16] [--batch-size 8] [--max-tokens 64] [--repeats 3] [--out-name NAME]
 
 writes bench/results/<name>-<date>.{json,md,png}. Calibration prompts: held-out code prompts
-(eecore.prompts.heldout_code_prompts) after the first `--num-eval`, which are the evaluation set
+(eecore.evaluation.prompts.heldout_code_prompts) after the first `--num-eval`, which are the evaluation set
 (the built-in `eecore eval --prompts code` set), so the two never overlap.
 """
 from __future__ import annotations
@@ -25,12 +25,12 @@ import os
 import tempfile
 
 import eecore
-from eecore import eval_report
-from eecore.evaluate import Strategy, evaluate_strategy
+from eecore.evaluation import report as eval_report
+from eecore.evaluation.strategies import Strategy, evaluate_strategy
 from eecore.exits import thresholds_file
 from eecore.exits.calibrator import CalibrationSettings, calibrate
 from eecore.exits.config import EarlyExitConfig
-from eecore.prompts import heldout_code_prompts
+from eecore.evaluation.prompts import heldout_code_prompts
 from common import cpu_model, ensure_classifier, save_results
 
 

@@ -106,16 +106,16 @@ PROMPT_KINDS = ("chat", "everyday", "code")
 def bench_prompt_ids(tokenizer, kind: str, n: int) -> list[list[int]]:
     """`n` prompts as token ids: "chat" (the CLI's bench prompts in the chat template, cycled),
     "everyday" (everyday requests on held-out topics in the chat template,
-    eecore.train.general_chat_prompts.heldout_requests) or "code" (held-out function starts, raw
+    eecore.sources.general_chat_prompts.heldout_requests) or "code" (held-out function starts, raw
     text: code completion, the exit adapters' domain)."""
     if kind == "chat":
         return [chat_prompt_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(n)]
     if kind == "everyday":
-        from eecore.train.general_chat_prompts import heldout_requests
+        from eecore.sources.general_chat_prompts import heldout_requests
 
         return [chat_prompt_ids(tokenizer, r.text) for r in heldout_requests(n)]
     if kind == "code":
-        from eecore.prompts import heldout_code_prompts
+        from eecore.evaluation.prompts import heldout_code_prompts
 
         return [tokenizer.encode(t) for t in heldout_code_prompts(n)]
     raise ValueError(f"prompts must be one of {PROMPT_KINDS}, got {kind!r}")

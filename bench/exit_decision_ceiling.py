@@ -42,8 +42,8 @@ SKIPPED_PER_EXIT = 22 / 30  # an exit at layer 8 of SmolLM2's 30
 
 def training_prompts(n: int) -> list[str]:
     """`n` code-completion prompts of the training packages (the held-out prompts' recipe)."""
-    from eecore.prompts import heldout_code_prompt_records
-    from eecore.train.corpus import build_corpus
+    from eecore.evaluation.prompts import heldout_code_prompt_records
+    from eecore.sources.corpus import build_corpus
 
     files = build_corpus().train
     records = heldout_code_prompt_records(n, packages=sorted({f.package for f in files}), files=files)

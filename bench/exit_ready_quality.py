@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import eecore
 from agreement_curves import text_windows
 from common import save_results
-from eecore.prompts import heldout_code_prompts
-from eecore.rouge import rouge_l
+from eecore.evaluation.prompts import heldout_code_prompts
+from eecore.evaluation.rouge import rouge_l
 from eecore.train.exit_adapter import TeacherPass
 
 

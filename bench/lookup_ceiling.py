@@ -9,7 +9,7 @@ Drafters compared (SmolLM2-135M, fp32, held-out code prompts, `--max-tokens` gre
   verified at once (tree verification), counted as the best of them: what multi-candidate lookup
   could add at k x d verify rows;
 - `prompt + corpus`: where the prompt has no match, a static n-gram table of the training corpus
-  (eecore.train.corpus, 12.6 M tokens, llama.cpp's `lookup-static` idea): the most frequent next
+  (eecore.sources.corpus, 12.6 M tokens, llama.cpp's `lookup-static` idea): the most frequent next
   token after the last 3, 2 or 1 tokens, chained, kept while seen >= `min_count` times and
   >= `min_share` of that context's continuations.
 
@@ -26,14 +26,14 @@ import numpy as np
 
 import eecore
 from common import cpu_model, save_results
-from eecore.prompts import heldout_code_prompts
+from eecore.evaluation.prompts import heldout_code_prompts
 from eecore.speculative.drafters import NgramIndex
 
 SEPARATOR = 65535  # between files in the token stream (not a SmolLM2 token id)
 
 
 def corpus_tokens(tokenizer) -> np.ndarray:
-    from eecore.train.corpus import build_corpus
+    from eecore.sources.corpus import build_corpus
 
     texts = [f.text for f in build_corpus().train]
     pieces = []
@@ -155,7 +155,7 @@ def main():
             rows.append(row)
             print(f"d={d} {name:45s} {row['tokens_per_round']:.3f} tokens/round, "
                   f"{row['rows_per_round']:.2f} verify rows/round", flush=True)
-    path = save_results(args.out_name, dict(model="SmolLM2-135M-Instruct", prompts="eecore.prompts.heldout_code_prompts",
+    path = save_results(args.out_name, dict(model="SmolLM2-135M-Instruct", prompts="eecore.evaluation.prompts.heldout_code_prompts",
                                             num_prompts=len(refs), max_tokens=args.max_tokens, rows=rows))
     print(f"results: {path}")
 

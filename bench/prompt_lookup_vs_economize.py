@@ -28,7 +28,7 @@ full-depth greedy run per prompt, the tokens per verify round that lookup drafts
 each (min_ngram, max_ngram, d) (greedy output does not depend on the drafts, so this is exact and
 needs no timing).
 
-Held-out code prompts come from `eecore.prompts.heldout_code_prompts(n)`: function starts from
+Held-out code prompts come from `eecore.evaluation.prompts.heldout_code_prompts(n)`: function starts from
 the packages held out of the exit adapters' training corpus (jinja2, tqdm, gguf).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 import eecore
 from common import cpu_model, save_results, timed
-from eecore.prompts import heldout_code_prompts
+from eecore.evaluation.prompts import heldout_code_prompts
 
 def _version(package: str):
     from importlib.metadata import PackageNotFoundError, version
@@ -180,7 +180,7 @@ def main():
     d = args.num_speculations
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
-    texts, source = heldout_code_prompts(args.num_prompts), "eecore.prompts.heldout_code_prompts"
+    texts, source = heldout_code_prompts(args.num_prompts), "eecore.evaluation.prompts.heldout_code_prompts"
     # every eecore configuration runs the model under test: with an exit-ready file (LoRA pairs) that
     # is the merged model, which HF transformers and economize (the original weights) do not run
     adapter = dict(exit_adapter=args.exit_adapter)

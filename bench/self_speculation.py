@@ -22,7 +22,7 @@ position; the exit-ready preset is `--draft hybrid --hybrid-switch token --looku
 --layer-speculations 3 --draft-thresholds 0.15 --drafts 4 --exit-layers 8 --draft-layers separate
 --draft-dtypes int8 --exit-adapter`); `--exit-adapter` loads exit
 adapters (the shipped ones without FILE) for the layer drafts. `--prompts code` runs held-out
-code-completion prompts (eecore.prompts) instead of the CLI's chat prompts. `--draft-layers separate`
+code-completion prompts (eecore.evaluation.prompts) instead of the CLI's chat prompts. `--draft-layers separate`
 drafts with a copy of layers 0..E-1 (eecore.speculative.draft_stack) in each of `--draft-dtypes`; an
 exit-ready file's LoRA pairs then change only the copy, so full depth is the original model;
 `--draft-top-ks` (separate only) verifies each drafted position's top-k tokens as a token tree.
@@ -53,7 +53,7 @@ import torch
 
 import eecore
 from eecore.cli import parse_min_acceptance
-from eecore.eval_metrics import compare_outputs
+from eecore.evaluation.metrics import compare_outputs
 from eecore.speculative.guard import break_even_acceptance
 from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 

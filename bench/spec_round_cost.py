@@ -24,7 +24,7 @@ import time
 
 import eecore
 from common import cpu_model
-from eecore.prompts import heldout_code_prompts
+from eecore.evaluation.prompts import heldout_code_prompts
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.draft_stack import DraftStack
 

@@ -57,10 +57,10 @@ def assert_copy_logits_match(hf, lora: LoraDeltas | None, E: int, seen) -> None:
 def int8_rounded(hf):
     """HF's model with every projection and the LM head in weight-only int8 as eecore computes it
     (eecore.models.int8_weights): the weights replaced by their dequantized int8 values, and each
-    projection's input rows rounded to int16 first (eecore.reference.round_rows_to_int16). What an
+    projection's input rows rounded to int16 first (eecore.testing.reference.round_rows_to_int16). What an
     int8 draft copy computes; the embeddings stay as they are (the copy keeps them dense)."""
     from eecore.models.int8_weights import Int8Weight
-    from eecore.reference import round_rows_to_int16
+    from eecore.testing.reference import round_rows_to_int16
 
     def round_input(module, args):
         x = args[0]

@@ -49,7 +49,7 @@ def assert_within_torch_error(actual: torch.Tensor, reference: torch.Tensor, bas
 
         max |actual - reference| <= factor * max |baseline - reference| + atol
 
-    `reference` is the computation in fp32 (e.g. an eecore.reference oracle writing into an fp32
+    `reference` is the computation in fp32 (e.g. an eecore.testing.reference oracle writing into an fp32
     buffer), and `baseline` is the same computation run by plain PyTorch in the kernel's dtype
     (bf16/fp16 matmuls, softmax and so on). A kernel may be a few times worse than PyTorch at its
     own dtype, never more. `atol` keeps an exact baseline from demanding bit-exactness.

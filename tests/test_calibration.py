@@ -378,7 +378,7 @@ def test_cli_reports_no_threshold_and_fails(models, tmp_path, capsys):
 
 
 def test_cli_reads_eval_prompt_files_and_rejects_bad_ones(models, tmp_path, capsys):
-    """calibrate reads the same prompt files as `eecore eval` (eecore.prompt_files), and a bad one
+    """calibrate reads the same prompt files as `eecore eval` (eecore.evaluation.prompt_sets), and a bad one
     is a clear error with exit code 2 before anything runs."""
     from eecore.cli import main
 

@@ -1,11 +1,11 @@
-"""eecore.train.chat_prompts: chat instructions made from installed packages' code and descriptions."""
+"""eecore.sources.chat_prompts: chat instructions made from installed packages' code and descriptions."""
 from __future__ import annotations
 
 import pytest
 
-from eecore.train.chat_prompts import (ChatInstruction, chat_instruction_records, description_instructions,
+from eecore.sources.chat_prompts import (ChatInstruction, chat_instruction_records, description_instructions,
                                        function_instructions)
-from eecore.train.corpus import CorpusFile
+from eecore.sources.corpus import CorpusFile
 
 SOURCE = '''
 def first_public(path, mode="r"):

@@ -1,4 +1,4 @@
-"""The local training corpus (eecore.train.corpus): built from installed distributions' Python
+"""The local training corpus (eecore.sources.corpus): built from installed distributions' Python
 source, deterministic, offline, deduplicated held-out first, budgeted per package.
 
 Fake distributions (a .dist-info with a RECORD, on a temporary sys.path entry) give full control
@@ -12,8 +12,8 @@ from importlib import metadata
 
 import pytest
 
-from eecore.train import corpus as corpus_mod
-from eecore.train.corpus import FILE_SEPARATOR, build_corpus, main, package_files, write_corpus
+from eecore.sources import corpus as corpus_mod
+from eecore.sources.corpus import FILE_SEPARATOR, build_corpus, main, package_files, write_corpus
 
 REAL = ("iniconfig", "pluggy", "packaging", "idna")
 

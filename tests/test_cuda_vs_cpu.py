@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, assert_within_torch_error, poison, random_block_tables, tol
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

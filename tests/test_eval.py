@@ -11,10 +11,10 @@ import pytest
 
 import eecore
 from eecore import cli
-from eecore.eval_metrics import compare_outputs, token_matches
+from eecore.evaluation.metrics import compare_outputs, token_matches
 from eecore.outputs import RequestOutput
-from eecore.prompt_files import EvalPrompt, PromptFileError, load_prompt_set, read_prompt_file
-from eecore.rouge import rouge_l
+from eecore.evaluation.prompt_sets import EvalPrompt, PromptFileError, load_prompt_set, read_prompt_file
+from eecore.evaluation.rouge import rouge_l
 from engine_utils import greedy
 from model_factory import make_tiny_hf_model
 
@@ -266,9 +266,9 @@ def test_builtin_code_set_has_no_references():
 
 
 def test_builtin_instructions_are_chat_messages_from_the_heldout_packages():
-    from eecore.prompt_files import chat_mode
-    from eecore.train.chat_prompts import chat_instruction_records
-    from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+    from eecore.evaluation.prompt_sets import chat_mode
+    from eecore.sources.chat_prompts import chat_instruction_records
+    from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
 
     items, builtin = load_prompt_set("instructions", 3)
     expected = chat_instruction_records(3, build_corpus((), DEFAULT_HELDOUT_PACKAGES).heldout)
@@ -280,8 +280,8 @@ def test_builtin_instructions_are_chat_messages_from_the_heldout_packages():
 
 
 def test_builtin_everyday_set_covers_the_heldout_topics_and_every_form():
-    from eecore.prompt_files import chat_mode
-    from eecore.train.general_chat_prompts import HELDOUT_TOPICS, TEMPLATES, heldout_requests
+    from eecore.evaluation.prompt_sets import chat_mode
+    from eecore.sources.general_chat_prompts import HELDOUT_TOPICS, TEMPLATES, heldout_requests
 
     items, builtin = load_prompt_set("everyday", 24)
     records = heldout_requests(24)

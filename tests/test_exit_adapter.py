@@ -576,7 +576,7 @@ def test_training_cli_end_to_end(tiny, llm, tmp_path, capsys):
     """python -m eecore.train.exit_adapter on a corpus folder, then the file in LLM(exit_adapter=)."""
     import json
 
-    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+    from eecore.sources.corpus import Corpus, CorpusFile, write_corpus
     from eecore.train.exit_adapter import main
 
     path, _ = tiny

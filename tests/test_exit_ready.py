@@ -232,8 +232,8 @@ def test_checkpoint_of_another_configuration_is_refused(llm, tokens, vocab, tmp_
 
 
 def _toy_corpus(folder, code: str) -> str:
-    """A corpus folder (eecore.train.corpus layout): `code` twenty times to train on, prose held out."""
-    from eecore.train.corpus import Corpus, CorpusFile, write_corpus
+    """A corpus folder (eecore.sources.corpus layout): `code` twenty times to train on, prose held out."""
+    from eecore.sources.corpus import Corpus, CorpusFile, write_corpus
 
     write_corpus(Corpus(train=[CorpusFile("fake", "a.py", code * 20, "0")],
                         heldout=[CorpusFile("held", "b.py", "Hello world! " * 30, "1")], versions={"fake": "1"}),

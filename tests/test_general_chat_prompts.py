@@ -1,4 +1,4 @@
-"""eecore.train.general_chat_prompts: everyday chat requests from a topic list, templated and
+"""eecore.sources.general_chat_prompts: everyday chat requests from a topic list, templated and
 written by the model itself."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 import eecore
 from eecore.cli import BENCH_PROMPTS
-from eecore.train import general_chat_prompts as gcp
+from eecore.sources import general_chat_prompts as gcp
 from model_factory import make_tiny_hf_model
 
 

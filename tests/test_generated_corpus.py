@@ -7,7 +7,7 @@ import json
 import pytest
 
 import eecore
-from eecore.train.corpus import FILE_SEPARATOR, CorpusFile
+from eecore.sources.corpus import FILE_SEPARATOR, CorpusFile
 from eecore.train.generated_corpus import write_generated_corpus
 from model_factory import make_tiny_hf_model
 
@@ -52,7 +52,7 @@ def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path)
 def test_chat_instructions_are_answered_in_the_chat_template(llm, tmp_path):
     """Chat samples are the instruction in the model's chat template, then its greedy answer, closed
     with the end-of-turn token when the answer ended there; interleaved with the code samples."""
-    from eecore.train.chat_prompts import chat_instruction_records
+    from eecore.sources.chat_prompts import chat_instruction_records
 
     train = [CorpusFile("pkg_a", "a.py", CODE.format(name="list_reports"), "0"),
              CorpusFile("pkg_b", "b.py", CODE.format(name="find_logs"), "1")]
@@ -150,9 +150,9 @@ def test_the_command_refuses_a_stop_that_is_not_positive(capsys):
 
 
 def test_everyday_requests_are_answered_in_the_chat_template(llm, tmp_path, monkeypatch):
-    """General requests (eecore.train.general_chat_prompts) of each split are answered like the
+    """General requests (eecore.sources.general_chat_prompts) of each split are answered like the
     technical ones, counted apart in the manifest, and interleaved with the code samples."""
-    from eecore.train import general_chat_prompts as gcp
+    from eecore.sources import general_chat_prompts as gcp
 
     monkeypatch.setattr(gcp, "TRAIN_TOPICS", ("bees", "tea"))
     monkeypatch.setattr(gcp, "HELDOUT_TOPICS", ("owls",))

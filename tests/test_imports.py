@@ -71,3 +71,21 @@ def test_no_import_cycles():
     assert len(graph) > 50 and graph["eecore.llm"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+def test_evaluation_and_sources_do_not_reach_training():
+    """Evaluating a strategy, or reading the local text sources, never imports the trainers."""
+    graph = module_graph()
+    for start in [m for m in graph if m.startswith(("eecore.evaluation", "eecore.sources"))]:
+        training = sorted(m for m in _reachable(graph, start) if m.startswith("eecore.train"))
+        assert not training, f"{start} reaches {training}"

@@ -3,7 +3,7 @@ are int8 against the same model built from the dequantized weights."""
 import pytest
 import torch
 
-from eecore import reference
+from eecore.testing import reference
 from eecore.models.int8_weights import Int8Weight, dense, project
 
 

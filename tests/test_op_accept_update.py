@@ -1,8 +1,9 @@
-"""accept_update against eecore.reference: sticky acceptance and the count of rows still running."""
+"""accept_update against eecore.testing.reference: sticky acceptance and the count of rows still running."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 
 
 def random_state(batch, device):

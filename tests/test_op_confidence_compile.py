@@ -1,7 +1,8 @@
 """The confidence ops inside one torch.compile(fullgraph=True) graph: an early-exit decision step."""
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 
 
 def exit_decision(ops_module, hidden, prev_hidden, lm_weight, classifier, status, threshold, active):

@@ -1,8 +1,9 @@
-"""hidden_cosine against eecore.reference (F.cosine_similarity in fp32, eps=1e-8)."""
+"""hidden_cosine against eecore.testing.reference (F.cosine_similarity in fp32, eps=1e-8)."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES
 
 COS_TOL = dict(rtol=1e-5, atol=1e-6)

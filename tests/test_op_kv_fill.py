@@ -1,11 +1,12 @@
-"""kv_fill against eecore.reference, and against a Llama layer's own K/V projections."""
+"""kv_fill against eecore.testing.reference, and against a Llama layer's own K/V projections."""
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, poison, tol
 from test_op_rotary_embedding import cos_sin_cache
 
@@ -149,7 +150,7 @@ def test_kv_fill_nothing_to_write_keeps_the_cache(device, dtype):
 def test_kv_fill_reproduces_a_llama_layer(device):
     """kv_fill with W_l = [k_proj * diag(gamma); v_proj * diag(gamma)] is what each layer itself
     computes: k = rope(k_proj(rms_norm(h) * gamma)), v = v_proj(rms_norm(h) * gamma). Plain torch
-    modules and HF-style rotate_half RoPE, independent of eecore.reference."""
+    modules and HF-style rotate_half RoPE, independent of eecore.testing.reference."""
     num_layers, hidden_size, num_kv_heads, head_dim, eps, base = 4, 96, 2, 32, 1e-6, 10000.0
     num_tokens, block_size, num_blocks = 5, 4, 3
     kv_width = num_kv_heads * head_dim

@@ -1,9 +1,10 @@
-"""linear against eecore.reference: every CPU path (weight streaming for few rows, in row blocks for
+"""linear against eecore.testing.reference: every CPU path (weight streaming for few rows, in row blocks for
 more, GEMM above kBlockedMaxRows)."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, poison, tol
 
 

@@ -1,10 +1,12 @@
 """linear with bf16 weights tiled for AMX-BF16 (csrc/linear/linear_amx_bf16.h) against
-eecore.reference, the bits of a row whatever the batch, the tiling helpers, and the argument checks
+eecore.testing.reference, the bits of a row whatever the batch, the tiling helpers, and the argument checks
 of both tiled forms (int8: tests/test_op_linear_amx_int8.py)."""
 import pytest
 import torch
 
-from eecore import _C, ops, reference
+from eecore import _C, ops
+
+from eecore.testing import reference
 from eecore.models.amx_weights import ENV_VAR, amx_available, can_tile, tile, untile
 from op_utils import poison, tol
 

@@ -4,7 +4,9 @@ bits of a row whatever the batch, the tiled Int8Weight, and an int8 draft copy r
 import pytest
 import torch
 
-from eecore import _C, ops, reference
+from eecore import _C, ops
+
+from eecore.testing import reference
 from eecore.models.amx_weights import ENV_VAR, amx_available, tile, tiled, untile
 from eecore.models.int8_weights import Int8Weight
 from op_utils import poison, tol

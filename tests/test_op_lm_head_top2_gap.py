@@ -1,8 +1,9 @@
-"""lm_head_top2_gap against eecore.reference (hidden @ weight.T, then the softmax top-2 gap)."""
+"""lm_head_top2_gap against eecore.testing.reference (hidden @ weight.T, then the softmax top-2 gap)."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES
 
 # The logits are fp32 dot products summed in a different order than the reference matmul, so

@@ -1,8 +1,9 @@
-"""mlp_confidence against eecore.reference: sigmoid(w2 . relu(w1 h + b1) + b2), CALM's classifier."""
+"""mlp_confidence against eecore.testing.reference: sigmoid(w2 . relu(w1 h + b1) + b2), CALM's classifier."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES
 
 CONF_TOL = dict(rtol=1e-5, atol=1e-6)

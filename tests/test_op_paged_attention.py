@@ -1,4 +1,4 @@
-"""paged_attention against eecore.reference: decode, prefill, chunked prefill, mixed varlen batches,
+"""paged_attention against eecore.testing.reference: decode, prefill, chunked prefill, mixed varlen batches,
 GQA, odd head dims, every block size, position bias, non-causal, token-tree masks, strided operands,
 and bad input."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Optional
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, poison, random_block_tables, tol
 
 # (query heads, KV heads): GQA ratios 1, 2, 4 and 8.

@@ -1,9 +1,10 @@
-"""reshape_and_cache against eecore.reference: every dtype and block size, skipped slots, strided
+"""reshape_and_cache against eecore.testing.reference: every dtype and block size, skipped slots, strided
 key/value, per-layer views of the KV tensor, untouched unused slots, and bad input."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, poison
 
 BLOCK_SIZES = [1, 5, 16, 32]

@@ -1,8 +1,9 @@
-"""rms_norm and fused_add_rms_norm against eecore.reference."""
+"""rms_norm and fused_add_rms_norm against eecore.testing.reference."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, poison, tol
 
 

@@ -1,8 +1,9 @@
-"""rotary_embedding against eecore.reference (and HF transformers' Llama RoPE)."""
+"""rotary_embedding against eecore.testing.reference (and HF transformers' Llama RoPE)."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, tol
 
 

@@ -1,8 +1,9 @@
-"""silu_and_mul against eecore.reference and HF Llama's MLP activation."""
+"""silu_and_mul against eecore.testing.reference and HF Llama's MLP activation."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES, poison, tol
 
 

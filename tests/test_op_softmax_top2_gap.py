@@ -1,8 +1,9 @@
-"""softmax_top2_gap against eecore.reference: values, ties, special values, strides, errors."""
+"""softmax_top2_gap against eecore.testing.reference: values, ties, special values, strides, errors."""
 import pytest
 import torch
 
-from eecore import ops, reference
+from eecore import ops
+from eecore.testing import reference
 from op_utils import DTYPES
 
 # The op sums exp in fp32 like the reference, in a different order; the reference's fp32 sum is

@@ -1,4 +1,4 @@
-"""Held-out code prompts (eecore.prompts): deterministic, offline, spread over the held-out packages,
+"""Held-out code prompts (eecore.evaluation.prompts): deterministic, offline, spread over the held-out packages,
 each ending inside a function's header or docstring, and none of them in the training corpus."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from eecore.prompts import estimate_tokens, function_prompts, heldout_code_prompt_records, heldout_code_prompts
-from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+from eecore.evaluation.prompts import estimate_tokens, function_prompts, heldout_code_prompt_records, heldout_code_prompts
+from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
 
 # small training distributions, markupsafe being jinja2's own dependency
 SMALL_TRAIN = ("markupsafe", "iniconfig", "pluggy", "packaging")

@@ -1,11 +1,11 @@
-"""The built-in English prose prompts (eecore.prompts.prose_prompt_records): plain paragraphs from
+"""The built-in English prose prompts (eecore.evaluation.prompts.prose_prompt_records): plain paragraphs from
 installed packages' descriptions, cut into a prompt and its reference continuation; deterministic."""
 from __future__ import annotations
 
 import pytest
 
-from eecore.prompt_files import load_prompt_set
-from eecore.prompts import (ProsePrompt, prose_paragraphs, prose_prompt_records, prose_prompts,
+from eecore.evaluation.prompt_sets import load_prompt_set
+from eecore.evaluation.prompts import (ProsePrompt, prose_paragraphs, prose_prompt_records, prose_prompts,
                             runtime_dependencies)
 
 DESCRIPTION = """# A project

@@ -59,7 +59,7 @@
 # exist; the 1,300 everyday requests are picked evenly over the topics from their 1,080 templated
 # ones and the model's own, about 8 kept of its 16 tries a topic), which trains from the shipped
 # file for what is left. Earlier runs: human-written code
-# (python -m eecore.train.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
+# (python -m eecore.sources.corpus, the default --corpus) at rank 32 and 64 on an H100 and an H200 (the
 # docs/draft-layers-history.md's sections of 2026-11-24 and 2026-11-26); full-depth LoRA (no --draft-only) on 2026-11-24.
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -71,7 +71,7 @@ pack() {
   local gguf corpus
   gguf="$("$PY" -c "from eecore.models.loader import default_model_path; print(default_model_path())")"
   corpus="$(mktemp -d)"
-  "$PY" -m eecore.train.corpus --out "$corpus" > /dev/null
+  "$PY" -m eecore.sources.corpus --out "$corpus" > /dev/null
   # the corpus has a part of its own: with the repository and a third of the model it would pass 64 MiB
   rm -rf "$PAYLOAD" && mkdir -p "$PAYLOAD"/part{1,2,3} "$PAYLOAD"/part4/corpus
   # the token streams, tokenized here (uint16: SmolLM2's ids fit), and the corpus manifest with the
@@ -173,8 +173,8 @@ assemble() {
 generate() {
   local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work" code chat general
   shift
-  # PROMPTS: CODE, CODE+CHAT for technical chat instructions (eecore.train.chat_prompts) besides the code
-  # prompts, or CODE+CHAT+GENERAL for everyday chat requests too (eecore.train.general_chat_prompts, 16
+  # PROMPTS: CODE, CODE+CHAT for technical chat instructions (eecore.sources.chat_prompts) besides the code
+  # prompts, or CODE+CHAT+GENERAL for everyday chat requests too (eecore.sources.general_chat_prompts, 16
   # tries a topic at requests the model writes itself besides the templated ones)
   IFS=+ read -r code chat general <<< "$prompts"
   chat="${chat:-0}" general="${general:-0}"

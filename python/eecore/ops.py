@@ -123,7 +123,7 @@ def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: O
     """`out = input @ weight.T + bias`, or `out += ...` with `accumulate`; returns `out`.
     Weight-only int8: an int8 `weight` [N, K] with `weight_scale` fp32 [N] stands for
     `weight_scale[:, None] * weight`, and each input row is first rounded to int16 with a scale of
-    its own (`eecore.reference.round_rows_to_int16`; eecore.models.int8_weights). A bf16 `weight`
+    its own (`eecore.testing.reference.round_rows_to_int16`; eecore.models.int8_weights). A bf16 `weight`
     may come tiled for AMX-BF16 instead, `[N/16, K/32, 16, 32]` (CPU; eecore.models.amx_weights)."""
     _ops.linear(out, input, weight, bias, bool(accumulate), weight_scale)
     return out

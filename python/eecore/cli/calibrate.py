@@ -2,7 +2,7 @@
 thresholds (CALM's Learn-then-Test; eecore.exits.calibrator), written to a thresholds file that
 `eecore generate/bench --threshold FILE` and `EarlyExitConfig(threshold=FILE)` load.
 
-Prompt files are `eecore eval`'s (eecore.prompt_files: one prompt per line, or JSONL objects with
+Prompt files are `eecore eval`'s (eecore.evaluation.prompt_sets: one prompt per line, or JSONL objects with
 a "prompt"). A "reference" is accepted and ignored: calibration compares with the model's own
 full-depth output, not with a reference.
 The prompts must be drawn like the ones the thresholds will serve (the guarantee assumes i.i.d.).
@@ -60,7 +60,7 @@ def cmd_calibrate(args) -> int:
     from eecore.cli.args import prompt_input
     from eecore.exits import thresholds_file
     from eecore.exits.calibrator import CalibrationSettings, calibrate
-    from eecore.prompt_files import read_prompt_file
+    from eecore.evaluation.prompt_sets import read_prompt_file
 
     try:
         candidates = None

@@ -5,23 +5,23 @@
 
 The strategy is set by the same flags as `eecore generate` (--early-exit with any measure,
 threshold, thresholds file or batch rule; --speculate with --draft layer|lookup|hybrid;
---exit-adapter; --draft-layers separate loads the model once per row, see eecore.evaluate). With
+--exit-adapter; --draft-layers separate loads the model once per row, see eecore.evaluation.strategies). With
 none of them, full depth is compared with itself (a sanity check: agreement and ROUGE-L 1.0,
 speed-up about 1). One result row per strategy; sweeps make several rows:
   --sweep-threshold T ...   one row per threshold (each replaces --threshold; --threshold keeps its
                             meaning everywhere: one value, one per layer, or a thresholds file)
   --sweep-exit-layer E ...  one row per static exit layer or draft depth (each replaces --exit-layer)
 
-Prompts (--prompts): "code" (held-out code-completion prompts, eecore.prompts), "prose" (English
+Prompts (--prompts): "code" (held-out code-completion prompts, eecore.evaluation.prompts), "prose" (English
 paragraphs from the descriptions of installed dependencies, with their continuations as
 references), "instructions" (chat requests made from the held-out packages: write, explain or
-summarize; eecore.train.chat_prompts), "everyday" (everyday chat requests on held-out topics: a
-poem, tips, an explanation; eecore.train.general_chat_prompts), or a file: one prompt per line,
-or JSONL {"prompt": ..., "reference": ...} (eecore.prompt_files). --chat auto wraps file prompts
+summarize; eecore.sources.chat_prompts), "everyday" (everyday chat requests on held-out topics: a
+poem, tips, an explanation; eecore.sources.general_chat_prompts), or a file: one prompt per line,
+or JSONL {"prompt": ..., "reference": ...} (eecore.evaluation.prompt_sets). --chat auto wraps file prompts
 and the two chat sets in the model's chat template when it has one, never the built-in completion
 sets.
 
-Reported per row (eecore.eval_metrics): tokens/s of the strategy and of full depth and the
+Reported per row (eecore.evaluation.metrics): tokens/s of the strategy and of full depth and the
 speed-up (alternating runs, --repeats times, median times), early-exit rate and mean layers per
 decoded token, token agreement and exact-match rate with full depth, ROUGE-L F1 to full depth's
 output and, when the prompts have references, to the references. Greedy unless --temperature.
@@ -91,7 +91,7 @@ def _label(strategy_args, early_exit, speculative) -> str:
 
 def _one_strategy(args):
     """The Strategy of one setting of the flags (as cli_args.build_llm reads them, without loading a model)."""
-    from eecore.evaluate import Strategy
+    from eecore.evaluation.strategies import Strategy
 
     try:
         early_exit = cli_args.early_exit_config(args)
@@ -136,10 +136,10 @@ def cmd_eval(args) -> int:
     from tqdm.auto import tqdm
 
     import eecore
-    from eecore import eval_report
-    from eecore.evaluate import evaluate_strategy
+    from eecore.evaluation import report as eval_report
+    from eecore.evaluation.strategies import evaluate_strategy
     from eecore.extras import MissingExtraError, require
-    from eecore.prompt_files import PromptFileError, chat_mode, load_prompt_set
+    from eecore.evaluation.prompt_sets import PromptFileError, chat_mode, load_prompt_set
 
     if args.plot:  # before the run, not after it
         try:

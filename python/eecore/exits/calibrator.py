@@ -40,7 +40,7 @@ from eecore.exits import calibration as ltt
 from eecore.exits.calibration_data import CalibrationRecord, full_thresholds, layer_thresholds, record, token_losses
 from eecore.exits.config import EarlyExitConfig
 from eecore.exits.thresholds_file import adapter_identity, file_sha256, model_identity
-from eecore.rouge import rouge_l
+from eecore.evaluation.rouge import rouge_l
 from eecore.sampling_params import SamplingParams
 
 CONSISTENCY = ("token", "text")
@@ -240,7 +240,7 @@ def _maybe_binarize(losses: torch.Tensor, s: CalibrationSettings) -> torch.Tenso
 # ---- text consistency -------------------------------------------------------------------------
 
 def rouge_l_f1(a: list[int], b: list[int]) -> float:
-    """ROUGE-L F1 of two token-id sequences (eecore.rouge on the ids written as words): token ids,
+    """ROUGE-L F1 of two token-id sequences (eecore.evaluation.rouge on the ids written as words): token ids,
     not text, so that two outputs that decode alike but differ in tokens still count as different."""
     return rouge_l(" ".join(map(str, a)), " ".join(map(str, b)))
 

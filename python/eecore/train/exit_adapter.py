@@ -21,7 +21,7 @@ Resumable: every `checkpoint_every` steps the adapters, the optimizer and the lo
 ends with the same weights as an uninterrupted run (the batch of step t is drawn from a generator
 seeded with (seed, t), so no data-loader state needs saving).
 
-    python -m eecore.train.corpus --out corpus/
+    python -m eecore.sources.corpus --out corpus/
     python -m eecore.train.exit_adapter --corpus corpus/ --checkpoint-dir ckpt/ --out adapters.safetensors
 """
 from __future__ import annotations
@@ -286,7 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import eecore
 
     ap = argparse.ArgumentParser(prog="python -m eecore.train.exit_adapter", description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", required=True, help="folder from `python -m eecore.train.corpus`")
+    ap.add_argument("--corpus", required=True, help="folder from `python -m eecore.sources.corpus`")
     ap.add_argument("--out", required=True, help="the adapter file to write (.safetensors)")
     ap.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints and the token cache")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

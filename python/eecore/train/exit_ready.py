@@ -33,7 +33,7 @@ Resumable: `<checkpoint_dir>/last.pt` holds the LoRA pairs, the adapters, the op
 history; the batch and the layer-dropout draws of step t are functions of (seed, t), so a resumed
 run ends with the weights of an uninterrupted one.
 
-    python -m eecore.train.corpus --out corpus/
+    python -m eecore.sources.corpus --out corpus/
     python -m eecore.train.exit_ready --corpus corpus/ --checkpoint-dir ckpt/ --out exit-ready.safetensors \\
         --init-adapters shipped [--device cuda]
 """
@@ -384,7 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import eecore
 
     ap = argparse.ArgumentParser(prog="python -m eecore.train.exit_ready", description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", required=True, help="folder from `python -m eecore.train.corpus`")
+    ap.add_argument("--corpus", required=True, help="folder from `python -m eecore.sources.corpus`")
     ap.add_argument("--out", help="the exit-ready adapter file to write (.safetensors)")
     ap.add_argument("--checkpoint-dir", help="resumable checkpoints, the log and the token cache")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

@@ -1,9 +1,9 @@
 """A corpus of the model's own greedy continuations: on-policy data for training drafts.
 
-Draft layers are used on what the model itself writes, while `eecore.train.corpus` holds source code
-as people wrote it. This builds the other kind: code-completion prompts (`eecore.prompts`) and, for
-an instruction-tuned model, chat requests (technical ones, `eecore.train.chat_prompts`, and
-everyday ones, `eecore.train.general_chat_prompts`, in its chat template)
+Draft layers are used on what the model itself writes, while `eecore.sources.corpus` holds source code
+as people wrote it. This builds the other kind: code-completion prompts (`eecore.evaluation.prompts`) and, for
+an instruction-tuned model, chat requests (technical ones, `eecore.sources.chat_prompts`, and
+everyday ones, `eecore.sources.general_chat_prompts`, in its chat template)
 from the training packages and from the held-out packages, each followed by the original model's
 greedy continuation, in the folder layout `python -m eecore.train.exit_ready --corpus` reads.
 
@@ -28,10 +28,10 @@ import os
 import time
 from typing import Callable, Optional
 
-from eecore.prompts import heldout_code_prompt_records
-from eecore.train.chat_prompts import chat_instruction_records
-from eecore.train.general_chat_prompts import general_instruction_records
-from eecore.train.corpus import (DEFAULT_HELDOUT_PACKAGES, DEFAULT_TRAIN_PACKAGES, FILE_SEPARATOR, CorpusFile,
+from eecore.evaluation.prompts import heldout_code_prompt_records
+from eecore.sources.chat_prompts import chat_instruction_records
+from eecore.sources.general_chat_prompts import general_instruction_records
+from eecore.sources.corpus import (DEFAULT_HELDOUT_PACKAGES, DEFAULT_TRAIN_PACKAGES, FILE_SEPARATOR, CorpusFile,
                                  build_corpus)
 
 
@@ -64,7 +64,7 @@ def _split_prompts(llm, split: str, files: list[CorpusFile], code: int, chat: in
                    asked_per_topic: int) -> list[tuple[str, str, bool]]:
     """(source, prompt text, is chat) for `code` code-completion prompts and `chat` technical
     instructions from `files` (source: the package), and `general` everyday requests of `split`
-    (`eecore.train.general_chat_prompts`; source: "topic:" and the topic), the requests in the
+    (`eecore.sources.general_chat_prompts`; source: "topic:" and the topic), the requests in the
     model's chat template, the three kinds interleaved."""
     code_records = heldout_code_prompt_records(code, packages=sorted({f.package for f in files}), files=files) \
         if code else []
@@ -81,13 +81,13 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
                            general_heldout_prompts: int = 0, asked_per_topic: int = 0, max_tokens: int = 128,
                            versions: Optional[dict[str, str]] = None, stop_at: Optional[float] = None,
                            chunk_prompts: int = 512, clock: Callable[[], float] = time.monotonic) -> dict:
-    """Writes train.txt and heldout.txt (samples separated as in `eecore.train.corpus`) and a manifest
+    """Writes train.txt and heldout.txt (samples separated as in `eecore.sources.corpus`) and a manifest
     with the keys the trainer records in its file (`versions`: the source packages' versions).
 
     Each split holds `*_prompts` code-completion prompts, `chat_*_prompts` technical instructions
-    (`eecore.train.chat_prompts`) and `general_*_prompts` everyday requests (templated, and with
+    (`eecore.sources.chat_prompts`) and `general_*_prompts` everyday requests (templated, and with
     `asked_per_topic` as many tries a topic at requests the model writes itself:
-    `eecore.train.general_chat_prompts`), the requests in the model's chat template and each answer
+    `eecore.sources.general_chat_prompts`), the requests in the model's chat template and each answer
     closed with its end-of-turn token when it ended there, the kinds interleaved. The held-out split is generated first and
     always whole. The train prompts then go to the model `chunk_prompts` at a time, and once
     `clock()` has reached `stop_at` no further chunk starts (the first always does): the split
@@ -154,14 +154,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--train-prompts", type=int, default=2400)
     ap.add_argument("--heldout-prompts", type=int, default=64)
     ap.add_argument("--chat-train-prompts", type=int, default=0,
-                    help="chat instructions (eecore.train.chat_prompts) in the train split, besides the code prompts")
+                    help="chat instructions (eecore.sources.chat_prompts) in the train split, besides the code prompts")
     ap.add_argument("--chat-heldout-prompts", type=int, default=0)
     ap.add_argument("--general-train-prompts", type=int, default=0,
-                    help="everyday chat requests (eecore.train.general_chat_prompts) in the train split")
+                    help="everyday chat requests (eecore.sources.general_chat_prompts) in the train split")
     ap.add_argument("--general-heldout-prompts", type=int, default=0)
     ap.add_argument("--asked-per-topic", type=int, default=0,
                     help="tries a topic at a request the model writes itself (sampled, seeded), besides the templated "
-                         "ones; kept when eecore.train.general_chat_prompts.clean_request accepts it")
+                         "ones; kept when eecore.sources.general_chat_prompts.clean_request accepts it")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--device", default="cpu",

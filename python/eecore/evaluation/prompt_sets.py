@@ -67,30 +67,30 @@ DEFAULT_BUILTIN_COUNT = 16
 
 
 def load_prompt_set(spec: str, num_prompts: Optional[int] = None) -> tuple[list[EvalPrompt], bool]:
-    """(prompts, whether the set is built in). `spec`: "code" (eecore.prompts.heldout_code_prompts,
-    no references), "prose" (eecore.prompts.prose_prompt_records: each paragraph's continuation is
+    """(prompts, whether the set is built in). `spec`: "code" (eecore.evaluation.prompts.heldout_code_prompts,
+    no references), "prose" (eecore.evaluation.prompts.prose_prompt_records: each paragraph's continuation is
     the reference), "instructions" (chat messages made from the held-out packages,
-    eecore.train.chat_prompts; no references), "everyday" (everyday chat requests on held-out
-    topics, eecore.train.general_chat_prompts.heldout_requests; no references), or a prompt file
+    eecore.sources.chat_prompts; no references), "everyday" (everyday chat requests on held-out
+    topics, eecore.sources.general_chat_prompts.heldout_requests; no references), or a prompt file
     (module doc). `num_prompts`: how many (built-in sets: DEFAULT_BUILTIN_COUNT when None; files:
     the first N, all when None). A file named like a built-in set must be given with a path, e.g.
     ./code."""
     if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
         raise PromptFileError(f"the number of prompts must be a positive int, got {num_prompts!r}")
     if spec in BUILTIN_SETS:
-        from eecore import prompts
+        from eecore.evaluation import prompts
 
         n = DEFAULT_BUILTIN_COUNT if num_prompts is None else num_prompts
         if spec == "code":
             items = [EvalPrompt(text) for text in prompts.heldout_code_prompts(n)]
         elif spec == "instructions":
-            from eecore.train.chat_prompts import chat_instruction_records
-            from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+            from eecore.sources.chat_prompts import chat_instruction_records
+            from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
 
             files = build_corpus((), DEFAULT_HELDOUT_PACKAGES).heldout
             items = [EvalPrompt(r.text) for r in chat_instruction_records(n, files)]
         elif spec == "everyday":
-            from eecore.train.general_chat_prompts import heldout_requests
+            from eecore.sources.general_chat_prompts import heldout_requests
 
             items = [EvalPrompt(r.text) for r in heldout_requests(n)]
         else:

@@ -1,6 +1,6 @@
 """Code-completion prompts from text that eecore's training never saw.
 
-The exit adapters train on the Python source of installed packages (`eecore.train.corpus`), with
+The exit adapters train on the Python source of installed packages (`eecore.sources.corpus`), with
 whole packages held out (`DEFAULT_HELDOUT_PACKAGES`: jinja2, tqdm, gguf). The prompts here come
 from those held-out files only, read through the corpus builder itself (`build_corpus`), so they
 are exactly the files of its held-out split: no network, no data set, and the same prompts on every
@@ -12,7 +12,7 @@ its `def` line(s) and its docstring if it has one. The prompt ends right after t
 signature or the docstring's closing quotes, with no newline: SmolLM2's tokenizer merges a newline
 with the next line's indentation, so the model writes that token itself.
 
-    from eecore.prompts import heldout_code_prompts
+    from eecore.evaluation.prompts import heldout_code_prompts
     prompts = heldout_code_prompts(16)       # 16 strings, spread over jinja2, tqdm and gguf
 
 English prose prompts (`prose_prompts`, `prose_prompt_records`) come from the project descriptions
@@ -27,7 +27,9 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from eecore.train.corpus import DEFAULT_HELDOUT_PACKAGES, CorpusFile, build_corpus
+from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, CorpusFile, build_corpus
+from eecore.sources.descriptions import (SENTENCE_END, balanced_picks, normalize_name, package_description,
+                                         prose_paragraphs, runtime_dependencies)
 
 __all__ = ["CodePrompt", "heldout_code_prompt_records", "heldout_code_prompts", "function_prompts",
            "estimate_tokens", "ProsePrompt", "prose_paragraphs", "prose_prompt_records", "prose_prompts",
@@ -161,13 +163,6 @@ def function_prompts(text: str, *, max_tokens: int = 110, min_tokens: int = 50, 
     return out
 
 
-def _spread(items: list, k: int) -> list:
-    """k items evenly spaced over `items` (all of them when there are no more than k)."""
-    if k >= len(items):
-        return list(items)
-    return [items[(2 * i + 1) * len(items) // (2 * k)] for i in range(k)]
-
-
 def heldout_code_prompt_records(n: int = 16, *, packages: Iterable[str] = DEFAULT_HELDOUT_PACKAGES,
                                 max_tokens: int = 110, min_tokens: int = 50,
                                 count: Callable[[str], int] = estimate_tokens,
@@ -202,22 +197,7 @@ def heldout_code_prompts(n: int = 16, **kwargs) -> list[str]:
     return [r.text for r in heldout_code_prompt_records(n, **kwargs)]
 
 
-# ---- English prose -----------------------------------------------------------------------------
-# A paragraph is prose when none of its lines starts like markup (heading, list, quote, table, rst
-# directive, indented code) and, once inline markup is unwrapped, nothing code- or link-like is left.
-_MARKUP_LINE = re.compile(r"^\s*(?:[#*>|=+~`-]|\.\.|\d+[.)]\s|\t|    )")
-_INLINE_MARKUP = [
-    (re.compile(r"!?\[([^\]]*)\]\([^)]*\)"), r"\1"),       # [text](url)
-    (re.compile(r":\w+:`([^`]*)`"), r"\1"),                  # :role:`text`
-    (re.compile(r"`+([^`]*)`+_?"), r"\1"),                    # `code`, ``code``, `link`_
-    (re.compile(r"\*\*([^*]+)\*\*"), r"\1"),                 # **bold**
-    (re.compile(r"(?<!\w)\*([^*]+)\*(?!\w)"), r"\1"),          # *emphasis*
-    (re.compile(r"(?<=\w)_(?=[\s.,;:!?)]|$)"), ""),            # rst link reference name_
-]
-_NOT_PROSE = re.compile(r"https?:|www\.|[<>|{}\[\]\\@#^~_=]|::|\.py\b|\w\(")
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
-
-
+# ---- English prose (the paragraphs come from eecore.sources.descriptions) ----------------------
 @dataclass(frozen=True)
 class ProsePrompt:
     package: str      # the distribution whose description the paragraph comes from
@@ -225,88 +205,15 @@ class ProsePrompt:
     reference: str    # the rest of the paragraph (what its author wrote next), without the leading space
 
 
-def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _requirement(spec: str) -> Optional[str]:
-    """The distribution a requirement names, or None when its marker leaves it out here (an extra's
-    requirement, or one for another platform or Python)."""
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # no `packaging`: keep plain requirements, drop every marked one
-        name, _, marker = spec.partition(";")
-        match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", name)
-        return match.group(1) if match and not marker.strip() else None
-    req = Requirement(spec)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        return None
-    return req.name
-
-
-def runtime_dependencies(root: str = "eecore") -> list[str]:
-    """The installed distributions that `root` needs at run time, directly or through others
-    (extras left out), `root` itself excluded; normalized names, sorted."""
-    from importlib import metadata
-
-    seen: set[str] = set()
-    todo = [root]
-    while todo:
-        name = _normalize(todo.pop())
-        if name in seen:
-            continue
-        try:
-            requires = metadata.distribution(name).requires or []
-        except metadata.PackageNotFoundError:  # a requirement that is not installed has no text
-            continue
-        seen.add(name)
-        todo.extend(r for r in (_requirement(spec) for spec in requires) if r is not None)
-    seen.discard(_normalize(root))
-    return sorted(seen)
-
-
-def prose_paragraphs(description: str, *, min_words: int = 30) -> list[str]:
-    """The plain-prose paragraphs of a Markdown or reStructuredText description, each on one line:
-    at least `min_words` words and two sentences, ending with a period, mostly letters, not shouted
-    (license disclaimers in capitals)."""
-    out = []
-    for block in re.split(r"\n\s*\n", description):
-        lines = block.strip("\n").split("\n")
-        if not block.strip() or any(_MARKUP_LINE.match(line) for line in lines):
-            continue
-        text = " ".join(block.split())
-        for pattern, replacement in _INLINE_MARKUP:
-            text = pattern.sub(replacement, text)
-        words = text.split()
-        if _NOT_PROSE.search(text) or not text.endswith(".") or len(words) < min_words:
-            continue
-        if sum(c.isalpha() or c.isspace() for c in text) < 0.9 * len(text):
-            continue
-        if sum(w.isupper() and len(w) > 1 for w in words) > 0.2 * len(words):
-            continue
-        if len(_SENTENCE_END.split(text)) < 2:
-            continue
-        out.append(text)
-    return out
-
-
 def _split_paragraph(text: str, min_prompt_words: int) -> Optional[tuple[str, str]]:
     """(the shortest run of leading sentences with `min_prompt_words` words, the rest), or None
     when nothing would be left for the reference."""
-    sentences = _SENTENCE_END.split(text)
+    sentences = SENTENCE_END.split(text)
     for k in range(1, len(sentences)):
         head = " ".join(sentences[:k])
         if len(head.split()) >= min_prompt_words:
             return head, " ".join(sentences[k:])
     return None
-
-
-def package_description(package: str) -> str:
-    """The long description of an installed distribution: its dist-info METADATA, read from disk."""
-    from importlib import metadata
-
-    meta = metadata.distribution(package).metadata
-    return meta.get_payload() or meta.get("Description") or ""
 
 
 def prose_prompt_records(n: int = 16, *, packages: Optional[Iterable[str]] = None, min_words: int = 30,
@@ -324,7 +231,7 @@ def prose_prompt_records(n: int = 16, *, packages: Optional[Iterable[str]] = Non
     if min_prompt_words < 1 or min_words <= min_prompt_words:
         raise ValueError(f"prose_prompts: need 1 <= min_prompt_words < min_words, got {min_prompt_words}, "
                          f"{min_words}")
-    names = runtime_dependencies() if packages is None else sorted({_normalize(p) for p in packages})
+    names = runtime_dependencies() if packages is None else sorted({normalize_name(p) for p in packages})
     per_package: dict[str, list[ProsePrompt]] = {}
     seen: set[str] = set()   # the same boilerplate paragraph in several descriptions counts once
     for name in names:
@@ -339,27 +246,6 @@ def prose_prompt_records(n: int = 16, *, packages: Optional[Iterable[str]] = Non
             seen.add(paragraph)
             per_package.setdefault(name, []).append(ProsePrompt(name, split[0], split[1]))
     return balanced_picks(per_package, n)
-
-
-def balanced_picks(per_package: dict[str, list], n: int) -> list:
-    """`n` items: each group's share as equal as the groups' sizes allow (a short group leaves its
-    rest to the others), evenly spaced within a group, interleaved group by group."""
-    shares = {p: 0 for p in per_package}
-    left = n
-    while left > 0:
-        open_ = [p for p in per_package if shares[p] < len(per_package[p])]
-        if not open_:
-            break
-        for p in open_:
-            if left == 0:
-                break
-            shares[p] += 1
-            left -= 1
-    picked = [_spread(per_package[p], shares[p]) for p in per_package]
-    out = []
-    for i in range(max((len(v) for v in picked), default=0)):
-        out.extend(v[i] for v in picked if i < len(v))
-    return out
 
 
 def prose_prompts(n: int = 16, **kwargs) -> list[str]:

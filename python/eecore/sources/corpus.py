@@ -13,7 +13,7 @@ that installed the same versions:
 - every distribution contributes at most `max_chars_per_package` characters (its files in path
   order), so one huge package (torch) does not drown the others.
 
-    python -m eecore.train.corpus --out corpus/        # writes train.txt, heldout.txt, manifest.json
+    python -m eecore.sources.corpus --out corpus/        # writes train.txt, heldout.txt, manifest.json
 
 Files are separated by `FILE_SEPARATOR` in the text files. Nothing here touches the network.
 """
@@ -149,7 +149,7 @@ def write_corpus(corpus: Corpus, out_dir: str) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eecore.train.corpus", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eecore.sources.corpus", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--train-packages", nargs="+", default=list(DEFAULT_TRAIN_PACKAGES))
     ap.add_argument("--heldout-packages", nargs="+", default=list(DEFAULT_HELDOUT_PACKAGES))

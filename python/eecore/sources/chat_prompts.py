@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from eecore.prompts import balanced_picks, package_description, prose_paragraphs
-from eecore.train.corpus import CorpusFile
+from eecore.sources.corpus import CorpusFile
+from eecore.sources.descriptions import balanced_picks, package_description, prose_paragraphs
 
 _FIRST_SENTENCE = re.compile(r"^(.+?[.!?])(?:\s|$)", re.S)
 _MAX_SOURCE_LINES = 30
@@ -79,7 +79,7 @@ def function_instructions(file: CorpusFile) -> list[ChatInstruction]:
 
 def description_instructions(package: str) -> list[ChatInstruction]:
     """"about" the package, then a "summarize" instruction per prose paragraph of its description
-    (`eecore.prompts.prose_paragraphs`, 30-200 words)."""
+    (`eecore.evaluation.prompts.prose_paragraphs`, 30-200 words)."""
     out = [ChatInstruction(package, "about", f"What is the Python package {package} used for?")]
     try:
         description = package_description(package)
@@ -94,7 +94,7 @@ def description_instructions(package: str) -> list[ChatInstruction]:
 def chat_instruction_records(n: int, files: Iterable[CorpusFile]) -> list[ChatInstruction]:
     """`n` instructions from the packages of `files` (fewer when they hold fewer), each package's
     share as equal as its instructions allow, evenly spaced within it, interleaved package by
-    package (`eecore.prompts`' picking); repeated texts count once."""
+    package (`eecore.evaluation.prompts`' picking); repeated texts count once."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"chat_instruction_records: n must be an int >= 0, got {n!r}")
     per_package: dict[str, list[ChatInstruction]] = {}

@@ -3,7 +3,7 @@
 For each strategy, the prompt set runs through the strategy's engine and through a full-depth
 engine, alternating, `repeats` times each: a burst of load on a shared machine then hits both
 alike (bench/early_exit_sweep.py's `measure_pair`). Throughput is tokens over the median time of
-the runs; the quality numbers compare the first run's outputs (eecore.eval_metrics).
+the runs; the quality numbers compare the first run's outputs (eecore.evaluation.metrics).
 
 Both engines sit on one set of weights: `share_weights` builds a second LLM around the first one's
 model, tokenizer and exit adapters, with its own KV cache and decode strategy. So the comparison
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from eecore.engine.llm_engine import LLMEngine
-from eecore.eval_metrics import compare_outputs
+from eecore.evaluation.metrics import compare_outputs
 from eecore.exits.config import EarlyExitConfig
 from eecore.llm import LLM, _strategy
 from eecore.outputs import RequestOutput

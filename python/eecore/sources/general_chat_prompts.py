@@ -1,6 +1,6 @@
 """General chat requests (a poem, tips, why the sky is blue), for on-policy data of a chat model.
 
-`eecore.train.chat_prompts` makes technical requests from the installed packages; drafts trained on
+`eecore.sources.chat_prompts` makes technical requests from the installed packages; drafts trained on
 their answers got better on technical chat (0.53 -> 0.68 acceptance) and not at all on everyday
 requests (0.27 -> 0.28 on the CLI's bench prompts), because nothing installed reads like them. No
 chat dataset is on this machine and the tests never download one, so this module makes everyday
@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from eecore.prompts import balanced_picks
+from eecore.sources.descriptions import balanced_picks
 
 TRAIN_TOPICS = (
     "autumn leaves", "baking bread", "bees", "bicycles", "birthday parties", "black holes", "board games",
@@ -168,7 +168,7 @@ def asked_instructions(llm, split: str, per_topic: int, *, temperature: float = 
 def general_instruction_records(n: int, split: str, llm=None, asked_per_topic: int = 0) -> list[GeneralInstruction]:
     """`n` everyday requests of `split` (fewer when there are fewer): the templated ones and, with
     `llm` and `asked_per_topic`, the model-written ones, each topic's share as equal as its requests
-    allow, interleaved topic by topic (`eecore.prompts.balanced_picks`)."""
+    allow, interleaved topic by topic (`eecore.evaluation.prompts.balanced_picks`)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"general_instruction_records: n must be an int >= 0, got {n!r}")
     grouped = templated_instructions(split)

@@ -1,0 +1,2 @@
+"""Evaluating a decoding strategy against full depth (`eecore eval`): the prompt sets (`prompts`,
+`prompt_sets`), the runs (`strategies`), the metrics (`metrics`, `rouge`) and the report (`report`)."""

@@ -1,0 +1,1 @@
+"""What the tests and benchmarks hold eecore to: `reference`, the pure-PyTorch oracle of every op."""
