@@ -39,7 +39,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     m.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                    help="exit adapters: the ones shipped for the default model (no FILE), or a file")
+    add_strategy_flags(p)
+    add_early_exit_flags(p)
+    add_speculation_flags(p)
+    add_engine_flags(p)
 
+
+def add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    """The decoding strategy: full depth unless early exit or self-speculation is asked for."""
     t = p.add_argument_group("strategy (default: full depth)")
     t.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
     t.add_argument("--threshold", type=threshold_arg, nargs="+", default=[0.9],
@@ -59,6 +66,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
     t.add_argument("--num-speculations", type=int, default=None, help="(default: 4)")
 
+
+def add_early_exit_flags(p: argparse.ArgumentParser) -> None:
+    """The early-exit settings past the measure, threshold and exit layer."""
     e = p.add_argument_group("early exit, advanced")
     # None: EarlyExitConfig's default, or the thresholds file's value
     e.add_argument("--min-exit-layer", type=int, default=None, help="(default: 1)")
@@ -67,6 +77,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--batch-rule", choices=["all", "compact"], default=None, help="(default: all)")
     e.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
 
+
+def add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    """The self-speculation settings past the draft source and length (`--exit-ready` sets them)."""
     s = p.add_argument_group("self-speculation, advanced (--exit-ready sets these)")
     s.add_argument("--draft-threshold", type=float, default=None,
                    help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
@@ -113,6 +126,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="--draft hybrid: layer drafts stop while more than N sequences decode, lookup drafts go on "
                         "(up to --disable-by-batch-size)")
 
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's sizes: the running batch, the token budget of a step, the KV cache."""
     b = p.add_argument_group("engine")
     b.add_argument("--max-num-seqs", type=positive_int, default=32,
                    help="sequences in the running batch (default: %(default)s)")

@@ -165,14 +165,7 @@ class InputBuilder:
                 tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
             positions[lo: lo + n] = pos
             seq_lens[b] = row.start + n
-        for b in range(len(rows), B):  # padding: a one-token sequence at position 0 of the pad block
-            lo = int(qsl[b])
-            qsl[b + 1] = lo + 1
-            tables[b, 0] = self.pad_block
-            slots[lo] = self.pad_block * bs
-            tokens[lo] = 0
-            positions[lo] = 0
-            seq_lens[b] = 1
+        self._pad(len(rows), B, tables)
         last = self._h_last.numpy()
         last[:B] = qsl[1: B + 1] - 1
         views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
@@ -192,6 +185,19 @@ class InputBuilder:
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
                           row_lens=lens + [1] * (B - len(rows)))
+
+    def _pad(self, first: int, end: int, tables: np.ndarray) -> None:
+        """Rows first..end-1 of the host buffers as padding: each a one-token sequence at position 0 of
+        the pad block, whose K/V lands there and whose attention sees only itself."""
+        qsl, bs = self._h_qsl.numpy(), self.block_size
+        for b in range(first, end):
+            lo = int(qsl[b])
+            qsl[b + 1] = lo + 1
+            tables[b, 0] = self.pad_block
+            self._h_slots.numpy()[lo] = self.pad_block * bs
+            self._h_tokens.numpy()[lo] = 0
+            self._h_positions.numpy()[lo] = 0
+            self._h_seq_lens.numpy()[b] = 1
 
     def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models)."""
