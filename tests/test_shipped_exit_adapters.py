@@ -143,7 +143,7 @@ def test_exit_ready_before_the_prompt():
     """`eecore generate --exit-ready "def f():"`: a word after the flag that is not a preset is the
     prompt, and the flag means the default preset; a preset's misspelling is refused, not generated."""
     from eecore import cli
-    from eecore.speculative.config import EXIT_READY_PRESETS
+    from eecore.speculative.presets import EXIT_READY_PRESETS
 
     assert set(cli.EXIT_READY_CHOICES) == set(EXIT_READY_PRESETS)
     args = cli.parse_args(["generate", "--exit-ready", "def f():", "second prompt", "--max-tokens", "4"])

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 
-# SelfSpeculativeConfig.EXIT_READY_PRESETS' names, spelled out so that `eecore --help` needs no torch
+# eecore.speculative.presets.EXIT_READY_PRESETS' names, spelled out so that `eecore --help` needs no torch
 EXIT_READY_CHOICES = ("layer", "hybrid")
 
 
@@ -200,15 +201,6 @@ def build_llm(args):
         raise SystemExit(f"eecore: {exc}") from None
 
 
-# SelfSpeculativeConfig fields with a flag of the same name; a flag left out (None) keeps the
-# config's default, or --exit-ready's setting
-SPECULATION_FLAGS = ("exit_layer", "num_speculations", "draft_threshold", "long_draft_acceptance", "min_acceptance",
-                     "draft",
-                     "layer_speculations", "lookup_min_ngram", "lookup_max_ngram", "disable_by_batch_size",
-                     "layer_disable_by_batch_size",
-                     "draft_layers", "draft_dtype", "draft_top_k", "accept", "exit_threshold", "hybrid_switch")
-
-
 def apply_exit_ready(args) -> None:
     """--exit-ready stands for --speculate --exit-adapter (the shipped files; a FILE given stays)."""
     if getattr(args, "exit_ready", None) is not None:
@@ -221,7 +213,10 @@ def speculative_config(args):
     """The SelfSpeculativeConfig of the self-speculation flags (a bad combination exits with a message)."""
     import eecore
 
-    given = {name: getattr(args, name) for name in SPECULATION_FLAGS if getattr(args, name) is not None}
+    # every SelfSpeculativeConfig field with a flag of its name; a flag left out (None) keeps the
+    # config's default, or --exit-ready's setting
+    names = [f.name for f in dataclasses.fields(eecore.SelfSpeculativeConfig) if hasattr(args, f.name)]
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     preset = getattr(args, "exit_ready", None)
     draft = given.get("draft", "layer")
     if preset is None and "exit_layer" not in given and draft != "lookup":

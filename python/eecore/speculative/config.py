@@ -4,11 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
-
 from eecore.engine.inputs import MAX_TREE_TOKENS
-from eecore.models.amx_weights import amx_available
 from eecore.models.exit_adapter import ExitAdapters
+from eecore.speculative.presets import exit_ready_settings
 
 BREAK_EVEN = "break-even"  # min_acceptance: the model's bandwidth-bound break-even for E and d
 DRAFT_MODES = ("layer", "lookup", "hybrid")
@@ -16,35 +14,6 @@ DRAFT_LAYERS = ("shared", "separate")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 ACCEPT_MODES = ("verified", "confident")
 HYBRID_SWITCHES = ("round", "token")
-
-# SelfSpeculativeConfig.exit_ready: the settings measured fastest for the embedded SmolLM2-135M with
-# its shipped draft layers (python/eecore/data/smollm2-135m-instruct-draft-layers.md has the runs):
-# the copy of layers 0..7 with the file's pairs merged in, as weight-only int8. "layer": d = 4
-# with drafting stopped below 0.15 (d = 3 / 4 / 5 ran within 2% of each other, 1.57-1.59x full
-# depth at batch 1 on 2 Zen 4 cores); "hybrid": 4 drafted tokens, each position from a lookup
-# match of 2-4 tokens where the draft so far ends in one and from the copy otherwise (at most 3
-# copy passes, stopped below 0.15). Exact replays of full-depth greedy runs on 24 held-out code
-# prompts (bench/hybrid_policy_replay.py) gave it 2.99 tokens a round against 2.52 for whole
-# rounds of 1-3-gram lookup (else one layer draft); on a Zen 3, whose int8 copy passes cost more
-# without VNNI, it ran 1.03x that older preset (the model card has both). Larger batches verify
-# at the cost of arithmetic, not of weight reads, so each preset stops drafting where it stopped
-# paying: layer d = 4 ran 1.47x at batch 2 and 0.85x at 4; lookup drafts 1.10x at 4, 0.88x at 8.
-# Where the int8 copy runs on AMX-INT8 tiles (eecore.models.amx_weights) its passes cost little at
-# any of these batches, and the layer preset drafts up to 4 sequences (LAYER_PRESET_AMX_MAX_BATCH):
-# on an Intel Xeon (2 cores) d = 4 ran 1.40x / 1.27x / 1.17x full depth at batch 2 / 3 / 4 in fp32
-# and 1.22x / 1.16x at 2 / 4 in bf16, while d = 1 at batch 8 ran 0.93-0.97x.
-EXIT_READY_PRESETS = {
-    "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, long_draft_acceptance=0.5,
-                  draft_layers="separate", draft_dtype="int8", disable_by_batch_size=2),
-    "hybrid": dict(draft="hybrid", hybrid_switch="token", exit_layer=8, num_speculations=4, layer_speculations=3,
-                   lookup_min_ngram=2, lookup_max_ngram=4, draft_threshold=0.15, long_draft_acceptance=0.5,
-                   draft_layers="separate", draft_dtype="int8", disable_by_batch_size=4),
-}
-LAYER_PRESET_AMX_MAX_BATCH = 4
-# ... and where bf16 verify rows run on AMX-BF16 tiles, the hybrid preset goes on with lookup drafts
-# alone up to 8 running sequences (lookup drafts at batch 8: 1.15-1.17x bf16 full depth, 0.98-1.00x
-# fp32; continuous batching on an Intel Xeon, bench/self_speculation.py --draft lookup --requests 32)
-HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH = 8
 
 
 @dataclass
@@ -206,23 +175,11 @@ class SelfSpeculativeConfig:
 
     @classmethod
     def exit_ready(cls, preset: str = "layer", **overrides) -> "SelfSpeculativeConfig":
-        """The embedded model's exit-ready self-speculation (EXIT_READY_PRESETS): "layer" drafts with
+        """The embedded model's exit-ready self-speculation (eecore.speculative.presets): "layer" drafts with
         the shipped draft layers alone, "hybrid" with prompt lookup first. Use it with
         `LLM(exit_adapter=True)`, which loads those layers (CLI: `--exit-ready [layer|hybrid]`).
         `overrides` replace any of its fields."""
-        if preset not in EXIT_READY_PRESETS:
-            raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'preset' must be one of "
-                             f"{', '.join(EXIT_READY_PRESETS)}, got {preset!r}")
-        settings = dict(EXIT_READY_PRESETS[preset])
-        if preset == "layer" and amx_available(torch.int8):
-            settings["disable_by_batch_size"] = LAYER_PRESET_AMX_MAX_BATCH
-        if preset == "hybrid" and amx_available(torch.bfloat16):
-            settings["layer_disable_by_batch_size"] = settings["disable_by_batch_size"]
-            settings["disable_by_batch_size"] = HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH
-            limit = overrides.get("disable_by_batch_size")
-            if limit is not None and "layer_disable_by_batch_size" not in overrides:
-                # a lower overall limit given alone lowers the layer drafts' with it
-                settings["layer_disable_by_batch_size"] = min(settings["layer_disable_by_batch_size"], limit)
+        settings = exit_ready_settings(preset, overrides)
         return cls(**{**settings, **overrides})
 
     def __post_init__(self):
