@@ -183,6 +183,16 @@ class SelfSpeculativeConfig:
         return cls(**{**settings, **overrides})
 
     def __post_init__(self):
+        # in this order, so that the first problem named is the same whatever else is wrong
+        self._check_draft_source()
+        self._check_draft_stops()
+        self._check_batch_limits()
+        self._check_draft_layers()
+        self._check_acceptance()
+        self._check_hybrid()
+
+    def _check_draft_source(self) -> None:
+        """The draft source, the exit layer and the draft lengths."""
         if self.draft not in DRAFT_MODES:
             raise ValueError(f"SelfSpeculativeConfig: 'draft' must be one of {', '.join(DRAFT_MODES)}, "
                              f"got {self.draft!r}")
@@ -202,6 +212,9 @@ class SelfSpeculativeConfig:
             if not _is_int(self.layer_speculations) or not 1 <= self.layer_speculations <= self.num_speculations:
                 raise ValueError(f"SelfSpeculativeConfig: 'layer_speculations' must be an int in [1, num_speculations="
                                  f"{self.num_speculations}], got {self.layer_speculations!r}")
+
+    def _check_draft_stops(self) -> None:
+        """What ends or gates a layer draft: the thresholds and the guard."""
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_threshold' must be in [0, 1], got {self.draft_threshold!r}")
         if self.long_draft_acceptance is not None and (
@@ -221,6 +234,9 @@ class SelfSpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"SelfSpeculativeConfig: '{name}' applies to layer drafts, and "
                                      f"draft='lookup' makes none (use draft='hybrid')")
+
+    def _check_batch_limits(self) -> None:
+        """The batch sizes above which drafting stops."""
         if self.disable_by_batch_size is not None and (not _is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"SelfSpeculativeConfig: 'disable_by_batch_size' must be an int >= 1 or None, "
@@ -235,6 +251,9 @@ class SelfSpeculativeConfig:
                 bound = "" if limit is None else f" and at most disable_by_batch_size ({limit})"
                 raise ValueError(f"SelfSpeculativeConfig: 'layer_disable_by_batch_size' must be an int >= 1{bound}, "
                                  f"got {value!r}")
+
+    def _check_draft_layers(self) -> None:
+        """Shared or separate draft layers, the copy's dtype and token trees."""
         if self.draft_layers not in DRAFT_LAYERS:
             raise ValueError(f"SelfSpeculativeConfig: 'draft_layers' must be one of {', '.join(DRAFT_LAYERS)}, "
                              f"got {self.draft_layers!r}")
@@ -257,6 +276,9 @@ class SelfSpeculativeConfig:
         if self.draft_top_k > 1 and self.verify_width > MAX_TREE_TOKENS:
             raise ValueError(f"SelfSpeculativeConfig: a round verifies 1 + num_speculations x draft_top_k = "
                              f"{self.verify_width} tokens per sequence; at most {MAX_TREE_TOKENS} fit a token tree")
+
+    def _check_acceptance(self) -> None:
+        """Verified or confident drafts, and the exit threshold of the latter."""
         if self.accept not in ACCEPT_MODES:
             raise ValueError(f"SelfSpeculativeConfig: 'accept' must be one of {', '.join(ACCEPT_MODES)}, "
                              f"got {self.accept!r}")
@@ -281,6 +303,9 @@ class SelfSpeculativeConfig:
                     not self.draft_threshold <= self.exit_threshold <= 1.0:
                 raise ValueError(f"SelfSpeculativeConfig: 'exit_threshold' must be a number in [draft_threshold="
                                  f"{self.draft_threshold}, 1], got {self.exit_threshold!r}")
+
+    def _check_hybrid(self) -> None:
+        """How a hybrid draft switches source, and the lookup's n-gram sizes."""
         if self.hybrid_switch not in HYBRID_SWITCHES:
             raise ValueError(f"SelfSpeculativeConfig: 'hybrid_switch' must be one of {', '.join(HYBRID_SWITCHES)}, "
                              f"got {self.hybrid_switch!r}")
