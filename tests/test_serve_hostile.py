@@ -12,10 +12,9 @@ import random
 import httpx
 import pytest
 
-import eecore
 from engine_utils import random_prompts
 from model_factory import make_tiny_hf_model
-from serve_utils import MODEL, LiveServer, error_of, greedy_params, tiny_llm
+from serve_utils import LiveServer, error_of, greedy_params, tiny_llm
 
 VOCAB = 320
 
@@ -357,3 +356,35 @@ def test_fuzzed_requests_get_4xx_or_run_and_never_hurt_others(server, oracle):
     assert sum(code == 200 for code, _ in statuses) >= 30  # the fuzz also runs what it should run
     assert good.json()["choices"][0]["text"] == expected
     assert server.wait_idle()["eecore_kv_blocks_used"] == 0
+
+
+def test_a_request_that_finished_in_a_failed_step_still_gets_its_answer(tiny_path, oracle):
+    """A step raises after it finished a request (here: the first step that produced tokens, once):
+    the finished request is still answered with its text, and the other one ends too (with its own
+    text, or with the error if it was in that step: the probe names no culprit), so nothing hangs."""
+    prompts = random_prompts(VOCAB, [5, 8], seed=6)
+    expected = [o.text for o in oracle.generate(prompts, [greedy_params(1), greedy_params(6)])]
+    llm = tiny_llm(tiny_path, num_blocks=64)
+    step, failed = llm.engine.step, []
+
+    def step_then_fail_once():
+        out = step()
+        if out and not failed:  # the first step that produced tokens fails after producing them
+            failed.append(True)
+            raise RuntimeError("after the fact")
+        return out
+
+    llm.engine.step = step_then_fail_once
+
+    async def scenario(srv):
+        async with httpx.AsyncClient(base_url=f"{srv.url}/v1", timeout=60) as client:
+            bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+                      for p, n in zip(prompts, (1, 6))]
+            return await asyncio.gather(*(client.post("/completions", json=b) for b in bodies))
+
+    with LiveServer(llm) as srv:
+        rs = asyncio.run(scenario(srv))
+        texts = [r.json()["choices"][0]["text"] if r.status_code == 200 else r.status_code for r in rs]
+        assert texts[0] == expected[0]
+        assert texts[1] == expected[1] or (texts[1] == 500 and "after the fact" in error_of(rs[1])["message"])
+        assert srv.wait_idle()["eecore_kv_blocks_used"] == 0

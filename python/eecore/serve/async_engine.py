@@ -221,6 +221,11 @@ class AsyncEngine:
         self._failed_in_a_row += 1
         error = EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
         suspects = {seq.seq_id for seq in self.engine.recover_from_failed_step()}
+        # a sequence may have finished inside the failed step before it raised: its end goes out now
+        for handle in list(self._live.values()):
+            for seq in handle.seqs:
+                if seq.is_finished:
+                    self._route(seq, out)
         culprits = [h for h in self._live.values() if any(s.seq_id in suspects for s in h.seqs)]
         if not culprits or self._failed_in_a_row > 1:
             culprits = list(self._live.values())
@@ -234,6 +239,7 @@ class AsyncEngine:
                 self._owner.pop(seq.seq_id, None)
             self._live.pop(handle.request_id, None)
             out.append((handle, error))
+
 
     def _route(self, seq: Sequence, out: list) -> None:
         delta = self._tracker.delta(seq)
