@@ -38,24 +38,24 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
     still run; only the tokens they chose are replaced."""
     decoder = llm.engine.strategy
     chain: dict[int, int] = {}  # seq_id -> drafts proposed so far this round
-    copy_drafts, propose = decoder._lookup_and_copy_drafts, decoder._propose
+    copy_drafts, propose = decoder.proposer.propose, decoder.picker.propose
 
-    def round_drafts(seqs, lookup, budgets):
+    def round_drafts(seqs, drafts, budgets):
         chain.clear()
-        return copy_drafts(seqs, lookup, budgets)
+        return copy_drafts(seqs, drafts, budgets)
 
     def oracle_propose(logits, seqs):
-        tokens, *rest = propose(logits, seqs)
+        proposal = propose(logits, seqs)
         for i, seq in enumerate(seqs):
             k = chain.get(seq.seq_id, 0)
             chain[seq.seq_id] = k + 1
             wanted = continuations[tuple(seq.prompt_token_ids)]
             position = len(seq.output_token_ids) + k
             if position < len(wanted):
-                tokens[i] = wanted[position]
-        return (tokens, *rest)
+                proposal.tokens[i] = wanted[position]
+        return proposal
 
-    decoder._lookup_and_copy_drafts, decoder._propose = round_drafts, oracle_propose
+    decoder.proposer.propose, decoder.picker.propose = round_drafts, oracle_propose
 
 
 def main() -> None:

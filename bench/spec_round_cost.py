@@ -25,16 +25,18 @@ import time
 import eecore
 from common import cpu_model
 from eecore.evaluation.prompts import heldout_code_prompts
+from eecore.speculative.acceptance import Acceptor
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.draft_stack import DraftStack
+from eecore.speculative.proposers import SharedLayerProposer
+from eecore.speculative.verification import Verifier
 
 # (owner, method, label): the decoder's steps, and the separate draft copy's passes
 PARTS = ((SelfSpeculativeDecoder, "decode", "decode"),
-         (SelfSpeculativeDecoder, "_draft", "draft"),
-         (SelfSpeculativeDecoder, "_verify", "verify"),
-         (SelfSpeculativeDecoder, "_verify_all", "verify_all"),
-         (SelfSpeculativeDecoder, "_accept", "accept"),
-         (SelfSpeculativeDecoder, "_accept_all", "accept_all"),
+         (SharedLayerProposer, "propose", "draft"),
+         (Verifier, "from_exit_states", "verify"),
+         (Verifier, "full", "verify_all"),
+         (Acceptor, "accept_all", "accept_all"),
          (DraftStack, "first_pass", "copy.first_pass"),
          (DraftStack, "next_pass", "copy.next_pass"))
 

@@ -3,6 +3,8 @@ eecore.speculative.draft_length): full-length drafts while first drafts are acce
 round while they are not; outputs stay full depth's."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import eecore
@@ -97,8 +99,9 @@ def test_sure_first_drafts_keep_the_chains_long(tiny):
     for fake in (1.0, 0.99):
         llm = _spec(path, 1.0)
         strategy = llm.engine.strategy
-        propose = strategy._propose
-        strategy._propose = lambda logits, seqs, _fake=fake: propose(logits, seqs)[:5] + ([_fake] * len(seqs),)
+        propose = strategy.picker.propose
+        strategy.picker.propose = lambda logits, seqs, _fake=fake: dataclasses.replace(
+            propose(logits, seqs), top1=[_fake] * len(seqs))
         outs = llm.generate(prompts, greedy(30))
         drafted[fake] = [o.metrics["num_drafted_tokens"] / o.metrics["num_verify_steps"] for o in outs]
     assert all(r > 2.5 for r in drafted[1.0]) and all(r < 1.5 for r in drafted[0.99]), drafted

@@ -45,14 +45,14 @@ def _prompts(batch: int) -> list[list[int]]:
 def _record_chains(llm) -> list[list[bool]]:
     """Each drafted chain's sources (True: lookup), round by round."""
     strategy, chains = llm.engine.strategy, []
-    original = strategy._switching_drafts
+    original = strategy.proposer.propose
 
     def spy(seqs, budgets, layers):
-        drafts, probs, from_lookup, copy_ran = original(seqs, budgets, layers)
-        chains.extend(f for f in from_lookup if f)
-        return drafts, probs, from_lookup, copy_ran
+        drafts = original(seqs, budgets, layers)
+        chains.extend(d.from_lookup for d in drafts if d.from_lookup)
+        return drafts
 
-    strategy._switching_drafts = spy
+    strategy.proposer.propose = spy
     return chains
 
 
@@ -93,15 +93,15 @@ def test_copy_drafts_after_lookup_tokens_see_them(tiny, lora_file):
     file, lora = lora_file
     llm = _switching(path, file, max_num_seqs=8, max_num_batched_tokens=9)  # catch-ups go in chunks
     strategy, seen = llm.engine.strategy, []
-    take = strategy._take_drafts
+    take = strategy.picker.take
 
     def spy(logits, rows, seqs, drafts, *rest, **kw):
         for row, b in zip(logits, rows):
             seq = seqs[b]
-            seen.append((seq.token_slice(0, seq.num_computed_tokens + 1) + drafts[b], row.clone()))
+            seen.append((seq.token_slice(0, seq.num_computed_tokens + 1) + drafts[b].tokens, row.clone()))
         return take(logits, rows, seqs, drafts, *rest, **kw)
 
-    strategy._take_drafts = spy
+    strategy.picker.take = spy
     chains = _record_chains(llm)
     llm.generate(_prompts(8), [greedy(12 + 3 * i) for i in range(8)])
     assert len(seen) > 10

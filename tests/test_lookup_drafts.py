@@ -143,12 +143,12 @@ def test_hybrid_mixes_lookup_and_layer_drafts_in_one_round(tiny):
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
     llm = _llm(path, "hybrid", E=2, d=3, lookup_min_ngram=2)
     strategy, mixed = llm.engine.strategy, []
-    draft = strategy._draft
+    propose = strategy.proposer.propose
 
-    def spy(seqs, lookup, budgets):
-        mixed.append(any(lookup) and any(budgets))
-        return draft(seqs, lookup, budgets)
-    strategy._draft = spy
+    def spy(seqs, drafts, budgets):
+        mixed.append(any(drafts) and any(budgets))  # the drafts hold the lookup tokens on the way in
+        return propose(seqs, drafts, budgets)
+    strategy.proposer.propose = spy
     outs = llm.generate(prompts, greedy(16))
     assert [o.token_ids for o in outs] == expected
     assert any(mixed), "no round had both lookup and layer drafts"
@@ -165,14 +165,14 @@ def test_hybrid_layer_drafts_have_their_own_length(tiny):
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
     llm = _llm(path, "hybrid", E=2, d=4, layer_speculations=1, lookup_min_ngram=2)
     strategy, layer_lengths, lookup_lengths = llm.engine.strategy, [], []
-    draft = strategy._draft
+    propose = strategy.proposer.propose
 
-    def spy(seqs, lookup, budgets):
-        drafts, probs, exits = draft(seqs, lookup, budgets)
-        layer_lengths.extend(len(d) for d, b in zip(drafts, budgets) if b)
-        lookup_lengths.extend(len(d) for d in lookup)
-        return drafts, probs, exits
-    strategy._draft = spy
+    def spy(seqs, drafts, budgets):
+        lookup_lengths.extend(len(d) for d in drafts)  # the lookup tokens, before the layers add theirs
+        layered = [b for b, n in enumerate(budgets) if n]
+        propose(seqs, drafts, budgets)
+        layer_lengths.extend(len(drafts[b]) for b in layered)
+    strategy.proposer.propose = spy
     assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == expected
     assert layer_lengths and max(layer_lengths) == 1
     assert max(lookup_lengths) > 1  # lookup drafts keep num_speculations

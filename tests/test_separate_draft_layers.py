@@ -64,14 +64,14 @@ def _record_drafts(llm):
     context is the sequence's tokens through its pending one."""
     strategy = llm.engine.strategy
     seen = []
-    original = strategy._propose
+    original = strategy.picker.propose
 
     def propose(logits, seqs):
         for row, seq in zip(logits, seqs):
             seen.append((seq.token_slice(0, seq.num_computed_tokens + 1), row.clone()))
         return original(logits, seqs)
 
-    strategy._propose = propose
+    strategy.picker.propose = propose
     return seen
 
 

@@ -155,7 +155,7 @@ def test_the_copy_keeps_only_agreed_drafts(tiny):
     llm = _tree(path, E, 3, 4)
     strategy, stack = llm.engine.strategy, llm.engine.strategy.draft_stack
     seen, first = [], []
-    first_pass, propose = stack.first_pass, strategy._propose
+    first_pass, propose = stack.first_pass, strategy.picker.propose
 
     def recording_first_pass(seqs):
         first.append([s.token_slice(0, s.num_computed_tokens + 1) for s in seqs])
@@ -166,7 +166,7 @@ def test_the_copy_keeps_only_agreed_drafts(tiny):
             seen.extend(zip(first.pop(), logits.clone()))
         return propose(logits, seqs)
 
-    stack.first_pass, strategy._propose = recording_first_pass, recording_propose
+    stack.first_pass, strategy.picker.propose = recording_first_pass, recording_propose
     outs = llm.generate(random_prompts(VOCAB, [5, 9, 3], seed=6), greedy(30))
     assert sum(o.metrics["num_tree_alternatives_accepted"] for o in outs) > 0 and len(seen) > 20
     reference = copy.deepcopy(hf)

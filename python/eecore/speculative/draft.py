@@ -1,0 +1,127 @@
+"""What a sequence drafts in a round (`Draft`), and how layer drafts turn draft-head logits into
+tokens (`DraftPicker`): the argmax or a draw from the draft distribution, the thresholds that end a
+chain, exits that skip verification (accept="confident"), token-tree alternatives."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from eecore.engine.sampler import Sampler, argmax_rows
+from eecore.engine.sequence import Sequence
+
+
+@dataclass
+class Draft:
+    """One sequence's draft in one round, token by token."""
+    tokens: list[int] = field(default_factory=list)
+    # each token's proposal distribution q (None: greedy, or a lookup token, whose q is one-hot)
+    probs: list = field(default_factory=list)
+    from_lookup: list[bool] = field(default_factory=list)  # per token: prompt lookup drafted it, else layers
+    # per layer-drafted position (token trees, draft_top_k > 1): the runners-up verified beside it
+    alternatives: list[list[int]] = field(default_factory=list)
+    # the logprobs (None unless asked) of the leading tokens emitted as exits (accept="confident")
+    exits: list = field(default_factory=list)
+    layer_turn: bool = False  # a layer draft was allowed this round: the rounds the guard judges
+    copy_ran: bool = False    # the separate draft copy ran for this sequence this round
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_lookup(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.probs += [None] * len(tokens)
+        self.from_lookup += [True] * len(tokens)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for a batch of rows of draft-head logits (DraftPicker.propose)."""
+    tokens: list[int]
+    probs: list                 # q per row (None: greedy)
+    confident: list[bool]       # top-1 probability at least draft_threshold
+    exiting: list[bool]         # top-1 probability at least the exit confidence (accept="confident")
+    logprobs: list              # what an exiting row reports (None unless the request asks)
+    top1: Optional[list[float]]  # top-1 probabilities (None when no rule needs them)
+
+
+class DraftPicker:
+    """Layer drafts from the draft head's column logits `[n, K]` (DraftHead.columns)."""
+
+    def __init__(self, config, draft_head, sampler: Sampler, draft_length=None):
+        self.head = draft_head
+        self.sampler = sampler
+        self.draft_threshold = config.draft_threshold
+        self.exit_threshold = config.exit_confidence
+        self.top_k = config.draft_top_k
+        self.draft_length = draft_length
+
+    def propose(self, logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
+        """Draft tokens: argmax, or a draw from the processed distribution q over the whole
+        vocabulary (kept for rejection sampling). Greedy rows never leave the K columns (the rest of
+        the vocabulary has logit -inf)."""
+        head = self.head
+        top1 = None
+        if self.draft_threshold is None and self.exit_threshold is None and self.draft_length is None:
+            columns = argmax_rows(logits).tolist()
+        else:
+            # the top-1 probability and its column in one softmax and one max: right after a
+            # verify pass has streamed the weights through every cache, each torch op costs tens
+            # of microseconds whatever its size, so a drafted token pays per op, not per element
+            p, columns = torch.softmax(logits, dim=-1).max(dim=-1)
+            top1, columns = p.tolist(), columns.tolist()
+        tokens = head.token_id_list(columns)
+        probs: list = [None] * len(seqs)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            q = Sampler.probabilities(head.widen(logits[sampled]), [seqs[i].params for i in sampled])
+            for j, i in enumerate(sampled):
+                tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
+                probs[i] = q[j]
+        n = len(seqs)
+        confident = [True] * n if self.draft_threshold is None else [p >= self.draft_threshold for p in top1]
+        exiting = [False] * n if self.exit_threshold is None else [p >= self.exit_threshold for p in top1]
+        logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
+                    if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
+        return Proposal(tokens, probs, confident, exiting, logprobs, top1)
+
+    def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
+        """The draft's next most likely tokens after each greedy sequence's chain token (up to
+        draft_top_k - 1, none outside the draft vocabulary); none for sampled sequences."""
+        values, columns = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        values, indices = values.tolist(), self.head.token_ids(columns).tolist()
+        return [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
+                if seq.params.greedy else [] for seq, token, ids, vals in zip(seqs, tokens, indices, values)]
+
+    def take(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts: list[Draft],
+             with_alternatives: bool = False, opening=()) -> tuple[list[int], set[int]]:
+        """Draft tokens of seqs[b] for b in `rows` (one row each of `logits`) added to drafts[b]. A
+        draft that leads the chain as an exit (accept="confident": every earlier draft of the round
+        exited, and it is at least exit-confidence sure) adds its logprobs to the exits; with
+        `with_alternatives`, its tree alternatives are kept too. A doubtful draft (below
+        draft_threshold) is dropped and ends its sequence's drafting. Returns the rows that drafted,
+        and those of them whose chain ends with this draft all the same: rows in `opening` (the
+        round's first layer draft of seqs[b]) that long_draft_acceptance stops (DraftLength)."""
+        live_seqs = [seqs[b] for b in rows]
+        for seq in live_seqs:  # every layer proposal costs a draft head (with a copy: a copy pass), kept or not
+            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + 1
+        proposal = self.propose(logits, live_seqs)
+        alts = self.alternatives(logits, live_seqs, proposal.tokens) if self.top_k > 1 else [[]] * len(rows)
+        kept, ended = [], set()
+        for i, b in enumerate(rows):
+            if not proposal.confident[i]:
+                continue
+            draft = drafts[b]
+            if self.draft_length is not None and b in opening and \
+                    not self.draft_length.goes_on(seqs[b], proposal.top1[i]):
+                ended.add(b)
+            if proposal.exiting[i] and len(draft.exits) == len(draft.tokens):
+                draft.exits.append(proposal.logprobs[i])
+            draft.tokens.append(proposal.tokens[i])
+            draft.probs.append(proposal.probs[i])
+            draft.from_lookup.append(False)
+            if with_alternatives:
+                draft.alternatives.append(alts[i])
+            kept.append(b)
+        return kept, ended

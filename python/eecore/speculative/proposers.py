@@ -1,0 +1,153 @@
+"""Where layer drafts come from, one class per source. Each `propose` adds layer tokens to the
+sequences' `Draft`s (some may already hold prompt-lookup tokens) within per-sequence budgets:
+
+- `SharedLayerProposer` (LayerSkip): the model's own layers 0..E-1, writing the shared KV cache;
+  each pass's layer-E states go to the exit-query cache, from which verification continues.
+- `CopyProposer` (draft_layers="separate"): a copy of layers 0..E-1 with a KV cache of its own;
+  verification runs the whole model.
+- `TokenSwitchProposer` (draft="hybrid", hybrid_switch="token"): each drafted position from a
+  lookup continuation where the draft so far ends in a match, from the copy where it does not.
+
+Prompt lookup itself is `eecore.speculative.drafters.PromptLookup`.
+"""
+from __future__ import annotations
+
+import torch
+
+from eecore.engine.inputs import Row
+from eecore.engine.sequence import Sequence
+from eecore.speculative.draft import Draft, DraftPicker
+
+
+class SharedLayerProposer:
+    """Pass k (k = 0..d) runs the newest token (the pending one, then each draft) through layers
+    0..E-1 only and stores its layer-E state in the exit-query cache; passes k < d also read a draft
+    token off the draft head. Lookup drafts join pass 0 as one more varlen row each (all their
+    positions at once), so the exit-query cache holds every position the verify pass needs."""
+
+    verifies_from_exit_states = True
+
+    def __init__(self, runner, picker: DraftPicker, exit_layer: int, num_drafts: int, exit_states: torch.Tensor):
+        self.runner = runner
+        self.picker = picker
+        self.exit_layer = exit_layer
+        self.num_drafts = num_drafts
+        self.exit_states = exit_states  # [rows, verify width, d]: layer-E state of each drafted position
+
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
+        E, states = self.exit_layer, self.exit_states
+        width = states.shape[1]
+        lookup = [list(d.tokens) for d in drafts]  # what lookup drafted: run in pass 0, with the pending token
+        newest = [s.last_token_id for s in seqs]
+        live = list(range(len(seqs)))  # rows whose newest token still needs its layer-E state
+        for k in range(self.num_drafts + 1):
+            if not live:
+                break
+            if k == 0:
+                rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, lookup)]
+            else:
+                rows = [Row(seqs[b], seqs[b].num_computed_tokens + k, [newest[b]]) for b in live]
+            inputs = self.runner.prepare(rows)
+            hidden = self.runner.embed(inputs)
+            self.runner.run_layers(hidden, inputs.attn, 0, E)
+            if k == 0 and inputs.num_tokens > len(seqs):  # lookup rows hold several positions
+                index = [b * width + j for b, d in enumerate(lookup) for j in range(len(d) + 1)]
+                states[: len(seqs)].view(len(seqs) * width, -1).index_copy_(
+                    0, torch.tensor(index, device=hidden.device), hidden)
+                starts = [0]
+                for d in lookup:
+                    starts.append(starts[-1] + len(d) + 1)
+            elif len(live) == len(seqs):
+                states[: len(seqs), k].copy_(hidden)
+                starts = range(len(seqs))
+            else:
+                states[:, k].index_copy_(0, torch.tensor(live, device=hidden.device), hidden)
+                starts = range(len(live))
+            drafting = [j for j, b in enumerate(live) if len(drafts[b]) < budgets[b]]
+            if not drafting:
+                break
+            picked = hidden if len(drafting) == len(live) == inputs.num_tokens else \
+                hidden.index_select(0, torch.tensor([starts[j] for j in drafting], device=hidden.device))
+            rows = [live[j] for j in drafting]
+            kept, ended = self.picker.take(self.picker.head.columns(picked), rows, seqs, drafts,
+                                           opening=rows if k == 0 else ())
+            for b in kept:
+                newest[b] = drafts[b].tokens[-1]
+                if b in ended:
+                    budgets[b] = len(drafts[b])  # its last pass writes the draft's layer-E state only
+            live = kept
+
+
+class CopyProposer:
+    """The separate draft stack: pass 0 runs what the copy has not seen through the pending token,
+    pass k draft k; the last draft needs no pass (verification runs it through the model)."""
+
+    verifies_from_exit_states = False
+
+    def __init__(self, stack, picker: DraftPicker):
+        self.stack = stack
+        self.picker = picker
+
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
+        live = [b for b, n in enumerate(budgets) if n]
+        if not live:
+            return
+        for b in live:
+            drafts[b].copy_ran = True
+        hidden = self.stack.first_pass([seqs[b] for b in live])
+        for k in range(1, max(budgets[b] for b in live) + 1):
+            kept, ended = self.picker.take(self.picker.head.columns(hidden), live, seqs, drafts,
+                                           with_alternatives=True, opening=live if k == 1 else ())
+            live = [b for b in kept if len(drafts[b]) < budgets[b] and b not in ended]
+            if not live:
+                break
+            hidden = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
+
+
+class TokenSwitchProposer:
+    """hybrid_switch="token": each sequence's draft grows by lookup continuations while it ends in
+    an n-gram match, and by one copy token where it does not (one copy pass for all such sequences
+    at once, which first runs what the copy has not seen: its catch-up, the pending token and the
+    draft's lookup tokens), until its budget, `layer_passes` copy passes, or a doubtful copy token."""
+
+    verifies_from_exit_states = False
+
+    def __init__(self, stack, picker: DraftPicker, lookup, layer_passes: int):
+        self.stack = stack
+        self.picker = picker
+        self.lookup = lookup
+        self.layer_passes = layer_passes
+
+    def propose(self, seqs: list[Sequence], budgets: list[int], layers: list[bool]) -> list[Draft]:
+        """`layers[b]`: whether the copy may draft for seqs[b] this round (the guard, and the batch
+        limit of layer drafts); without it a draft is a lookup run alone."""
+        drafts = [Draft() for _ in seqs]
+        passes_left = [self.layer_passes if allowed and n else 0 for allowed, n in zip(layers, budgets)]
+
+        def extend_by_lookup(b: int) -> None:
+            while len(drafts[b]) < budgets[b]:
+                more = self.lookup.propose(seqs[b], budgets[b] - len(drafts[b]), after=drafts[b].tokens)
+                if not more:
+                    return
+                drafts[b].add_lookup(more)
+
+        for b in range(len(seqs)):
+            extend_by_lookup(b)
+        live = [b for b in range(len(seqs)) if len(drafts[b]) < budgets[b] and passes_left[b]]
+        first = True
+        while live:
+            live_seqs, live_drafts = [seqs[b] for b in live], [drafts[b].tokens for b in live]
+            hidden = self.stack.first_pass(live_seqs, live_drafts) if first else \
+                self.stack.next_pass(live_seqs, live_drafts)
+            first = False
+            opening = [b for b in live if not drafts[b].copy_ran]
+            for b in live:
+                drafts[b].copy_ran = drafts[b].layer_turn = True
+                passes_left[b] -= 1
+            kept, ended = self.picker.take(self.picker.head.columns(hidden), live, seqs, drafts, opening=opening)
+            for b in kept:
+                if b in ended:
+                    passes_left[b] = 0
+                extend_by_lookup(b)
+            live = [b for b in kept if len(drafts[b]) < budgets[b] and passes_left[b]]
+        return drafts
