@@ -120,11 +120,7 @@ class InputBuilder:
         """`pad_to`: append one-token rows in the pad block up to that many rows, and give the block
         tables their full width (a static step: see the module doc)."""
         if pad_to is not None:
-            if self.pad_block < 0:
-                raise RuntimeError("InputBuilder: padding needs the KV cache's pad block")
-            if pad_to < len(rows) or any(len(r.tokens) != 1 or r.parents is not None for r in rows):
-                raise ValueError(f"InputBuilder: padding to {pad_to} rows takes at most that many rows of one "
-                                 f"token each, got {len(rows)} rows")
+            self._check_padding(rows, pad_to)
         B = len(rows) if pad_to is None else pad_to
         lens = [len(r.tokens) for r in rows]
         T = sum(lens) + (B - len(rows))
@@ -185,6 +181,13 @@ class InputBuilder:
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
                           row_lens=lens + [1] * (B - len(rows)))
+
+    def _check_padding(self, rows: list[Row], pad_to: int) -> None:
+        if self.pad_block < 0:
+            raise RuntimeError("InputBuilder: padding needs the KV cache's pad block")
+        if pad_to < len(rows) or any(len(r.tokens) != 1 or r.parents is not None for r in rows):
+            raise ValueError(f"InputBuilder: padding to {pad_to} rows takes at most that many rows of one "
+                             f"token each, got {len(rows)} rows")
 
     def _pad(self, first: int, end: int, tables: np.ndarray) -> None:
         """Rows first..end-1 of the host buffers as padding: each a one-token sequence at position 0 of
