@@ -9,7 +9,7 @@ alternately on one machine:
 
     python bench/attention_rows.py [--dtypes float32 bfloat16] [--repeats 300] [--out-name attention-rows]
 
-writes bench/results/<out-name>-<date>.json.
+writes bench/results/<machine>/<out-name>-<date>.json.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ It measures, in one process so that every ratio compares numbers taken side by s
     pre-gathered KV, and flash_attn_with_kvcache where flash-attn is installed;
   * lm_head_top2_gap vs matmul + softmax + topk at B in {1, 8, 64}, V=128256, d=2048 (goal >= 1.5x);
   * kv_fill over 15 layers vs the per-layer loop (matmul, RoPE, reshape_and_cache) (goal >= 3x);
-and writes bench/results/<device>-<date>.json and a short .md next to it.
+and writes bench/results/<gpu>/<device>-<date>.json and a short .md next to it (<gpu>: e.g. nvidia-h100
+for an NVIDIA H100 80GB HBM3, whose <device> is nvidia-h100-80gb-hbm3).
 Times are medians of CUDA-event timings after warm-up.
 """
 from __future__ import annotations
@@ -20,15 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
     """Median milliseconds of fn() over `iters` runs, each bracketed by CUDA events."""
@@ -92,7 +89,7 @@ def bench_decode(ops, iters: int, copy_gbps: float) -> dict:
     with torch.no_grad():
         ref = sdpa().view(B, Hq, D)
     result["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
-    del k, v
+    k = v = None  # free the gathered KV (sdpa holds it) before flash-attn's own
 
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -175,11 +172,13 @@ def bench_kv_fill(ops, iters: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer timed iterations")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the .json and .md results")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for the .json and .md results (default: bench/results/<gpu>)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py needs a CUDA device")
     from eecore import _C, ops  # noqa: F401  (imported here so --help works without a build)
+    from common import RESULTS_DIR, device_folder, device_slug
 
     iters = 10 if args.quick else 50
     device = torch.cuda.get_device_name()
@@ -203,9 +202,10 @@ def main() -> None:
         "kv_fill >= 3x the per-layer loop": fill["speedup"] >= 3.0,
     }
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-').lower()}-{results['date']}"
-    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    out = args.out or Path(RESULTS_DIR) / device_folder(device)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{device_slug(device)}-{results['date']}"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [f"# eecore CUDA benchmarks: {device}, {results['date']}", "",
              f"torch {results['torch']}, CUDA {results['cuda']}; medians of {iters} CUDA-event timings.", "",
              f"- D2D copy: {copy['GBps']:.0f} GB/s (read + write)",
@@ -220,9 +220,9 @@ def main() -> None:
              f"- kv_fill over {fill['layers']} layers ({fill['tokens']} tokens): {fill['eecore_ms']:.3f} ms vs "
              f"per-layer loop {fill['per_layer_loop_ms']:.3f} ms ({fill['speedup']:.2f}x)", "",
              "Goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in results["goals"].items()), ""]
-    (args.out / f"{stem}.md").write_text("\n".join(lines))
+    (out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    print(f"wrote {args.out / stem}.json and .md")
+    print(f"wrote {out / stem}.json and .md")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ alternating with full depth on the same weights, at the given batch size, where 
         [--epsilon 0.1] [--measures softmax cosine classifier] [--num-calibration 100]
         [--num-eval 16] [--batch-size 8] [--max-tokens 64] [--repeats 3] [--out-name NAME]
 
-writes bench/results/<name>-<date>.{json,md,png}. Calibration prompts: held-out code prompts
+writes bench/results/<machine>/<name>-<date>.{json,md,png}. Calibration prompts: held-out code prompts
 (eecore.evaluation.prompts.heldout_code_prompts) after the first `--num-eval`, which are the evaluation set
 (the built-in `eecore eval --prompts code` set), so the two never overlap.
 """

@@ -1,11 +1,14 @@
-"""Shared pieces of the end-to-end benchmark scripts: prompts, the HF baseline built from the
-very same weights, timing, and where results go."""
+"""Shared pieces of the benchmark and analysis scripts (bench/, bench/analysis/): prompts, the HF
+baseline built from the very same weights, timing, greedy replay, and where results go
+(bench/results/<machine or device>/<name>-<date>.json)."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import time
 
@@ -82,10 +85,8 @@ def alternate_with_hf(llm, hf, prompts: list[list[int]], params, max_new_tokens:
     return statistics.median(t_ee), statistics.median(t_hf), outs, hf_outs
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), which decides what a CPU figure means. A VM may report
-    only "AMD EPYC": the family and model numbers and the vector extensions the kernels use then
-    say which generation it is (family 25 model 1: Zen 3, AVX2; model 17: Zen 4, AVX-512)."""
+def _cpuinfo() -> dict:
+    """The first processor's fields in /proc/cpuinfo ({} where there is none)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -93,11 +94,56 @@ def cpu_model() -> str:
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which decides what a CPU figure means. A VM may report
+    only "AMD EPYC": the family and model numbers and the vector extensions the kernels use then
+    say which generation it is (family 25 model 1: Zen 3, AVX2; model 17: Zen 4, AVX-512)."""
+    fields = _cpuinfo()
+    if not fields:
         return platform.processor() or platform.machine()
     name = fields.get("model name") or platform.processor() or platform.machine()
     flags = set(fields.get("flags", "").split())
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
     return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; {' '.join(isa) or 'no AVX2'})"
+
+
+# AMD family 25 holds both Zen 3 and Zen 4; these model ranges are Zen 4 (Genoa, Raphael, Phoenix,
+# Bergamo), the rest Zen 3. Family 26 is Zen 5.
+_ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def machine_folder() -> str:
+    """The folder under bench/results/ for this machine's CPU results: its generation where the
+    figures depend on it (zen3, zen4, zen5, xeon), else vendor, family and model. A VM's model name
+    is often just "AMD EPYC", so the family and model numbers decide."""
+    fields = _cpuinfo()
+    vendor, name = fields.get("vendor_id", ""), fields.get("model name", "")
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return platform.machine().lower() or "unknown-cpu"
+    if vendor == "AuthenticAMD" and family == 25:
+        return "zen4" if any(model in r for r in _ZEN4_MODELS) else "zen3"
+    if vendor == "AuthenticAMD" and family == 26:
+        return "zen5"
+    if vendor == "GenuineIntel" and "Xeon" in name:
+        return "xeon"
+    return f"{vendor.removeprefix('Genuine').removeprefix('Authentic').lower() or 'cpu'}-family{family}-model{model}"
+
+
+def device_slug(name: str) -> str:
+    """A device name as a file-name part: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_folder(name: str) -> str:
+    """The folder under bench/results/ for a GPU's results: its maker and model, without the memory
+    variant ("NVIDIA H100 80GB HBM3" -> "nvidia-h100"), so one GPU model's runs sit together."""
+    return "-".join(device_slug(name).split("-")[:2])
 
 
 PROMPT_KINDS = ("chat", "everyday", "code")
@@ -139,12 +185,73 @@ def ensure_classifier(path: str = CLASSIFIER_CACHE) -> str:
     return path
 
 
-def save_results(name: str, payload: dict) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+def save_results(name: str, payload: dict, folder: str | None = None) -> str:
+    """Write `payload` with the date, machine and torch settings to
+    bench/results/<folder>/<name>-<date>.json; `folder` defaults to this machine's
+    (machine_folder(); GPU scripts pass device_folder(...)). Returns the path."""
+    directory = os.path.join(RESULTS_DIR, folder or machine_folder())
+    os.makedirs(directory, exist_ok=True)
     date = datetime.date.today().isoformat()
     payload = dict(payload, date=date, machine=cpu_model(),
                    cpu_count=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads())
-    path = os.path.join(RESULTS_DIR, f"{name}-{date}.json")
+    path = os.path.join(directory, f"{name}-{date}.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     return path
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file (the results name the exact adapter or draft file they ran)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def text_windows(tokenizer, num: int, seq_len: int) -> tuple[list[list[int]], dict]:
+    """`num` windows of `seq_len` tokens, evenly spaced over the held-out corpus's token stream
+    (the Python source of the held-out packages: text no training saw)."""
+    from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+
+    corpus = build_corpus((), DEFAULT_HELDOUT_PACKAGES)
+    if corpus.missing:
+        raise SystemExit(f"held-out packages not installed: {corpus.missing}")
+    stream = tokenizer.encode(corpus.text("heldout"), add_special_tokens=False)
+    if len(stream) < seq_len:
+        raise SystemExit(f"the held-out text has {len(stream)} tokens, fewer than --seq-len {seq_len}")
+    last = len(stream) - seq_len
+    starts = [round(i * last / max(1, num - 1)) for i in range(num)]
+    info = dict(packages=corpus.versions, files=len(corpus.heldout), tokens=len(stream), starts=starts)
+    return [stream[s:s + seq_len] for s in starts], info
+
+
+class GreedyReplay:
+    """One prompt's full-depth greedy continuation replayed verify round by verify round. Greedy
+    output does not depend on the drafts, so a round that verifies `drafts` emits exactly their
+    prefix that matches the continuation plus the model's own next token; `index` is prompt
+    lookup's n-gram index over the context so far, as the decoder would hold it."""
+
+    def __init__(self, prompt: list[int], continuation: list[int], min_n: int, max_n: int):
+        from eecore.speculative.drafters import NgramIndex
+
+        self.prompt, self.continuation, self.pos = prompt, continuation, 0  # pos: tokens emitted so far
+        self.index = NgramIndex(min_n, max_n)
+        self.index.extend(prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.continuation)
+
+    def emitted(self, drafts: list[int]) -> int:
+        """Tokens a round verifying `drafts` emits here: the accepted drafts and one more, never
+        past the continuation's end."""
+        accepted = 0
+        while (accepted < len(drafts) and self.pos + accepted < len(self.continuation)
+               and drafts[accepted] == self.continuation[self.pos + accepted]):
+            accepted += 1
+        return min(accepted + 1, len(self.continuation) - self.pos)
+
+    def advance(self, drafts: list[int]) -> int:
+        """Verify `drafts`: emit what the round emits, feed it to the index; how many tokens."""
+        emitted = self.emitted(drafts)
+        self.index.extend(self.continuation[self.pos: self.pos + emitted])
+        self.pos += emitted
+        return emitted

@@ -12,7 +12,7 @@ pre-gathered and contiguous, for free. Every timing is the median per call over 
 of 10 calls, so launch gaps do not hide the kernels of small cells. Outputs are checked against
 SDPA's before any timing.
 
-Writes bench/results/<device>-decode-sweep-<date>.json and .md. --headline-only runs only
+Writes bench/results/<gpu>/<device>-decode-sweep-<date>.json and .md (bench_cuda.py names both). --headline-only runs only
 B=64, context 4096, 32/8 heads, D=128 (the cell the issue's goal names), e.g. under ncu.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda import copy_bandwidth  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 KERNEL_ENV = "EECORE_PAGED_ATTENTION_KERNEL"
 STAGES_ENV = "EECORE_DECODE_MMA_STAGES"
 HEADLINE = (64, 4096, 32, 8, 128)
@@ -136,11 +134,12 @@ def main() -> None:
                          "EECORE_DECODE_MMA_STAGES=2)")
     ap.add_argument("--headline-only", action="store_true")
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results/<gpu>)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_decode_sweep.py needs a CUDA device")
     from eecore import ops
+    from common import RESULTS_DIR, device_folder, device_slug
 
     device = torch.cuda.get_device_name()
     copy = copy_bandwidth(20)["GBps"]
@@ -170,8 +169,9 @@ def main() -> None:
     payload = {"device": device, "date": dt.date.today().isoformat(), "torch": torch.__version__,
                "copy_GBps": copy, "kernels": args.kernels, "rows": rows, "summary": summary, "headline": head}
     if not args.headline_only:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}-decode-sweep-{payload['date']}"
+        out = args.out or Path(RESULTS_DIR) / device_folder(device)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"{device_slug(device)}-decode-sweep-{payload['date']}"
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=2))
         lines = [f"# paged_attention decode sweep: {device}, {payload['date']}", "",
                  f"torch {torch.__version__}; D2D copy {copy:.0f} GB/s; bf16, block size 16; "

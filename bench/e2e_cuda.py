@@ -6,20 +6,20 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
 medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
-enforce_eager=True, so each row also says what the graphs gain. Writes bench/results/<device>-e2e-<date>.json.
+enforce_eager=True, so each row also says what the graphs gain. Writes
+bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import tempfile
 
 import torch
 
 import eecore
-from common import alternate_with_hf, hf_generate_greedy, save_results, timed
+from common import alternate_with_hf, device_folder, device_slug, hf_generate_greedy, save_results, timed
 
 MODELS = {  # HF LlamaConfig fields of the real checkpoints
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -94,10 +94,10 @@ def main():
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()
-    path = save_results(f"{device}-e2e", dict(device=device_name, dtype=args.dtype,
-                                              max_tokens=args.max_tokens, prompt_len=args.prompt_len,
-                                              repeats=args.repeats, weights="random", rows=rows))
+    path = save_results(f"{device_slug(device_name)}-e2e", dict(device=device_name, dtype=args.dtype,
+                                                             max_tokens=args.max_tokens, prompt_len=args.prompt_len,
+                                                             repeats=args.repeats, weights="random", rows=rows),
+                        folder=device_folder(device_name) if args.device == "cuda" else None)
     print(f"results: {path}")
 
 

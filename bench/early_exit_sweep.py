@@ -14,7 +14,7 @@ A threshold of 1.0 never exits: those rows measure the pure cost of the checks.
 
     python bench/early_exit_sweep.py [--max-tokens 64] [--batch-sizes 1 8] [--repeats 3] [--quick]
                                      [--prompts chat|code] [--exit-adapter [FILE]] [--out-name NAME]
-writes bench/results/cpu-early-exit-<date>.{json,png}. With `--exit-adapter` (the shipped adapters
+writes bench/results/<machine>/cpu-early-exit-<date>.{json,png}. With `--exit-adapter` (the shipped adapters
 without FILE) exiting tokens read through the exit adapters: the sweep is then static exits at the
 adapter layers and the softmax gap (read through the adapters) at every adapter layer.
 """

@@ -16,7 +16,7 @@ weights (the dot kernel) against their tiles, by rows and for the catch-up, in t
     python bench/linear_rows.py [--rows 1 4 8 12 16 24] [--cached-layers 4] [--catch-up-rows 100 752]
                                 [--int8-input-dtype bfloat16] [--out-name linear-rows]
 
-writes bench/results/<out-name>-<date>.json.
+writes bench/results/<machine>/<out-name>-<date>.json.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import time
 import torch
 
 from common import cpu_model, save_results
-from eecore import ops
 from eecore.models.int8_weights import Int8Weight, project
 
 # (out_features, in_features) of one SmolLM2-135M layer: qkv, o_proj, gate_up, down

@@ -23,7 +23,7 @@ whether its tokens equal HF's greedy tokens (eecore full depth's without `hf`).
         [--exit-adapter [FILE]] [--exit-ready]
         [--economize-match earliest|latest] [--configs hf economize full lookup hybrid] [--out-name NAME]
 
-writes bench/results/cpu-prompt-lookup-<date>.json. `--sweep-ngrams` instead measures, from one
+writes bench/results/<machine>/cpu-prompt-lookup-<date>.json. `--sweep-ngrams` instead measures, from one
 full-depth greedy run per prompt, the tokens per verify round that lookup drafts would give for
 each (min_ngram, max_ngram, d) (greedy output does not depend on the drafts, so this is exact and
 needs no timing).

@@ -29,7 +29,7 @@ exit-ready file's LoRA pairs then change only the copy, so full depth is the ori
 `--accept confident` runs dynamic early exit with deferred K/V instead (the draft threshold is the
 exit confidence): the `exits` column is the share of tokens emitted at layer E, `ROUGE` the ROUGE-L
 of the outputs to full depth's.
-writes bench/results/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
+writes bench/results/<machine>/cpu-self-speculation-<date>.json (-guard- with --min-acceptance, -lookup- or
 -hybrid- with --draft, -adapter- with --exit-adapter). Each
 configuration alternates with full depth on each group of prompts, `--repeats` times; ratios are of
 the medians, and the file keeps every repeat. `vs full` counts the whole request (the prefill both
@@ -52,7 +52,7 @@ import statistics
 import torch
 
 import eecore
-from eecore.cli import parse_min_acceptance
+from eecore.cli.args import parse_min_acceptance
 from eecore.evaluation.metrics import compare_outputs
 from eecore.speculative.guard import break_even_acceptance
 from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed

@@ -10,7 +10,7 @@ a huge body. One server process (the embedded model, `eecore serve`'s defaults),
 
     python bench/serve_fairness.py [--long-tokens 4096 8191] [--max-tokens 16]
 
-Writes bench/results/serve-fairness-<cpu>-<date>.json.
+Writes bench/results/<machine>/serve-fairness-<date>.json.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def main() -> None:
               f"{near['answered_s']:.2f} s)")
     finally:
         server.stop()
-    path = save_results(f"serve-fairness-{cpu_model().split()[0].lower()}",
+    path = save_results("serve-fairness",
                         dict(cpu=cpu_model(), ttft=rows, health=health, max_tokens=args.max_tokens))
     print(f"results: {path}")
 

@@ -33,7 +33,7 @@ import time
 
 import httpx
 
-from common import PROMPT_KINDS, PROMPTS, RESULTS_DIR, bench_prompt_ids, chat_prompt_ids, cpu_model, save_results
+from common import PROMPT_KINDS, PROMPTS, bench_prompt_ids, chat_prompt_ids, cpu_model, save_results
 
 STRATEGIES = {
     "full": [],
@@ -373,7 +373,7 @@ def main() -> None:
 
     with open(path) as f:
         payload = json.load(f)  # with the machine, date and core count save_results added
-    md = os.path.join(RESULTS_DIR, os.path.basename(path).removesuffix(".json") + ".md")
+    md = path.removesuffix(".json") + ".md"
     with open(md, "w") as f:
         f.write(markdown(payload))
     print(f"wrote {path} and {md} ({cpu_model()})")

@@ -22,7 +22,7 @@ and the ratios against R = 1 say whether any max-num-seqs / token budget can mee
 
     python bench/step_cost.py [--threads 1 2] [--rows 1 2 4 8 12 16 24 32] [--rounds 3] [--prompt-tokens P]
 
-writes bench/results/step_cost-<date>.{json,md}.
+writes bench/results/<machine>/step_cost-<date>.{json,md}.
 """
 from __future__ import annotations
 

@@ -5,12 +5,12 @@
 #   attn       paged-attention tests on CUDA, every kernel forced in turn (test_cuda_vs_cpu.py's
 #              attention cases, test_op_paged_attention.py's cuda cases)
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
-#   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/
+#   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/<gpu>/
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   engine     tests/test_engine_cuda.py
-#   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<device>-<date>.*)
-#   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<device>-e2e-*)
+#   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
+#   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
 # Usage: EECORE_GPU_STEPS="build attn sweep" tools/gpu_check.sh
 # Environment:
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
@@ -62,7 +62,7 @@ limited() {
   timeout "$((want < left ? want : left))" "$@"
 }
 finish() {
-  cp bench/results/*"$(date +%F)"* "$WORK/" 2>/dev/null
+  cp bench/results/*/*"$(date +%F)"* "$WORK/" 2>/dev/null
   cp "$WORK"/*.md "$WORK"/ncu-*.txt "$LOGS/" 2>/dev/null
   tar -czf "$LOGS/logs.tar.gz" -C "$WORK" . 2>/dev/null
   cp python/eecore/_C*.so "$LOGS/" 2>/dev/null

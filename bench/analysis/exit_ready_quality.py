@@ -10,26 +10,27 @@ on text training never saw (no timing: every figure here is exact arithmetic on 
 
 A file without LoRA pairs leaves the base untouched, so every figure is exact (perplexity ratio 1).
 
-    python bench/exit_ready_quality.py --exit-adapter FILE [--windows 16] [--seq-len 256]
+    python bench/analysis/exit_ready_quality.py --exit-adapter FILE [--windows 16] [--seq-len 256]
         [--prompts 16] [--max-tokens 64] [--out-name NAME]
-writes bench/results/<out-name>-<date>.json (default exit-ready-quality) and prints the figures.
+writes bench/results/<machine>/<out-name>-<date>.json (default exit-ready-quality) and prints the figures.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import eecore
-from agreement_curves import text_windows
-from common import save_results
 from eecore.evaluation.prompts import heldout_code_prompts
 from eecore.evaluation.rouge import rouge_l
 from eecore.train.exit_adapter import TeacherPass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
+from common import file_sha256, save_results, text_windows  # noqa: E402
 
 
 def last_layer_logits(llm, windows: list[list[int]]) -> torch.Tensor:
@@ -66,12 +67,10 @@ def main() -> None:
     same = [sum(a == b for a, b in zip(e.token_ids, o.token_ids)) / max(1, len(o.token_ids))
             for e, o in zip(outs["exit_ready"], outs["original"])]
 
-    with open(args.exit_adapter, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
     adapters = models["exit_ready"].exit_adapters
     payload = dict(
-        exit_adapter=dict(path=os.path.abspath(args.exit_adapter), sha256=digest, info=adapters.info,
-                          lora_rank=None if adapters.lora is None else adapters.lora.rank),
+        exit_adapter=dict(path=os.path.abspath(args.exit_adapter), sha256=file_sha256(args.exit_adapter),
+                          info=adapters.info, lora_rank=None if adapters.lora is None else adapters.lora.rank),
         text=text_info, windows=args.windows, seq_len=args.seq_len, prompts=prompts, max_tokens=args.max_tokens,
         perplexity={name: math.exp(v) for name, v in ce.items()},
         perplexity_ratio=math.exp(ce["exit_ready"] - ce["original"]),

@@ -14,16 +14,16 @@ prompt-lookup and copy drafts would have had accepted, round by round:
 Both stop a copy run at a token below the draft threshold (not drafted; its pass is paid). The
 lookup is eecore's own (eecore.speculative.drafters.NgramIndex). The speed column models a round's
 cost in one-row full-depth steps: a verify pass of r rows costs `--verify-costs`[r-1] and a copy
-pass `--copy-pass-cost` (defaults: bench/verify_row_cost.py on 2 EPYC cores, 2026-11-25: 1-5 and 7
-rows 1.00 1.08 1.12 1.17 1.22 and 1.51, 6 rows interpolated as 1.36, a one-row pass of the int8 copy's
-8 layers 0.09; multi-row copy passes cost more); a copy's catch-up on the
-prompt is left out (both switches pay it once per sequence). Tokens per round are exact; the speed
-is only as good as the costs.
+pass `--copy-pass-cost` (defaults: `bench/spec_costs.py verify-rows` on 2 EPYC cores, 2026-11-25:
+1-5 and 7 rows 1.00 1.08 1.12 1.17 1.22 and 1.51, 6 rows interpolated as 1.36, a one-row pass of
+the int8 copy's 8 layers 0.09; multi-row copy passes cost more); a copy's catch-up on the prompt
+is left out (both switches pay it once per sequence). Tokens per round are exact; the speed is
+only as good as the costs.
 
-    python bench/hybrid_policy_replay.py [--num-prompts 24] [--max-tokens 96] [--top 12] [--layer-only]
+    python bench/analysis/hybrid_policy_replay.py [--num-prompts 24] [--max-tokens 96] [--top 12] [--layer-only]
         [--prompts code|chat|everyday]
 
-writes bench/results/hybrid-policy-replay-<date>.json (every policy's figures). `--layer-only`
+writes bench/results/<machine>/hybrid-policy-replay-<date>.json (every policy's figures). `--layer-only`
 ranks stopping rules for layer drafts alone instead (the layer preset; layer-policy-replay-<date>.json),
 with and without the per-sequence draft length (long_draft_acceptance: the decoder's own
 eecore.speculative.draft_length rule, run on the replay).
@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 from typing import Optional
 
 import torch
 
 import eecore
-from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, save_results
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft_length import DraftLength
-from eecore.speculative.drafters import NgramIndex
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
+from common import PROMPT_KINDS, GreedyReplay, bench_prompt_ids, cpu_model, save_results  # noqa: E402
 
 
 @torch.no_grad()
@@ -89,13 +92,12 @@ def record(num_prompts: int, max_tokens: int, kind: str = "code", texts: Optiona
     return records
 
 
-class Replay:
-    """One sequence replayed round by round: the context so far and its lookup index."""
+class Replay(GreedyReplay):
+    """One record replayed round by round, with the draft copy's teacher-forced tokens."""
 
     def __init__(self, rec: dict, min_n: int, max_n: int):
-        self.rec, self.pos = rec, 0  # pos: continuation tokens emitted so far
-        self.index = NgramIndex(min_n, max_n)
-        self.index.extend(rec["prompt"])
+        super().__init__(rec["prompt"], rec["full"], min_n, max_n)
+        self.rec = rec
 
     def copy_draft(self, drafts: list[int], threshold) -> bool:
         """One copy pass after `drafts`: appends the copy's token there unless its top-1 probability
@@ -106,16 +108,6 @@ class Replay:
             return False
         drafts.append(self.rec["copy"][k])
         return True
-
-    def advance(self, drafts: list[int]) -> int:
-        full = self.rec["full"]
-        accepted = 0
-        while accepted < len(drafts) and self.pos + accepted < len(full) and drafts[accepted] == full[self.pos + accepted]:
-            accepted += 1
-        emitted = min(accepted + 1, len(full) - self.pos)
-        self.index.extend(full[self.pos: self.pos + emitted])
-        self.pos += emitted
-        return emitted
 
 
 def draft_round(r: Replay, d: int, layer: int, threshold) -> tuple[list[int], int]:
@@ -151,7 +143,7 @@ def replay(records, switch: str, d: int, layer: int, min_n: int, max_n: int, thr
     cost = 0.0
     for rec in records:
         r = Replay(rec, min_n, max_n)
-        while r.pos < len(rec["full"]):
+        while not r.done:
             drafts, n = draft(r, d, layer, threshold)
             tokens += r.advance(drafts)
             rounds, passes, rows = rounds + 1, passes + n, rows + len(drafts) + 1
@@ -174,7 +166,7 @@ def replay_layer_only(records, d: int, rule: str, threshold: float, verify_costs
         r = Replay(rec, 1, 1)
         seq = Sequence(rec["prompt"], eecore.SamplingParams())  # the length rule's key
         length = None if long_acceptance is None else DraftLength(long_acceptance)
-        while r.pos < len(rec["full"]):
+        while not r.done:
             drafts, n, chain = [], 0, 1.0
             while len(drafts) < d:
                 n += 1

@@ -1,11 +1,12 @@
 """Side-by-side ratios from a pytest-benchmark JSON: for every group, each baseline's median time
 divided by eecore's (above 1: eecore is faster).
 
-    python -m pytest bench/ --benchmark-enable --benchmark-json=bench/results/cpu-ops.json
-    python bench/summarize.py bench/results/cpu-ops.json [--markdown out.md] [--compact]
+    python -m pytest bench/ --benchmark-enable --benchmark-json=bench/results/zen4/cpu-ops-DATE.json
+    python bench/analysis/summarize.py bench/results/zen4/cpu-ops-DATE.json [--markdown out.md] [--compact]
 
 --compact rewrites the JSON without the raw per-round timings (tens of MB), keeping every
-statistic, so the file is small enough to commit.
+statistic, so the file is small enough to commit. The JSON goes in the folder of the machine it ran
+on (bench/results/README.md).
 """
 from __future__ import annotations
 

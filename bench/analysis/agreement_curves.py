@@ -29,46 +29,33 @@ agreement on `generated` is above it.
 Every group of sequences (up to `--batch-tokens` tokens) runs as one batched prefill on eecore's
 engine, layer by layer; each layer's states are read by every head in row chunks. fp32, CPU.
 
-    python bench/agreement_curves.py [--exit-adapter FILE] [--draft-layers FILE] [--windows 16]
+    python bench/analysis/agreement_curves.py [--exit-adapter FILE] [--draft-layers FILE] [--windows 16]
         [--seq-len 256] [--prompts 16] [--max-tokens 64] [--out-name NAME]
-writes bench/results/<out-name>-<date>.{json,png} (out-name: agreement, or agreement-exit-adapter
+writes bench/results/<machine>/<out-name>-<date>.{json,png} (out-name: agreement, or agreement-exit-adapter
 with --exit-adapter) and prints a table.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
+import sys
 import time
 
 import torch
 
 import eecore
-from common import cpu_model, save_results
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.evaluation.prompts import heldout_code_prompt_records
 from eecore.speculative import break_even_acceptance
-from eecore.sources.corpus import DEFAULT_HELDOUT_PACKAGES, build_corpus
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
+from common import cpu_model, file_sha256, save_results, text_windows  # noqa: E402
 
 DS = (1, 2, 3, 4, 6)
 KINDS = ("text", "generated")
 SETTINGS = ("logit_lens", "draft_vocab", "adapter", "draft_copy")
-
-
-def text_windows(tokenizer, num: int, seq_len: int) -> tuple[list[list[int]], dict]:
-    """`num` windows of `seq_len` tokens, evenly spaced over the held-out corpus's token stream."""
-    corpus = build_corpus((), DEFAULT_HELDOUT_PACKAGES)
-    if corpus.missing:
-        raise SystemExit(f"held-out packages not installed: {corpus.missing}")
-    stream = tokenizer.encode(corpus.text("heldout"), add_special_tokens=False)
-    if len(stream) < seq_len:
-        raise SystemExit(f"the held-out text has {len(stream)} tokens, fewer than --seq-len {seq_len}")
-    last = len(stream) - seq_len
-    starts = [round(i * last / max(1, num - 1)) for i in range(num)]
-    info = dict(packages=corpus.versions, files=len(corpus.heldout), tokens=len(stream), starts=starts)
-    return [stream[s:s + seq_len] for s in starts], info
 
 
 class Heads:
@@ -207,9 +194,8 @@ def main(argv=None):
     adapter_info = None
     if args.exit_adapter:
         adapters = llm.exit_adapters
-        with open(args.exit_adapter, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        adapter_info = dict(path=os.path.abspath(args.exit_adapter), sha256=digest, exits=adapters.exit_layers(),
+        adapter_info = dict(path=os.path.abspath(args.exit_adapter), sha256=file_sha256(args.exit_adapter),
+                            exits=adapters.exit_layers(),
                             draft_vocab=None if adapters.vocab is None else len(adapters.vocab), info=adapters.info)
     heads = Heads(model, adapters, args.chunk)
 
@@ -245,9 +231,7 @@ def main(argv=None):
                                                args.chunk, batch_tokens)}
         per_gen["draft_copy"] = {E: copy_top1(spec, [sequences[i] for i in keep], [len(prompt_ids[i]) - 1 for i in keep],
                                               [len(sequences[i]) - 2 for i in keep], args.chunk, batch_tokens)}
-        with open(args.draft_layers, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        copy_info = dict(path=os.path.abspath(args.draft_layers), sha256=digest, exit=E,
+        copy_info = dict(path=os.path.abspath(args.draft_layers), sha256=file_sha256(args.draft_layers), exit=E,
                          draft_dtype=spec.engine.strategy.config.draft_dtype, copy_bytes=stack.weight_bytes(),
                          seconds=round(time.perf_counter() - t0, 1))
         heads.by_setting["draft_copy"] = {E: stack}

@@ -13,21 +13,24 @@ Drafters compared (SmolLM2-135M, fp32, held-out code prompts, `--max-tokens` gre
   token after the last 3, 2 or 1 tokens, chained, kept while seen >= `min_count` times and
   >= `min_share` of that context's continuations.
 
-    python bench/lookup_ceiling.py [--num-prompts 40] [--max-tokens 64] [--drafts 4 6 8]
+    python bench/analysis/lookup_ceiling.py [--num-prompts 40] [--max-tokens 64] [--drafts 4 6 8]
 
-writes bench/results/lookup-ceiling-<date>.json. The verify cost of a round is not modelled: on
+writes bench/results/<machine>/lookup-ceiling-<date>.json. The verify cost of a round is not modelled: on
 2 CPU cores, 1-6 rows cost about the same (1.0-1.16x a one-row step), 7-10 rows 1.4-1.55x.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import numpy as np
 
 import eecore
-from common import cpu_model, save_results
 from eecore.evaluation.prompts import heldout_code_prompts
-from eecore.speculative.drafters import NgramIndex
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
+from common import GreedyReplay, cpu_model, save_results  # noqa: E402
 
 SEPARATOR = 65535  # between files in the token stream (not a SmolLM2 token id)
 
@@ -94,24 +97,16 @@ def candidates(tokens: list[int], d: int, k: int, lo: int = 1, hi: int = 3) -> l
 
 
 def rounds(refs, propose) -> dict:
-    """Simulated verify rounds: `propose(context, index) -> list of candidate drafts`."""
+    """Simulated verify rounds: `propose(context, index) -> list of candidate drafts`, of which the
+    round keeps the one that emits the most."""
     num_rounds = emitted = rows = 0
     for prompt, out in refs:
-        index = NgramIndex(1, 3)
-        index.extend(prompt)
-        pos = 0
-        while pos < len(out):
-            drafts = propose(prompt + out[:pos], index)
-            best = 0
-            for draft in drafts:
-                a = 0
-                while a < len(draft) and pos + a < len(out) - 1 and draft[a] == out[pos + a]:
-                    a += 1
-                best = max(best, a)
-            index.extend(out[pos:pos + best + 1])
-            pos += best + 1
+        replay = GreedyReplay(prompt, out, 1, 3)
+        while not replay.done:
+            drafts = propose(prompt + out[:replay.pos], replay.index)
+            best = max(drafts, key=replay.emitted, default=[])
+            emitted += replay.advance(best)
             num_rounds += 1
-            emitted += best + 1
             rows += 1 + sum(len(d) for d in drafts)
     return dict(tokens_per_round=emitted / num_rounds, rows_per_round=rows / num_rounds)
 

@@ -3,11 +3,11 @@ ones? The seed's Table 1 point (ROUGE-L to full >= 0.77 at >= 54% of the layers 
 about 74% of the tokens exiting at layer 8 (22 of 30 layers skipped), and a greedy continuation
 leaves full depth's path at its first wrong exit, so those exits must be right nearly always.
 
-Teacher-forced along full depth's greedy continuation of each prompt (bench/hybrid_policy_replay.py's
-`record`), every position has the copy's token and what an exit decision could read there. Each
-decision ranks the positions; the table gives, on held-out prompts, the share of positions it can
-let exit (coverage) at a precision (the share of exits equal to full depth's token), and its
-precision at a coverage:
+Teacher-forced along full depth's greedy continuation of each prompt (`record` of
+bench/analysis/hybrid_policy_replay.py), every position has the copy's token and what an exit
+decision could read there. Each decision ranks the positions; the table gives, on held-out
+prompts, the share of positions it can let exit (coverage) at a precision (the share of exits
+equal to full depth's token), and its precision at a coverage:
 
 - `top-1 probability` (eecore's `accept="confident"` rule), the top-2 gap, the entropy;
 - `logistic`: a logistic regression on those three;
@@ -21,19 +21,23 @@ precision at a coverage:
 The learned decisions are fit on code prompts of the training packages (the copy never saw the
 held-out ones), scored on the held-out code prompts of the other benches.
 
-    python bench/exit_decision_ceiling.py [--train-prompts 320] [--eval-prompts 24] [--max-tokens 96]
+    python bench/analysis/exit_decision_ceiling.py [--train-prompts 320] [--eval-prompts 24] [--max-tokens 96]
 
-writes bench/results/exit-decision-ceiling-<date>.json.
+writes bench/results/<machine>/exit-decision-ceiling-<date>.json.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
-from common import cpu_model, save_results
 from eecore.speculative.drafters import NgramIndex
 from hybrid_policy_replay import record
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
+from common import cpu_model, save_results  # noqa: E402
 
 PRECISIONS = (0.97, 0.98, 0.99)
 COVERAGES = (0.5, 0.6, 0.7, 0.74)
