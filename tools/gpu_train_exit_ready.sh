@@ -35,7 +35,7 @@
 #   (--init-adapters .gpu_payload/work/exit-ready.safetensors) with a --checkpoint-dir of its own.
 #
 # What ships now (2026-11-26, H200, 557 s of device time in all;
-# bench/results/h200-draft-layers-onpolicy-train-2026-11-26.json):
+# bench/results/nvidia-h200/h200-draft-layers-onpolicy-train-2026-11-26.json):
 # the separate draft layers (pairs of the layers below exit 8 only, trained for the exit alone) on
 # on-policy data. The third call ran what `onpolicy BUDGET 20000` now does in one command (BUDGET:
 # status's budget_left_s just before the call, less ~15 s for the upload):

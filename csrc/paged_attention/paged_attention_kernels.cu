@@ -265,11 +265,11 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   const bool mma_ok = vec_ok && mma_m_tiles(p) <= 65535;
   const bool decode_ok = vec_ok;
   const bool decode_mma_ok = vec_ok && decode_mma_row_blocks(p) <= 65535;
-  // Measured on an H200 (bench/results/nvidia-h200-decode-sweep-2026-11-26-b.md): decode without
-  // GQA streams fastest on the SIMT decode kernel (72-74% of copy bandwidth at large sizes against
-  // 66-69%); with GQA, and for short verification queries (up to 32 packed rows, 16 at D = 256:
-  // one CTA's worth), the tensor-core decode kernel wins (up to 2.7x the SIMT one at G = 4 and 8,
-  // 2.5-3x the prefill tiles on 2-8 verify rows); longer queries take the prefill tiles.
+  // Measured on an H200 (bench/results/nvidia-h200/nvidia-h200-decode-sweep-2026-11-26-b.md):
+  // decode without GQA streams fastest on the SIMT decode kernel (72-74% of copy bandwidth at large
+  // sizes against 66-69%); with GQA, and for short verification queries (up to 32 packed rows, 16
+  // at D = 256: one CTA's worth), the tensor-core decode kernel wins (up to 2.7x the SIMT one at
+  // G = 4 and 8, 2.5-3x the prefill tiles on 2-8 verify rows); longer queries take the prefill tiles.
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   const int64_t packed_rows = static_cast<int64_t>(p.max_query_len) * group;
   PagedAttentionKernel kernel = PagedAttentionKernel::kRows;
