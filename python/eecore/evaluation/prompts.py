@@ -94,39 +94,62 @@ def function_prompts(text: str, *, max_tokens: int = 110, min_tokens: int = 50, 
         tree = ast.parse(text)
     except SyntaxError:
         return []
-    lines = text.split("\n")
-    # lines where a statement (or its first decorator) starts: where context may begin
-    starts: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.stmt):
-            starts.add(node.lineno)
-            for dec in getattr(node, "decorator_list", ()):
-                starts.add(dec.lineno)
-    for i, line in enumerate(lines, 1):
-        if line.lstrip().startswith("#"):
-            starts.add(i)
-
-    def span(first: int, last: int) -> str:  # lines first..last, 1-based, inclusive
-        return "\n".join(lines[first - 1:last])
-
+    source = _Source(text, tree)
     out = []
+    for fn, qual, cls in _functions(tree):
+        header = source.header(fn, min_body_lines)
+        if header is None:
+            continue
+        first, end, doc = header
+        text = source.span(first, end).rstrip()
+        if not text.endswith((":", '"""', "'''")) or count(text) > max_tokens or not _header_parses(text):
+            continue
+        prompt = source.prompt(fn, cls, first, end, max_tokens, count)
+        if count(prompt) >= min_tokens:
+            out.append((qual + fn.name, fn.lineno, text, prompt, doc))
+    return out
 
-    def visit(node: ast.AST, qual: str, cls: Optional[ast.ClassDef]) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                visit(child, f"{qual}{child.name}.", child)
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                consider(child, qual, cls)
-                visit(child, f"{qual}{child.name}.", None)
 
-    def consider(fn, qual: str, cls: Optional[ast.ClassDef]) -> None:
-        body = fn.body
+def _functions(node: ast.AST, qual: str = "", cls: Optional[ast.ClassDef] = None):
+    """(function, qualified prefix, enclosing class or None) of every function, in source order,
+    each before the functions nested in it."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.ClassDef):
+            yield from _functions(child, f"{qual}{child.name}.", child)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield child, qual, cls
+            yield from _functions(child, f"{qual}{child.name}.", None)
+
+
+class _Source:
+    """One file's lines, and the lines where a statement (or its first decorator, or a comment)
+    starts: where a prompt's context may begin."""
+
+    def __init__(self, text: str, tree: ast.AST):
+        self.lines = text.split("\n")
+        self.starts: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.stmt):
+                self.starts.add(node.lineno)
+                for dec in getattr(node, "decorator_list", ()):
+                    self.starts.add(dec.lineno)
+        for i, line in enumerate(self.lines, 1):
+            if line.lstrip().startswith("#"):
+                self.starts.add(i)
+
+    def span(self, first: int, last: int) -> str:  # lines first..last, 1-based, inclusive
+        return "\n".join(self.lines[first - 1:last])
+
+    def header(self, fn, min_body_lines: int) -> Optional[tuple[int, int, bool]]:
+        """(first line with decorators, last line of the signature or docstring, has docstring), or
+        None when the function has no body worth completing."""
+        body, lines = fn.body, self.lines
         doc = ast.get_docstring(fn, clean=False) is not None
         first_body = body[1] if doc and len(body) > 1 else (None if doc else body[0])
         if first_body is None or _trivial_body(body[1:] if doc else body):
-            return
+            return None
         if first_body.lineno == fn.lineno:  # `def f(): return x`
-            return
+            return None
         if doc:
             end = body[0].end_lineno
         else:  # the signature's last line: drop blank and comment lines before the body
@@ -134,33 +157,26 @@ def function_prompts(text: str, *, max_tokens: int = 110, min_tokens: int = 50, 
             while end > fn.lineno and (not lines[end - 1].strip() or lines[end - 1].lstrip().startswith("#")):
                 end -= 1
         if fn.end_lineno - end < min_body_lines:
-            return
-        first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
-        header = span(first, end).rstrip()
-        if not header.endswith((":", '"""', "'''")) or count(header) > max_tokens or not _header_parses(header):
-            return
-        # context: whole statements before the header, within the class for a method
+            return None
+        return min([fn.lineno] + [d.lineno for d in fn.decorator_list]), end, doc
+
+    def prompt(self, fn, cls: Optional[ast.ClassDef], first: int, end: int, max_tokens: int, count) -> str:
+        """The header and the whole statements before it (within the class, for a method) that fit."""
         floor = cls.lineno if cls is not None else 1
         begin = first
         for s in range(first - 1, floor - 1, -1):
-            if count(span(s, end)) > max_tokens:
+            if count(self.span(s, end)) > max_tokens:
                 break
-            if s in starts:
+            if s in self.starts:
                 begin = s
-        prompt = span(begin, end)
-        prompt = prompt.strip("\n").rstrip()
+        prompt = self.span(begin, end).strip("\n").rstrip()
         if cls is not None and begin > cls.lineno:  # the class line did not fit: lead with it when
-            class_line = lines[cls.lineno - 1]   # the context starts with one of its members
-            indent = len(lines[fn.lineno - 1]) - len(lines[fn.lineno - 1].lstrip())
+            class_line = self.lines[cls.lineno - 1]  # the context starts with one of its members
+            indent = len(self.lines[fn.lineno - 1]) - len(self.lines[fn.lineno - 1].lstrip())
             if (class_line.rstrip().endswith(":") and len(prompt) - len(prompt.lstrip(" ")) == indent
                     and count(class_line + "\n" + prompt) <= max_tokens):
                 prompt = class_line + "\n" + prompt
-        if count(prompt) < min_tokens:
-            return
-        out.append((qual + fn.name, fn.lineno, header, prompt, doc))
-
-    visit(tree, "", None)
-    return out
+        return prompt
 
 
 def heldout_code_prompt_records(n: int = 16, *, packages: Iterable[str] = DEFAULT_HELDOUT_PACKAGES,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from eecore.models.errors import CorruptCheckpointError, UnsupportedModelError
 
@@ -76,21 +76,7 @@ class ModelConfig:
 
         `source` only names the origin in error messages (the loader passes the file's path).
         """
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{source}: model_type {model_type!r} is not supported; eecore loads "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3, Mistral, Qwen2, SmolLM2) and t5, mt5 "
-                "(T5ForConditionalGeneration, from HF directories)")
-        architectures = d.get("architectures") or []
-        wanted = SUPPORTED_ARCHITECTURES[model_type]
-        if architectures and not any(a in wanted for a in architectures):
-            raise UnsupportedModelError(
-                f"{source}: architectures {architectures} is not a causal LM eecore can load; expected one of {list(wanted)}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
-        if d.get("mlp_bias", False):
-            raise UnsupportedModelError(f"{source}: mlp_bias=True is not supported (the MLP projections have no bias)")
+        model_type = _check_hf_architecture(d, source)
 
         def need(key: str) -> Any:
             if d.get(key) is None:
@@ -102,24 +88,8 @@ class ModelConfig:
         num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
         head_dim = int(d.get("head_dim") or hidden_size // num_heads)
 
-        if model_type == "qwen2":
-            # Qwen2 always has q/k/v biases (and none on o_proj); its config has no switch for it.
-            attention_bias = True
-        else:
-            # Llama's switch also adds an o_proj bias, which this decoder does not have.
-            if d.get("attention_bias", False):
-                raise UnsupportedModelError(
-                    f"{source}: attention_bias=True on a {model_type} model is not supported "
-                    "(it also adds an o_proj bias); only Qwen2-style q/k/v biases are")
-            attention_bias = False
-
-        if model_type == "mistral":
-            sliding_window = d.get("sliding_window")
-        elif model_type == "qwen2" and d.get("use_sliding_window", False):
-            sliding_window = d.get("sliding_window")
-        else:
-            sliding_window = None
-
+        attention_bias = _attention_bias(d, model_type, source)
+        sliding_window = _sliding_window(d, model_type)
         rope_theta, rope_scaling = _rope_from_hf(d, source)
         return ModelConfig(
             architecture=model_type,
@@ -136,7 +106,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            sliding_window=int(sliding_window) if sliding_window is not None else None,
+            sliding_window=sliding_window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=token_id_tuple(d.get("eos_token_id")),
         )
@@ -150,6 +120,45 @@ def token_id_tuple(value: Any) -> tuple[int, ...]:
         return (value,)
     return tuple(dict.fromkeys(int(v) for v in value))
 
+
+
+def _check_hf_architecture(d: dict, source: str) -> str:
+    """The config's model_type, once it and its architecture are ones eecore loads."""
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} is not supported; eecore loads "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Llama 2/3, Mistral, Qwen2, SmolLM2) and t5, mt5 "
+            "(T5ForConditionalGeneration, from HF directories)")
+    architectures = d.get("architectures") or []
+    wanted = SUPPORTED_ARCHITECTURES[model_type]
+    if architectures and not any(a in wanted for a in architectures):
+        raise UnsupportedModelError(
+            f"{source}: architectures {architectures} is not a causal LM eecore can load; expected one of {list(wanted)}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
+    if d.get("mlp_bias", False):
+        raise UnsupportedModelError(f"{source}: mlp_bias=True is not supported (the MLP projections have no bias)")
+    return model_type
+
+
+def _attention_bias(d: dict, model_type: str, source: str) -> bool:
+    if model_type == "qwen2":
+        # Qwen2 always has q/k/v biases (and none on o_proj); its config has no switch for it.
+        return True
+    # Llama's switch also adds an o_proj bias, which this decoder does not have.
+    if d.get("attention_bias", False):
+        raise UnsupportedModelError(
+            f"{source}: attention_bias=True on a {model_type} model is not supported "
+            "(it also adds an o_proj bias); only Qwen2-style q/k/v biases are")
+    return False
+
+
+def _sliding_window(d: dict, model_type: str) -> Optional[int]:
+    if model_type == "mistral" or (model_type == "qwen2" and d.get("use_sliding_window", False)):
+        window = d.get("sliding_window")
+        return int(window) if window is not None else None
+    return None
 
 def _rope_from_hf(d: dict, source: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either spelling.

@@ -118,19 +118,11 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
     kind = "greedy continuations of code prompts" + (" and chat instructions" if with_chat else "")
     manifest = {"kind": kind, "max_tokens": max_tokens, "separator": FILE_SEPARATOR, "versions": dict(versions or {})}
     for split in ("heldout", "train"):
-        prompts, samples, done = splits[split], [], 0
-        step = len(prompts) if split == "heldout" else chunk_prompts
-        while done < len(prompts) and (split == "heldout" or done == 0 or stop_at is None or clock() < stop_at):
-            batch = prompts[done: done + step]
-            texts = [""] * len(batch)
-            for chat in (False, True):  # one generate call per kind: only chat answers are closed
-                where = [i for i, (_, _, is_chat) in enumerate(batch) if is_chat == chat]
-                if where:
-                    answers = greedy_continuations(llm, [batch[i][1] for i in where], max_tokens, close_turns=chat)
-                    for i, text in zip(where, answers):
-                        texts[i] = text
-            samples += texts
-            done += len(batch)
+        prompts = splits[split]
+        # the held-out split always whole; the train split in chunks, until the clock says stop
+        samples = _generate(llm, prompts, max_tokens, None if split == "heldout" else chunk_prompts,
+                            stop_at, clock)
+        done = len(samples)
         with open(os.path.join(out_dir, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write(FILE_SEPARATOR.join(samples))
         sources = {p for p, _, _ in prompts[:done]}
@@ -143,6 +135,26 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     return manifest
+
+
+def _generate(llm, prompts: list, max_tokens: int, chunk: Optional[int], stop_at: Optional[float],
+              clock: Callable[[], float]) -> list[str]:
+    """The answers to a prefix of `prompts` ((source, prompt, is chat) each): all of them when
+    `chunk` is None, else `chunk` at a time while `clock()` is before `stop_at` (the first chunk
+    always runs)."""
+    samples: list[str] = []
+    step = chunk or len(prompts)
+    while len(samples) < len(prompts) and (chunk is None or not samples or stop_at is None or clock() < stop_at):
+        batch = prompts[len(samples): len(samples) + step]
+        texts = [""] * len(batch)
+        for chat in (False, True):  # one generate call per kind: only chat answers are closed
+            where = [i for i, (_, _, is_chat) in enumerate(batch) if is_chat == chat]
+            if where:
+                answers = greedy_continuations(llm, [batch[i][1] for i in where], max_tokens, close_turns=chat)
+                for i, text in zip(where, answers):
+                    texts[i] = text
+        samples += texts
+    return samples
 
 
 def main(argv: Optional[list[str]] = None) -> int:
