@@ -155,8 +155,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-speculations", type=int, default=4, help="d: draft tokens per round (economize: d+1 cycle)")
-    ap.add_argument("--min-ngram", type=int, default=None, help="default: SelfSpeculativeConfig's")
-    ap.add_argument("--max-ngram", type=int, default=None, help="default: SelfSpeculativeConfig's")
+    ap.add_argument("--min-ngram", type=int, default=None, help="default: LookupDrafts'")
+    ap.add_argument("--max-ngram", type=int, default=None, help="default: LookupDrafts'")
     ap.add_argument("--exit-layer", type=int, default=12, help="layer drafts of the hybrid")
     ap.add_argument("--layer-speculations", type=int, default=None,
                     help="the hybrid's longest layer draft (default: --num-speculations)")
@@ -174,9 +174,9 @@ def main():
     args = ap.parse_args()
     if args.exit_ready and args.exit_adapter is None:
         args.exit_adapter = True  # the preset drafts with the shipped draft layers
-    defaults = eecore.SelfSpeculativeConfig(draft="lookup")
-    lo = defaults.lookup_min_ngram if args.min_ngram is None else args.min_ngram
-    hi = defaults.lookup_max_ngram if args.max_ngram is None else args.max_ngram
+    defaults = eecore.LookupDrafts()
+    lo = defaults.min_ngram if args.min_ngram is None else args.min_ngram
+    hi = defaults.max_ngram if args.max_ngram is None else args.max_ngram
     d = args.num_speculations
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
@@ -198,7 +198,7 @@ def main():
         return
 
     runners, stats = {}, {}
-    spec = dict(num_speculations=d, lookup_min_ngram=lo, lookup_max_ngram=hi)
+    lookup = eecore.LookupDrafts(min_ngram=lo, max_ngram=hi)
     if "hf" in args.configs or "economize" in args.configs:
         import transformers
 
@@ -212,12 +212,12 @@ def main():
         runners["full"] = eecore_runner(full, args.max_tokens, stats.setdefault("full", {}))
     if "lookup" in args.configs:
         llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, **adapter,
-                         speculative=eecore.SelfSpeculativeConfig(draft="lookup", **spec))
+                         speculative=eecore.SelfSpeculativeConfig(num_speculations=d, lookup=lookup))
         runners["lookup"] = eecore_runner(llm, args.max_tokens, stats.setdefault("lookup", {}))
     if "hybrid" in args.configs:
         hybrid = (eecore.SelfSpeculativeConfig.exit_ready("hybrid") if args.exit_ready else
-                  eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=args.exit_layer,
-                                               layer_speculations=args.layer_speculations, **spec))
+                  eecore.SelfSpeculativeConfig(num_speculations=d, lookup=lookup, layer=eecore.LayerDrafts(
+                      exit_layer=args.exit_layer, max_length=args.layer_speculations)))
         llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=1, **adapter, speculative=hybrid)
         runners["hybrid"] = eecore_runner(llm, args.max_tokens, stats.setdefault("hybrid", {}))
 

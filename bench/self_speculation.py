@@ -54,6 +54,7 @@ import torch
 import eecore
 from eecore.cli.args import parse_min_acceptance
 from eecore.evaluation.metrics import compare_outputs
+from eecore.speculative.flat_options import from_flat
 from eecore.speculative.guard import break_even_acceptance
 from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
@@ -104,6 +105,20 @@ def alternate(llm, full, prompts, params, batch, repeats):
     return outs, ours, theirs, ours_decode, theirs_decode
 
 
+def speculative_config(args, E, d, threshold, draft_dtype, top_k, exit_threshold):
+    """The config of one row, from the flags by their flat names (eecore.speculative.flat_options)."""
+    options = dict(exit_layer=E, num_speculations=d, draft_threshold=threshold, min_acceptance=args.min_acceptance,
+                   draft=args.draft, hybrid_switch=args.hybrid_switch, accept=args.accept,
+                   exit_threshold=exit_threshold, disable_by_batch_size=args.disable_by_batch_size,
+                   layer_disable_by_batch_size=args.layer_disable_by_batch_size,
+                   layer_speculations=None if args.layer_speculations is None else min(args.layer_speculations, d))
+    if args.draft != "layer":
+        options.update(lookup_min_ngram=args.lookup_ngrams[0], lookup_max_ngram=args.lookup_ngrams[1])
+    if args.draft_layers == "separate":
+        options.update(draft_layers="separate", draft_dtype=draft_dtype, draft_top_k=top_k)
+    return from_flat(eecore.SelfSpeculativeConfig, {k: v for k, v in options.items() if v is not None})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -124,33 +139,33 @@ def main():
     ap.add_argument("--draft-thresholds", nargs="+", default=["none", "0.6"],
                     help="adaptive draft length thresholds to try ('none' drafts all d tokens)")
     ap.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default="layer",
-                    help="where drafts come from (SelfSpeculativeConfig(draft=...))")
+                    help="where drafts come from: layer, lookup or both (SelfSpeculativeConfig.layer / .lookup)")
     ap.add_argument("--prompts", choices=PROMPT_KINDS, default="chat",
                     help="the CLI's chat prompts, or held-out code-completion prompts")
     ap.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                     help="exit adapters for layer drafts: the ones shipped for the default model (no FILE), or a file")
     ap.add_argument("--draft-layers", choices=["shared", "separate"], default="shared",
-                    help="SelfSpeculativeConfig(draft_layers=...)")
+                    help="separate: a draft copy (LayerDrafts.copy)")
     ap.add_argument("--draft-dtypes", nargs="+", default=[None], choices=[None, "float32", "bfloat16", "int8"],
                     help="--draft-layers separate: the draft copy's dtypes to run (default: the model's)")
     ap.add_argument("--layer-speculations", type=int, default=None,
-                    help="--draft hybrid: the longest layer-E draft (SelfSpeculativeConfig(layer_speculations=...))")
+                    help="the longest layer-E draft (LayerDrafts.max_length)")
     ap.add_argument("--hybrid-switch", choices=["round", "token"], default="round",
-                    help="--draft hybrid: SelfSpeculativeConfig(hybrid_switch=...)")
+                    help="--draft hybrid: SelfSpeculativeConfig.hybrid_switch")
     ap.add_argument("--lookup-ngrams", type=int, nargs=2, default=[1, 3], metavar=("MIN", "MAX"),
-                    help="SelfSpeculativeConfig(lookup_min_ngram=MIN, lookup_max_ngram=MAX)")
+                    help="LookupDrafts(min_ngram=MIN, max_ngram=MAX)")
     ap.add_argument("--draft-top-ks", type=int, nargs="+", default=[1],
-                    help="--draft-layers separate: SelfSpeculativeConfig(draft_top_k=...) values to run")
+                    help="--draft-layers separate: DraftCopy.top_k values to run")
     ap.add_argument("--accept", choices=["verified", "confident"], default="verified",
-                    help="confident: dynamic early exit with deferred K/V (SelfSpeculativeConfig(accept=...)); "
+                    help="confident: dynamic early exit with deferred K/V (LayerDrafts.exit_threshold); "
                          "the rows then report the early-exit rate and ROUGE-L to full depth")
     ap.add_argument("--exit-thresholds", type=float, nargs="+", default=[None],
-                    help="--accept confident: SelfSpeculativeConfig(exit_threshold=...) values to run (default: "
+                    help="--accept confident: LayerDrafts.exit_threshold values to run (default: "
                          "the draft threshold)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
-                    help="SelfSpeculativeConfig(disable_by_batch_size=N): plain steps above N decoding sequences")
+                    help="SelfSpeculativeConfig.disable_by_batch_size: plain steps above N decoding sequences")
     ap.add_argument("--layer-disable-by-batch-size", type=int, default=None, metavar="N",
-                    help="--draft hybrid: SelfSpeculativeConfig(layer_disable_by_batch_size=N)")
+                    help="LayerDrafts.disable_by_batch_size: layer drafts stop above N decoding sequences")
     ap.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
                     help="the speculation guard: stop drafting for sequences below this acceptance rate, "
                          "a number or 'break-even' (results go to cpu-self-speculation-guard-<date>.json)")
@@ -208,17 +223,7 @@ def main():
                 args.exit_layers, args.drafts, thresholds, args.draft_dtypes, args.draft_top_ks, args.exit_thresholds):
             llm = eecore.LLM(dtype=args.dtype, device="cpu", max_num_seqs=engine_batch(batch),
                              exit_adapter=args.exit_adapter,
-                             speculative=eecore.SelfSpeculativeConfig(
-                                 exit_layer=E, num_speculations=d, draft_threshold=threshold,
-                                 min_acceptance=args.min_acceptance, draft=args.draft,
-                                 hybrid_switch=args.hybrid_switch, lookup_min_ngram=args.lookup_ngrams[0],
-                                 lookup_max_ngram=args.lookup_ngrams[1],
-                                 layer_speculations=None if args.layer_speculations is None
-                                 else min(args.layer_speculations, d),
-                                 draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
-                                 accept=args.accept, exit_threshold=exit_threshold,
-                                 disable_by_batch_size=args.disable_by_batch_size,
-                                 layer_disable_by_batch_size=args.layer_disable_by_batch_size))
+                             speculative=speculative_config(args, E, d, threshold, draft_dtype, top_k, exit_threshold))
             outs, runs, full_runs, decode_runs, full_decode_runs = alternate(llm, full, prompts, params, group,
                                                                              args.repeats)
             tok_s, full_tok_s = statistics.median(runs), statistics.median(full_runs)
@@ -236,7 +241,7 @@ def main():
                                                None if stack is None else stack.weight_bytes()) if layers else 0.0
             row = dict(batch=batch, requests=args.requests, disable_by_batch_size=args.disable_by_batch_size,
                        layer_disable_by_batch_size=args.layer_disable_by_batch_size, draft=args.draft, exit_layer=E, num_speculations=d,
-                       layer_speculations=llm.engine.strategy.config.layer_speculations, draft_threshold=threshold,
+                       layer_speculations=llm.engine.strategy.config.layer_draft_length, draft_threshold=threshold,
                        draft_layers=args.draft_layers, draft_dtype=draft_dtype, draft_top_k=top_k,
                        tok_s=tok_s,
                        full_tok_s=full_tok_s, speedup_vs_full=tok_s / full_tok_s, acceptance_rate=accept,

@@ -126,8 +126,9 @@ def round_cost(args) -> None:
     kw = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.batch, exit_adapter=args.exit_adapter)
     llms = {"full": eecore.LLM(**kw),
             "spec": eecore.LLM(**kw, speculative=eecore.SelfSpeculativeConfig(
-                exit_layer=args.exit_layer, num_speculations=args.num_speculations,
-                draft_layers=args.draft_layers, draft_dtype=args.draft_dtype))}
+                num_speculations=args.num_speculations, layer=eecore.LayerDrafts(
+                    exit_layer=args.exit_layer,
+                    copy=eecore.DraftCopy(args.draft_dtype) if args.draft_layers == "separate" else None)))}
     print_machine(f"E={args.exit_layer}, d={args.num_speculations}, draft layers {args.draft_layers}"
                   f"{'' if args.draft_dtype is None else ' (' + args.draft_dtype + ')'}, {len(prompts)} code prompts, "
                   f"batch {args.batch}")
@@ -167,8 +168,9 @@ def verify_rows(args) -> None:
     if 1 not in args.rows:
         args.rows = [1] + args.rows
     llm = eecore.LLM(dtype=args.dtype, exit_adapter=True, max_num_seqs=max(8, args.batch),
-                     speculative=eecore.SelfSpeculativeConfig(exit_layer=args.exit_layer, num_speculations=max(args.rows),
-                                                              draft_layers="separate", draft_dtype=args.draft_dtype))
+                     speculative=eecore.SelfSpeculativeConfig(
+                         num_speculations=max(args.rows),
+                         layer=eecore.LayerDrafts(exit_layer=args.exit_layer, copy=eecore.DraftCopy(args.draft_dtype))))
     engine = llm.engine
     length = args.context + max(args.rows)
     seqs = [engine.add_request([200 + (b + i) % 1000 for i in range(length)],

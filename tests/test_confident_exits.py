@@ -1,5 +1,5 @@
-"""Dynamic early exit with deferred K/V (SelfSpeculativeConfig(accept="confident")): a layer draft
-whose top-1 probability reaches the threshold is emitted at layer E, and the next full-depth pass
+"""Dynamic early exit with deferred K/V (LayerDrafts(exit_threshold=x)): a layer draft whose top-1
+probability reaches the exit threshold is emitted at layer E, and the next full-depth pass
 computes the exact K/V of the exited positions beside the token after them.
 
 The reference is HF transformers run over the whole context for every token: because every exited
@@ -32,10 +32,12 @@ def tiny(tmp_path_factory):
 
 
 def _llm(path, E, d, threshold, draft_layers="shared", file=None, exit_threshold=None, **kw):
+    """Drafts stop below `threshold`; those at least `exit_threshold` sure (default: threshold) exit."""
+    layer = eecore.LayerDrafts(exit_layer=E, stop_below=threshold,
+                               exit_threshold=threshold if exit_threshold is None else exit_threshold,
+                               copy=eecore.DraftCopy() if draft_layers == "separate" else None)
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
-                      speculative=eecore.SelfSpeculativeConfig(
-                          exit_layer=E, num_speculations=d, draft_threshold=threshold, draft_layers=draft_layers,
-                          accept="confident", exit_threshold=exit_threshold), **kw)
+                      speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=layer), **kw)
 
 
 def _reference(hf, exit_model, prompt, max_tokens, d, threshold, E, exit_threshold=None):
@@ -121,27 +123,31 @@ def test_nothing_exits_at_exit_threshold_one(tiny):
 
 def test_exits_are_what_the_full_depth_would_not_always_say(tiny):
     """The mode is lossy: with threshold 0 on random weights some emitted tokens differ from full
-    depth's greedy output, while accept="verified" with the same drafts keeps it exactly."""
+    depth's greedy output, while verifying the same drafts (no exit_threshold) keeps it exactly."""
     path, hf, file, _ = tiny
     prompts = random_prompts(VOCAB, [5, 9, 3], seed=1)
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))
     trusted = _llm(path, 2, 4, 0.0, "separate", file).generate(prompts, greedy(16))
-    verified = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file, speculative=eecore.SelfSpeculativeConfig(
-        exit_layer=2, num_speculations=4, draft_threshold=0.0, draft_layers="separate")).generate(prompts, greedy(16))
+    verified_config = eecore.SelfSpeculativeConfig(
+        num_speculations=4, layer=eecore.LayerDrafts(exit_layer=2, stop_below=0.0, copy=eecore.DraftCopy()))
+    verified = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file,
+                          speculative=verified_config).generate(prompts, greedy(16))
     assert [o.token_ids for o in verified] == [o.token_ids for o in full]
     assert [o.token_ids for o in trusted] != [o.token_ids for o in full]
 
 
 def test_hybrid_rounds_still_verify_lookup_drafts(tiny):
-    """draft="hybrid": lookup drafts are checked as before; only layer drafts may exit. With a
-    threshold no draft reaches, nothing exits and the output is full depth's, lookup rounds and all."""
+    """Hybrid drafts (layer and lookup): lookup drafts are checked as before; only layer drafts may
+    exit. With a threshold no draft reaches, nothing exits and the output is full depth's, lookup
+    rounds and all."""
     path, hf, file, _ = tiny
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 11, 12, 11], [40, 41, 42]]  # repeats: lookup matches
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(14))
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
                      speculative=eecore.SelfSpeculativeConfig(
-                         exit_layer=2, num_speculations=3, draft="hybrid", draft_threshold=1.0,
-                         draft_layers="separate", accept="confident"))
+                         num_speculations=3, lookup=eecore.LookupDrafts(),
+                         layer=eecore.LayerDrafts(exit_layer=2, stop_below=1.0, exit_threshold=1.0,
+                                                  copy=eecore.DraftCopy())))
     outs = llm.generate(prompts, greedy(14))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert all(set(o.exit_layers) == {L} for o in outs)
@@ -188,37 +194,44 @@ def test_sampled_exits_follow_the_exit_law(tmp_path, exit_threshold):
     assert law_p_value(counts, p1[:, None] * other) < 1e-3  # the test tells the two laws apart
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(exit_layer=2, accept="trusting"), "'accept' must be one of verified, confident"),
-    (dict(exit_layer=2, accept="confident"), "accept='confident' needs 'draft_threshold'"),
-    (dict(draft="lookup", accept="confident"), "accept='confident' applies to layer drafts"),
-    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, min_acceptance=0.3),
-     "'min_acceptance' does not apply with accept='confident'"),
-    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, draft_layers="separate", draft_top_k=2),
-     "'draft_top_k' > 1 does not apply with accept='confident'"),
-    (dict(exit_layer=2, draft_threshold=0.5, exit_threshold=0.9), "'exit_threshold' applies to accept='confident'"),
-    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, exit_threshold=0.4),
-     r"'exit_threshold' must be a number in \[draft_threshold=0.5, 1\]"),
-    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, exit_threshold=1.5), "'exit_threshold' must be"),
-    (dict(exit_layer=2, accept="confident", draft_threshold=0.5, exit_threshold="high"), "'exit_threshold' must be"),
-])
-def test_bad_config(kwargs, match):
+@pytest.mark.parametrize("make, match", [
+    (lambda: eecore.LayerDrafts(exit_layer=2, stop_below=0.5, exit_threshold=0.5,
+                                guard=eecore.AcceptanceGuard(min_acceptance=0.3)),
+     "LayerDrafts: 'guard' does not apply with 'exit_threshold'"),
+    (lambda: eecore.LayerDrafts(exit_layer=2, stop_below=0.5, exit_threshold=0.5, copy=eecore.DraftCopy(top_k=2)),
+     "LayerDrafts: DraftCopy 'top_k' > 1 does not apply with 'exit_threshold'"),
+    (lambda: eecore.LayerDrafts(exit_layer=2, stop_below=0.5, exit_threshold=0.4),
+     r"LayerDrafts: 'exit_threshold' \(--exit-threshold\) must be at least stop_below \(0.5\).*got 0.4"),
+    (lambda: eecore.LayerDrafts(exit_layer=2, stop_below=0.5, exit_threshold=1.5),
+     r"LayerDrafts: 'exit_threshold' \(--exit-threshold\) must be a number in \[0, 1\] or None, got 1.5"),
+    (lambda: eecore.LayerDrafts(exit_layer=2, stop_below=0.5, exit_threshold="high"),
+     r"LayerDrafts: 'exit_threshold' \(--exit-threshold\) must be a number in \[0, 1\] or None, got 'high'"),
+], ids=["guard", "top-k", "below-stop", "above-one", "not-a-number"])
+def test_bad_config(make, match):
+    """(An exit threshold without a stop threshold is no longer an error, and a lookup-only config has
+    no layer to exit from; the deprecated accept= spellings: test_speculative_config.py.)"""
     with pytest.raises(ValueError, match=match):
-        eecore.SelfSpeculativeConfig(**kwargs)
+        make()
 
 
 def test_cli_flag(tiny, capsys):
     from eecore.cli import main
 
     path = tiny[0]
+    # --exit-threshold turns exits on (formerly --accept confident, at the draft threshold)
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                  "--exit-layer", "2", "--num-speculations", "3", "--draft-threshold", "0.2",
-                 "--accept", "confident"]) == 0
+                 "--exit-threshold", "0.2"]) == 0
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
-                 "--exit-layer", "2", "--num-speculations", "3", "--draft-threshold", "0.2", "--exit-threshold", "0.6",
-                 "--accept", "confident"]) == 0
-    with pytest.raises(SystemExit, match="'exit_threshold' applies to accept='confident'"):
-        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-threshold", "0.2",
-              "--exit-threshold", "0.6"])
-    with pytest.raises(SystemExit, match="accept='confident' needs 'draft_threshold'"):
+                 "--exit-layer", "2", "--num-speculations", "3", "--draft-threshold", "0.2",
+                 "--exit-threshold", "0.6"]) == 0
+    with pytest.raises(SystemExit, match=r"'exit_threshold' \(--exit-threshold\) must be at least stop_below \(0.6\)"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--draft-threshold", "0.6",
+              "--exit-threshold", "0.2"])
+    with pytest.raises(SystemExit, match="'guard' does not apply with 'exit_threshold'"):
+        main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--exit-threshold", "0.6",
+              "--min-acceptance", "0.3"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # the flag is gone
         main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--accept", "confident"])
+    assert exc.value.code == 2 and "--accept" in capsys.readouterr().err

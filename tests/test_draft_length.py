@@ -1,4 +1,4 @@
-"""Adaptive draft length per sequence (SelfSpeculativeConfig(long_draft_acceptance=a),
+"""Adaptive draft length per sequence (LayerDrafts(long_draft_acceptance=a),
 eecore.speculative.draft_length): full-length drafts while first drafts are accepted, one token a
 round while they are not; outputs stay full depth's."""
 from __future__ import annotations
@@ -22,10 +22,11 @@ def tiny(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("draft-length"), arch="llama", num_layers=NUM_LAYERS)
 
 
-def _spec(path, long_draft_acceptance=None, E=1, d=4, **kw):
+def _spec(path, long_draft_acceptance=None, E=1, d=4, **layer):
+    """`layer`: more LayerDrafts options."""
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8,
-                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
-                                                               long_draft_acceptance=long_draft_acceptance, **kw))
+                      speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=eecore.LayerDrafts(
+                          exit_layer=E, long_draft_acceptance=long_draft_acceptance, **layer)))
 
 
 def test_chains_go_on_while_first_drafts_are_accepted_or_sure():
@@ -48,8 +49,8 @@ def test_chains_go_on_while_first_drafts_are_accepted_or_sure():
     assert DraftLength(0.0).goes_on(seq, 0.0)  # 0 turns the rule off
 
 
-@pytest.mark.parametrize("draft_layers", ["shared", "separate"])
-def test_rejected_first_drafts_end_unsure_chains_and_greedy_stays_exact(tiny, draft_layers):
+@pytest.mark.parametrize("copy", [None, eecore.DraftCopy()], ids=["shared", "separate"])
+def test_rejected_first_drafts_end_unsure_chains_and_greedy_stays_exact(tiny, copy):
     # layer 1 of 4 random layers drafts badly. With a = 1.0 the first rejected first draft makes
     # a sequence verify one draft a round for good (the running rate never gets back to 1), unless
     # a first draft is certain (top-1 probability 1.0, which random layers do not give)
@@ -58,8 +59,8 @@ def test_rejected_first_drafts_end_unsure_chains_and_greedy_stays_exact(tiny, dr
         prompts = random_prompts(hf.config.vocab_size, [3 + 5 * i for i in range(batch)], seed=batch)
         params = [greedy(24 + 2 * i) for i in range(batch)]
         full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
-        free = _spec(path, draft_layers=draft_layers).generate(prompts, params)
-        short_llm = _spec(path, 1.0, draft_layers=draft_layers)
+        free = _spec(path, copy=copy).generate(prompts, params)
+        short_llm = _spec(path, 1.0, copy=copy)
         short = short_llm.generate(prompts, params)
         assert [o.token_ids for o in short] == [o.token_ids for o in full]
         assert [o.token_ids for o in free] == [o.token_ids for o in full]
@@ -108,10 +109,10 @@ def test_sure_first_drafts_keep_the_chains_long(tiny):
 
 
 def test_a_draft_the_threshold_dropped_counts_as_a_rejected_first_draft(tiny):
-    # draft_threshold=0.99 drops (nearly) every draft of random layers; each such round is a
+    # stop_below=0.99 drops (nearly) every draft of random layers; each such round is a
     # rejected first draft, so the rule's running rate for the sequence falls to 0
     path, hf = tiny
-    llm = _spec(path, 0.5, E=2, draft_threshold=0.99)
+    llm = _spec(path, 0.5, E=2, stop_below=0.99)
     rule, rates = llm.engine.strategy.draft_length, []
     record = rule.record
     rule.record = lambda seq, first_accepted: (rates.append(first_accepted), record(seq, first_accepted))[1]
@@ -123,28 +124,31 @@ def test_a_draft_the_threshold_dropped_counts_as_a_rejected_first_draft(tiny):
     assert out.metrics["num_layer_proposals"] == 8
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(exit_layer=2, long_draft_acceptance=1.5), "'long_draft_acceptance' must be a number in \\[0, 1\\], got 1.5"),
-    (dict(exit_layer=2, long_draft_acceptance=-0.1), "'long_draft_acceptance' must be a number in \\[0, 1\\]"),
-    (dict(exit_layer=2, long_draft_acceptance="often"), "'long_draft_acceptance' must be a number"),
-    (dict(exit_layer=2, long_draft_acceptance=True), "'long_draft_acceptance' must be a number"),
-    (dict(draft="lookup", long_draft_acceptance=0.5), "'long_draft_acceptance' applies to layer drafts"),
+@pytest.mark.parametrize("value, match", [
+    (1.5, r"LayerDrafts: 'long_draft_acceptance' \(--long-draft-acceptance\) must be a number in \[0, 1\] or None, "
+          r"got 1.5"),
+    (-0.1, r"'long_draft_acceptance' \(--long-draft-acceptance\) must be a number in \[0, 1\]"),
+    ("often", r"'long_draft_acceptance' \(--long-draft-acceptance\) must be a number"),
+    (True, r"'long_draft_acceptance' \(--long-draft-acceptance\) must be a number"),
 ])
-def test_bad_config(kwargs, match):
+def test_bad_config(value, match):
+    """(A lookup-only config has no layer drafts to set it on; the deprecated flat spelling that
+    tried: test_speculative_config.py.)"""
     with pytest.raises(ValueError, match=match):
-        eecore.SelfSpeculativeConfig(**kwargs)
+        eecore.LayerDrafts(exit_layer=2, long_draft_acceptance=value)
 
 
 def test_presets_and_cli_flag(tiny, capsys):
     from eecore.cli import main, parse_args, speculative_config
 
     for preset in ("layer", "hybrid"):
-        assert eecore.SelfSpeculativeConfig.exit_ready(preset).long_draft_acceptance == 0.5
-        assert eecore.SelfSpeculativeConfig.exit_ready(preset, long_draft_acceptance=0.0).long_draft_acceptance == 0.0
+        assert eecore.SelfSpeculativeConfig.exit_ready(preset).layer.long_draft_acceptance == 0.5
+        assert eecore.SelfSpeculativeConfig.exit_ready(preset, long_draft_acceptance=0.0).layer.long_draft_acceptance \
+            == 0.0
     args = parse_args(["generate", "x", "--exit-ready", "--long-draft-acceptance", "0.3"])
-    assert speculative_config(args).long_draft_acceptance == 0.3
+    assert speculative_config(args).layer.long_draft_acceptance == 0.3
     path, _ = tiny
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                  "--exit-layer", "2", "--long-draft-acceptance", "0.5"]) == 0
-    with pytest.raises(SystemExit, match="'long_draft_acceptance' must be a number in"):
+    with pytest.raises(SystemExit, match=r"'long_draft_acceptance' \(--long-draft-acceptance\) must be a number in"):
         main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--long-draft-acceptance", "2"])

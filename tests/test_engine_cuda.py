@@ -108,9 +108,10 @@ def test_input_builder_never_overwrites_a_pending_copy():
 
 
 def test_token_trees_are_full_depth(tiny):
-    """Greedy token-tree verification (draft_top_k > 1) on CUDA gives the CPU engine's tokens."""
+    """Greedy token-tree verification (DraftCopy(top_k=k > 1)) on CUDA gives the CPU engine's tokens."""
     path, hf = tiny
-    spec = eecore.SelfSpeculativeConfig(exit_layer=1, num_speculations=2, draft_layers="separate", draft_top_k=3)
+    spec = eecore.SelfSpeculativeConfig(num_speculations=2,
+                                        layer=eecore.LayerDrafts(exit_layer=1, copy=eecore.DraftCopy(top_k=3)))
     prompts = random_prompts(hf.config.vocab_size, [5, 17, 3], seed=4)
     outs = _llm(path, speculative=spec).generate(prompts, greedy(16))
     cpu = _llm(path, device="cpu").generate(prompts, greedy(16))

@@ -150,10 +150,9 @@ def test_speculation_settings_name_the_row(tiny, prompt_file, tmp_path):
     """The label carries the settings that tell sweep rows apart. With exit_threshold 1 nothing exits,
     so the verified drafts give full depth's output."""
     data = run_eval(tiny, tmp_path, "--prompts", prompt_file, "--chat", "off", "--speculate", "--exit-layer", "1",
-                    "--num-speculations", "2", "--draft-threshold", "0", "--accept", "confident",
-                    "--exit-threshold", "1")
+                    "--num-speculations", "2", "--draft-threshold", "0", "--exit-threshold", "1")
     (row,) = data["rows"]
-    assert row["label"] == "speculate layer E=1 d=2 t=0 confident exit=1"
+    assert row["label"] == "speculate layer E=1 d=2 t=0 exit=1"
     assert row["exact_match"] == 1.0 and row["early_exit_rate"] == 0.0
 
 
@@ -348,12 +347,14 @@ def test_separate_draft_layer_rows(tmp_path):
                     "--sweep-exit-layer", "1", "2", "--repeats", "1")
     assert [r["label"] for r in data["rows"]] == [f"speculate layer E={e} d=2 separate int8 +adapter" for e in (1, 2)]
     for e, row in zip((1, 2), data["rows"]):
-        assert row["strategy"]["draft_layers"] == "separate" and row["strategy"]["exit_layer"] == e
+        layer = row["strategy"]["layer"]  # the config's parts as JSON objects
+        assert layer["copy"] == {"dtype": "int8", "top_k": 1} and layer["exit_layer"] == e
         assert row["exact_match"] == 1.0 and row["token_agreement"] == 1.0
         assert [r["full_text"] for r in row["outputs"]] == [plain.tokenizer.decode(t) for t in full]
         by_hand = eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=file,
-                             speculative=eecore.SelfSpeculativeConfig(exit_layer=e, num_speculations=2,
-                                                                      draft_layers="separate", draft_dtype="int8"))
+                             speculative=eecore.SelfSpeculativeConfig(
+                                 num_speculations=2,
+                                 layer=eecore.LayerDrafts(exit_layer=e, copy=eecore.DraftCopy(dtype="int8"))))
         outs = by_hand.generate(prompts, greedy(8))
         expected = sum(o.metrics["acceptance_rate"] for o in outs) / len(outs)
         assert row["strategy_metrics"]["acceptance_rate"] == pytest.approx(expected)

@@ -434,7 +434,7 @@ def test_draft_only_trains_the_copy_and_its_exits(tiny, llm, tokens, vocab, tmp_
     adapters.save(file)
     prompts = random_prompts(VOCAB, [4, 7], seed=6)
     spec = _load(tiny[0], exit_adapter=file, speculative=eecore.SelfSpeculativeConfig(
-        exit_layer=2, num_speculations=2, draft_layers="separate"))
+        num_speculations=2, layer=eecore.LayerDrafts(exit_layer=2, copy=eecore.DraftCopy())))
     outs = spec.generate(prompts, greedy(8))
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, greedy(8))]
     assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0

@@ -1,5 +1,5 @@
-"""Hybrid drafts that pick their source per drafted position (SelfSpeculativeConfig(draft="hybrid",
-hybrid_switch="token")): lookup continuations while the draft ends in an n-gram match, a token of
+"""Hybrid drafts that pick their source per drafted position (SelfSpeculativeConfig(layer=...,
+lookup=..., hybrid_switch="token")): lookup continuations while the draft ends in an n-gram match, a token of
 the separate draft copy where it does not, both kinds in one round's chain."""
 from __future__ import annotations
 
@@ -25,15 +25,14 @@ def lora_file(tiny, tmp_path_factory):
     return file, lora
 
 
-def _switching(path, file=None, E=2, d=4, layer_speculations=2, **kw):
-    spec = {k: kw.pop(k) for k in list(kw)
-            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "draft_threshold",
-                                                "long_draft_acceptance")}
-    spec.setdefault("lookup_min_ngram", 2)
-    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
-                      speculative=eecore.SelfSpeculativeConfig(
-                          draft="hybrid", hybrid_switch="token", exit_layer=E, num_speculations=d,
-                          layer_speculations=layer_speculations, draft_layers="separate", **spec), **kw)
+def _switching(path, file=None, E=2, d=4, max_length=2, layer=None, lookup=None, **kw):
+    """Per-token hybrid drafts: a copy of layers 0..E-1 (`layer`: more LayerDrafts options) and
+    prompt lookup (`lookup`: LookupDrafts options; min_ngram 2 unless given)."""
+    spec = eecore.SelfSpeculativeConfig(
+        num_speculations=d, hybrid_switch="token",
+        layer=eecore.LayerDrafts(exit_layer=E, max_length=max_length, copy=eecore.DraftCopy(), **(layer or {})),
+        lookup=eecore.LookupDrafts(**{"min_ngram": 2, **(lookup or {})}))
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file, speculative=spec, **kw)
 
 
 def _prompts(batch: int) -> list[list[int]]:
@@ -56,8 +55,8 @@ def _record_chains(llm) -> list[list[bool]]:
     return chains
 
 
-@pytest.mark.parametrize("draft_threshold", [None, 0.3])
-def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, draft_threshold):
+@pytest.mark.parametrize("stop_below", [None, 0.3])
+def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, stop_below):
     path, _ = tiny
     file, _ = lora_file
     full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4)
@@ -66,7 +65,7 @@ def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, dr
         prompts = _prompts(batch)
         params = [greedy(12 + 3 * i) for i in range(batch)]
         expected = [o.token_ids for o in full.generate(prompts, params)]
-        llm = _switching(path, file, draft_threshold=draft_threshold, max_num_seqs=8)
+        llm = _switching(path, file, layer=dict(stop_below=stop_below), max_num_seqs=8)
         chains = _record_chains(llm)
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == expected
@@ -109,8 +108,9 @@ def test_copy_drafts_after_lookup_tokens_see_them(tiny, lora_file):
     assert_copy_logits_match(hf, lora, 2, seen)
 
 
-def _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, **kw):
-    """Greedy runs with `kw` (a rule that cuts layer drafts) against the same runs without it: outputs
+def _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, layer):
+    """Greedy runs with `layer` (LayerDrafts options: a rule that cuts layer drafts) against the same
+    runs without it: outputs
     stay full depth's, fewer layer tokens are drafted, and lookup still drafts. Returns the LLM and
     its drafted chains."""
     path, _ = tiny
@@ -119,7 +119,7 @@ def _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, **kw):
     params = greedy(40)
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
     free = _switching(path, file).generate(prompts, params)
-    llm = _switching(path, file, **kw)
+    llm = _switching(path, file, layer=layer)
     chains = _record_chains(llm)
     cut = llm.generate(prompts, params)
     assert [o.token_ids for o in cut] == expected
@@ -131,7 +131,8 @@ def _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, **kw):
 
 def test_the_guard_judges_layer_tokens_alone(tiny, lora_file):
     """With a floor no draft copy can reach, layer tokens stop (bar probes) and lookup goes on."""
-    _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, min_acceptance=1.0, probe_every=64)
+    _layer_tokens_cut_while_lookup_goes_on(
+        tiny, lora_file, dict(guard=eecore.AcceptanceGuard(min_acceptance=1.0, probe_every=64)))
 
 
 def test_sampling_preserves_the_full_model_law(tiny_vocab):
@@ -143,8 +144,8 @@ def test_sampling_preserves_the_full_model_law(tiny_vocab):
     prompt = [3, 7, 1, 3, 5]
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
                      speculative=eecore.SelfSpeculativeConfig(
-                         draft="hybrid", hybrid_switch="token", exit_layer=1, num_speculations=2,
-                         layer_speculations=2, draft_layers="separate"))
+                         num_speculations=2, hybrid_switch="token", lookup=eecore.LookupDrafts(),
+                         layer=eecore.LayerDrafts(exit_layer=1, max_length=2, copy=eecore.DraftCopy())))
     chains = _record_chains(llm)
     params = [eecore.SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     outs = llm.generate([prompt] * n, params)
@@ -164,24 +165,35 @@ def test_sampling_preserves_the_full_model_law(tiny_vocab):
 def test_long_draft_acceptance_ends_copy_runs_and_lookup_goes_on(tiny, lora_file):
     """long_draft_acceptance=1.0: after a rejected first copy token, a round's copy run ends at its
     first token (bar a certain one), while lookup continuations still extend the draft."""
-    llm, chains = _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, long_draft_acceptance=1.0)
+    llm, chains = _layer_tokens_cut_while_lookup_goes_on(tiny, lora_file, dict(long_draft_acceptance=1.0))
     # after the first rounds, chains hold one copy token at most
     assert sum(c.count(False) <= 1 for c in chains) > 0.8 * len(chains), chains
     assert len(llm.engine.strategy.draft_length) == 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(exit_layer=2, draft="hybrid", hybrid_switch="position"), "'hybrid_switch' must be one of round, token"),
-    (dict(exit_layer=2, hybrid_switch="token", draft_layers="separate"), "applies to draft='hybrid' only"),
-    (dict(exit_layer=2, draft="hybrid", hybrid_switch="token"), "needs draft_layers='separate'"),
-    (dict(exit_layer=2, draft="hybrid", hybrid_switch="token", draft_layers="separate", draft_top_k=2),
-     "does not combine with draft_top_k > 1"),
-    (dict(exit_layer=2, draft="hybrid", hybrid_switch="token", draft_layers="separate", accept="confident",
-          draft_threshold=0.5), "or accept='confident'"),
-])
-def test_bad_config(kwargs, match):
+def _both(switch="token", copy=True, **layer):
+    """A hybrid config at exit layer 2 switching per `switch`, with a draft copy unless `copy` is
+    False (a DraftCopy: that one)."""
+    copy = (eecore.DraftCopy() if copy is True else copy) or None
+    return eecore.SelfSpeculativeConfig(layer=eecore.LayerDrafts(exit_layer=2, copy=copy, **layer),
+                                        lookup=eecore.LookupDrafts(), hybrid_switch=switch)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: _both("position"),
+     r"SelfSpeculativeConfig: 'hybrid_switch' \(--hybrid-switch\) must be one of round, token, got 'position'"),
+    (lambda: eecore.SelfSpeculativeConfig(layer=eecore.LayerDrafts(exit_layer=2, copy=eecore.DraftCopy()),
+                                          hybrid_switch="token"),
+     "hybrid_switch='token' picks between layer and lookup drafts, and this config has layer drafts only"),
+    (lambda: eecore.SelfSpeculativeConfig(lookup=eecore.LookupDrafts(), hybrid_switch="token"),
+     "hybrid_switch='token' picks between layer and lookup drafts, and this config has lookup drafts only"),
+    (lambda: _both(copy=False), r"hybrid_switch='token' needs layer.copy=DraftCopy\(\)"),
+    (lambda: _both(copy=eecore.DraftCopy(top_k=2)), "does not combine with DraftCopy 'top_k' > 1"),
+    (lambda: _both(stop_below=0.5, exit_threshold=0.5), "or LayerDrafts 'exit_threshold'"),
+], ids=["unknown", "layer-only", "lookup-only", "no-copy", "tree", "exits"])
+def test_bad_config(make, match):
     with pytest.raises(ValueError, match=match):
-        eecore.SelfSpeculativeConfig(**kwargs)
+        make()
 
 
 def test_cli_flag(tiny, capsys):
@@ -191,14 +203,14 @@ def test_cli_flag(tiny, capsys):
     assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                  "--draft", "hybrid", "--hybrid-switch", "token", "--exit-layer", "2", "--draft-layers",
                  "separate"]) == 0
-    with pytest.raises(SystemExit, match="needs draft_layers='separate'"):
+    with pytest.raises(SystemExit, match=r"hybrid_switch='token' needs layer.copy=DraftCopy\(\)"):
         main(["generate", "Hello", "--model", path, "--speculate", "--draft", "hybrid", "--hybrid-switch", "token",
               "--exit-layer", "2"])
 
 
 @pytest.mark.parametrize("switch", ["round", "token"])
 def test_layer_drafts_stop_above_their_batch_size_while_lookup_drafts_go_on(tiny, lora_file, switch):
-    """layer_disable_by_batch_size=2: in steps of 3-4 decoding sequences the copy never runs and
+    """LayerDrafts(disable_by_batch_size=2): in steps of 3-4 decoding sequences the copy never runs and
     lookup drafts still do; with 2 or fewer the copy drafts again. Greedy output stays full depth's."""
     path, _ = tiny
     file, _ = lora_file
@@ -208,9 +220,9 @@ def test_layer_drafts_stop_above_their_batch_size_while_lookup_drafts_go_on(tiny
         prompts, params)]
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file, max_num_seqs=8,
                      speculative=eecore.SelfSpeculativeConfig(
-                         draft="hybrid", hybrid_switch=switch, exit_layer=2, num_speculations=4,
-                         layer_speculations=2, lookup_min_ngram=2, draft_layers="separate",
-                         layer_disable_by_batch_size=2))
+                         num_speculations=4, hybrid_switch=switch, lookup=eecore.LookupDrafts(min_ngram=2),
+                         layer=eecore.LayerDrafts(exit_layer=2, max_length=2, copy=eecore.DraftCopy(),
+                                                  disable_by_batch_size=2)))
     strategy = llm.engine.strategy
     decoding, copy_steps, lookup_steps = [], [], []
     decode, first_pass, propose = strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.propose

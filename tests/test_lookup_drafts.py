@@ -17,13 +17,14 @@ def tiny(request, tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=NUM_LAYERS)
 
 
-def _llm(path, draft, E=2, d=4, **kw):
-    spec = {k: kw.pop(k) for k in list(kw)
-            if k.startswith("lookup_") or k in ("min_acceptance", "probe_every", "layer_speculations",
-                                                "disable_by_batch_size")}
-    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
-                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d, draft=draft, **spec),
-                      **kw)
+def _llm(path, draft, E=2, d=4, layer=None, lookup=None, disable_by_batch_size=None, **kw):
+    """draft "layer", "lookup" or "hybrid" (both); `layer` and `lookup`: options of LayerDrafts (at
+    exit layer E) and LookupDrafts."""
+    spec = eecore.SelfSpeculativeConfig(
+        num_speculations=d, layer=None if draft == "lookup" else eecore.LayerDrafts(exit_layer=E, **(layer or {})),
+        lookup=None if draft == "layer" else eecore.LookupDrafts(**(lookup or {})),
+        disable_by_batch_size=disable_by_batch_size)
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, speculative=spec, **kw)
 
 
 def repetitive_prompts(vocab_size: int, batch: int, seed: int = 0) -> list[list[int]]:
@@ -122,7 +123,7 @@ def test_lookup_only_needs_no_exit_layer_and_runs_every_position_once(tiny):
     prompts = repetitive_prompts(hf.config.vocab_size, 5, seed=4)
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(20))]
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
-                     speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=4))
+                     speculative=eecore.SelfSpeculativeConfig(num_speculations=4, lookup=eecore.LookupDrafts()))
     strategy = llm.engine.strategy
     assert strategy.draft_head is None and strategy.guard is None
     outs = llm.generate(prompts, greedy(20))
@@ -141,7 +142,7 @@ def test_hybrid_mixes_lookup_and_layer_drafts_in_one_round(tiny):
     prompts = repetitive_prompts(hf.config.vocab_size, 4, seed=5)
     prompts += [list(range(3 + 11 * i, 3 + 11 * i + 9)) for i in range(4)]
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
-    llm = _llm(path, "hybrid", E=2, d=3, lookup_min_ngram=2)
+    llm = _llm(path, "hybrid", E=2, d=3, lookup=dict(min_ngram=2))
     strategy, mixed = llm.engine.strategy, []
     propose = strategy.proposer.propose
 
@@ -163,7 +164,7 @@ def test_hybrid_layer_drafts_have_their_own_length(tiny):
     prompts = repetitive_prompts(hf.config.vocab_size, 4, seed=5)
     prompts += [list(range(3 + 11 * i, 3 + 11 * i + 9)) for i in range(4)]
     expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
-    llm = _llm(path, "hybrid", E=2, d=4, layer_speculations=1, lookup_min_ngram=2)
+    llm = _llm(path, "hybrid", E=2, d=4, layer=dict(max_length=1), lookup=dict(min_ngram=2))
     strategy, layer_lengths, lookup_lengths = llm.engine.strategy, [], []
     propose = strategy.proposer.propose
 
@@ -177,7 +178,7 @@ def test_hybrid_layer_drafts_have_their_own_length(tiny):
     assert layer_lengths and max(layer_lengths) == 1
     assert max(lookup_lengths) > 1  # lookup drafts keep num_speculations
     for batch in (1, 3):  # batch invariance
-        llm = _llm(path, "hybrid", E=2, d=4, layer_speculations=2, max_num_seqs=batch)
+        llm = _llm(path, "hybrid", E=2, d=4, layer=dict(max_length=2), max_num_seqs=batch)
         assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == expected
 
 
@@ -188,7 +189,8 @@ def test_hybrid_guard_gates_layer_drafts_only(tiny):
     free = _llm(path, "hybrid", E=1, d=4).generate(prompts, greedy(30))
     # layer 1 of 4 random layers drafts hopelessly: with a floor of 1.0 the guard stops layer
     # drafts, while lookup drafts go on
-    guarded = _llm(path, "hybrid", E=1, d=4, min_acceptance=1.0, probe_every=8)
+    guard = eecore.AcceptanceGuard(min_acceptance=1.0, probe_every=8)
+    guarded = _llm(path, "hybrid", E=1, d=4, layer=dict(guard=guard))
     outs = guarded.generate(prompts, greedy(30))
     assert [o.token_ids for o in outs] == expected
     layer_free = sum(o.metrics["num_layer_drafted_tokens"] for o in free)
@@ -273,7 +275,7 @@ def test_lookup_sampling_preserves_the_full_model_law(tiny_vocab):
     # (with mixed steps, requests this short, arriving all along, would take plain steps while
     # prompts wait)
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64, mixed_steps=False,
-                     speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=3))
+                     speculative=eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts()))
     counts, outs = _sample_first_two_tokens(llm, prompt, n, V)
     assert all(o.metrics["num_lookup_drafted_tokens"] >= 1 for o in outs)
     accepted = sum(o.metrics["num_lookup_accepted_tokens"] for o in outs)
@@ -297,7 +299,8 @@ def test_hybrid_sampling_preserves_the_full_model_law(tiny_vocab):
     prompt = [3, 7, 1, 3, 5]
     n = 3000
     llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=64,
-                     speculative=eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=1, num_speculations=3))
+                     speculative=eecore.SelfSpeculativeConfig(
+                         num_speculations=3, layer=eecore.LayerDrafts(exit_layer=1), lookup=eecore.LookupDrafts()))
     counts, outs = _sample_first_two_tokens(llm, prompt, n, V)
     assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
     assert sum(o.metrics["num_layer_drafted_tokens"] for o in outs) > 0
@@ -336,41 +339,41 @@ def test_disable_by_batch_size_runs_plain_mixed_steps_above_it(tiny, draft):
 
 
 def test_bad_lookup_config():
+    from re import escape
+
+    C, layer, lookup = eecore.SelfSpeculativeConfig, eecore.LayerDrafts, eecore.LookupDrafts
     for bad in (0, -1, 1.5, True, "4"):
-        with pytest.raises(ValueError, match="'disable_by_batch_size' must be an int >= 1 or None"):
-            eecore.SelfSpeculativeConfig(draft="lookup", disable_by_batch_size=bad)
-    with pytest.raises(ValueError, match="'draft' must be one of layer, lookup, hybrid"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, draft="ngram")
-    with pytest.raises(ValueError, match="'exit_layer' is required with draft='layer'"):
-        eecore.SelfSpeculativeConfig()
-    with pytest.raises(ValueError, match="'exit_layer' is required with draft='hybrid'"):
-        eecore.SelfSpeculativeConfig(draft="hybrid")
-    with pytest.raises(ValueError, match="'lookup_min_ngram' must be an int >= 1"):
-        eecore.SelfSpeculativeConfig(draft="lookup", lookup_min_ngram=0)
-    with pytest.raises(ValueError, match="'lookup_max_ngram' must be an int >= lookup_min_ngram"):
-        eecore.SelfSpeculativeConfig(draft="lookup", lookup_min_ngram=3, lookup_max_ngram=2)
-    with pytest.raises(ValueError, match="'lookup_max_ngram'"):
-        eecore.SelfSpeculativeConfig(draft="lookup", lookup_max_ngram=2.5)
-    with pytest.raises(ValueError, match="'exit_layer' must be an int >= 1"):
-        eecore.SelfSpeculativeConfig(draft="lookup", exit_layer=0)
-    with pytest.raises(ValueError, match="'min_acceptance' applies to layer drafts"):
-        eecore.SelfSpeculativeConfig(draft="lookup", min_acceptance="break-even")
-    with pytest.raises(ValueError, match="'draft_threshold' applies to layer drafts"):
-        eecore.SelfSpeculativeConfig(draft="lookup", draft_threshold=0.5)
-    with pytest.raises(ValueError, match="'layer_speculations' applies to draft='hybrid' only"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, layer_speculations=1)
-    for bad in (0, 5, 1.5, True):
-        with pytest.raises(ValueError, match=r"'layer_speculations' must be an int in \[1, num_speculations=4\]"):
-            eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, num_speculations=4, layer_speculations=bad)
-    assert eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, layer_speculations=2).layer_draft_length == 2
-    assert eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2).layer_draft_length == 4
-    config = eecore.SelfSpeculativeConfig(draft="lookup")  # no exit layer needed
+        with pytest.raises(ValueError, match=escape("SelfSpeculativeConfig: 'disable_by_batch_size' "
+                                                    "(--disable-by-batch-size) must be an int >= 1 or None")):
+            C(lookup=lookup(), disable_by_batch_size=bad)
+    with pytest.raises(ValueError, match=escape("SelfSpeculativeConfig: drafts need a source: layer=LayerDrafts("
+                                                "exit_layer=E) (or exit_layer=E), lookup=LookupDrafts()")):
+        C()
+    with pytest.raises(TypeError, match="exit_layer"):  # layer drafts (alone or in a hybrid) need their depth
+        C(layer=layer(), lookup=lookup())
+    with pytest.raises(ValueError, match=escape("LookupDrafts: 'min_ngram' (--lookup-min-ngram) must be an int >= 1, "
+                                                "got 0")):
+        C(lookup=lookup(min_ngram=0))
+    with pytest.raises(ValueError, match=escape("LookupDrafts: 'max_ngram' (--lookup-max-ngram) must be an int >= "
+                                                "min_ngram (3), got 2")):
+        C(lookup=lookup(min_ngram=3, max_ngram=2))
+    with pytest.raises(ValueError, match=escape("LookupDrafts: 'max_ngram' (--lookup-max-ngram) must be an int")):
+        C(lookup=lookup(max_ngram=2.5))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=escape("LayerDrafts: 'max_length' (--layer-speculations) must be an int "
+                                                    ">= 1 or None, got")):
+            C(num_speculations=4, layer=layer(exit_layer=2, max_length=bad), lookup=lookup())
+    with pytest.raises(ValueError, match=escape("LayerDrafts: 'max_length' (--layer-speculations) must be at most "
+                                                "num_speculations (4), got 5")):
+        C(num_speculations=4, layer=layer(exit_layer=2, max_length=5), lookup=lookup())
+    assert C(layer=layer(exit_layer=2, max_length=2), lookup=lookup()).layer_draft_length == 2
+    assert C(layer=layer(exit_layer=2), lookup=lookup()).layer_draft_length == 4
+    assert C(layer=layer(exit_layer=2, max_length=1)).layer_draft_length == 1  # layer drafts alone too
+    config = C(lookup=lookup())  # no exit layer needed
     assert config.exit_layer is None and not config.uses_layers
     config.validate_for(4)
-    # lookup-only ignores exit_layer, even one deeper than the model
-    eecore.SelfSpeculativeConfig(draft="lookup", exit_layer=99).validate_for(4)
     with pytest.raises(ValueError, match="'exit_layer' must be below"):
-        eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=4).validate_for(4)
+        C(layer=layer(exit_layer=4), lookup=lookup()).validate_for(4)
 
 
 def test_cli_draft_flags(tiny, capsys, monkeypatch):
@@ -384,21 +387,24 @@ def test_cli_draft_flags(tiny, capsys, monkeypatch):
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "lookup", "--lookup-min-ngram", "2", "--lookup-max-ngram", "4"]) == 0
     config = seen[-1] and cli.speculative_config(seen[-1])
-    assert (config.draft, config.lookup_min_ngram, config.lookup_max_ngram, config.exit_layer) == ("lookup", 2, 4, None)
+    assert (config.draft, config.lookup.min_ngram, config.lookup.max_ngram, config.exit_layer) == ("lookup", 2, 4, None)
+    assert config == eecore.SelfSpeculativeConfig(lookup=eecore.LookupDrafts(min_ngram=2, max_ngram=4))
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "hybrid", "--exit-layer", "2"]) == 0
-    assert cli.speculative_config(seen[-1]).draft == "hybrid"
+    assert cli.speculative_config(seen[-1]) == eecore.SelfSpeculativeConfig(layer=eecore.LayerDrafts(exit_layer=2),
+                                                                            lookup=eecore.LookupDrafts())
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "hybrid", "--exit-layer", "2", "--layer-speculations", "1"]) == 0
-    assert cli.speculative_config(seen[-1]).layer_speculations == 1
+    assert cli.speculative_config(seen[-1]).layer.max_length == 1
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "lookup", "--disable-by-batch-size", "3"]) == 0
     assert cli.speculative_config(seen[-1]).disable_by_batch_size == 3
-    with pytest.raises(SystemExit, match="'disable_by_batch_size' must be an int >= 1"):
+    with pytest.raises(SystemExit, match=r"'disable_by_batch_size' \(--disable-by-batch-size\) must be an int >= 1"):
         cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup",
                   "--disable-by-batch-size", "0"])
-    with pytest.raises(SystemExit, match="'layer_speculations' applies to draft='hybrid' only"):
-        cli.main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--layer-speculations", "1"])
+    with pytest.raises(SystemExit, match=r"'max_length' \(--layer-speculations\) must be at most num_speculations "
+                                         r"\(4\), got 5"):
+        cli.main(["generate", "Hello", "--model", path, "--speculate", "--exit-layer", "2", "--layer-speculations", "5"])
     with pytest.raises(SystemExit, match="--draft hybrid needs --exit-layer"):
         cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "hybrid"])
     with pytest.raises(SystemExit, match="--speculate needs --exit-layer"):
@@ -407,6 +413,7 @@ def test_cli_draft_flags(tiny, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "ngram"])
     assert exc.value.code == 2 and "--draft" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="lookup_max_ngram"):
+    with pytest.raises(SystemExit, match=r"LookupDrafts: 'max_ngram' \(--lookup-max-ngram\) must be an int >= "
+                                         r"min_ngram \(3\), got 2"):
         cli.main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup",
                   "--lookup-min-ngram", "3", "--lookup-max-ngram", "2"])

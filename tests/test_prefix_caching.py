@@ -139,7 +139,7 @@ def _shared_prefix_prompts(vocab: int, n: int, prefix_len: int, seed: int):
 STRATEGIES = {
     "full": {},
     "early-exit": dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=2)),
-    "lookup": dict(speculative=eecore.SelfSpeculativeConfig(draft="lookup", num_speculations=3)),
+    "lookup": dict(speculative=eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts())),
     "layer": dict(speculative=eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=2)),
 }
 

@@ -65,8 +65,9 @@ def test_the_draft_layers_file_loads_and_leaves_full_depth_alone():
     prompts = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):"]
     full = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2).generate(prompts, greedy(24))
     spec = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=2, exit_adapter=True,
-                      speculative=eecore.SelfSpeculativeConfig(exit_layer=8, num_speculations=2,
-                                                               draft_layers="separate", draft_dtype="bfloat16"))
+                      speculative=eecore.SelfSpeculativeConfig(
+                          num_speculations=2, layer=eecore.LayerDrafts(exit_layer=8,
+                                                                       copy=eecore.DraftCopy(dtype="bfloat16"))))
     assert spec.exit_adapters.source == SHIPPED_DRAFT_FILE
     outs = spec.generate(prompts, greedy(24))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
@@ -83,7 +84,7 @@ def test_layer_preset_drafts_up_to_2_sequences_without_amx_int8(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")
     assert eecore.SelfSpeculativeConfig.exit_ready().disable_by_batch_size == 2
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid")
-    assert (hybrid.disable_by_batch_size, hybrid.layer_disable_by_batch_size) == (4, None)
+    assert (hybrid.disable_by_batch_size, hybrid.layer.disable_by_batch_size) == (4, None)
     assert eecore.SelfSpeculativeConfig.exit_ready(disable_by_batch_size=6).disable_by_batch_size == 6
 
 
@@ -93,13 +94,13 @@ def test_hybrid_preset_goes_on_with_lookup_drafts_up_to_8_sequences_on_amx_bf16(
     running sequences and its lookup drafts above 8; an overall limit given alone lowers both."""
     C = eecore.SelfSpeculativeConfig
     hybrid = C.exit_ready("hybrid")
-    assert (hybrid.disable_by_batch_size, hybrid.layer_disable_by_batch_size) == (8, 4)
+    assert (hybrid.disable_by_batch_size, hybrid.layer.disable_by_batch_size) == (8, 4)
     low = C.exit_ready("hybrid", disable_by_batch_size=2)
-    assert (low.disable_by_batch_size, low.layer_disable_by_batch_size) == (2, 2)
+    assert (low.disable_by_batch_size, low.layer.disable_by_batch_size) == (2, 2)
     high = C.exit_ready("hybrid", disable_by_batch_size=16)
-    assert (high.disable_by_batch_size, high.layer_disable_by_batch_size) == (16, 4)
+    assert (high.disable_by_batch_size, high.layer.disable_by_batch_size) == (16, 4)
     both = C.exit_ready("hybrid", disable_by_batch_size=6, layer_disable_by_batch_size=1)
-    assert (both.disable_by_batch_size, both.layer_disable_by_batch_size) == (6, 1)
+    assert (both.disable_by_batch_size, both.layer.disable_by_batch_size) == (6, 1)
 
 
 def test_exit_ready_presets():
@@ -108,15 +109,22 @@ def test_exit_ready_presets():
     from eecore import cli
     layer = eecore.SelfSpeculativeConfig.exit_ready()
     # drafting stops above 2 running sequences, or 4 where the int8 copy runs on AMX-INT8 tiles
-    assert (layer.exit_layer, layer.num_speculations, layer.draft_threshold, layer.draft_layers, layer.draft_dtype,
-            layer.draft, layer.disable_by_batch_size) == (8, 4, 0.15, "separate", "int8", "layer",
-                                                          4 if amx_available(torch.int8) else 2)
+    assert (layer.exit_layer, layer.num_speculations, layer.layer.stop_below, layer.layer.copy, layer.draft,
+            layer.disable_by_batch_size) == (8, 4, 0.15, eecore.DraftCopy(dtype="int8"), "layer",
+                                             4 if amx_available(torch.int8) else 2)
+    assert layer == eecore.SelfSpeculativeConfig(
+        num_speculations=4, disable_by_batch_size=4 if amx_available(torch.int8) else 2,
+        layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5,
+                                 copy=eecore.DraftCopy(dtype="int8")))
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
-    assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer_speculations,
-            hybrid.lookup_min_ngram, hybrid.lookup_max_ngram, hybrid.draft_threshold) == ("hybrid", "token", 6, 3, 2, 4, 0.15)
+    assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer.max_length,
+            hybrid.lookup.min_ngram, hybrid.lookup.max_ngram, hybrid.layer.stop_below) == \
+        ("hybrid", "token", 6, 3, 2, 4, 0.15)
+    assert hybrid.layer.copy == eecore.DraftCopy(dtype="int8") and hybrid.layer.long_draft_acceptance == 0.5
     with pytest.raises(ValueError, match="'preset' must be one of layer, hybrid, got 'tree'"):
         eecore.SelfSpeculativeConfig.exit_ready("tree")
-    with pytest.raises(ValueError, match="'draft_threshold' must be in"):
+    with pytest.raises(ValueError, match=r"LayerDrafts: 'stop_below' \(--draft-threshold\) must be a number in "
+                                         r"\[0, 1\] or None, got 2.0"):
         eecore.SelfSpeculativeConfig.exit_ready(draft_threshold=2.0)
 
     def parsed(*flags):
@@ -128,10 +136,10 @@ def test_exit_ready_presets():
     args = parsed("--exit-ready", "hybrid", "--num-speculations", "6", "--exit-adapter", "my.safetensors")
     assert args.exit_adapter == "my.safetensors"
     assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
-    args = parsed("--exit-ready", "--draft-threshold", "0.3", "--accept", "confident", "--exit-threshold", "0.9")
+    args = parsed("--exit-ready", "--draft-threshold", "0.3", "--exit-threshold", "0.9")
     config = cli.speculative_config(args)
-    assert (config.draft_threshold, config.accept, config.exit_threshold, config.draft_dtype) == \
-        (0.3, "confident", 0.9, "int8")
+    assert (config.layer.stop_below, config.trusts_drafts, config.layer.exit_threshold, config.layer.copy.dtype) == \
+        (0.3, True, 0.9, "int8")
     # without the preset the flags keep SelfSpeculativeConfig's defaults
     args = parsed("--speculate", "--exit-layer", "3")
     assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig(exit_layer=3)
@@ -143,9 +151,11 @@ def test_exit_ready_before_the_prompt():
     """`eecore generate --exit-ready "def f():"`: a word after the flag that is not a preset is the
     prompt, and the flag means the default preset; a preset's misspelling is refused, not generated."""
     from eecore import cli
-    from eecore.speculative.presets import EXIT_READY_PRESETS
+    from eecore.speculative.presets import PRESETS
 
-    assert set(cli.EXIT_READY_CHOICES) == set(EXIT_READY_PRESETS)
+    assert set(PRESETS) == {"layer", "hybrid"}
+    for preset in PRESETS:  # the flag takes every preset
+        assert cli.parse_args(["generate", "--exit-ready", preset, "def f():"]).exit_ready == preset
     args = cli.parse_args(["generate", "--exit-ready", "def f():", "second prompt", "--max-tokens", "4"])
     assert (args.exit_ready, args.prompt, args.max_tokens, args.speculate) == \
         ("layer", ["def f():", "second prompt"], 4, True)

@@ -16,11 +16,10 @@ def tiny(request, tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=NUM_LAYERS)
 
 
-def _spec(path, E, d, threshold=None, guard=None, draft_layers="shared", **kw):
+def _spec(path, E, d, threshold=None, guard=None, copy=None, **kw):
+    layer = eecore.LayerDrafts(exit_layer=E, stop_below=threshold, guard=guard, copy=copy)
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
-                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d,
-                                                               draft_threshold=threshold, draft_layers=draft_layers,
-                                                               **(guard or {})), **kw)
+                      speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=layer), **kw)
 
 
 @pytest.mark.parametrize("E, d", [(1, 1), (1, 3), (2, 2), (3, 4), (2, 16)])
@@ -59,7 +58,7 @@ def test_acceptance_guard_stops_losing_drafts_and_keeps_greedy_exact(tiny):
     free = _spec(path, 1, 4).generate(prompts, greedy(30))
     # min_acceptance=1.0: the first round with a rejected draft switches drafting off; from then
     # on a sequence drafts only in its probe rounds
-    guarded = _trusting_shadow(_spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8)))
+    guarded = _trusting_shadow(_spec(path, 1, 4, guard=eecore.AcceptanceGuard(min_acceptance=1.0, probe_every=8)))
     guarded = guarded.generate(prompts, greedy(30))
     assert [o.token_ids for o in guarded] == [o.token_ids for o in full]
     assert all(o.metrics["acceptance_rate"] < 1.0 for o in free)  # else the guard has nothing to do
@@ -78,7 +77,7 @@ def test_guard_skips_probes_the_shadow_check_says_would_fail(tiny):
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [4, 9, 1, 6], seed=11)
     full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(60))
-    llm = _spec(path, 1, 4, guard=dict(min_acceptance=1.0, probe_every=8))
+    llm = _spec(path, 1, 4, guard=eecore.AcceptanceGuard(min_acceptance=1.0, probe_every=8))
     shadow, checked = llm.engine.strategy.guard.shadow, []
     check = shadow.agreement
     shadow.agreement = lambda states, logits: (checked.append(logits.shape[0]), check(states, logits))[1]
@@ -93,10 +92,11 @@ def test_guard_skips_probes_the_shadow_check_says_would_fail(tiny):
 
 
 def test_guard_counts_a_draft_the_threshold_dropped_as_a_loss(tiny):
-    # draft_threshold=1.0 drops every draft: no token is ever drafted, but each attempt still
+    # stop_below=1.0 drops every draft: no token is ever drafted, but each attempt still
     # paid for a draft LM head, so the guard must switch drafting off all the same
     path, hf = tiny
-    llm = _trusting_shadow(_spec(path, 2, 4, threshold=1.0, guard=dict(min_acceptance=0.5, probe_every=8)))
+    guard = eecore.AcceptanceGuard(min_acceptance=0.5, probe_every=8)
+    llm = _trusting_shadow(_spec(path, 2, 4, threshold=1.0, guard=guard))
     draft_head, rows = llm.engine.strategy.draft_head, []
     head = draft_head.columns
     draft_head.columns = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]
@@ -112,7 +112,7 @@ def test_break_even_floor(tiny):
     from eecore.speculative.guard import break_even_acceptance
 
     path, hf = tiny
-    llm = _spec(path, 2, 3, guard=dict(min_acceptance="break-even"))
+    llm = _spec(path, 2, 3, guard=eecore.AcceptanceGuard(min_acceptance="break-even"))
     floor = llm.engine.strategy.guard.floor
     assert floor == break_even_acceptance(llm.model, 2, 3)
     # deeper drafts and longer ones both cost more per round, so they need more acceptance
@@ -169,7 +169,7 @@ def test_guard_keeps_drafting_while_drafts_are_accepted(tiny, tmp_path):
     exact = _with_identity_tail(hf, 2, tmp_path / "identity-tail")
     prompts = random_prompts(hf.config.vocab_size, [4, 9, 1], seed=12)
     full = eecore.LLM(exact, dtype="float32", device="cpu").generate(prompts, greedy(21))
-    outs = _spec(exact, 2, 4, guard=dict(min_acceptance=0.9)).generate(prompts, greedy(21))
+    outs = _spec(exact, 2, 4, guard=eecore.AcceptanceGuard(min_acceptance=0.9)).generate(prompts, greedy(21))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     for o in outs:  # 20 decoded tokens: the first look's 3 plain rounds, then rounds of 4
         # accepted drafts + the bonus token, the last one cut to the 2 tokens left
@@ -252,8 +252,9 @@ def _joint_law(hf, prompt, num_layers=None):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("draft_layers, draft_dtype", [("shared", None), ("separate", None), ("separate", "int8")])
-def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layers, draft_dtype):
+@pytest.mark.parametrize("copy", [None, eecore.DraftCopy(), eecore.DraftCopy(dtype="int8")],
+                         ids=["shared", "separate", "separate-int8"])
+def test_speculative_sampling_preserves_the_full_model_law(tmp_path, copy):
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=NUM_LAYERS, vocab_size=12,
                                   with_tokenizer=False)
     prompt = [3, 7, 1]
@@ -263,8 +264,7 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layer
     params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     # mixed_steps=False: steps of one kind, so that every request's t2 comes from a round (with mixed
     # steps, requests this short, arriving all along, would take plain steps while prompts wait)
-    outs = _spec(path, 1, 3, max_num_seqs=64, mixed_steps=False, draft_layers=draft_layers,
-                 guard=None if draft_dtype is None else dict(draft_dtype=draft_dtype)).generate([prompt] * n, params)
+    outs = _spec(path, 1, 3, max_num_seqs=64, mixed_steps=False, copy=copy).generate([prompt] * n, params)
     assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
     assert 0 < sum(o.metrics["num_accepted_tokens"] for o in outs) < n
     counts = first_two_token_counts(outs, 12)
@@ -277,26 +277,34 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path, draft_layer
 
 
 def test_bad_speculative_config():
-    with pytest.raises(ValueError, match="'exit_layer'"):
+    from re import escape
+
+    with pytest.raises(ValueError, match=escape("LayerDrafts: 'exit_layer' (--exit-layer) must be an int >= 1, got 0")):
         eecore.SelfSpeculativeConfig(exit_layer=0)
-    with pytest.raises(ValueError, match="'num_speculations'"):
+    with pytest.raises(ValueError, match=escape("LayerDrafts: 'exit_layer' (--exit-layer) must be an int >= 1, got 0")):
+        eecore.LayerDrafts(exit_layer=0)
+    with pytest.raises(ValueError, match=escape("SelfSpeculativeConfig: 'num_speculations' (--num-speculations) "
+                                                "must be an int >= 1, got 0")):
         eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=0)
-    with pytest.raises(ValueError, match="'draft_threshold'"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, draft_threshold=2.0)
-    with pytest.raises(ValueError, match="'min_acceptance'"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, min_acceptance=-0.1)
-    with pytest.raises(ValueError, match="'min_acceptance' must be a number in \\[0, 1\\] or 'break-even'"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, min_acceptance="auto")
-    with pytest.raises(ValueError, match="'probe_every'"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, probe_every=0)
-    with pytest.raises(ValueError, match="'layer_disable_by_batch_size' applies to draft='hybrid' only"):
-        eecore.SelfSpeculativeConfig(exit_layer=2, layer_disable_by_batch_size=2)
-    with pytest.raises(ValueError, match=r"'layer_disable_by_batch_size' must be an int >= 1 and at most "
-                                         r"disable_by_batch_size \(4\), got 6"):
-        eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, disable_by_batch_size=4, layer_disable_by_batch_size=6)
+    with pytest.raises(ValueError, match=escape("LayerDrafts: 'stop_below' (--draft-threshold) must be a number in "
+                                                "[0, 1] or None, got 2.0")):
+        eecore.LayerDrafts(exit_layer=2, stop_below=2.0)
+    with pytest.raises(ValueError, match=escape("AcceptanceGuard: 'min_acceptance' (--min-acceptance) must be")):
+        eecore.AcceptanceGuard(min_acceptance=-0.1)
+    with pytest.raises(ValueError, match=escape("AcceptanceGuard: 'min_acceptance' (--min-acceptance) must be a "
+                                                "number in [0, 1] or 'break-even', got 'auto'")):
+        eecore.AcceptanceGuard(min_acceptance="auto")
+    with pytest.raises(ValueError, match=escape("AcceptanceGuard: 'probe_every' (--probe-every) must be an int >= 1, "
+                                                "got 0")):
+        eecore.AcceptanceGuard(min_acceptance=0.5, probe_every=0)
+    with pytest.raises(ValueError, match=escape("LayerDrafts: 'disable_by_batch_size' (--layer-disable-by-batch-size) "
+                                                "must be at most the config's disable_by_batch_size (4), got 6")):
+        eecore.SelfSpeculativeConfig(layer=eecore.LayerDrafts(exit_layer=2, disable_by_batch_size=6),
+                                     lookup=eecore.LookupDrafts(), disable_by_batch_size=4)
     for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="'layer_disable_by_batch_size' must be an int >= 1, got"):
-            eecore.SelfSpeculativeConfig(draft="hybrid", exit_layer=2, layer_disable_by_batch_size=bad)
+        with pytest.raises(ValueError, match=escape("LayerDrafts: 'disable_by_batch_size' "
+                                                    "(--layer-disable-by-batch-size) must be an int >= 1 or None, got")):
+            eecore.LayerDrafts(exit_layer=2, disable_by_batch_size=bad)
 
 
 def test_exit_layer_must_be_below_the_depth(tiny):

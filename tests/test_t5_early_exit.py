@@ -189,8 +189,10 @@ def test_self_speculation_equals_full_depth(peaky, draft):
     path, hf = peaky
     prompts = _prompts(hf, [5, 2, 12], seed=9)
     full = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, greedy(16))]
-    llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=128, block_size=4,
-                     speculative=eecore.SelfSpeculativeConfig(exit_layer=3, num_speculations=3, draft=draft))
+    spec = eecore.SelfSpeculativeConfig(
+        num_speculations=3, layer=None if draft == "lookup" else eecore.LayerDrafts(exit_layer=3),
+        lookup=None if draft == "layer" else eecore.LookupDrafts())
+    llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=128, block_size=4, speculative=spec)
     assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == full
     assert llm.engine.blocks.num_free_blocks == 128
 

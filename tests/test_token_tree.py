@@ -1,4 +1,4 @@
-"""Token-tree verification (SelfSpeculativeConfig(draft_top_k=k), separate draft layers): each
+"""Token-tree verification (LayerDrafts(copy=DraftCopy(top_k=k)), separate draft layers): each
 drafted position's top-k tokens are verified in one pass; an alternative the model agrees with is
 accepted and its K/V moved to the position it takes."""
 from __future__ import annotations
@@ -23,8 +23,9 @@ def tiny(tmp_path_factory):
 
 def _tree(path, E, d, k, **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", block_size=4,
-                      speculative=eecore.SelfSpeculativeConfig(exit_layer=E, num_speculations=d, draft_layers="separate",
-                                                               draft_top_k=k), **kw)
+                      speculative=eecore.SelfSpeculativeConfig(
+                          num_speculations=d, layer=eecore.LayerDrafts(exit_layer=E, copy=eecore.DraftCopy(top_k=k))),
+                      **kw)
 
 
 # ---- the pieces ----------------------------------------------------------------------------------
@@ -125,10 +126,11 @@ def gqa3(tmp_path_factory):
                                   num_kv_heads=2, head_dim=64, hidden_size=96)
 
 
-@pytest.mark.parametrize("spec", [dict(exit_layer=1, num_speculations=2, draft_layers="separate", draft_top_k=3),
-                                  dict(exit_layer=1, num_speculations=2, draft_layers="separate"),
-                                  dict(exit_layer=2, num_speculations=3),
-                                  dict(draft="lookup", num_speculations=3)],
+@pytest.mark.parametrize("spec", [
+    dict(num_speculations=2, layer=eecore.LayerDrafts(exit_layer=1, copy=eecore.DraftCopy(top_k=3))),
+    dict(num_speculations=2, layer=eecore.LayerDrafts(exit_layer=1, copy=eecore.DraftCopy())),
+    dict(exit_layer=2, num_speculations=3),
+    dict(num_speculations=3, lookup=eecore.LookupDrafts())],
                          ids=["tree", "separate", "shared", "lookup"])
 def test_bf16_greedy_is_full_depth(gqa3, spec):
     """In bf16 too: a verify pass gives each row the bits of a one-row step (no rounding of the
@@ -216,22 +218,25 @@ def test_sampled_requests_verify_their_chain_only(tiny):
     assert outs[0].metrics["num_tree_alternatives"] > 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(exit_layer=2, draft_layers="separate", draft_top_k=0), "'draft_top_k' must be an int >= 1"),
-    (dict(exit_layer=2, draft_layers="separate", draft_top_k=2.0), "'draft_top_k' must be an int >= 1"),
-    (dict(exit_layer=2, draft_top_k=2), "'draft_top_k' > 1 needs draft_layers='separate'"),
-    (dict(exit_layer=2, draft_layers="separate", num_speculations=8, draft_top_k=8),
+@pytest.mark.parametrize("make, match", [
+    (lambda: eecore.DraftCopy(top_k=0), r"DraftCopy: 'top_k' \(--draft-top-k\) must be an int >= 1, got 0"),
+    (lambda: eecore.DraftCopy(top_k=2.0), r"DraftCopy: 'top_k' \(--draft-top-k\) must be an int >= 1, got 2.0"),
+    (lambda: eecore.SelfSpeculativeConfig(num_speculations=8,
+                                          layer=eecore.LayerDrafts(exit_layer=2, copy=eecore.DraftCopy(top_k=8))),
      f"at most {MAX_TREE_TOKENS} fit a token tree"),
-])
-def test_bad_config(kwargs, match):
+], ids=["zero", "float", "too-wide"])
+def test_bad_config(make, match):
+    """(top_k lives on the copy, so k > 1 without separate draft layers cannot be written; the deprecated
+    flat spelling: test_speculative_config.py.)"""
     with pytest.raises(ValueError, match=match):
-        eecore.SelfSpeculativeConfig(**kwargs)
+        make()
 
 
 def test_slots_reserved_for_the_tree():
     """The engine reserves a round's whole tree: 1 + d x k slots per sequence."""
-    assert eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=3, draft_layers="separate",
-                                        draft_top_k=3).verify_width == 10
-    assert eecore.SelfSpeculativeConfig(exit_layer=2, num_speculations=5, layer_speculations=1, draft="hybrid",
-                                        draft_layers="separate", draft_top_k=3).verify_width == 6
+    tree = eecore.DraftCopy(top_k=3)
+    assert eecore.SelfSpeculativeConfig(num_speculations=3,
+                                        layer=eecore.LayerDrafts(exit_layer=2, copy=tree)).verify_width == 10
+    assert eecore.SelfSpeculativeConfig(num_speculations=5, layer=eecore.LayerDrafts(exit_layer=2, max_length=1, copy=tree),
+                                        lookup=eecore.LookupDrafts()).verify_width == 6
 

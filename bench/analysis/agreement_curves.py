@@ -232,7 +232,7 @@ def main(argv=None):
         per_gen["draft_copy"] = {E: copy_top1(spec, [sequences[i] for i in keep], [len(prompt_ids[i]) - 1 for i in keep],
                                               [len(sequences[i]) - 2 for i in keep], args.chunk, batch_tokens)}
         copy_info = dict(path=os.path.abspath(args.draft_layers), sha256=file_sha256(args.draft_layers), exit=E,
-                         draft_dtype=spec.engine.strategy.config.draft_dtype, copy_bytes=stack.weight_bytes(),
+                         draft_dtype=spec.engine.strategy.config.layer.copy.dtype, copy_bytes=stack.weight_bytes(),
                          seconds=round(time.perf_counter() - t0, 1))
         heads.by_setting["draft_copy"] = {E: stack}
 

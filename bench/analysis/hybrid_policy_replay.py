@@ -203,7 +203,7 @@ def layer_only(records, args, agreement: float) -> None:
     rows.sort(key=lambda row: -row["modelled_speedup"])
     preset = eecore.SelfSpeculativeConfig.exit_ready("layer")
     at = next(i for i, row in enumerate(rows) if (row["d"], row["rule"], row["threshold"], row["long_draft_acceptance"])
-              == (preset.num_speculations, "token", preset.draft_threshold, preset.long_draft_acceptance))
+              == (preset.num_speculations, "token", preset.layer.stop_below, preset.layer.long_draft_acceptance))
     print(f"{'rank':>4} {'d':>2} {'rule':>6} {'thr':>5} {'long':>5} {'tok/round':>9} {'copy passes':>11} "
           f"{'speed (model)':>13}")
     for i, row in enumerate(rows):
@@ -253,8 +253,8 @@ def main():
                                                 lookup_max_ngram=3, draft_threshold=None))]}
     marked = {name: next(i for i, row in enumerate(rows) if
                          (row["switch"], row["d"], row["layer"], row["min_ngram"], row["max_ngram"], row["threshold"]) ==
-                         (c.hybrid_switch, c.num_speculations, c.layer_draft_length, c.lookup_min_ngram,
-                          c.lookup_max_ngram, c.draft_threshold)) for name, c in presets.items()}
+                         (c.hybrid_switch, c.num_speculations, c.layer_draft_length, c.lookup.min_ngram,
+                          c.lookup.max_ngram, c.layer.stop_below)) for name, c in presets.items()}
     print(f"{'rank':>4} {'switch':>6} {'d':>2} {'layer':>5} {'n-grams':>7} {'thr':>5} {'tok/round':>9} "
           f"{'copy passes':>11} {'rows':>5} {'speed (model)':>13}")
     for i, row in enumerate(rows):

@@ -12,9 +12,10 @@ from eecore.exits.config import EarlyExitConfig
 from eecore.llm import LLM, generate
 from eecore.outputs import RequestDelta, RequestOutput
 from eecore.sampling_params import SamplingParams
-from eecore.speculative import SelfSpeculativeConfig
+from eecore.speculative import AcceptanceGuard, DraftCopy, LayerDrafts, LookupDrafts, SelfSpeculativeConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "generate", "SamplingParams", "EarlyExitConfig", "SelfSpeculativeConfig", "RequestOutput",
+__all__ = ["LLM", "generate", "SamplingParams", "EarlyExitConfig", "SelfSpeculativeConfig", "LayerDrafts",
+           "LookupDrafts", "DraftCopy", "AcceptanceGuard", "RequestOutput",
            "RequestDelta", "ops"]

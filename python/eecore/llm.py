@@ -56,7 +56,7 @@ class LLM:
         exits read like the last layer, and a draft vocabulary. Full depth is unchanged, except
         with an exit-ready file (`python -m eecore.train.exit_ready`), whose LoRA pairs are merged
         into the base weights as they load, or, with
-        `SelfSpeculativeConfig(draft_layers="separate")`, into the draft layers' copy alone (full
+        a draft copy (`LayerDrafts(copy=DraftCopy())`), into the copy of the draft layers alone (full
         depth then stays the original model).
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig);
     `enforce_eager=True` turns off the CUDA graphs of full-depth decode steps on a GPU (opt-in with
@@ -90,7 +90,7 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         separate = speculative is not None and speculative.separate_draft_layers
         if separate and not isinstance(self.config, ModelConfig):
-            raise ValueError("LLM: draft_layers='separate' is for decoder-only models")
+            raise ValueError("LLM: a draft copy (LayerDrafts.copy) is for decoder-only models")
         # before the build: an exit-ready file may carry LoRA pairs to merge into the base weights
         # (or, with separate draft layers, into their copy alone)
         self.exit_adapters = load_exit_adapters(exit_adapter, model, loaded, merge_lora=not separate)
@@ -100,7 +100,7 @@ class LLM:
         draft_model = None
         if separate:
             speculative.validate_for(self.model.num_layers, self.exit_adapters)
-            draft_dtype = speculative.draft_dtype
+            draft_dtype = speculative.layer.copy.dtype
             if draft_dtype == "int8":  # weight-only: the copy's activations keep the model's dtype
                 draft_dtype, draft_weights = self.dtype, torch.int8
             else:

@@ -9,10 +9,11 @@ import os
 import sys
 
 from eecore.cli import bench, calibrate, evaluate, generate, serve
-from eecore.cli.args import EXIT_READY_CHOICES, apply_exit_ready, build_llm, speculative_config
+from eecore.cli.args import apply_exit_ready, build_llm, speculative_config
 from eecore.cli.bench import BENCH_PROMPTS
+from eecore.speculative.presets import PRESETS
 
-__all__ = ["BENCH_PROMPTS", "EXIT_READY_CHOICES", "build_llm", "main", "make_parser", "parse_args",
+__all__ = ["BENCH_PROMPTS", "build_llm", "main", "make_parser", "parse_args",
            "speculative_config"]
 
 
@@ -45,7 +46,7 @@ def bare_exit_ready_last(argv: list[str]) -> list[str]:
     generating for it as a prompt."""
     end = options_end(argv)
     for i, word in words_after(argv, "--exit-ready"):
-        if word not in EXIT_READY_CHOICES and not difflib.get_close_matches(word, EXIT_READY_CHOICES, n=1, cutoff=0.6):
+        if word not in PRESETS and not difflib.get_close_matches(word, PRESETS, n=1, cutoff=0.6):
             return argv[:i] + argv[i + 1:end] + ["--exit-ready"] + argv[end:]
     return argv
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+
+from eecore.speculative.presets import PRESETS
 
 
-# eecore.speculative.presets.EXIT_READY_PRESETS' names, spelled out so that `eecore --help` needs no torch
-EXIT_READY_CHOICES = ("layer", "hybrid")
 
 
 def parse_min_acceptance(text: str):
@@ -56,7 +55,7 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--exit-layer", type=int, default=None,
                    help="static exit layer, or the speculation draft depth (not used by --draft lookup)")
     t.add_argument("--speculate", action="store_true")
-    t.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=EXIT_READY_CHOICES,
+    t.add_argument("--exit-ready", nargs="?", const="layer", default=None, choices=PRESETS,
                    help="the embedded model's exit-ready self-speculation in one flag: --speculate --exit-adapter "
                         "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
                         "0-7; hybrid: with prompt lookup); self-speculation flags given as well override it")
@@ -80,52 +79,39 @@ def add_early_exit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_flags(p: argparse.ArgumentParser) -> None:
-    """The self-speculation settings past the draft source and length (`--exit-ready` sets them)."""
+    """The self-speculation settings past the draft source and length (`--exit-ready` sets them):
+    one flag per field of SelfSpeculativeConfig's parts, named and explained in the field's metadata
+    (eecore.speculative.options)."""
+    from eecore.speculative.config import SelfSpeculativeConfig
+    from eecore.speculative.flat_options import walk
+
     s = p.add_argument_group("self-speculation, advanced (--exit-ready sets these)")
-    s.add_argument("--draft-threshold", type=float, default=None,
-                   help="a sequence stops drafting once its draft's top-1 probability falls below this; with "
-                        "--accept confident, the exit confidence a token needs to leave at layer E")
-    s.add_argument("--long-draft-acceptance", type=float, default=None, metavar="A",
-                   help="while the running rate at which a sequence's first layer draft of a round is accepted is "
-                        "below A, its chain goes past that draft only if the draft is at least A sure (--exit-ready: "
-                        "0.5; 0 turns it off)")
-    s.add_argument("--min-acceptance", type=parse_min_acceptance, default=None,
-                   help="stop drafting for a sequence whose running acceptance rate falls below this "
-                        "(a number, or 'break-even': the model's bandwidth-bound break-even for E and d)")
-    s.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="run plain full-depth steps while more than N sequences decode: in a large batch "
-                        "verifying drafts costs arithmetic, not only weight reads (default: never)")
     s.add_argument("--draft-layers", choices=["shared", "separate"], default=None,
                    help="layer drafts run the model's own layers 0..E-1 (shared, LayerSkip, the default) or a copy of "
                         "them with a KV cache of its own (separate): an exit-ready file's LoRA pairs then change the "
                         "copy alone, and full depth stays the original model")
-    s.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None,
-                   help="--draft-layers separate: the copy's dtype (default: the model's; int8: weight-only int8 "
-                        "projections, activations in the model's dtype)")
-    s.add_argument("--draft-top-k", type=int, default=None, metavar="K",
-                   help="--draft-layers separate: verify the draft's K most likely tokens at each drafted position "
-                        "(its top-1 chain and K-1 alternatives, a token tree; greedy requests; CPU)")
-    s.add_argument("--accept", choices=["verified", "confident"], default=None,
-                   help="verified (the default): the full model checks every layer draft, outputs are its own; "
-                        "confident: dynamic early exit, a draft at least --draft-threshold sure is emitted at "
-                        "layer E, and the next full-depth pass computes its exact K/V (lossy)")
-    s.add_argument("--exit-threshold", type=float, default=None,
-                   help="--accept confident: the top-1 probability at which a draft exits unchecked (default: "
-                        "--draft-threshold); drafts between the two thresholds are verified by the same pass")
-    s.add_argument("--hybrid-switch", choices=["round", "token"], default=None,
-                   help="--draft hybrid: pick the draft's source per round (round, the default) or per drafted "
-                        "position, lookup while the draft ends in a match and layer E where it does not (token; "
-                        "--draft-layers separate)")
-    s.add_argument("--lookup-min-ngram", type=int, default=None,
-                   help="shortest n-gram prompt lookup matches (default: SelfSpeculativeConfig's)")
-    s.add_argument("--lookup-max-ngram", type=int, default=None,
-                   help="longest n-gram prompt lookup matches, tried first (default: SelfSpeculativeConfig's)")
-    s.add_argument("--layer-speculations", type=int, default=None,
-                   help="--draft hybrid: the longest layer-E draft (default: --num-speculations, then the "
-                        "lookup drafts' bound alone)")
-    s.add_argument("--layer-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="--draft hybrid: layer drafts stop while more than N sequences decode, lookup drafts go on "
-                        "(up to --disable-by-batch-size)")
+    for path, f in walk(SelfSpeculativeConfig):
+        flag = f.metadata["flag"]
+        if flag in STRATEGY_FLAGS:
+            continue
+        # None: the field's default, or --exit-ready's setting
+        kind = _flag_type(f)
+        metavar = None if f.metadata["choices"] else {int: "N", float: "P"}.get(kind, "A")
+        s.add_argument(flag, type=kind, choices=f.metadata["choices"], default=None, metavar=metavar,
+                       help=f"{f.metadata['help']} ({'.'.join(path)})")
+
+
+# speculation flags declared with the strategy (the common path), not among the advanced ones
+STRATEGY_FLAGS = ("--exit-layer", "--num-speculations")
+
+
+def _flag_type(f):
+    """The argparse type of a config field, from its annotation."""
+    if f.metadata["choices"]:
+        return str
+    if "Union[float, str]" in str(f.type):
+        return parse_min_acceptance
+    return float if "float" in str(f.type) else int
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -213,10 +199,11 @@ def speculative_config(args):
     """The SelfSpeculativeConfig of the self-speculation flags (a bad combination exits with a message)."""
     import eecore
 
-    # every SelfSpeculativeConfig field with a flag of its name; a flag left out (None) keeps the
-    # config's default, or --exit-ready's setting
-    names = [f.name for f in dataclasses.fields(eecore.SelfSpeculativeConfig) if hasattr(args, f.name)]
-    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    from eecore.speculative.flat_options import PART_CHOICES, from_flat, option_paths
+
+    # every option with a flag; a flag left out (None) keeps the config's default, or --exit-ready's
+    names = [*option_paths(eecore.SelfSpeculativeConfig), *PART_CHOICES]
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     preset = getattr(args, "exit_ready", None)
     draft = given.get("draft", "layer")
     if preset is None and "exit_layer" not in given and draft != "lookup":
@@ -225,7 +212,7 @@ def speculative_config(args):
     try:
         if preset is not None:
             return eecore.SelfSpeculativeConfig.exit_ready(preset, **given)
-        return eecore.SelfSpeculativeConfig(**given)
+        return from_flat(eecore.SelfSpeculativeConfig, given)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None
 

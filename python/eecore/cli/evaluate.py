@@ -69,14 +69,14 @@ def _fail(message: str):
 def _label(strategy_args, early_exit, speculative) -> str:
     adapter = " +adapter" if strategy_args.exit_adapter else ""
     if speculative is not None:
-        depth = "" if speculative.draft == "lookup" else f" E={speculative.exit_layer}"
+        layer = speculative.layer
+        depth = "" if layer is None else f" E={layer.exit_layer}"
         # the settings that tell sweep rows apart, where they are not the defaults
-        extra = "" if speculative.draft_threshold is None else f" t={speculative.draft_threshold:g}"
+        extra = "" if layer is None or layer.stop_below is None else f" t={layer.stop_below:g}"
         if speculative.trusts_drafts:
-            extra += " confident" + ("" if speculative.exit_threshold is None
-                                     else f" exit={speculative.exit_threshold:g}")
+            extra += f" exit={layer.exit_threshold:g}"
         if speculative.separate_draft_layers:
-            extra += " separate" + (f" {speculative.draft_dtype}" if speculative.draft_dtype else "")
+            extra += " separate" + (f" {layer.copy.dtype}" if layer.copy.dtype else "")
         return f"speculate {speculative.draft}{depth} d={speculative.num_speculations}{extra}{adapter}"
     if early_exit is None:
         return "full depth" + adapter
@@ -133,28 +133,17 @@ def _check_against_model(strategies, base) -> None:
 
 
 def cmd_eval(args) -> int:
-    from tqdm.auto import tqdm
-
     import eecore
     from eecore.evaluation import report as eval_report
-    from eecore.evaluation.strategies import evaluate_strategy
-    from eecore.extras import MissingExtraError, require
     from eecore.evaluation.prompt_sets import PromptFileError, chat_mode, load_prompt_set
 
-    if args.plot:  # before the run, not after it
-        try:
-            require("matplotlib", "--plot")
-        except MissingExtraError as exc:
-            _fail(str(exc))
-    if args.repeats < 1:
-        _fail(f"--repeats must be >= 1, got {args.repeats}")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        _fail(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    _check_flags(args)
     strategies = strategies_from_args(args)
     try:
         items, builtin = load_prompt_set(args.prompts, args.num_prompts)
     except PromptFileError as exc:
         _fail(f"--prompts: {exc}")
+
     def load(speculative=None):
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
                           speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
@@ -178,14 +167,7 @@ def cmd_eval(args) -> int:
             base.engine.validate(prompt, params, i)
         except ValueError as exc:
             _fail(f"--prompts {args.prompts}: {exc}")
-    rows = []
-    with tqdm(total=len(strategies) * args.repeats * 2, desc="eval", unit="run", file=sys.stderr) as bar:
-        for strategy in strategies:
-            bar.set_postfix_str(strategy.label)
-            reuse = strategy is first and first.loads_its_own_model
-            rows.append(evaluate_strategy(base, strategy, prompts, params, args.repeats, references,
-                                          tick=lambda: bar.update(1),
-                                          load=(lambda _: base) if reuse else load))
+    rows = _run_rows(args, strategies, base, first, load, prompts, params, references)
     print(eval_report.table(rows))
     payload = dict(
         eecore=eecore.__version__, model=args.model or "SmolLM2-135M-Instruct (embedded)",
@@ -195,11 +177,47 @@ def cmd_eval(args) -> int:
                      with_references=sum(r is not None for r in references)),
         sampling={name: getattr(params, name) for name in eecore.SamplingParams.option_names()},
         repeats=args.repeats, max_num_seqs=args.max_num_seqs, rows=rows)
+    _write(args, payload, rows, len(items))
+    return 0
+
+
+def _check_flags(args) -> None:
+    from eecore.extras import MissingExtraError, require
+
+    if args.plot:  # before the run, not after it
+        try:
+            require("matplotlib", "--plot")
+        except MissingExtraError as exc:
+            _fail(str(exc))
+    if args.repeats < 1:
+        _fail(f"--repeats must be >= 1, got {args.repeats}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        _fail(f"--num-prompts must be >= 1, got {args.num_prompts}")
+
+
+def _run_rows(args, strategies, base, first, load, prompts, params, references) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    from eecore.evaluation.strategies import evaluate_strategy
+
+    rows = []
+    with tqdm(total=len(strategies) * args.repeats * 2, desc="eval", unit="run", file=sys.stderr) as bar:
+        for strategy in strategies:
+            bar.set_postfix_str(strategy.label)
+            reuse = strategy is first and first.loads_its_own_model
+            rows.append(evaluate_strategy(base, strategy, prompts, params, args.repeats, references,
+                                          tick=lambda: bar.update(1),
+                                          load=(lambda _: base) if reuse else load))
+    return rows
+
+
+def _write(args, payload: dict, rows: list[dict], num_prompts: int) -> None:
+    from eecore.evaluation import report as eval_report
+
     if args.out:
         eval_report.write_json(args.out, payload)
         print(f"results: {args.out}", file=sys.stderr)
     if args.plot:
         eval_report.plot(rows, args.plot, title=f"{os.path.basename(payload['model'])}, {payload['device']}, "
-                                                f"{len(items)} prompts ({os.path.basename(args.prompts)})")
+                                                f"{num_prompts} prompts ({os.path.basename(args.prompts)})")
         print(f"plot: {args.plot}", file=sys.stderr)
-    return 0

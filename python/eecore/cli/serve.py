@@ -16,8 +16,8 @@ from eecore.cli.args import add_model_flags, build_llm
 # carries beside the decodes. With prefix caching (a chat template's system prompt computed once),
 # 10 sequences and 12 tokens kept the p99 ITL at 32 clients within 2.0-2.9x one client's in 5 of 5
 # full-depth runs on 2 cores, at 4.05-5.3x its throughput; 12 and 16 gave 4.55-5.2x throughput but
-# 2.8-3.1x the ITL (bench/results/serve_load-10-12-*.md, serve_load-defaults-10-12-rep*.md,
-# serve_load-unique-rep*.md). `eecore generate` / `bench` keep their larger batch.
+# 2.8-3.1x the ITL (bench/results/zen3/serve_load-10-12-*.md, zen3/serve_load-defaults-10-12-rep*.md,
+# zen3/serve_load-unique-rep*.md). `eecore generate` / `bench` keep their larger batch.
 SERVE_MAX_NUM_SEQS = 10
 SERVE_MAX_NUM_BATCHED_TOKENS = 12
 

@@ -57,9 +57,16 @@ class Strategy:
     def describe(self) -> dict:
         """The configuration as plain JSON values (a thresholds file's path stays a path)."""
         config = self.early_exit or self.speculative
-        fields = {} if config is None else {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                                            if f.name not in ("calibration",)}
-        return {"kind": self.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}
+        return {"kind": self.kind, **({} if config is None else _plain(config, skip=("calibration",)))}
+
+
+def _plain(config, skip=()) -> dict:
+    """A config dataclass as JSON values: its parts as dicts, tuples as lists."""
+    def value(v):
+        if dataclasses.is_dataclass(v):
+            return _plain(v)
+        return list(v) if isinstance(v, tuple) else v
+    return {f.name: value(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
 
 
 def share_weights(base: LLM, strategy: Strategy) -> LLM:

@@ -10,7 +10,7 @@ reading the weight, and each input row's outputs keep their bits whatever the ba
 - bf16: on an Intel Xeon (2 threads) SmolLM2-shaped projections from DRAM took 1.07x the dot
   kernel's time at 1 row, and 0.75x / 0.43x at 8 / 16 rows (csrc/linear/linear_amx_bf16.h). A whole
   bf16 SmolLM2 pass of 1 / 2 rows took 1.03x / 1.07x the dot kernel's time, of 5 rows 0.93x, and at
-  batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/verify_row_cost.py); a prompt of
+  batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/spec_costs.py verify-rows); a prompt of
   8 x 94 tokens took 1.03x oneDNN's bf16 GEMM's time.
 - int8: the draft copy of separate draft layers (csrc/linear/linear_amx_int8.h); its 8 layers at
   1 / 8 / 16 / 94 rows took 0.96x / 0.53x / 0.38x / 0.37x the int16 x int8 dot kernel's time

@@ -1,15 +1,21 @@
 """Self-speculative decoding: drafts from layer E (LayerSkip) or from prompt lookup, verified by the
 full model in one pass.
 
-    config.py    SelfSpeculativeConfig (draft="layer" | "lookup" | "hybrid"), BREAK_EVEN
-    decoder.py   SelfSpeculativeDecoder: draft, verify and accept on the batched paged engine
-    drafters.py  prompt-lookup (n-gram) drafts, which run no layer
-    guard.py     the speculation guard: stop layer drafts where they lose (break_even_acceptance)
+    config.py        SelfSpeculativeConfig: the draft sources, their length and batch limits
+    options.py       its parts: LayerDrafts (DraftCopy, AcceptanceGuard), LookupDrafts
+    flat_options.py  the options by flat name (CLI flags, preset overrides, deprecated keywords)
+    presets.py       the exit-ready presets of the embedded model
+    decoder.py       SelfSpeculativeDecoder: propose -> verify -> accept -> record
+    proposers.py     one proposer per layer-draft source; drafters.py: prompt lookup
+    draft.py, verification.py, acceptance.py, stats.py: the steps of a round
+    guard.py, draft_length.py: what stops a sequence's layer drafts where they lose
 """
-from eecore.speculative.config import BREAK_EVEN, DRAFT_MODES, SelfSpeculativeConfig
+from eecore.speculative.config import DRAFT_MODES, SelfSpeculativeConfig
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.guard import ShadowCheck, SpeculationGuard, break_even_acceptance
+from eecore.speculative.options import BREAK_EVEN, AcceptanceGuard, DraftCopy, LayerDrafts, LookupDrafts
 
-__all__ = ["SelfSpeculativeConfig", "SelfSpeculativeDecoder", "BREAK_EVEN", "DRAFT_MODES", "PromptLookup",
-           "SpeculationGuard", "ShadowCheck", "break_even_acceptance"]
+__all__ = ["SelfSpeculativeConfig", "LayerDrafts", "LookupDrafts", "DraftCopy", "AcceptanceGuard",
+           "SelfSpeculativeDecoder", "BREAK_EVEN", "DRAFT_MODES", "PromptLookup", "SpeculationGuard", "ShadowCheck",
+           "break_even_acceptance"]

@@ -43,7 +43,7 @@ class Acceptor:
         # microseconds here, right after the verify pass)
         top = argmax_rows(logits).tolist() if any(seq.params.greedy for seq in seqs) else None
         for seq, draft, n in zip(seqs, drafts, widths):
-            # accept="confident": the leading exits are emitted as they are (at layer E; their
+            # LayerDrafts.exit_threshold: the leading exits are emitted as they are (at layer E; their
             # logprobs are the exit's), and only the rows after them are accepted as usual
             k = len(draft.exits)
             n -= k
@@ -52,7 +52,7 @@ class Acceptor:
                                                 None if top is None else top[offset: offset + n])
             tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(draft.tokens[:k], draft.exits)] + tokens
             agreed += k
-            if leaf >= 0:  # (trees and exits never meet: draft_top_k > 1 is refused with them)
+            if leaf >= 0:  # (trees and exits never meet: DraftCopy.top_k > 1 is refused with them)
                 leaf += k
             offsets.append(offset)
             offset += n

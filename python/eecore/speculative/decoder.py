@@ -16,8 +16,8 @@ paged engine. A round, for every running sequence at once:
 Sequences may draft different numbers of tokens, from different sources: every pass is varlen, so
 nothing is padded. A round in which nobody drafts is a plain full-depth step.
 
-With `accept="confident"` a layer-drafting sequence's leading drafts that are at least
-`exit_threshold` sure skip the accept step: they are emitted as early exits at layer E, and only
+With `LayerDrafts.exit_threshold` set, a layer-drafting sequence's leading drafts that are at least
+that threshold sure skip the accept step: they are emitted as early exits at layer E, and only
 the rows after them are accepted as usual. The verify pass still runs over every drafted position,
 which is what writes the exits' exact K/V in the later layers (deferred K/V, where the seed paper's
 early exit fills it from the exit's state); only the rows after the exits go through the LM head.
@@ -54,21 +54,21 @@ from eecore.speculative.verification import Verifier, logit_rows
 class SelfSpeculativeDecoder(DecodeStrategy):
     def __init__(self, runner, sampler: Sampler, config: SelfSpeculativeConfig,
                  adapters: Optional[ExitAdapters] = None, draft_model=None):
-        """`draft_model`: with `config.draft_layers == "separate"`, the copy of layers 0..E-1 that
+        """`draft_model`: with a draft copy (`config.layer.copy`), the copy of layers 0..E-1 that
         drafts (eecore.speculative.draft_stack.build_draft_model)."""
         super().__init__(runner, sampler)
         self.config = config
         self.num_drafts = config.num_speculations
         self.layer_drafts = config.layer_draft_length
         self.lookahead = config.verify_width  # KV slots a round may write per sequence
-        self.top_k = config.draft_top_k
+        self.top_k = config.top_k
         self._plain = FullDepthDecoder(runner, sampler)
-        self.plain_above = config.disable_by_batch_size
-        self.layers_above = config.layer_disable_by_batch_size  # more decoding: lookup drafts alone
+        self.plain_above = config.plain_above
+        self.layers_above = config.layers_above  # more decoding: lookup drafts alone
         rows = runner.builder.max_seqs
-        self.lookup = PromptLookup(config.lookup_min_ngram, config.lookup_max_ngram) if config.uses_lookup else None
+        self.lookup = PromptLookup(config.lookup.min_ngram, config.lookup.max_ngram) if config.uses_lookup else None
         # lookup-only: no layer drafts, so no exit-query cache, draft head or guard
-        self.exit_layer = config.exit_layer if config.uses_layers else None
+        self.exit_layer = config.exit_layer
         self.draft_head = self.guard = self._exit_states = self.draft_stack = self.draft_length = None
         self.picker = self.proposer = None
         if config.uses_layers:
@@ -80,10 +80,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     def _build_layer_drafts(self, config, runner, sampler, adapters, draft_model, rows: int) -> None:
         model = runner.model
-        if config.long_draft_acceptance is not None:
-            self.draft_length = DraftLength(config.long_draft_acceptance)
+        layer = config.layer
+        if layer.long_draft_acceptance is not None:
+            self.draft_length = DraftLength(layer.long_draft_acceptance)
         if config.separate_draft_layers != (draft_model is not None):
-            raise ValueError("SelfSpeculativeDecoder: a draft model goes with draft_layers='separate', and only there")
+            raise ValueError("SelfSpeculativeDecoder: a draft model goes with a draft copy (LayerDrafts.copy), and only there")
         if draft_model is not None:
             self.draft_stack = DraftStack(draft_model, runner, adapters, self.exit_layer)
             self.draft_head = self.draft_stack.head
@@ -93,13 +94,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                                             device=model.device)
             # reads draft tokens off layer E: the exit adapter and draft vocabulary when there are any
             self.draft_head = DraftHead(model, self.exit_layer, adapters, rows)
-        floor = config.min_acceptance
+        floor = None if layer.guard is None else layer.guard.min_acceptance
         if floor == BREAK_EVEN:
             floor = break_even_acceptance(
                 model, self.exit_layer, self.layer_drafts, self.draft_head.weight_bytes(),
                 None if self.draft_stack is None else self.draft_stack.weight_bytes())
         self.guard = None if floor is None else \
-            SpeculationGuard(model, rows, floor, config.probe_every, self.draft_head)
+            SpeculationGuard(model, rows, floor, layer.guard.probe_every, self.draft_head)
         self.picker = DraftPicker(config, self.draft_head, sampler, self.draft_length)
         if config.switches_per_token:
             self.proposer = TokenSwitchProposer(self.draft_stack, self.picker, self.lookup, self.layer_drafts)

@@ -1,6 +1,6 @@
 """What a sequence drafts in a round (`Draft`), and how layer drafts turn draft-head logits into
 tokens (`DraftPicker`): the argmax or a draw from the draft distribution, the thresholds that end a
-chain, exits that skip verification (accept="confident"), token-tree alternatives."""
+chain, exits that skip verification (LayerDrafts.exit_threshold), token-tree alternatives."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,9 +19,9 @@ class Draft:
     # each token's proposal distribution q (None: greedy, or a lookup token, whose q is one-hot)
     probs: list = field(default_factory=list)
     from_lookup: list[bool] = field(default_factory=list)  # per token: prompt lookup drafted it, else layers
-    # per layer-drafted position (token trees, draft_top_k > 1): the runners-up verified beside it
+    # per layer-drafted position (token trees, DraftCopy.top_k > 1): the runners-up verified beside it
     alternatives: list[list[int]] = field(default_factory=list)
-    # the logprobs (None unless asked) of the leading tokens emitted as exits (accept="confident")
+    # the logprobs (None unless asked) of the leading tokens emitted as exits (LayerDrafts.exit_threshold)
     exits: list = field(default_factory=list)
     layer_turn: bool = False  # a layer draft was allowed this round: the rounds the guard judges
     copy_ran: bool = False    # the separate draft copy ran for this sequence this round
@@ -40,8 +40,8 @@ class Proposal:
     """Draft tokens for a batch of rows of draft-head logits (DraftPicker.propose)."""
     tokens: list[int]
     probs: list                 # q per row (None: greedy)
-    confident: list[bool]       # top-1 probability at least draft_threshold
-    exiting: list[bool]         # top-1 probability at least the exit confidence (accept="confident")
+    confident: list[bool]       # top-1 probability at least LayerDrafts.stop_below
+    exiting: list[bool]         # top-1 probability at least LayerDrafts.exit_threshold
     logprobs: list              # what an exiting row reports (None unless the request asks)
     top1: Optional[list[float]]  # top-1 probabilities (None when no rule needs them)
 
@@ -52,9 +52,9 @@ class DraftPicker:
     def __init__(self, config, draft_head, sampler: Sampler, draft_length=None):
         self.head = draft_head
         self.sampler = sampler
-        self.draft_threshold = config.draft_threshold
-        self.exit_threshold = config.exit_confidence
-        self.top_k = config.draft_top_k
+        self.stop_below = config.layer.stop_below
+        self.exit_threshold = config.layer.exit_threshold
+        self.top_k = config.top_k
         self.draft_length = draft_length
 
     def propose(self, logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
@@ -63,7 +63,7 @@ class DraftPicker:
         the vocabulary has logit -inf)."""
         head = self.head
         top1 = None
-        if self.draft_threshold is None and self.exit_threshold is None and self.draft_length is None:
+        if self.stop_below is None and self.exit_threshold is None and self.draft_length is None:
             columns = argmax_rows(logits).tolist()
         else:
             # the top-1 probability and its column in one softmax and one max: right after a
@@ -80,7 +80,7 @@ class DraftPicker:
                 tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
                 probs[i] = q[j]
         n = len(seqs)
-        confident = [True] * n if self.draft_threshold is None else [p >= self.draft_threshold for p in top1]
+        confident = [True] * n if self.stop_below is None else [p >= self.stop_below for p in top1]
         exiting = [False] * n if self.exit_threshold is None else [p >= self.exit_threshold for p in top1]
         logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
                     if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
@@ -88,7 +88,7 @@ class DraftPicker:
 
     def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
         """The draft's next most likely tokens after each greedy sequence's chain token (up to
-        draft_top_k - 1, none outside the draft vocabulary); none for sampled sequences."""
+        DraftCopy.top_k - 1, none outside the draft vocabulary); none for sampled sequences."""
         values, columns = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
         values, indices = values.tolist(), self.head.token_ids(columns).tolist()
         return [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
@@ -97,10 +97,10 @@ class DraftPicker:
     def take(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts: list[Draft],
              with_alternatives: bool = False, opening=()) -> tuple[list[int], set[int]]:
         """Draft tokens of seqs[b] for b in `rows` (one row each of `logits`) added to drafts[b]. A
-        draft that leads the chain as an exit (accept="confident": every earlier draft of the round
-        exited, and it is at least exit-confidence sure) adds its logprobs to the exits; with
+        draft that leads the chain as an exit (LayerDrafts.exit_threshold: every earlier draft of the round
+        exited, and it is at least exit_threshold sure) adds its logprobs to the exits; with
         `with_alternatives`, its tree alternatives are kept too. A doubtful draft (below
-        draft_threshold) is dropped and ends its sequence's drafting. Returns the rows that drafted,
+        stop_below) is dropped and ends its sequence's drafting. Returns the rows that drafted,
         and those of them whose chain ends with this draft all the same: rows in `opening` (the
         round's first layer draft of seqs[b]) that long_draft_acceptance stops (DraftLength)."""
         live_seqs = [seqs[b] for b in rows]

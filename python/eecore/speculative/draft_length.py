@@ -1,4 +1,4 @@
-"""Adaptive draft length per sequence (`SelfSpeculativeConfig(long_draft_acceptance=a)`): a sequence
+"""Adaptive draft length per sequence (`LayerDrafts(long_draft_acceptance=a)`): a sequence
 whose first drafts are accepted less often than `a` stops trusting its draft's confidence for long
 chains. Its round's chain goes past the first layer draft only when that draft is at least `a`
 sure; otherwise the round verifies one draft.
@@ -6,7 +6,7 @@ sure; otherwise the round verifies one draft.
 Why on top of the draft threshold: the threshold stops a chain at a token the draft itself doubts,
 but how far the draft's confidence can be trusted depends on the text. The exit-ready draft copy of
 SmolLM2 learned from code; on chat its drafts are wrong far more often at the same confidence, and
-chains of 4 go on past where they pay. Exact replay of greedy runs (bench/hybrid_policy_replay.py
+chains of 4 go on past where they pay. Exact replay of greedy runs (bench/analysis/hybrid_policy_replay.py
 --layer-only, a copy pass costing 0.15 of a step) ranks d = 4 with threshold 0.15 first of 78
 stopping rules on held-out code (1.88x by the cost model) but 58th on the benches' chat prompts
 (0.95x) and 69th on everyday requests (0.89x), where one draft a round is best (1.07x, 1.05x). How
@@ -15,7 +15,7 @@ needs no calibration of the draft's probabilities. Cutting a doubtful sequence t
 outright cost code tokens in its hard stretches, where chains after a sure first draft still pay
 (the preset ran 0.94x on code that way), so a first draft at least `a` sure keeps its chain. With
 a = 0.5 the replay gives 1.89x on code, 1.06x on chat and 1.02x on everyday requests, and the
-layer preset, measured against itself without the rule (bench/config_ab.py, 2 Zen 3 cores), ran
+layer preset, measured against itself without the rule (bench/ab.py configs, 2 Zen 3 cores), ran
 1.05x faster on code, 1.05x on chat and 1.11x on everyday requests, with the same outputs.
 
 A round counts when the sequence was allowed to draft with the layers; a draft the threshold dropped

@@ -1,4 +1,4 @@
-"""Separate draft layers (`SelfSpeculativeConfig(draft_layers="separate")`): a copy of the model's
+"""Separate draft layers (`LayerDrafts(copy=DraftCopy())`): a copy of the model's
 layers 0..E-1 that drafts with a KV cache of its own, while verification runs the model's L layers.
 
 Why a copy, when LayerSkip shares the first E layers between draft and verification: a shared

@@ -2,8 +2,8 @@
 
 A self-speculation round only pays when enough of its drafts are accepted: below a break-even
 acceptance (which depends on E, d and the hardware; bench/roofline.py gives the bandwidth-bound
-one) every draft costs more than it saves. `SelfSpeculativeConfig(min_acceptance=a)` turns this
-guard on; `min_acceptance="break-even"` sets `a` to `break_even_acceptance` below, the
+one) every draft costs more than it saves. `LayerDrafts(guard=AcceptanceGuard(min_acceptance=a))`
+turns this guard on; `min_acceptance="break-even"` sets `a` to `break_even_acceptance` below, the
 bandwidth-bound break-even of this model, E and d. The guard gates layer drafts only: a
 prompt-lookup draft reads no weights, so its bandwidth-bound break-even is 0 (with
 `draft="hybrid"`, a round in which a sequence drafts by lookup is not one of the guard's rounds).

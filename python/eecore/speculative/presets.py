@@ -20,32 +20,37 @@ from __future__ import annotations
 import torch
 
 from eecore.models.amx_weights import amx_available
+from eecore.speculative.flat_options import from_flat
+from eecore.speculative.options import DraftCopy, LayerDrafts, LookupDrafts
 
-EXIT_READY_PRESETS = {
-    "layer": dict(exit_layer=8, num_speculations=4, draft_threshold=0.15, long_draft_acceptance=0.5,
-                  draft_layers="separate", draft_dtype="int8", disable_by_batch_size=2),
-    "hybrid": dict(draft="hybrid", hybrid_switch="token", exit_layer=8, num_speculations=4, layer_speculations=3,
-                   lookup_min_ngram=2, lookup_max_ngram=4, draft_threshold=0.15, long_draft_acceptance=0.5,
-                   draft_layers="separate", draft_dtype="int8", disable_by_batch_size=4),
-}
+PRESETS = ("layer", "hybrid")
 LAYER_PRESET_AMX_MAX_BATCH = 4
 HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH = 8
 
 
-def exit_ready_settings(preset: str, overrides: dict) -> dict:
-    """The preset's SelfSpeculativeConfig fields on this CPU (`overrides` are applied by the caller;
-    they only steer how the batch limits combine)."""
-    if preset not in EXIT_READY_PRESETS:
-        raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'preset' must be one of "
-                         f"{', '.join(EXIT_READY_PRESETS)}, got {preset!r}")
-    settings = dict(EXIT_READY_PRESETS[preset])
-    if preset == "layer" and amx_available(torch.int8):
-        settings["disable_by_batch_size"] = LAYER_PRESET_AMX_MAX_BATCH
-    if preset == "hybrid" and amx_available(torch.bfloat16):
-        settings["layer_disable_by_batch_size"] = settings["disable_by_batch_size"]
-        settings["disable_by_batch_size"] = HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH
-        limit = overrides.get("disable_by_batch_size")
-        if limit is not None and "layer_disable_by_batch_size" not in overrides:
-            # a lower overall limit given alone lowers the layer drafts' with it
-            settings["layer_disable_by_batch_size"] = min(settings["layer_disable_by_batch_size"], limit)
-    return settings
+def exit_ready_preset(config_cls, preset: str):
+    """The preset, a `config_cls` (SelfSpeculativeConfig), as tuned for this CPU, before any override."""
+    if preset not in PRESETS:
+        raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'preset' must be one of {', '.join(PRESETS)}, "
+                         f"got {preset!r}")
+    stops = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy(dtype="int8"))
+    if preset == "layer":
+        limit = LAYER_PRESET_AMX_MAX_BATCH if amx_available(torch.int8) else 2
+        return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **stops),
+                                     disable_by_batch_size=limit)
+    lookup_limit, layer_limit = (HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH, 4) if amx_available(torch.bfloat16) else (4, None)
+    return config_cls(
+        num_speculations=4, layer=LayerDrafts(exit_layer=8, max_length=3, disable_by_batch_size=layer_limit, **stops),
+        lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", disable_by_batch_size=lookup_limit)
+
+
+def exit_ready_config(config_cls, preset: str, options: dict):
+    """The preset with `options` (flat names, eecore.speculative.flat_options) applied."""
+    base = exit_ready_preset(config_cls, preset)
+    options = dict(options)
+    limit = options.get("disable_by_batch_size")
+    if limit is not None and base.layer is not None and base.layer.disable_by_batch_size is not None \
+            and "layer_disable_by_batch_size" not in options:
+        # a lower overall limit given alone lowers the layer drafts' with it
+        options["layer_disable_by_batch_size"] = min(base.layer.disable_by_batch_size, limit)
+    return from_flat(config_cls, options, base)

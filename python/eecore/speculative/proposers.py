@@ -3,7 +3,7 @@ sequences' `Draft`s (some may already hold prompt-lookup tokens) within per-sequ
 
 - `SharedLayerProposer` (LayerSkip): the model's own layers 0..E-1, writing the shared KV cache;
   each pass's layer-E states go to the exit-query cache, from which verification continues.
-- `CopyProposer` (draft_layers="separate"): a copy of layers 0..E-1 with a KV cache of its own;
+- `CopyProposer` (`LayerDrafts.copy`): a copy of layers 0..E-1 with a KV cache of its own;
   verification runs the whole model.
 - `TokenSwitchProposer` (draft="hybrid", hybrid_switch="token"): each drafted position from a
   lookup continuation where the draft so far ends in a match, from the copy where it does not.

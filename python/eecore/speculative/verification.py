@@ -20,7 +20,7 @@ from eecore.speculative.draft import Draft
 
 def logit_rows(widths: list[int], drafts: list[Draft]) -> Optional[list[int]]:
     """The rows of a full-depth pass (sequences' `widths` rows each, in order) whose logits a round
-    reads: every row after a sequence's leading exits (accept="confident"), so all of a verified
+    reads: every row after a sequence's leading exits (LayerDrafts.exit_threshold), so all of a verified
     sequence's and the last of one whose drafts all exited; None: all."""
     if not any(d.exits for d in drafts):
         return None
