@@ -158,3 +158,27 @@ def test_graphs_with_preemption_and_bf16(tiny, graphs_on):
     for a, b in zip(*outs):
         for token in a.logprobs[0].keys() & b.logprobs[0].keys():
             assert abs(a.logprobs[0][token] - b.logprobs[0][token]) < 0.05
+
+
+@pytest.mark.parametrize("draft", ["lookup", "copy", "hybrid-token"])
+def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, graphs_on):
+    """Self-speculation's verify pass captured per padded batch at the round's verify width, against
+    enforce_eager=True: same tokens and logprobs (full depth's, greedy)."""
+    path, hf = tiny
+    spec = {"lookup": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts()),
+            "copy": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+                1, copy=eecore.DraftCopy())),
+            "hybrid-token": lambda: eecore.SelfSpeculativeConfig(
+                num_speculations=4, layer=eecore.LayerDrafts(1, max_length=2, copy=eecore.DraftCopy()),
+                lookup=eecore.LookupDrafts(min_ngram=2), hybrid_switch="token")}[draft]
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]  # repeats: prompt lookup finds matches
+    params = [greedy(6 + 3 * i, logprobs=2) for i in range(len(prompts))]
+    eager = _llm(path, speculative=spec(), enforce_eager=True).generate(prompts, params)
+    llm = _llm(path, speculative=spec())
+    graphed = llm.generate(prompts, params)
+    assert llm.engine.runner.static_verify.graphs, "no verify pass was captured"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    for a, b in zip(graphed, eager):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())

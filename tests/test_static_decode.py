@@ -11,7 +11,7 @@ import eecore
 from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import StaticDecode, capture_sizes
+from eecore.engine.static_decode import StaticDecode, StaticVerify, capture_sizes
 from engine_utils import greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
@@ -54,7 +54,7 @@ def test_same_tokens_and_logprobs_as_the_plain_step(tiny, num_prompts):
             assert step_a.keys() == step_b.keys()
             for token in step_a:
                 assert abs(step_a[token] - step_b[token]) < 1e-4
-    assert llm.engine.runner.static_decode._logits, "the static step never ran"
+    assert llm.engine.runner.static_decode.outputs, "the static step never ran"
 
 
 def test_counts_only_real_rows_and_frees_every_block(tiny):
@@ -138,10 +138,89 @@ def test_padding_errors():
                            pad_block=9)
     seq = Sequence([1, 2, 3], eecore.SamplingParams(max_tokens=4))
     seq.block_table = [0]
-    with pytest.raises(ValueError, match="padding to 1 rows takes at most that many rows of one token"):
+    with pytest.raises(ValueError, match="padding to 1 rows of 1 tokens takes at most that many rows"):
         builder.build([Row(seq, 3, [7]), Row(seq, 3, [8])], pad_to=1)
-    with pytest.raises(ValueError, match="rows of one token"):
+    with pytest.raises(ValueError, match="rows of 1 to 1 tokens each"):
         builder.build([Row(seq, 1, [7, 8])], pad_to=2)
+    with pytest.raises(ValueError, match="rows of 1 to 2 tokens each"):
+        builder.build([Row(seq, 1, [7, 8, 9])], pad_to=2, width=2)
+    with pytest.raises(ValueError, match="no token trees"):
+        builder.build([Row(seq, 1, [7, 8], parents=[-1, 0])], pad_to=2, width=2)
     no_pad = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, block_size=4, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="padding needs the KV cache's pad block"):
         no_pad.build([Row(seq, 3, [7])], pad_to=2)
+
+
+def test_rows_padded_to_a_width():
+    """A verify pass's rows padded to W tokens: the extra tokens write K/V into the sequence's own
+    next slots (reserved by the round) at its last position for RoPE; padding sequences hold W
+    tokens in the pad block, wrapping around it."""
+    builder = InputBuilder(max_tokens=16, max_seqs=3, max_blocks_per_seq=3, block_size=4,
+                           device=torch.device("cpu"), pad_block=9)
+    seq = Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=4))
+    seq.block_table = [2, 5, 6]
+    full = Sequence([1, 2], eecore.SamplingParams(max_tokens=4))
+    full.block_table = [3, 4]
+    inputs = builder.build([Row(seq, 4, [7, 8]), Row(full, 1, [6, 1, 2, 3, 4])], pad_to=3, width=5)
+    assert inputs.token_ids.tolist() == [7, 8, 8, 8, 8, 6, 1, 2, 3, 4, 0, 0, 0, 0, 0]
+    assert inputs.attn.positions.tolist() == [4, 5, 5, 5, 5, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]
+    assert inputs.attn.slot_mapping.tolist() == [20, 21, 22, 23, 24, 13, 14, 15, 16, 17, 36, 37, 38, 39, 36]
+    assert inputs.attn.seq_lens.tolist() == [9, 6, 5]
+    assert inputs.attn.query_start_loc.tolist() == [0, 5, 10, 15]
+    assert inputs.attn.max_query_len == 5
+    assert inputs.attn.block_table.tolist() == [[2, 5, 6], [3, 4, -1], [9, 9, -1]]
+
+
+SPEC_CONFIGS = {
+    "lookup": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts()),
+    "copy": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        2, copy=eecore.DraftCopy())),
+    "hybrid-token": lambda: eecore.SelfSpeculativeConfig(
+        num_speculations=4, layer=eecore.LayerDrafts(2, max_length=2, copy=eecore.DraftCopy()),
+        lookup=eecore.LookupDrafts(min_ngram=2), hybrid_switch="token"),
+    "copy-exits": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        2, stop_below=0.0, exit_threshold=0.0035, copy=eecore.DraftCopy())),
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
+    """Self-speculation's verify pass through every layer, padded to the verify width on static
+    buffers (the code a CUDA graph captures, run eagerly), gives the varlen pass's tokens, exits
+    and logprobs, does the same work, and leaves every block free."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]  # repeats: prompt lookup finds matches
+    params = [greedy(6 + 3 * i, logprobs=2) for i in range(len(prompts))]
+
+    def run(static: bool):
+        llm = _llm(path, static=False, speculative=SPEC_CONFIGS[name]())
+        runner = llm.engine.runner
+        if static:
+            runner.static_verify = StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
+                                                width=llm.engine.strategy.lookahead)
+        return llm, llm.generate(prompts, params)
+
+    plain_llm, plain = run(False)
+    llm, static = run(True)
+    assert llm.engine.runner.static_verify.outputs, "the static verify pass never ran"
+    assert [o.token_ids for o in static] == [o.token_ids for o in plain]
+    assert [o.exit_layers for o in static] == [o.exit_layers for o in plain]
+    for a, b in zip(static, plain):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
+    assert llm.engine.runner.layer_tokens == plain_llm.engine.runner.layer_tokens
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_static_verify_takes_plain_rows_up_to_its_width(tiny):
+    path, _ = tiny
+    llm = _llm(path, static=False)
+    verify = StaticVerify(llm.engine.runner, 4, capture=False, width=3)
+    seq = Sequence([1, 2, 3], eecore.SamplingParams(max_tokens=4))
+    assert verify.takes([Row(seq, 2, [3, 4, 5])])
+    assert not verify.takes([Row(seq, 2, [3, 4, 5, 6])])
+    assert not verify.takes([Row(seq, 2, [3, 4], parents=[-1, 0])])
+    assert not verify.takes([Row(seq, 2, [3])] * 5)
+

@@ -116,14 +116,18 @@ class InputBuilder:
                     tree=self._h_tree,
                     cross_tables=self._h_cross_tables, cross_lens=self._h_cross_lens)
 
-    def build(self, rows: list[Row], pad_to: Optional[int] = None) -> StepInputs:
-        """`pad_to`: append one-token rows in the pad block up to that many rows, and give the block
-        tables their full width (a static step: see the module doc)."""
+    def build(self, rows: list[Row], pad_to: Optional[int] = None, width: int = 1) -> StepInputs:
+        """`pad_to`: append rows in the pad block up to that many rows, and give the block tables their
+        full width; every row then holds `width` tokens, a shorter one padded after its last token
+        (a static step: see the module doc)."""
+        real = [len(r.tokens) for r in rows]
         if pad_to is not None:
-            self._check_padding(rows, pad_to)
+            self._check_padding(rows, pad_to, width)
+            rows = [r if len(r.tokens) == width else Row(r.seq, r.start, r.tokens + [r.tokens[-1]] * (width - len(r.tokens)))
+                    for r in rows]
         B = len(rows) if pad_to is None else pad_to
         lens = [len(r.tokens) for r in rows]
-        T = sum(lens) + (B - len(rows))
+        T = sum(lens) + (B - len(rows)) * width
         if B > self.max_seqs or T > self.max_tokens:
             raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
                                f"{self.max_seqs} / {self.max_tokens}")
@@ -134,8 +138,9 @@ class InputBuilder:
         slots = self._h_slots.numpy()
         qsl = self._h_qsl.numpy()
         seq_lens = self._h_seq_lens.numpy()
-        width = self.max_blocks if pad_to is not None else max((len(r.seq.block_table) for r in rows), default=1) or 1
-        tables = self._h_tables.numpy()[: B * width].reshape(B, width)
+        table_width = self.max_blocks if pad_to is not None else \
+            max((len(r.seq.block_table) for r in rows), default=1) or 1
+        tables = self._h_tables.numpy()[: B * table_width].reshape(B, table_width)
         tables.fill(-1)
         qsl[0] = 0
         bs = self.block_size
@@ -160,13 +165,16 @@ class InputBuilder:
                                      f"got {n}")
                 tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
             positions[lo: lo + n] = pos
+            # a padded row's extra tokens write K/V after its own (slots the round reserved) but take
+            # its last position for RoPE, which stays within the model's positions
+            positions[lo + real[b]: lo + n] = row.start + real[b] - 1
             seq_lens[b] = row.start + n
-        self._pad(len(rows), B, tables)
+        self._pad(len(rows), B, width, tables)
         last = self._h_last.numpy()
         last[:B] = qsl[1: B + 1] - 1
         views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
                      seq_lens=self._h_seq_lens[:B], qsl=self._h_qsl[: B + 1], last=self._h_last[:B],
-                     tables=self._h_tables[: B * width].view(B, width))
+                     tables=self._h_tables[: B * table_width].view(B, table_width))
         if has_tree:
             views["tree"] = self._h_tree[:T]
         if rows and rows[0].seq.encoder_token_ids is not None:
@@ -180,27 +188,28 @@ class InputBuilder:
                                cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"),
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
-                          row_lens=lens + [1] * (B - len(rows)))
+                          row_lens=lens + [width] * (B - len(rows)))
 
-    def _check_padding(self, rows: list[Row], pad_to: int) -> None:
+    def _check_padding(self, rows: list[Row], pad_to: int, width: int) -> None:
         if self.pad_block < 0:
             raise RuntimeError("InputBuilder: padding needs the KV cache's pad block")
-        if pad_to < len(rows) or any(len(r.tokens) != 1 or r.parents is not None for r in rows):
-            raise ValueError(f"InputBuilder: padding to {pad_to} rows takes at most that many rows of one "
-                             f"token each, got {len(rows)} rows")
+        if pad_to < len(rows) or any(not 1 <= len(r.tokens) <= width or r.parents is not None for r in rows):
+            raise ValueError(f"InputBuilder: padding to {pad_to} rows of {width} tokens takes at most that many "
+                             f"rows of 1 to {width} tokens each (no token trees), got {len(rows)} rows")
 
-    def _pad(self, first: int, end: int, tables: np.ndarray) -> None:
-        """Rows first..end-1 of the host buffers as padding: each a one-token sequence at position 0 of
-        the pad block, whose K/V lands there and whose attention sees only itself."""
+    def _pad(self, first: int, end: int, width: int, tables: np.ndarray) -> None:
+        """Rows first..end-1 of the host buffers as padding: each a `width`-token sequence in the pad
+        block (wrapping around it), whose K/V lands there and whose attention sees only itself."""
         qsl, bs = self._h_qsl.numpy(), self.block_size
+        j = np.arange(width)
         for b in range(first, end):
             lo = int(qsl[b])
-            qsl[b + 1] = lo + 1
-            tables[b, 0] = self.pad_block
-            self._h_slots.numpy()[lo] = self.pad_block * bs
-            self._h_tokens.numpy()[lo] = 0
-            self._h_positions.numpy()[lo] = 0
-            self._h_seq_lens.numpy()[b] = 1
+            qsl[b + 1] = lo + width
+            tables[b, : -(-width // bs)] = self.pad_block
+            self._h_slots.numpy()[lo: lo + width] = self.pad_block * bs + j % bs
+            self._h_tokens.numpy()[lo: lo + width] = 0
+            self._h_positions.numpy()[lo: lo + width] = j
+            self._h_seq_lens.numpy()[b] = width
 
     def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models)."""

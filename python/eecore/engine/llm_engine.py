@@ -20,7 +20,7 @@ from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler
 from eecore.engine.scheduler import Scheduler
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import maybe_static_decode
+from eecore.engine.static_decode import maybe_static_decode, maybe_static_verify
 from eecore.engine.stopping import StopChecker
 from eecore.models.llama import LlamaModel
 from eecore.outputs import RequestOutput
@@ -88,6 +88,8 @@ class LLMEngine:
             max_blocks_per_seq=-(-(self.max_model_len + lookahead) // config.block_size),
             max_model_len=self.max_model_len)
         self.runner.static_decode = maybe_static_decode(self.runner, config.max_num_seqs, config.enforce_eager)
+        self.runner.static_verify = maybe_static_verify(self.runner, config.max_num_seqs, lookahead,
+                                                        config.enforce_eager)
         self.sampler = Sampler(model.device, config.seed)
         self.strategy = strategy(self.runner, self.sampler)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead,

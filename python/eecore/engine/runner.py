@@ -13,7 +13,7 @@ import torch
 
 from eecore.engine.inputs import InputBuilder, Row, StepInputs
 from eecore.engine.kv_cache import KVCache
-from eecore.engine.static_decode import StaticDecode
+from eecore.engine.static_decode import StaticDecode, StaticVerify
 from eecore.models.llama import AttentionInputs, LlamaModel
 
 
@@ -34,8 +34,10 @@ class ModelRunner:
             torch.empty(max_logit_rows, vocab, dtype=torch.float32, device=model.device)
         # tokens each layer has processed: how tests prove that no work is repeated
         self.layer_tokens = [0] * model.num_layers
-        # full-depth decode steps on static buffers (CUDA graphs), set by the engine where enabled
+        # full-depth decode steps and verify passes on static buffers (CUDA graphs), set by the engine
+        # where enabled
         self.static_decode: Optional[StaticDecode] = None
+        self.static_verify: Optional[StaticVerify] = None
 
     def prepare(self, rows: list[Row]) -> StepInputs:
         inputs = self.builder.build(rows)

@@ -1,4 +1,5 @@
-"""The full-depth decode step on static buffers, captured as a CUDA graph per padded batch size.
+"""Passes on static buffers, captured as a CUDA graph per padded batch size: the full-depth decode
+step, and self-speculation's verify pass.
 
 A decode step launches a few hundred small kernels (SmolLM2: 30 layers of ~10 ops); launched one by
 one from Python, the GPU waits on the host. As in vLLM, the step for a batch of B sequences runs
@@ -29,64 +30,64 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class StaticDecode:
-    """`run(rows)`: the logits `[B, V]` (fp32, a view of a static buffer) of a full-depth decode step
-    over `rows` (one token each). `capture=True` (CUDA only) records each padded size's step as a
-    CUDA graph the first time it runs and replays it from then on."""
+class StaticPass:
+    """A pass over a step's rows on static buffers: the batch padded to a capture size P and every
+    row to `width` tokens, the pass's output a buffer at a fixed address. `capture=True` (CUDA only)
+    records each (P, width)'s pass as a CUDA graph the first time it runs and replays it from then
+    on. Subclasses say what the pass computes (`_step`: only kernels on preallocated buffers,
+    nothing that allocates, synchronizes or branches on data)."""
 
     def __init__(self, runner, max_batch: int, capture: bool):
         if capture and runner.model.device.type != "cuda":
-            raise ValueError("StaticDecode: CUDA graphs need a CUDA device")
+            raise ValueError(f"{type(self).__name__}: CUDA graphs need a CUDA device")
         self.runner = runner
         self.sizes = capture_sizes(max_batch)
         self.capture = capture
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._logits: dict[int, torch.Tensor] = {}  # P -> the step's logits [P, V] (a static buffer)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (P, width) -> the pass's static output
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def takes(self, rows: list[Row]) -> bool:
-        """Whether the static step can run these rows: a decode step (one token each, no token
-        trees) of at most max_batch sequences, on a decoder-only model."""
-        return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
-                and all(len(r.tokens) == 1 and r.parents is None for r in rows))
-
     def padded_size(self, batch: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
-    def run(self, rows: list[Row]) -> tuple[StepInputs, torch.Tensor]:
+    def _run_padded(self, rows: list[Row], width: int) -> tuple[StepInputs, torch.Tensor]:
         runner = self.runner
-        size = self.padded_size(len(rows))
-        inputs = runner.builder.build(rows, pad_to=size)
-        graph = self.graphs.get(size)
+        key = (self.padded_size(len(rows)), width)
+        inputs = runner.builder.build(rows, pad_to=key[0], width=width)
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
         elif self.capture:
-            self._capture(size, inputs)
-            self.graphs[size].replay()
+            self._capture(key, inputs)
+            self.graphs[key].replay()
         else:
-            self._logits[size] = self._step(inputs)
-        B = len(rows)
-        for i in range(runner.num_layers):
-            runner.layer_tokens[i] += B
-        for row in rows:
-            row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + 1)
-        return inputs, self._logits[size][:B]
+            self.outputs[key] = self._step(inputs)
+        return inputs, self.outputs[key]
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
-        """Embedding, every layer, final norm and LM head over the padded rows: only kernels on
-        preallocated buffers (nothing here allocates, synchronizes or branches on data)."""
+        """Every layer, final norm and LM head: fp32 logits of every padded row."""
+        return self.runner.logits(self._all_layers(inputs))
+
+    def _all_layers(self, inputs: StepInputs) -> torch.Tensor:
+        """Embedding and every layer over the padded rows: the final residual stream."""
         runner = self.runner
         model = runner.model
         hidden = runner.embed(inputs)
         for i in range(runner.num_layers):
             model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
-        return runner.logits(hidden)
+        return hidden
 
-    def _capture(self, size: int, inputs: StepInputs) -> None:
+    def _count(self, rows: list[Row], tokens_per_row: int) -> None:
+        """Only the real rows' work counts (tests prove with it that no work is repeated)."""
+        n = sum(min(len(r.tokens), tokens_per_row) for r in rows)
+        for i in range(self.runner.num_layers):
+            self.runner.layer_tokens[i] += n
+
+    def _capture(self, key: tuple[int, int], inputs: StepInputs) -> None:
         # One eager run on a side stream first (cuBLAS handles and workspaces, lazy module state),
         # as torch.cuda.graphs recommends; it computes what the replay will: the same K/V into the
         # same slots.
@@ -97,8 +98,52 @@ class StaticDecode:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._logits[size] = self._step(inputs)
-        self.graphs[size] = graph
+            self.outputs[key] = self._step(inputs)
+        self.graphs[key] = graph
+
+
+class StaticDecode(StaticPass):
+    """`run(rows)`: the logits `[B, V]` (fp32, a view of a static buffer) of a full-depth decode step
+    over `rows` (one token each)."""
+
+    def takes(self, rows: list[Row]) -> bool:
+        """Whether the static step can run these rows: a decode step (one token each, no token
+        trees) of at most max_batch sequences, on a decoder-only model."""
+        return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
+                and all(len(r.tokens) == 1 and r.parents is None for r in rows))
+
+    def run(self, rows: list[Row]) -> tuple[StepInputs, torch.Tensor]:
+        inputs, logits = self._run_padded(rows, 1)
+        self._count(rows, 1)
+        for row in rows:
+            row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + 1)
+        return inputs, logits[: len(rows)]
+
+
+class StaticVerify(StaticPass):
+    """A self-speculation round's verify pass through every layer (lookup drafts and a draft copy's)
+    on static buffers: each sequence's pending token and drafts padded to the round's verify width W,
+    so one graph per padded batch holds the pass. `run(rows)`: the logits of every real token, in
+    the rows' order (fp32 `[sum of row lengths, V]`). A padded token writes K/V into a slot the
+    round reserved past its sequence's drafts, which a later step overwrites before any query
+    reads it; its own output is dropped."""
+
+    def __init__(self, runner, max_batch: int, capture: bool, width: int):
+        super().__init__(runner, max_batch, capture)
+        self.width = width
+
+    def takes(self, rows: list[Row]) -> bool:
+        return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
+                and all(1 <= len(r.tokens) <= self.width and r.parents is None for r in rows))
+
+    def run(self, rows: list[Row]) -> torch.Tensor:
+        W = self.width
+        _, logits = self._run_padded(rows, W)
+        self._count(rows, W)
+        if all(len(r.tokens) == W for r in rows):
+            return logits[: len(rows) * W]
+        index = [b * W + k for b, r in enumerate(rows) for k in range(len(r.tokens))]
+        return logits.index_select(0, torch.tensor(index, device=logits.device))
 
 
 # The graphs have not yet run on a GPU (tests/test_engine_cuda.py holds them to eager mode there):
@@ -112,3 +157,12 @@ def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional
     if enforce_eager or runner.model.device.type != "cuda" or os.environ.get(GRAPHS_ENV) != "1":
         return None
     return StaticDecode(runner, max_batch, capture=True)
+
+
+def maybe_static_verify(runner, max_batch: int, width: int, enforce_eager: bool) -> Optional[StaticVerify]:
+    """The same for self-speculation's verify pass of `width` tokens a sequence (none for width 1:
+    a strategy without drafts)."""
+    if width < 2 or maybe_static_decode(runner, max_batch, enforce_eager) is None:
+        return None
+    return StaticVerify(runner, max_batch, capture=True, width=width)
+

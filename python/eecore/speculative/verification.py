@@ -58,6 +58,12 @@ class Verifier:
         """`rows` (pending tokens and drafts, possibly token trees) through every layer; for the
         sequences in `shadowed`, the layer-E state of their first row is copied to slot 0 of their
         exit-query cache row on the way (the guard's shadow check); the logits of `rows_read`."""
+        static = self.runner.static_verify
+        if not shadowed and static is not None and static.takes(rows):
+            logits = static.run(rows)  # a CUDA graph replay on a GPU
+            if rows_read is not None and len(rows_read) < logits.shape[0]:
+                logits = logits.index_select(0, torch.tensor(rows_read, device=logits.device))
+            return logits
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         if shadowed:
