@@ -162,8 +162,8 @@ def test_graphs_with_preemption_and_bf16(tiny, graphs_on):
 
 @pytest.mark.parametrize("draft", ["lookup", "copy", "hybrid-token"])
 def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, graphs_on):
-    """Self-speculation's verify pass captured per padded batch at the round's verify width, against
-    enforce_eager=True: same tokens and logprobs (full depth's, greedy)."""
+    """Self-speculation's verify pass captured per padded batch at the round's verify width, and a
+    draft copy's one-token passes, against enforce_eager=True: same tokens and logprobs."""
     path, hf = tiny
     spec = {"lookup": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts()),
             "copy": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
@@ -178,6 +178,9 @@ def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, graphs_on):
     llm = _llm(path, speculative=spec())
     graphed = llm.generate(prompts, params)
     assert llm.engine.runner.static_verify.graphs, "no verify pass was captured"
+    stack = llm.engine.strategy.draft_stack
+    if stack is not None:
+        assert stack.static.graphs, "no draft copy pass was captured"
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     for a, b in zip(graphed, eager):
         for step_a, step_b in zip(a.logprobs, b.logprobs):

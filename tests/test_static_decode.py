@@ -11,7 +11,7 @@ import eecore
 from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import StaticDecode, StaticVerify, capture_sizes
+from eecore.engine.static_decode import StaticDecode, StaticLayers, StaticVerify, capture_sizes
 from engine_utils import greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
@@ -186,8 +186,9 @@ SPEC_CONFIGS = {
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
 def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
     """Self-speculation's verify pass through every layer, padded to the verify width on static
-    buffers (the code a CUDA graph captures, run eagerly), gives the varlen pass's tokens, exits
-    and logprobs, does the same work, and leaves every block free."""
+    buffers, and a draft copy's one-token passes on static buffers (the code CUDA graphs capture,
+    run eagerly), give the varlen passes' tokens, exits and logprobs, do the same work, and leave
+    every block free."""
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]  # repeats: prompt lookup finds matches
@@ -196,14 +197,21 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
     def run(static: bool):
         llm = _llm(path, static=False, speculative=SPEC_CONFIGS[name]())
         runner = llm.engine.runner
+        stack = llm.engine.strategy.draft_stack
         if static:
             runner.static_verify = StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                 width=llm.engine.strategy.lookahead)
+            if stack is not None:  # the copy's one-token passes too
+                stack.static = StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False)
         return llm, llm.generate(prompts, params)
 
     plain_llm, plain = run(False)
     llm, static = run(True)
     assert llm.engine.runner.static_verify.outputs, "the static verify pass never ran"
+    stack = llm.engine.strategy.draft_stack
+    if stack is not None:
+        assert stack.static.outputs, "no static copy pass ran"
+        assert stack.runner.layer_tokens == plain_llm.engine.strategy.draft_stack.runner.layer_tokens
     assert [o.token_ids for o in static] == [o.token_ids for o in plain]
     assert [o.exit_layers for o in static] == [o.exit_layers for o in plain]
     for a, b in zip(static, plain):

@@ -146,6 +146,23 @@ class StaticVerify(StaticPass):
         return logits.index_select(0, torch.tensor(index, device=logits.device))
 
 
+class StaticLayers(StaticPass):
+    """Every layer of the runner's model over one token a sequence, on static buffers: a draft copy's
+    pass (its E layers). `run(rows)`: the residual stream after the last layer `[B, d]` (a view of
+    the runner's workspace); the draft head reads it eagerly."""
+
+    def takes(self, rows: list[Row]) -> bool:
+        return 0 < len(rows) <= self.max_batch and all(len(r.tokens) == 1 and r.parents is None for r in rows)
+
+    def run(self, rows: list[Row]) -> torch.Tensor:
+        _, hidden = self._run_padded(rows, 1)
+        self._count(rows, 1)
+        return hidden[: len(rows)]
+
+    def _step(self, inputs: StepInputs) -> torch.Tensor:
+        return self._all_layers(inputs)
+
+
 # The graphs have not yet run on a GPU (tests/test_engine_cuda.py holds them to eager mode there):
 # until they have, they are opt-in with EECORE_CUDA_GRAPHS=1, and the plain step stays the default.
 GRAPHS_ENV = "EECORE_CUDA_GRAPHS"

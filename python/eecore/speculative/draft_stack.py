@@ -34,6 +34,7 @@ from eecore.engine.inputs import Row
 from eecore.engine.kv_cache import KVCache
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sequence import Sequence
+from eecore.engine.static_decode import StaticLayers
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.models.lora import LoraDeltas, layer_index
 from eecore.speculative.guard import layer_weight_bytes
@@ -74,6 +75,9 @@ class DraftStack:
             max_tokens=builder.max_tokens, max_seqs=builder.max_seqs, max_logit_rows=1,
             max_blocks_per_seq=builder.max_blocks, max_model_len=main_runner.max_model_len)
         self.head = DraftHead(model, exit_layer, adapters, builder.max_seqs)
+        # the copy's one-token passes as CUDA graphs wherever the model's decode steps are graphs
+        self.static = None if main_runner.static_decode is None else \
+            StaticLayers(self.runner, builder.max_seqs, capture=main_runner.static_decode.capture)
         self._states = torch.empty(builder.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
         # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
         self._seen: dict[int, list[int]] = {}
@@ -127,6 +131,8 @@ class DraftStack:
         return min(record[1], seq.num_computed_tokens)
 
     def _run(self, rows: list[Row]) -> torch.Tensor:
+        if self.static is not None and self.static.takes(rows):
+            return self.static.run(rows)
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
