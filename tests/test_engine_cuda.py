@@ -185,3 +185,22 @@ def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, graphs_on):
     for a, b in zip(graphed, eager):
         for step_a, step_b in zip(a.logprobs, b.logprobs):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())
+
+
+@pytest.mark.parametrize("early_exit", [dict(measure="softmax", threshold=3e-5), dict(measure="cosine", threshold=0.5),
+                                        dict(measure="static", exit_layer=1)])
+def test_graphs_of_early_exit_segments_give_eager_tokens(tiny, early_exit, graphs_on):
+    """Early exit's iteration (rule "all", static exits) captured as one graph per segment between
+    two checks, against enforce_eager=True: same tokens, exit layers and logprobs."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 2, 7], seed=5)
+    params = [greedy(5 + 2 * i, logprobs=2) for i in range(len(prompts))]
+    eager = _llm(path, early_exit=eecore.EarlyExitConfig(**early_exit), enforce_eager=True).generate(prompts, params)
+    llm = _llm(path, early_exit=eecore.EarlyExitConfig(**early_exit))
+    graphed = llm.generate(prompts, params)
+    assert llm.engine.strategy.static.graphs, "no segment was captured"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert [o.exit_layers for o in graphed] == [o.exit_layers for o in eager]
+    for a, b in zip(graphed, eager):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())

@@ -12,6 +12,7 @@ from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode, StaticLayers, StaticVerify, capture_sizes
+from eecore.exits.static_segments import StaticExitSegments
 from engine_utils import greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
@@ -232,3 +233,51 @@ def test_static_verify_takes_plain_rows_up_to_its_width(tiny):
     assert not verify.takes([Row(seq, 2, [3, 4], parents=[-1, 0])])
     assert not verify.takes([Row(seq, 2, [3])] * 5)
 
+
+
+EARLY_EXIT_CONFIGS = {
+    # (thresholds that let some iterations exit at each check of this tiny random model, others not)
+    "softmax": lambda: eecore.EarlyExitConfig(measure="softmax", threshold=3e-5),
+    "cosine-decay": lambda: eecore.EarlyExitConfig(measure="cosine", threshold=0.5, decay=2.0),
+    "cosine": lambda: eecore.EarlyExitConfig(measure="cosine", threshold=0.5),
+    "static": lambda: eecore.EarlyExitConfig(measure="static", exit_layer=2),
+}
+
+
+@pytest.mark.parametrize("name", list(EARLY_EXIT_CONFIGS))
+def test_static_early_exit_segments_give_the_eager_iteration(tiny, name):
+    """Early exit's iteration (rule "all", or a static exit) as static segments, the layers between
+    two checks with the check that ends them (the code CUDA graphs capture, run eagerly): the same
+    tokens, exit layers, logprobs and wasted layers as the eager iteration, the same layer work."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 2, 7], seed=5)
+    params = [greedy(5 + 2 * i, logprobs=2 if i % 2 else None) for i in range(len(prompts))]
+
+    def run(static: bool):
+        llm = _llm(path, static=False, early_exit=EARLY_EXIT_CONFIGS[name]())
+        strategy = llm.engine.strategy
+        if static:
+            strategy.static = StaticExitSegments(strategy, llm.engine.config.max_num_seqs, capture=False)
+        return llm, llm.generate(prompts, params)
+
+    eager_llm, eager = run(False)
+    llm, static = run(True)
+    assert llm.engine.strategy.static.outputs, "no static segment ran"
+    assert [o.token_ids for o in static] == [o.token_ids for o in eager]
+    assert [o.exit_layers for o in static] == [o.exit_layers for o in eager]
+    exits = [e for o in static for e in o.exit_layers]
+    assert min(exits) < 3, "nothing exited early: the test would not cover the exit path"
+    for a, b in zip(static, eager):
+        assert a.metrics.get("layers_wasted_per_token") == b.metrics.get("layers_wasted_per_token")
+        for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
+    assert llm.engine.runner.layer_tokens == eager_llm.engine.runner.layer_tokens
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_compact_rule_stays_eager(tiny):
+    path, _ = tiny
+    llm = _llm(path, static=True, early_exit=eecore.EarlyExitConfig(measure="softmax", threshold=0.5,
+                                                                    batch_rule="compact"))
+    assert llm.engine.strategy.static is None

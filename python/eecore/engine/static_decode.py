@@ -43,9 +43,9 @@ class StaticPass:
         self.runner = runner
         self.sizes = capture_sizes(max_batch)
         self.capture = capture
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (P, width) -> the pass's static output
+        self.outputs: dict[tuple, object] = {}  # (P, width or segment) -> the pass's static output
 
     @property
     def max_batch(self) -> int:
@@ -55,18 +55,21 @@ class StaticPass:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def _run_padded(self, rows: list[Row], width: int) -> tuple[StepInputs, torch.Tensor]:
-        runner = self.runner
         key = (self.padded_size(len(rows)), width)
-        inputs = runner.builder.build(rows, pad_to=key[0], width=width)
+        inputs = self.runner.builder.build(rows, pad_to=key[0], width=width)
+        return inputs, self._launch(key, inputs, self._step)
+
+    def _launch(self, key, inputs: StepInputs, step):
+        """`step(inputs)`'s output: its graph replayed (captured the first time), or run eagerly."""
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
         elif self.capture:
-            self._capture(key, inputs)
+            self._capture(key, inputs, step)
             self.graphs[key].replay()
         else:
-            self.outputs[key] = self._step(inputs)
-        return inputs, self.outputs[key]
+            self.outputs[key] = step(inputs)
+        return self.outputs[key]
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
         """Every layer, final norm and LM head: fp32 logits of every padded row."""
@@ -81,24 +84,24 @@ class StaticPass:
             model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
         return hidden
 
-    def _count(self, rows: list[Row], tokens_per_row: int) -> None:
+    def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
         """Only the real rows' work counts (tests prove with it that no work is repeated)."""
         n = sum(min(len(r.tokens), tokens_per_row) for r in rows)
-        for i in range(self.runner.num_layers):
+        for i in layers or range(self.runner.num_layers):
             self.runner.layer_tokens[i] += n
 
-    def _capture(self, key: tuple[int, int], inputs: StepInputs) -> None:
+    def _capture(self, key, inputs: StepInputs, step) -> None:
         # One eager run on a side stream first (cuBLAS handles and workspaces, lazy module state),
         # as torch.cuda.graphs recommends; it computes what the replay will: the same K/V into the
         # same slots.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._step(inputs)
+            step(inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[key] = self._step(inputs)
+            self.outputs[key] = step(inputs)
         self.graphs[key] = graph
 
 

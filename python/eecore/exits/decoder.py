@@ -35,6 +35,7 @@ from eecore.exits.classifier import ExitClassifier
 from eecore.exits.confidence import (AdapterSoftmaxGap, ClassifierConfidence, ConfidenceMeasure, HiddenCosine,
                                      SoftmaxGap)
 from eecore.exits.config import EarlyExitConfig
+from eecore.exits.static_segments import StaticExitSegments
 from eecore.exits.thresholds import ThresholdSchedule
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.models.llama import AttentionInputs
@@ -92,11 +93,19 @@ class EarlyExitDecoder(DecodeStrategy):
         self._row_offsets = torch.arange(rows + 1, dtype=torch.int32, device=dev)
         self._tail_offsets = torch.empty(rows + 1, dtype=torch.int32, device=dev)
         self.supports_mixed_steps = self.measure is None or config.batch_rule == "all"
+        # decode iterations as CUDA graphs of their segments wherever the decode steps are graphs
+        # (rule "compact" changes the batch's shape mid-iteration: it stays eager)
+        self.static = None
+        if runner.static_decode is not None and (self.measure is None or config.batch_rule == "all"):
+            self.static = StaticExitSegments(self, rows, capture=runner.static_decode.capture)
 
     # ---- the iteration ---------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         B, L = len(seqs), self.num_layers
-        inputs = self.runner.prepare([Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs])
+        rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
+        if self.static is not None and self.static.takes(rows):
+            return self._decode_static(seqs, rows)
+        inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         for s in seqs:
             s.num_computed_tokens += 1
@@ -109,12 +118,36 @@ class EarlyExitDecoder(DecodeStrategy):
         else:
             exit_hidden = self._run_compact_rule(seqs, hidden, inputs.attn, exit_layer)
 
+        return self._finish(seqs, inputs.attn, exit_hidden, exit_layer)
+
+    def _finish(self, seqs, attn: AttentionInputs, exit_hidden: torch.Tensor, exit_layer: torch.Tensor):
+        """The skipped layers' K/V, from each row's exit hidden state, then the tokens."""
+        B = len(seqs)
         exit_layers = exit_layer.tolist()
-        if min(exit_layers) < L:  # the skipped layers' K/V, from each row's exit hidden state
-            self.runner.model.fill_kv(self.runner.kv.tensor, exit_hidden, inputs.attn.positions,
-                                      inputs.attn.slot_mapping, exit_layer)
+        if min(exit_layers) < self.num_layers:
+            self.runner.model.fill_kv(self.runner.kv.tensor, exit_hidden, attn.positions[:B],
+                                      attn.slot_mapping[:B], exit_layer)
         tokens, logprobs = self._tokens(seqs, exit_hidden, exit_layers)
         return [[Token(t, e, lp)] for t, e, lp in zip(tokens, exit_layers, logprobs)]
+
+    def _decode_static(self, seqs, rows) -> list[list[Token]]:
+        """The iteration as static segments (CUDA graphs on a GPU: eecore.exits.static_segments)."""
+        B = len(seqs)
+        inputs, hidden, ran, top1 = self.static.run(seqs, rows)
+        for s in seqs:
+            s.num_computed_tokens += 1
+        exit_layer = self._exit_layer[:B].fill_(ran)
+        self._top1_valid = top1 is not None and isinstance(self.measure, (SoftmaxGap, AdapterSoftmaxGap))
+        if self._top1_valid:
+            self._exit_top1[:B].copy_(top1[:B])
+        if self.measure is not None:
+            self._record_wasted(seqs, self._wasted[:B])
+        return self._finish(seqs, inputs.attn, hidden, exit_layer)
+
+    def _record_wasted(self, seqs, wasted: torch.Tensor) -> None:
+        for seq, w in zip(seqs, wasted.tolist()):
+            seq.stats["ee_wasted_layers"] = seq.stats.get("ee_wasted_layers", 0) + w
+            seq.stats["ee_tokens"] = seq.stats.get("ee_tokens", 0) + 1
 
     def _run_static(self, hidden, attn, exit_layer):
         E = self.config.exit_layer
@@ -143,9 +176,7 @@ class EarlyExitDecoder(DecodeStrategy):
                     self._keep_top1(torch.arange(B, device=hidden.device), slice(None))
                     ran = E
                     break
-        for seq, w in zip(seqs, wasted.tolist()):
-            seq.stats["ee_wasted_layers"] = seq.stats.get("ee_wasted_layers", 0) + w
-            seq.stats["ee_tokens"] = seq.stats.get("ee_tokens", 0) + 1
+        self._record_wasted(seqs, wasted)
         return ran
 
     # ---- mixed steps -----------------------------------------------------------------------

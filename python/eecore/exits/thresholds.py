@@ -7,6 +7,7 @@ Early tokens get a stricter threshold; later ones relax towards 0.9 * lambda.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -25,9 +26,10 @@ class ThresholdSchedule:
         self._rows = torch.empty(max_rows, dtype=torch.float32, device=device)
         self._num_rows = 0
 
-    def start_iteration(self, seqs: list[Sequence]) -> None:
-        """Per-row decay terms for the token each sequence is about to produce."""
-        self._num_rows = len(seqs)
+    def start_iteration(self, seqs: list[Sequence], num_rows: Optional[int] = None) -> None:
+        """Per-row decay terms for the token each sequence is about to produce; `num_rows`: the
+        thresholds cover that many rows (a padded batch), the padding's being of no use."""
+        self._num_rows = len(seqs) if num_rows is None else num_rows
         if self.decay is None:
             return
         terms = [0.1 * math.exp(-self.decay * s.num_output_tokens / s.params.max_tokens) for s in seqs]

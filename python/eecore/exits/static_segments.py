@@ -1,0 +1,77 @@
+"""Early exit's decode iteration on static buffers (the seed's batch rule "all", or a static exit
+layer), as CUDA graphs: one per padded batch size and *segment*, the layers between two checks
+together with the check that ends them (the confidence measure and `accept_update`). Between two
+segments only the check's count of unconfident rows reaches the host, which decides whether the
+next segment runs; with a static exit layer the iteration is one segment.
+
+Padded rows are inactive: `accept_update` never counts them, so they cannot hold the batch back,
+and their K/V lands in the KV cache's pad block. The kv fill of the skipped layers and the tokens
+run eagerly after the last segment, over the real rows.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from eecore import ops
+from eecore.engine.inputs import Row, StepInputs
+from eecore.engine.sequence import Sequence
+from eecore.engine.static_decode import StaticPass
+
+
+class StaticExitSegments(StaticPass):
+    def __init__(self, decoder, max_batch: int, capture: bool):
+        super().__init__(decoder.runner, max_batch, capture)
+        self.decoder = decoder
+        L = self.runner.num_layers
+        if decoder.measure is None:  # a static exit: one segment, no check
+            ends, checked = [decoder.config.exit_layer], [False]
+        else:
+            checks = sorted(decoder.checks)
+            ends, checked = checks + [L], [True] * len(checks) + [False]
+        # (first layer, layer after the last, whether a check ends it)
+        self.segments = [(start, end, c) for start, end, c in zip([0] + ends[:-1], ends, checked)]
+
+    def takes(self, rows: list[Row]) -> bool:
+        return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
+                and all(len(r.tokens) == 1 for r in rows))
+
+    def run(self, seqs: list[Sequence], rows: list[Row]) -> tuple[StepInputs, torch.Tensor, int, Optional[torch.Tensor]]:
+        """The iteration over `rows` (one per sequence): its inputs, the residual stream of the real
+        rows where they exited `[B, d]`, the exit layer (L: none), and the top-1 tokens of the
+        exiting check where the measure gives them."""
+        dec, B = self.decoder, len(rows)
+        P = self.padded_size(B)
+        inputs = self.runner.builder.build(rows, pad_to=P)
+        dec._status[:P].zero_()
+        dec._wasted[:P].zero_()
+        dec._active[:P].fill_(True)
+        dec._active[B:P].fill_(False)
+        dec.thresholds.start_iteration(seqs, num_rows=P)
+        for j, (start, end, checked) in enumerate(self.segments):
+            remaining, top1 = self._launch((P, j), inputs, lambda inp, j=j: self._segment(j, inp))
+            self._count(rows, 1, range(start, end))
+            if checked and int(remaining) == 0:  # the one host sync of a check
+                return inputs, self.runner.ws.hidden[:B], end, top1
+        return inputs, self.runner.ws.hidden[:B], self.segments[-1][1], None
+
+    def _segment(self, j: int, inputs: StepInputs):
+        """Layers start..end-1 and the check at `end` over the padded rows: kernels on static
+        buffers only. Returns the check's count of unconfident rows and the measure's top-1."""
+        start, end, checked = self.segments[j]
+        dec, runner = self.decoder, self.runner
+        P = inputs.attn.seq_lens.shape[0]
+        hidden = runner.embed(inputs) if start == 0 else runner.ws.hidden[:P]
+        status, wasted = dec._status[:P], dec._wasted[:P]
+        previous = None
+        for E in range(start + 1, end + 1):
+            if dec.measure is not None:
+                wasted += status  # rows already confident run this layer for nothing
+                previous = dec._remember(hidden, E)
+            runner.model.layer(E - 1, hidden, inputs.attn, runner.kv.k(E - 1), runner.kv.v(E - 1), runner.ws)
+        if not checked:
+            return None, None
+        confidence = dec.measure(end, hidden, previous)
+        remaining = ops.accept_update(status, confidence, dec.thresholds.at(end), dec._active[:P])
+        return remaining, getattr(dec.measure, "top1", None)
