@@ -281,3 +281,75 @@ def test_compact_rule_stays_eager(tiny):
     llm = _llm(path, static=True, early_exit=eecore.EarlyExitConfig(measure="softmax", threshold=0.5,
                                                                     batch_rule="compact"))
     assert llm.engine.strategy.static is None
+
+
+class _EmulatedGraph:
+    """A CUDA graph's semantics on the CPU: recording runs nothing that lasts (here the pass runs
+    once, to learn its output tensors, and its in-place state is put back), and each replay runs
+    the pass again, writing into those same output tensors."""
+
+    def __init__(self, static_pass, key, step, inputs):
+        saved = [t.clone() for t in static_pass._state(key)]
+        self.output = step(inputs)
+        for tensor, before in zip(static_pass._state(key), saved):
+            tensor.copy_(before)
+        self.step, self.inputs = step, inputs
+
+    def replay(self):
+        new = self.step(self.inputs)
+        pairs = zip(self.output, new) if isinstance(new, tuple) else [(self.output, new)]
+        for recorded, fresh in pairs:
+            if recorded is not None:
+                recorded.copy_(fresh)
+
+
+def _emulate_graphs(static_pass):
+    """Turn capture on with emulated graphs: a pass whose warm-up run before the recording left its
+    state changed would replay from the wrong state here, as it would on a GPU."""
+    static_pass.capture = True
+
+    def record(key, step, inputs):
+        graph = _EmulatedGraph(static_pass, key, step, inputs)
+        return graph, graph.output
+
+    static_pass._record = record
+    return static_pass
+
+
+@pytest.mark.parametrize("name", ["softmax", "cosine-decay", "static"])
+def test_early_exit_segments_replayed_as_graphs_give_the_eager_iteration(tiny, name):
+    """Capture (a warm-up run, then a recording) and replay, emulated: a later segment continues
+    the residual stream in place, so the warm-up's changes must be undone before the recording."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 2, 7], seed=5)
+    params = [greedy(5 + 2 * i) for i in range(len(prompts))]
+    eager = _llm(path, static=False, early_exit=EARLY_EXIT_CONFIGS[name]()).generate(prompts, params)
+    llm = _llm(path, static=False, early_exit=EARLY_EXIT_CONFIGS[name]())
+    strategy = llm.engine.strategy
+    strategy.static = _emulate_graphs(StaticExitSegments(strategy, llm.engine.config.max_num_seqs, capture=False))
+    graphed = llm.generate(prompts, params)
+    assert strategy.static.graphs
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert [o.exit_layers for o in graphed] == [o.exit_layers for o in eager]
+    assert [o.metrics.get("layers_wasted_per_token") for o in graphed] == \
+        [o.metrics.get("layers_wasted_per_token") for o in eager]
+
+
+def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = [greedy(6 + 3 * i) for i in range(len(prompts))]
+    for config in (None, SPEC_CONFIGS["hybrid-token"]()):
+        eager = _llm(path, static=False, speculative=config).generate(prompts, params)
+        llm = _llm(path, static=True, speculative=config)
+        runner = llm.engine.runner
+        _emulate_graphs(runner.static_decode)
+        if config is not None:
+            runner.static_verify = _emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
+                                                                width=llm.engine.strategy.lookahead))
+            stack = llm.engine.strategy.draft_stack
+            stack.static = _emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False))
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
+        assert runner.static_decode.graphs or config is not None
+

@@ -91,18 +91,36 @@ class StaticPass:
             self.runner.layer_tokens[i] += n
 
     def _capture(self, key, inputs: StepInputs, step) -> None:
-        # One eager run on a side stream first (cuBLAS handles and workspaces, lazy module state),
-        # as torch.cuda.graphs recommends; it computes what the replay will: the same K/V into the
-        # same slots.
+        # One eager run first (on a CUDA side stream: cuBLAS handles and workspaces, lazy module
+        # state, as torch.cuda.graphs recommends). A pass that reads state it updates in place (a
+        # later early-exit segment continues the residual stream) gets that state back before the
+        # recording, so the first replay computes what an eager run would.
+        saved = [t.clone() for t in self._state(key)]
+        self._warm_up(step, inputs)
+        for tensor, before in zip(self._state(key), saved):
+            tensor.copy_(before)
+        self.graphs[key], self.outputs[key] = self._record(key, step, inputs)
+
+    def _state(self, key) -> list[torch.Tensor]:
+        """The tensors the pass of `key` reads and updates in place (none: it starts from its inputs)."""
+        return []
+
+    def _warm_up(self, step, inputs: StepInputs) -> None:
+        if self.runner.model.device.type != "cuda":
+            step(inputs)
+            return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             step(inputs)
         torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, key, step, inputs: StepInputs):
+        """(graph, output): the pass recorded, not run; replaying the graph writes the output."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[key] = step(inputs)
-        self.graphs[key] = graph
+            output = step(inputs)
+        return graph, output
 
 
 class StaticDecode(StaticPass):

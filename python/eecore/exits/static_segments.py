@@ -56,6 +56,10 @@ class StaticExitSegments(StaticPass):
                 return inputs, self.runner.ws.hidden[:B], end, top1
         return inputs, self.runner.ws.hidden[:B], self.segments[-1][1], None
 
+    def _state(self, key) -> list[torch.Tensor]:
+        P = key[0]
+        return [self.runner.ws.hidden[:P], self.decoder._status[:P], self.decoder._wasted[:P]]
+
     def _segment(self, j: int, inputs: StepInputs):
         """Layers start..end-1 and the check at `end` over the padded rows: kernels on static
         buffers only. Returns the check's count of unconfident rows and the measure's top-1."""
