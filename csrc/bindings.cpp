@@ -85,6 +85,16 @@ TORCH_LIBRARY(eecore, m) {
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate, "
         "Tensor? weight_scale=None) -> ()");
 
+  // linear with a weight in a GGUF block format, computed with its exact values: weight uint8
+  // [N, K / 32 * block bytes], each row K / 32 blocks of quant_type (GGML's type ids: 2 Q4_0,
+  // 3 Q4_1, 8 Q8_0; eecore's csrc/linear/gguf_blocks.h says the layouts), K a multiple of 32.
+  // out [M, N] = input [M, K] @ dequantized(weight)^T (+ bias [N]), or out += that with accumulate;
+  // fp32 accumulation. CPU.
+  m.def("linear_gguf(Tensor(a!) out, Tensor input, Tensor weight, int quant_type, Tensor? bias, "
+        "bool accumulate) -> ()");
+  // The fp32 values [N, features] of such a weight (what linear_gguf multiplies by). CPU.
+  m.def("dequantize_gguf(Tensor weight, int quant_type, int features) -> Tensor");
+
   // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
   // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;
   // cos_sin_cache [max_pos, rot_dim]? (RoPE on K, as in rotary_embedding; fp32 or the dtype of

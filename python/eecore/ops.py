@@ -129,6 +129,24 @@ def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: O
     return out
 
 
+# GGML's ids of the GGUF block types `linear_gguf` computes (eecore/csrc/linear/gguf_blocks.h)
+GGUF_QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def linear_gguf(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, quant_type: int,
+                bias: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """`linear` with a weight in a GGUF block format, computed with its exact values: `weight` uint8
+    `[N, K / 32 * block bytes]` as the file stores it (each row K / 32 blocks of `quant_type`, one of
+    GGUF_QUANT_TYPES' ids); fp32 accumulation. CPU. Returns `out`."""
+    _ops.linear_gguf(out, input, weight, int(quant_type), bias, bool(accumulate))
+    return out
+
+
+def dequantize_gguf(weight: torch.Tensor, quant_type: int, features: int) -> torch.Tensor:
+    """The fp32 values `[N, features]` of a GGUF block weight (those linear_gguf multiplies by). CPU."""
+    return _ops.dequantize_gguf(weight, int(quant_type), int(features))
+
+
 # --------------------------------------------------------------------------------------------
 # Fake implementations: shapes and dtypes only. The ops that return nothing need no fake.
 # --------------------------------------------------------------------------------------------
@@ -159,12 +177,17 @@ def _mlp_confidence_fake(hidden, w1, b1, w2, b2):
     return hidden.new_empty(hidden.shape[0], dtype=torch.float32)
 
 
+@_register_fake("dequantize_gguf")
+def _dequantize_gguf_fake(weight, quant_type, features):
+    return weight.new_empty((weight.shape[0], features), dtype=torch.float32)
+
+
 @_register_fake("accept_update")
 def _accept_update_fake(status, confidence, threshold, active):
     return status.new_empty((), dtype=torch.int32)
 
 
 for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "kv_fill", "linear"):
+              "kv_fill", "linear", "linear_gguf"):
     torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
 del _name

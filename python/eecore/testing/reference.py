@@ -199,3 +199,17 @@ def linear(out, input, weight, bias=None, accumulate=False, weight_scale=None) -
     if accumulate:
         y = y + out.float()
     out.copy_(y.to(out.dtype))
+
+
+def dequantize_gguf(weight, quant_type, features) -> torch.Tensor:
+    """The `gguf` package's own dequantizer (llama.cpp's reference values)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(weight.cpu().numpy(), GGMLQuantizationType(int(quant_type)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape[0], features)
+
+
+def linear_gguf(out, input, weight, quant_type, bias=None, accumulate=False) -> None:
+    linear(out, input, dequantize_gguf(weight, quant_type, input.shape[1]), bias, accumulate)

@@ -1,0 +1,79 @@
+"""linear_gguf against eecore's dense `linear` (bf16 and fp32 weights) on SmolLM2-135M's projections.
+
+All 30 layers' qkv, o, gate_up and down projections (random weights, the shapes of the model),
+quantized with the `gguf` package to each block format, run at M rows as a decode step does; each
+configuration is timed in the same process, alternated, medians of `--repeats` passes. Prints ms
+per pass over the 120 projections and the weight bytes each reads, and the GB/s that makes.
+
+    python bench/linear_gguf.py [--rows 1 4 8] [--types Q4_1 Q8_0 Q4_0] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+import eecore
+from eecore import ops
+from common import cpu_model, save_results
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [N, K]
+LAYERS = 30
+
+
+def timed(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_0"], choices=list(ops.GGUF_QUANT_TYPES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    dense = [(rng.standard_normal((n, k)).astype(np.float32) * 0.02, n, k) for _ in range(LAYERS) for n, k in SHAPES]
+    print(f"CPU: {cpu_model()}, {args.threads} threads; {len(dense)} projections of SmolLM2-135M")
+    rows = []
+    for name in args.types:
+        qtype = ops.GGUF_QUANT_TYPES[name]
+        quantized = [(torch.from_numpy(quantize(w, GGMLQuantizationType(qtype))), n, k) for w, n, k in dense]
+        weights = {"bf16": [(torch.from_numpy(w).to(torch.bfloat16), n, k) for w, n, k in dense],
+                   "fp32": [(torch.from_numpy(w), n, k) for w, n, k in dense]}
+        for m in args.rows:
+            xs = {dtype: {k: torch.randn(m, k).to(dtype) for k in (576, 1536)} for dtype in (torch.float32, torch.bfloat16)}
+            outs = {dtype: {n: torch.empty(m, n, dtype=dtype) for n in (576, 960, 3072)} for dtype in xs}
+            f32, b16 = torch.float32, torch.bfloat16
+            runs = {
+                name: lambda: [ops.linear_gguf(outs[f32][n], xs[f32][k], q, qtype) for q, n, k in quantized],
+                "bf16": lambda: [ops.linear(outs[b16][n], xs[b16][k], w) for w, n, k in weights["bf16"]],
+                "fp32": lambda: [ops.linear(outs[f32][n], xs[f32][k], w) for w, n, k in weights["fp32"]],
+            }
+            nbytes = {name: sum(q.nbytes for q, _, _ in quantized),
+                      "bf16": sum(w.nbytes for w, _, _ in weights["bf16"]),
+                      "fp32": sum(w.nbytes for w, _, _ in weights["fp32"])}
+            ms = {label: timed(run, args.repeats) * 1e3 for label, run in runs.items()}
+            for label in runs:
+                gbs = nbytes[label] / ms[label] / 1e6
+                print(f"M={m:3d} {label:>5}: {ms[label]:7.2f} ms, {nbytes[label] / 1e6:6.1f} MB, {gbs:5.1f} GB/s"
+                      + ("" if label == name else f"   ({ms[label] / ms[name]:.2f}x the {name} time)"))
+                rows.append(dict(format=name, weights=label, rows=m, ms=ms[label], mbytes=nbytes[label] / 1e6,
+                                 gb_per_s=gbs))
+    print(f"results: {save_results('linear-gguf', dict(eecore=eecore.__version__, threads=args.threads, rows=rows))}")
+
+
+if __name__ == "__main__":
+    main()

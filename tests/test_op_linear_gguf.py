@@ -1,0 +1,113 @@
+"""linear_gguf and dequantize_gguf (GGUF Q4_0, Q4_1, Q8_0 weights in their own bytes) against the
+`gguf` package's dequantizer followed by a float64 matmul, on random blocks: scales of every
+magnitude fp16 holds (zeros, subnormals, the largest), odd row counts, bias and accumulate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eecore import ops
+from eecore.testing import reference
+
+TYPES = ops.GGUF_QUANT_TYPES
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, extreme: bool = False) -> torch.Tensor:
+    """`[n, k / 32 * block bytes]` uint8: random quants, and fp16 scales (and Q4_1 minimums) drawn
+    around 0.02, or with `extreme` from every binade fp16 has (zero and subnormals included)."""
+    rng = np.random.default_rng(seed)
+    blocks = k // 32
+    raw = rng.integers(0, 256, size=(n, blocks, BLOCK_BYTES[name]), dtype=np.uint8)
+
+    def scales():
+        if extreme:
+            bits = rng.integers(0, 0x7BFF, size=(n, blocks), dtype=np.uint16)  # finite, both signs below
+            bits |= (rng.integers(0, 2, size=(n, blocks), dtype=np.uint16) << 15)
+            bits[:, ::7] = 0  # exact zeros
+            return bits.view(np.float16)
+        return (rng.standard_normal((n, blocks)) * 0.02).astype(np.float16)
+
+    raw[:, :, 0:2] = scales().view(np.uint8).reshape(n, blocks, 2)
+    if name == "Q4_1":
+        raw[:, :, 2:4] = scales().view(np.uint8).reshape(n, blocks, 2)
+    return torch.from_numpy(raw.reshape(n, blocks * BLOCK_BYTES[name]))
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("extreme", [False, True])
+def test_dequantize_is_the_gguf_packages_values_exactly(name, extreme):
+    weight = random_blocks(name, 37, 96, seed=1, extreme=extreme)
+    got = ops.dequantize_gguf(weight, TYPES[name], 96)
+    expected = reference.dequantize_gguf(weight, TYPES[name], 96)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 24, 47, 48, 49, 130])
+def test_linear_matches_dequantized_matmul(name, rows):
+    n, k = 70, 192  # 70 output rows: whole register tiles and an edge
+    weight = random_blocks(name, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    out = torch.empty(rows, n)
+    ops.linear_gguf(out, x, weight, TYPES[name])
+    dense = reference.dequantize_gguf(weight, TYPES[name], k).double()
+    expected = x.double() @ dense.T
+    # fp32 sums of 192 products, in another order than float64's
+    tolerance = 1e-5 * (x.double().abs() @ dense.abs().T).max().item()
+    assert (out.double() - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_extreme_scales(name):
+    weight = random_blocks(name, 20, 64, seed=3, extreme=True)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)) * 1e-3
+    out = torch.empty(3, 20)
+    ops.linear_gguf(out, x, weight, TYPES[name])
+    dense = reference.dequantize_gguf(weight, TYPES[name], 64).double()
+    expected = x.double() @ dense.T
+    scale = (x.double().abs() @ dense.abs().T)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - expected).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 6, 60])
+def test_bias_accumulate_and_strided_rows_against_the_reference(dtype, rows):
+    name, n, k = "Q4_1", 33, 128
+    weight = random_blocks(name, n, k, seed=5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # rows strided, last dim contiguous
+    bias = torch.randn(n, generator=g).to(dtype)
+    start = torch.randn(rows, n, generator=g).to(dtype)
+    out, expected = start.clone(), start.clone()
+    ops.linear_gguf(out, x, weight, TYPES[name], bias, accumulate=True)
+    reference.linear_gguf(expected, x, weight, TYPES[name], bias, accumulate=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_bad_arguments_name_the_argument():
+    weight = random_blocks("Q4_0", 4, 64, seed=0)
+    x = torch.randn(2, 64)
+    out = torch.empty(2, 4)
+    with pytest.raises(RuntimeError, match="'quant_type'.*2 \\(Q4_0\\), 3 \\(Q4_1\\) or 8 \\(Q8_0\\), got 12"):
+        ops.linear_gguf(out, x, weight, 12)
+    with pytest.raises(RuntimeError, match="'weight'.*the bytes of one row"):
+        ops.linear_gguf(out, x, weight, TYPES["Q8_0"])
+    with pytest.raises(RuntimeError, match="'input'.*multiple of 32 features"):
+        ops.linear_gguf(torch.empty(2, 4), torch.randn(2, 48), weight, TYPES["Q4_0"])
+    with pytest.raises(RuntimeError, match="'weight'.*expected dtype Byte"):
+        ops.linear_gguf(out, x, weight.to(torch.int8), TYPES["Q4_0"])
+    with pytest.raises(RuntimeError, match="'out'.*the output features N"):
+        ops.linear_gguf(torch.empty(2, 5), x, weight, TYPES["Q4_0"])
+    with pytest.raises(RuntimeError, match="'features'.*multiple of 32"):
+        ops.dequantize_gguf(weight, TYPES["Q4_0"], 60)
+
+
+def test_fake_shapes():
+    weight = random_blocks("Q8_0", 6, 64, seed=0)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = mode.from_tensor(weight)
+        assert ops.dequantize_gguf(fake, TYPES["Q8_0"], 64).shape == (6, 64)
