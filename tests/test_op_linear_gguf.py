@@ -111,3 +111,16 @@ def test_fake_shapes():
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = mode.from_tensor(weight)
         assert ops.dequantize_gguf(fake, TYPES["Q8_0"], 64).shape == (6, 64)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(TYPES))
+def test_cuda_matches_the_cpu(name):
+    weight = random_blocks(name, 40, 128, seed=9)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(9))
+    cpu = ops.linear_gguf(torch.empty(5, 40), x, weight, TYPES[name])
+    cuda = ops.linear_gguf(torch.empty(5, 40, device="cuda"), x.cuda(), weight.cuda(), TYPES[name])
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ops.dequantize_gguf(weight.cuda(), TYPES[name], 128).cpu(),
+                       ops.dequantize_gguf(weight, TYPES[name], 128))
