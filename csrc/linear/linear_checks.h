@@ -18,6 +18,24 @@ inline bool is_int8_weight(const at::Tensor& weight) { return weight.scalar_type
 // input features depth * s.. at [b, s].
 inline bool is_tiled_weight(const at::Tensor& weight) { return weight.dim() == 4; }
 
+// `out` [M, N] and `bias` [N]? of a linear over `input` [M, K] (linear, linear_gguf).
+inline void check_linear_out_and_bias(const char* op, const at::Tensor& out, const at::Tensor& input, int64_t n_out,
+                                      const std::optional<at::Tensor>& bias, const char* out_features) {
+  check_dim(op, "out", out, 2);
+  check_same_dtype(op, "out", out, "input", input);
+  check_same_device(op, "out", out, "input", input);
+  check_size(op, "out", out, 0, input.size(0), "the rows M of 'input'");
+  check_size(op, "out", out, 1, n_out, out_features);
+  check_last_dim_contiguous(op, "out", out);
+  if (bias.has_value() && bias->defined()) {
+    check_dim(op, "bias", *bias, 1);
+    check_same_dtype(op, "bias", *bias, "input", input);
+    check_same_device(op, "bias", *bias, "input", input);
+    check_size(op, "bias", *bias, 0, n_out, "the output features N of 'weight'");
+    check_contiguous(op, "bias", *bias);
+  }
+}
+
 inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias,
                                     const std::optional<at::Tensor>& weight_scale) {
@@ -68,19 +86,7 @@ inline LinearDims check_linear_args(const at::Tensor& out, const at::Tensor& inp
   check_same_device(op, "weight", weight, "input", input);
   if (!tiled) check_size(op, "weight", weight, 1, input.size(1), "the input features K of 'input' [M, K]");
   const int64_t n_out = tiled ? weight.size(0) * 16 : weight.size(0);
-  check_dim(op, "out", out, 2);
-  check_same_dtype(op, "out", out, "input", input);
-  check_same_device(op, "out", out, "input", input);
-  check_size(op, "out", out, 0, input.size(0), "the rows M of 'input'");
-  check_size(op, "out", out, 1, n_out, "the output features N of 'weight' [N, K]");
-  check_last_dim_contiguous(op, "out", out);
-  if (bias.has_value() && bias->defined()) {
-    check_dim(op, "bias", *bias, 1);
-    check_same_dtype(op, "bias", *bias, "input", input);
-    check_same_device(op, "bias", *bias, "input", input);
-    check_size(op, "bias", *bias, 0, n_out, "the output features N of 'weight'");
-    check_contiguous(op, "bias", *bias);
-  }
+  check_linear_out_and_bias(op, out, input, n_out, bias, "the output features N of 'weight' [N, K]");
   return {input.size(0), input.size(1), n_out};
 }
 

@@ -7,6 +7,7 @@
 
 #include "common/checks.h"
 #include "linear/gguf_blocks.h"
+#include "linear/linear_checks.h"
 
 namespace eecore {
 
@@ -14,12 +15,18 @@ struct GgufDims {
   int64_t rows, in, out, row_bytes;
 };
 
-inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                                int64_t quant_type, const std::optional<at::Tensor>& bias) {
-  const char* op = "linear_gguf";
+// The block bytes of `quant_type`, once it is a type the kernels compute.
+inline int64_t check_quant_type(const char* op, int64_t quant_type) {
   const int64_t bytes = gguf::block_bytes(quant_type);
   EECORE_CHECK_ARG(op, "quant_type", bytes > 0, "must be a GGUF block type these kernels compute: 2 (Q4_0), "
                    "3 (Q4_1) or 8 (Q8_0), got ", quant_type);
+  return bytes;
+}
+
+inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                                       int64_t quant_type, const std::optional<at::Tensor>& bias) {
+  const char* op = "linear_gguf";
+  const int64_t bytes = check_quant_type(op, quant_type);
   check_dim(op, "input", input, 2);
   check_float_dtype(op, "input", input);
   check_last_dim_contiguous(op, "input", input);
@@ -33,27 +40,13 @@ inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& 
   const int64_t row_bytes = K / gguf::kBlockWeights * bytes;
   check_size(op, "weight", weight, 1, row_bytes, "the bytes of one row of K / 32 blocks");
   const int64_t N = weight.size(0);
-  check_dim(op, "out", out, 2);
-  check_same_dtype(op, "out", out, "input", input);
-  check_same_device(op, "out", out, "input", input);
-  check_size(op, "out", out, 0, input.size(0), "the rows M of 'input'");
-  check_size(op, "out", out, 1, N, "the output features N of 'weight' [N, row bytes]");
-  check_last_dim_contiguous(op, "out", out);
-  if (bias.has_value() && bias->defined()) {
-    check_dim(op, "bias", *bias, 1);
-    check_same_dtype(op, "bias", *bias, "input", input);
-    check_same_device(op, "bias", *bias, "input", input);
-    check_size(op, "bias", *bias, 0, N, "the output features N of 'weight'");
-    check_contiguous(op, "bias", *bias);
-  }
+  check_linear_out_and_bias(op, out, input, N, bias, "the output features N of 'weight' [N, row bytes]");
   return {input.size(0), K, N, row_bytes};
 }
 
 inline void check_dequantize_gguf_args(const at::Tensor& weight, int64_t quant_type, int64_t features) {
   const char* op = "dequantize_gguf";
-  const int64_t bytes = gguf::block_bytes(quant_type);
-  EECORE_CHECK_ARG(op, "quant_type", bytes > 0, "must be a GGUF block type these kernels compute: 2 (Q4_0), "
-                   "3 (Q4_1) or 8 (Q8_0), got ", quant_type);
+  const int64_t bytes = check_quant_type(op, quant_type);
   EECORE_CHECK_ARG(op, "features", features >= 0 && features % gguf::kBlockWeights == 0,
                    "must be a multiple of 32 (whole blocks), got ", features);
   check_dim(op, "weight", weight, 2);
