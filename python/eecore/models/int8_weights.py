@@ -19,6 +19,7 @@ import torch
 
 from eecore import ops
 from eecore.models.amx_weights import untile
+from eecore.models.gguf_weights import GGUFWeight
 
 INT8_MAX = 127
 
@@ -61,20 +62,23 @@ class Int8Weight:
         return (untile(self.data).float() * self.scale[:, None]).to(dtype)
 
 
-Weight = Union[torch.Tensor, Int8Weight]
+Weight = Union[torch.Tensor, Int8Weight, GGUFWeight]
 
 
 def project(out: torch.Tensor, input: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
             accumulate: bool = False) -> torch.Tensor:
-    """`ops.linear` for a dense weight or an Int8Weight: the one call every model projection makes."""
+    """`ops.linear` for a dense weight or an Int8Weight, `ops.linear_gguf` for a GGUFWeight: the one
+    call every model projection makes."""
     if isinstance(weight, Int8Weight):
         return ops.linear(out, input, weight.data, bias, accumulate, weight.scale)
+    if isinstance(weight, GGUFWeight):
+        return ops.linear_gguf(out, input, weight.data, weight.quant_type, bias, accumulate)
     return ops.linear(out, input, weight, bias, accumulate)
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight as a dense `[N, K]` tensor in `dtype` (for the rare path that needs one: kv_fill's
     stacked K/V projections, a training twin), from int8 or from AMX tiles as well."""
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, (Int8Weight, GGUFWeight)):
         return weight.dequantize(dtype)
     return untile(weight).to(dtype)
