@@ -86,14 +86,18 @@ TORCH_LIBRARY(eecore, m) {
         "Tensor? weight_scale=None) -> ()");
 
   // linear with a weight in a GGUF block format, computed with its exact values: weight uint8
-  // [N, K / 32 * block bytes], each row K / 32 blocks of quant_type (GGML's type ids: 2 Q4_0,
-  // 3 Q4_1, 8 Q8_0; eecore's csrc/linear/gguf_blocks.h says the layouts), K a multiple of 32.
+  // [N, K / W * block bytes], each row K / W blocks of quant_type (GGML's type ids: 2 Q4_0,
+  // 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0 with W = 32; 12 Q4_K, 13 Q5_K, 14 Q6_K with W = 256; eecore's
+  // csrc/linear/gguf_blocks.h says the layouts), K a multiple of W.
   // out [M, N] = input [M, K] @ dequantized(weight)^T (+ bias [N]), or out += that with accumulate;
   // fp32 accumulation. CPU.
   m.def("linear_gguf(Tensor(a!) out, Tensor input, Tensor weight, int quant_type, Tensor? bias, "
         "bool accumulate) -> ()");
-  // The fp32 values [N, features] of such a weight (what linear_gguf multiplies by). CPU.
+  // The fp32 values [N, features] of such a weight (what linear_gguf multiplies by).
   m.def("dequantize_gguf(Tensor weight, int quant_type, int features) -> Tensor");
+  // out [T, K] = the rows token_ids [T] (int64, each in [0, N)) of such a weight, dequantized
+  // (a GGUF token embedding, or the rows of a GGUF LM head).
+  m.def("embedding_gguf(Tensor(a!) out, Tensor token_ids, Tensor weight, int quant_type) -> ()");
 
   // kv_cache [L, 2, NB, BS, Hkv, D]; hidden [T, d] (exit residual stream); weight [L, 2*Hkv*D, d]
   // (each layer's K then V projection, its input-norm gain folded in); bias [L, 2*Hkv*D]?;

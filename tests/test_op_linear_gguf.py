@@ -1,25 +1,43 @@
-"""linear_gguf and dequantize_gguf (GGUF Q4_0, Q4_1, Q8_0 weights in their own bytes) against the
-`gguf` package's dequantizer followed by a float64 matmul, on random blocks: scales of every
-magnitude fp16 holds (zeros, subnormals, the largest), odd row counts, bias and accumulate."""
+"""linear_gguf and dequantize_gguf (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K weights in
+their own bytes) against the `gguf` package's dequantizer followed by a float64 matmul, on random
+blocks: scales of every magnitude fp16 holds (zeros, subnormals, the largest), odd row counts, bias
+and accumulate."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from eecore import ops
 from eecore.testing import reference
 
 TYPES = ops.GGUF_QUANT_TYPES
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# byte offsets of each block's fp16 fields (scales, and the minimums of Q4_1, Q5_1 and the K formats)
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+K_FORMATS = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def block_layout(name: str) -> tuple[int, int]:
+    """(weights, bytes) of one block."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(TYPES[name])]
+
+
+def features(name: str, groups_of_256: int) -> int:
+    """An input size with whole blocks of `name` (and, for the 32-weight formats, an odd count of them)."""
+    return 256 * groups_of_256 if name in K_FORMATS else 256 * groups_of_256 - 32
 
 
 def random_blocks(name: str, n: int, k: int, seed: int, extreme: bool = False) -> torch.Tensor:
-    """`[n, k / 32 * block bytes]` uint8: random quants, and fp16 scales (and Q4_1 minimums) drawn
-    around 0.02, or with `extreme` from every binade fp16 has (zero and subnormals included)."""
+    """`[n, k / W * block bytes]` uint8: random quants (and K-format sub-scales), and fp16 scales
+    (and minimums) drawn around 0.02, or with `extreme` from every binade fp16 has (zero and
+    subnormals included)."""
     rng = np.random.default_rng(seed)
-    blocks = k // 32
-    raw = rng.integers(0, 256, size=(n, blocks, BLOCK_BYTES[name]), dtype=np.uint8)
+    weights, nbytes = block_layout(name)
+    blocks = k // weights
+    raw = rng.integers(0, 256, size=(n, blocks, nbytes), dtype=np.uint8)
 
     def scales():
         if extreme:
@@ -29,43 +47,44 @@ def random_blocks(name: str, n: int, k: int, seed: int, extreme: bool = False) -
             return bits.view(np.float16)
         return (rng.standard_normal((n, blocks)) * 0.02).astype(np.float16)
 
-    raw[:, :, 0:2] = scales().view(np.uint8).reshape(n, blocks, 2)
-    if name == "Q4_1":
-        raw[:, :, 2:4] = scales().view(np.uint8).reshape(n, blocks, 2)
-    return torch.from_numpy(raw.reshape(n, blocks * BLOCK_BYTES[name]))
+    for offset in HALF_FIELDS[name]:
+        raw[:, :, offset:offset + 2] = scales().view(np.uint8).reshape(n, blocks, 2)
+    return torch.from_numpy(raw.reshape(n, blocks * nbytes))
 
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("extreme", [False, True])
 def test_dequantize_is_the_gguf_packages_values_exactly(name, extreme):
-    weight = random_blocks(name, 37, 96, seed=1, extreme=extreme)
-    got = ops.dequantize_gguf(weight, TYPES[name], 96)
-    expected = reference.dequantize_gguf(weight, TYPES[name], 96)
+    k = features(name, 2)
+    weight = random_blocks(name, 37, k, seed=1, extreme=extreme)
+    got = ops.dequantize_gguf(weight, TYPES[name], k)
+    expected = reference.dequantize_gguf(weight, TYPES[name], k)
     assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 24, 47, 48, 49, 130])
 def test_linear_matches_dequantized_matmul(name, rows):
-    n, k = 70, 192  # 70 output rows: whole register tiles and an edge
+    n, k = 70, features(name, 2)  # 70 output rows: whole register tiles and an edge
     weight = random_blocks(name, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = torch.empty(rows, n)
     ops.linear_gguf(out, x, weight, TYPES[name])
     dense = reference.dequantize_gguf(weight, TYPES[name], k).double()
     expected = x.double() @ dense.T
-    # fp32 sums of 192 products, in another order than float64's
+    # fp32 sums of k products, in another order than float64's
     tolerance = 1e-5 * (x.double().abs() @ dense.abs().T).max().item()
     assert (out.double() - expected).abs().max().item() <= tolerance
 
 
 @pytest.mark.parametrize("name", list(TYPES))
 def test_extreme_scales(name):
-    weight = random_blocks(name, 20, 64, seed=3, extreme=True)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)) * 1e-3
+    k = features(name, 1)
+    weight = random_blocks(name, 20, k, seed=3, extreme=True)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)) * 1e-3
     out = torch.empty(3, 20)
     ops.linear_gguf(out, x, weight, TYPES[name])
-    dense = reference.dequantize_gguf(weight, TYPES[name], 64).double()
+    dense = reference.dequantize_gguf(weight, TYPES[name], k).double()
     expected = x.double() @ dense.T
     scale = (x.double().abs() @ dense.abs().T)
     assert torch.isfinite(out).all()
@@ -88,12 +107,39 @@ def test_bias_accumulate_and_strided_rows_against_the_reference(dtype, rows):
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_is_the_dequantized_rows(name, dtype):
+    k = features(name, 1)
+    weight = random_blocks(name, 50, k, seed=11)
+    ids = torch.tensor([3, 0, 49, 3, 17], dtype=torch.long)
+    out = torch.full((5, k + 16), float("nan"), dtype=dtype)[:, :k]  # rows strided
+    ops.embedding_gguf(out, ids, weight, TYPES[name])
+    expected = torch.empty(5, k, dtype=dtype)
+    reference.embedding_gguf(expected, ids, weight, TYPES[name])
+    assert torch.equal(out, expected)
+
+
+def test_embedding_refuses_ids_out_of_range():
+    weight = random_blocks("Q8_0", 4, 64, seed=0)
+    out = torch.empty(2, 64)
+    for bad in (4, -1):
+        with pytest.raises(RuntimeError, match=f"'token_ids'.*\\[0, 4\\).*got {bad} at index 1"):
+            ops.embedding_gguf(out, torch.tensor([0, bad]), weight, TYPES["Q8_0"])
+    with pytest.raises(RuntimeError, match="'token_ids'.*expected dtype Long"):
+        ops.embedding_gguf(out, torch.tensor([0, 1], dtype=torch.int32), weight, TYPES["Q8_0"])
+    with pytest.raises(RuntimeError, match="'out'.*the number of token ids"):
+        ops.embedding_gguf(torch.empty(3, 64), torch.tensor([0, 1]), weight, TYPES["Q8_0"])
+
+
 def test_bad_arguments_name_the_argument():
     weight = random_blocks("Q4_0", 4, 64, seed=0)
     x = torch.randn(2, 64)
     out = torch.empty(2, 4)
-    with pytest.raises(RuntimeError, match="'quant_type'.*2 \\(Q4_0\\), 3 \\(Q4_1\\) or 8 \\(Q8_0\\), got 12"):
-        ops.linear_gguf(out, x, weight, 12)
+    with pytest.raises(RuntimeError, match="'quant_type'.*2 \\(Q4_0\\), 3 \\(Q4_1\\).*14 \\(Q6_K\\); got 10"):
+        ops.linear_gguf(out, x, weight, 10)  # Q2_K
+    with pytest.raises(RuntimeError, match="'input'.*multiple of 256 features \\(whole Q4_K blocks\\)"):
+        ops.linear_gguf(out, x, weight, TYPES["Q4_K"])
     with pytest.raises(RuntimeError, match="'weight'.*the bytes of one row"):
         ops.linear_gguf(out, x, weight, TYPES["Q8_0"])
     with pytest.raises(RuntimeError, match="'input'.*multiple of 32 features"):
@@ -117,10 +163,14 @@ def test_fake_shapes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", list(TYPES))
 def test_cuda_matches_the_cpu(name):
-    weight = random_blocks(name, 40, 128, seed=9)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(9))
+    k = features(name, 1)
+    weight = random_blocks(name, 40, k, seed=9)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(9))
     cpu = ops.linear_gguf(torch.empty(5, 40), x, weight, TYPES[name])
     cuda = ops.linear_gguf(torch.empty(5, 40, device="cuda"), x.cuda(), weight.cuda(), TYPES[name])
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-4)
-    assert torch.equal(ops.dequantize_gguf(weight.cuda(), TYPES[name], 128).cpu(),
-                       ops.dequantize_gguf(weight, TYPES[name], 128))
+    assert torch.equal(ops.dequantize_gguf(weight.cuda(), TYPES[name], k).cpu(),
+                       ops.dequantize_gguf(weight, TYPES[name], k))
+    ids = torch.tensor([39, 0, 7])
+    rows = ops.embedding_gguf(torch.empty(3, k, device="cuda"), ids.cuda(), weight.cuda(), TYPES[name])
+    assert torch.equal(rows.cpu(), ops.embedding_gguf(torch.empty(3, k), ids, weight, TYPES[name]))

@@ -1,47 +1,72 @@
 // GGUF (llama.cpp) weight block formats, and the dequantization of a row of blocks into fp32.
 //
-// A quantized GGUF matrix [N, K] is stored row by row, each row K / 32 blocks of 32 weights:
-//   Q4_0 (type 2)  18 bytes: fp16 d, 16 bytes of nibbles    w = d * (q - 8)
-//   Q4_1 (type 3)  20 bytes: fp16 d, fp16 m, 16 bytes        w = d * q + m
-//   Q8_0 (type 8)  34 bytes: fp16 d, 32 int8                  w = d * q
-// In a nibble block, byte j holds weight j in its low nibble and weight j + 16 in its high one.
+// A quantized GGUF matrix [N, K] is stored row by row, each row K / W blocks of W weights:
+//   Q4_0 (type 2)   W 32,  18 bytes: fp16 d, 16 bytes of nibbles          w = d * (q - 8)
+//   Q4_1 (type 3)   W 32,  20 bytes: fp16 d, fp16 m, 16 bytes             w = d * q + m
+//   Q5_0 (type 6)   W 32,  22 bytes: fp16 d, u32 high bits, 16 bytes      w = d * (q - 16)
+//   Q5_1 (type 7)   W 32,  24 bytes: fp16 d, fp16 m, u32 high bits, 16    w = d * q + m
+//   Q8_0 (type 8)   W 32,  34 bytes: fp16 d, 32 int8                      w = d * q
+//   Q4_K (type 12)  W 256, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs for
+//                   its 8 groups of 32, 128 bytes of nibbles             w = (d sc) q - (dmin mn)
+//   Q5_K (type 13)  W 256, 176 bytes: Q4_K's, plus 32 bytes of fifth bits after the scales
+//   Q6_K (type 14)  W 256, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
+//                   scales (one per 16 weights), fp16 d                  w = (d sc) (q - 32)
+// In a 32-weight nibble block, byte j holds weight j in its low nibble and weight j + 16 in its
+// high one, and bit j of Q5's u32 is weight j's fifth bit. In the K formats, group g (32 weights)
+// takes the nibbles (low for even g, high for odd) of bytes 32 (g / 2) .. of the quants; Q5_K's
+// fifth bit of weight l in group g is bit g of byte l; Q6_K's half h = g / 4, k = g % 4 takes the
+// low (k < 2) or high nibbles of ql[64 h + 32 (k % 2) + l] and bits 2k of qh[32 h + l].
 //
 // The values are exactly the `gguf` package's dequantizer's (gguf.quants): every product above is
-// exact in fp32 (an 11-bit fp16 significand times a 4- or 8-bit integer), and Q4_1's `+ m` is one
-// fp32 rounding after it, never fused into a multiply-add (so the decoders below keep the multiply
-// and the add apart, and are compiled without contraction).
+// exact in fp32 (an 11-bit fp16 significand times integers of at most 13 bits together), and the
+// `+ m` / `- dmin mn` is one fp32 rounding after it, never fused into a multiply-add (so the
+// decoders here keep the multiply and the add apart, and are compiled without contraction).
 #pragma once
 
 #include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "common/cpu_vec.h"
 
 namespace eecore::gguf {
 
-constexpr int64_t kBlockWeights = 32;
+// Every kernel works in groups of 32 weights: a block of the 32-weight formats, an eighth of a K
+// format's superblock.
+constexpr int64_t kGroupWeights = 32;
 
-enum class QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum class QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-// Bytes of one block of `type`, or 0 for a type these kernels do not take.
-inline int64_t block_bytes(int64_t type) {
-  switch (static_cast<QuantType>(type)) {
-    case QuantType::Q4_0: return 18;
-    case QuantType::Q4_1: return 20;
-    case QuantType::Q8_0: return 34;
-  }
-  return 0;
+struct BlockFormat {
+  QuantType type;
+  const char* name;
+  int64_t weights;  // per block
+  int64_t bytes;    // per block
+};
+
+inline constexpr BlockFormat kFormats[] = {
+    {QuantType::Q4_0, "Q4_0", 32, 18},   {QuantType::Q4_1, "Q4_1", 32, 20},   {QuantType::Q5_0, "Q5_0", 32, 22},
+    {QuantType::Q5_1, "Q5_1", 32, 24},   {QuantType::Q8_0, "Q8_0", 32, 34},   {QuantType::Q4_K, "Q4_K", 256, 144},
+    {QuantType::Q5_K, "Q5_K", 256, 176}, {QuantType::Q6_K, "Q6_K", 256, 210},
+};
+
+// The format of GGML type id `type`, or nullptr for a type these kernels do not take.
+inline const BlockFormat* find_format(int64_t type) {
+  for (const BlockFormat& f : kFormats)
+    if (static_cast<int64_t>(f.type) == type) return &f;
+  return nullptr;
 }
 
-inline const char* type_name(int64_t type) {
-  switch (static_cast<QuantType>(type)) {
-    case QuantType::Q4_0: return "Q4_0";
-    case QuantType::Q4_1: return "Q4_1";
-    case QuantType::Q8_0: return "Q8_0";
+// "2 (Q4_0), 3 (Q4_1), ..." for error messages.
+inline std::string format_list() {
+  std::string s;
+  for (const BlockFormat& f : kFormats) {
+    if (!s.empty()) s += ", ";
+    s += std::to_string(static_cast<int64_t>(f.type)) + " (" + f.name + ")";
   }
-  return "unsupported";
+  return s;
 }
 
 inline float half_at(const uint8_t* p) {
@@ -50,181 +75,134 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return bits;
+}
+
+// Group g's (scale, min) of a Q4_K / Q5_K superblock: 6-bit fields, the first four groups' in the
+// low bits of bytes 0..7, the last four's split between bytes 8..11 and the top bits of 0..7.
+inline void scale_min_k(const uint8_t* scales, int g, int& scale, int& min) {
+  if (g < 4) {
+    scale = scales[g] & 63;
+    min = scales[g + 4] & 63;
+  } else {
+    scale = (scales[g + 4] & 0x0F) | ((scales[g - 4] >> 6) << 4);
+    min = (scales[g + 4] >> 4) | ((scales[g] >> 6) << 4);
+  }
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #define EECORE_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
 #else
 #define EECORE_NO_FP_CONTRACT
 #endif
 
-#if EECORE_VEC8_AVX2
-// 8 weights w = d * q (+ m) from 8 integers already widened to int32 lanes.
-inline void store_scaled(float* dst, __m256i q, __m256 d) { _mm256_storeu_ps(dst, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q))); }
-inline void store_scaled(float* dst, __m256i q, __m256 d, __m256 m) {
-  _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m));
-}
-
-// The 32 nibbles of a block as two 16-byte vectors: weights 0..15 (low nibbles), 16..31 (high).
-inline void split_nibbles(const uint8_t* qs, __m128i& low, __m128i& high) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  low = _mm_and_si128(raw, mask);
-  high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-}
-#endif
+// ---- one block into fp32 (the exact values, for whole-weight dequantization) ------------------
 
 EECORE_NO_FP_CONTRACT inline void dequantize_q4_0(const uint8_t* block, float* dst) {
   const float d = half_at(block);
   const uint8_t* qs = block + 2;
-#if EECORE_VEC8_AVX2
-  __m128i low, high;
-  split_nibbles(qs, low, high);
-  const __m256 vd = _mm256_set1_ps(d);
-  const __m256i eight = _mm256_set1_epi32(8);
-  store_scaled(dst, _mm256_sub_epi32(_mm256_cvtepu8_epi32(low), eight), vd);
-  store_scaled(dst + 8, _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)), eight), vd);
-  store_scaled(dst + 16, _mm256_sub_epi32(_mm256_cvtepu8_epi32(high), eight), vd);
-  store_scaled(dst + 24, _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)), eight), vd);
-#else
   for (int j = 0; j < 16; ++j) {
     dst[j] = d * static_cast<float>((qs[j] & 0x0F) - 8);
     dst[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
   }
-#endif
 }
 
 EECORE_NO_FP_CONTRACT inline void dequantize_q4_1(const uint8_t* block, float* dst) {
   const float d = half_at(block), m = half_at(block + 2);
   const uint8_t* qs = block + 4;
-#if EECORE_VEC8_AVX2
-  __m128i low, high;
-  split_nibbles(qs, low, high);
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  store_scaled(dst, _mm256_cvtepu8_epi32(low), vd, vm);
-  store_scaled(dst + 8, _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)), vd, vm);
-  store_scaled(dst + 16, _mm256_cvtepu8_epi32(high), vd, vm);
-  store_scaled(dst + 24, _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)), vd, vm);
-#else
   for (int j = 0; j < 16; ++j) {
     const float lo = d * static_cast<float>(qs[j] & 0x0F), hi = d * static_cast<float>(qs[j] >> 4);
     dst[j] = lo + m;
     dst[j + 16] = hi + m;
   }
-#endif
+}
+
+// Q5_0 / Q5_1's 32 five-bit integers.
+inline void five_bit_quants(const uint8_t* qh_bytes, const uint8_t* qs, int* q) {
+  const uint32_t qh = u32_at(qh_bytes);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = (qs[j] & 0x0F) | static_cast<int>(((qh >> j) & 1u) << 4);
+    q[j + 16] = (qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+  }
+}
+
+EECORE_NO_FP_CONTRACT inline void dequantize_q5_0(const uint8_t* block, float* dst) {
+  const float d = half_at(block);
+  int q[32];
+  five_bit_quants(block + 2, block + 6, q);
+  for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(q[j] - 16);
+}
+
+EECORE_NO_FP_CONTRACT inline void dequantize_q5_1(const uint8_t* block, float* dst) {
+  const float d = half_at(block), m = half_at(block + 2);
+  int q[32];
+  five_bit_quants(block + 4, block + 8, q);
+  for (int j = 0; j < 32; ++j) {
+    const float scaled = d * static_cast<float>(q[j]);
+    dst[j] = scaled + m;
+  }
 }
 
 EECORE_NO_FP_CONTRACT inline void dequantize_q8_0(const uint8_t* block, float* dst) {
   const float d = half_at(block);
   const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
-#if EECORE_VEC8_AVX2
-  const __m256 vd = _mm256_set1_ps(d);
-  for (int g = 0; g < 4; ++g) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * g));
-    store_scaled(dst + 8 * g, _mm256_cvtepi8_epi32(q), vd);
-  }
-#else
   for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(qs[j]);
-#endif
 }
 
-// The 32 weights of a block in vector registers, for kernels that multiply them where they are
-// decoded: `Simd::kPerBlock` vectors of `Simd::kLanes` fp32 weights, in order. Q8_0, Q4_0, Q4_1
-// below give, per block, the same values as the dequantize_* functions above.
-#if defined(__AVX512F__)
-struct Simd {
-  using V = __m512;
-  static constexpr int kLanes = 16, kPerBlock = 2;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V a) { return _mm512_reduce_add_ps(a); }
-  // 16 unsigned bytes / 16 signed bytes as fp32 lanes
-  static V from_u8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
-  static V from_i8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
+// Q4_K (fifth_bits null) and Q5_K: 256 weights.
+EECORE_NO_FP_CONTRACT inline void dequantize_k4_k5(const uint8_t* block, const uint8_t* fifth_bits,
+                                                   const uint8_t* qs, float* dst) {
+  const float d = half_at(block), dmin = half_at(block + 2);
+  for (int g = 0; g < 8; ++g) {
+    int scale, min;
+    scale_min_k(block + 4, g, scale, min);
+    const float ds = d * static_cast<float>(scale), dm = dmin * static_cast<float>(min);
+    const uint8_t* bytes = qs + 32 * (g / 2);
+    const int shift = 4 * (g % 2);
+    for (int l = 0; l < 32; ++l) {
+      int q = (bytes[l] >> shift) & 0x0F;
+      if (fifth_bits != nullptr) q |= ((fifth_bits[l] >> g) & 1) << 4;
+      const float scaled = ds * static_cast<float>(q);
+      dst[32 * g + l] = scaled - dm;
+    }
+  }
+}
 
-  static void q4_0(const uint8_t* block, V* w) {
-    __m128i low, high;
-    split_nibbles(block + 2, low, high);
-    const V d = set1(half_at(block)), eight = set1(8.f);  // q - 8 is exact in fp32
-    w[0] = mul(d, _mm512_sub_ps(from_u8(low), eight));
-    w[1] = mul(d, _mm512_sub_ps(from_u8(high), eight));
+EECORE_NO_FP_CONTRACT inline void dequantize_q6_k(const uint8_t* block, float* dst) {
+  const uint8_t *ql = block, *qh = block + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_at(block + 208);
+  for (int g = 0; g < 8; ++g) {
+    const int h = g / 4, k = g % 4;
+    for (int l = 0; l < 32; ++l) {
+      const int low = (ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
+      const int high = (qh[32 * h + l] >> (2 * k)) & 3;
+      const float ds = d * static_cast<float>(scales[2 * g + l / 16]);
+      dst[32 * g + l] = ds * static_cast<float>((low | (high << 4)) - 32);
+    }
   }
-  static void q4_1(const uint8_t* block, V* w) {
-    __m128i low, high;
-    split_nibbles(block + 4, low, high);
-    const V d = set1(half_at(block)), m = set1(half_at(block + 2));
-    w[0] = add(mul(d, from_u8(low)), m);
-    w[1] = add(mul(d, from_u8(high)), m);
-  }
-  static void q8_0(const uint8_t* block, V* w) {
-    const V d = set1(half_at(block));
-    w[0] = mul(d, from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2))));
-    w[1] = mul(d, from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18))));
-  }
-};
-#define EECORE_GGUF_SIMD 1
-#elif EECORE_VEC8_AVX2
-struct Simd {
-  using V = __m256;
-  static constexpr int kLanes = 8, kPerBlock = 4;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V a) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  }
-  // the low 8 bytes of q as fp32 lanes
-  static V from_u8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
-  static V from_i8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
+}
 
-  static void q4_0(const uint8_t* block, V* w) {
-    __m128i low, high;
-    split_nibbles(block + 2, low, high);
-    const V d = set1(half_at(block)), eight = set1(8.f);
-    w[0] = mul(d, _mm256_sub_ps(from_u8(low), eight));
-    w[1] = mul(d, _mm256_sub_ps(from_u8(_mm_srli_si128(low, 8)), eight));
-    w[2] = mul(d, _mm256_sub_ps(from_u8(high), eight));
-    w[3] = mul(d, _mm256_sub_ps(from_u8(_mm_srli_si128(high, 8)), eight));
-  }
-  static void q4_1(const uint8_t* block, V* w) {
-    __m128i low, high;
-    split_nibbles(block + 4, low, high);
-    const V d = set1(half_at(block)), m = set1(half_at(block + 2));
-    w[0] = add(mul(d, from_u8(low)), m);
-    w[1] = add(mul(d, from_u8(_mm_srli_si128(low, 8))), m);
-    w[2] = add(mul(d, from_u8(high)), m);
-    w[3] = add(mul(d, from_u8(_mm_srli_si128(high, 8))), m);
-  }
-  static void q8_0(const uint8_t* block, V* w) {
-    const V d = set1(half_at(block));
-    for (int g = 0; g < 4; ++g) w[g] = mul(d, from_i8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * g))));
-  }
-};
-#define EECORE_GGUF_SIMD 1
-#else
-#define EECORE_GGUF_SIMD 0
-#endif
-
-// One row of K weights (K / 32 blocks of `type`) into `dst` [K] fp32.
+// One row of K weights (K / W blocks of `type`) into `dst` [K] fp32.
 inline void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* dst) {
-  const int64_t blocks = K / kBlockWeights;
-  switch (static_cast<QuantType>(type)) {
-    case QuantType::Q4_0:
-      for (int64_t b = 0; b < blocks; ++b) dequantize_q4_0(row + b * 18, dst + b * kBlockWeights);
-      return;
-    case QuantType::Q4_1:
-      for (int64_t b = 0; b < blocks; ++b) dequantize_q4_1(row + b * 20, dst + b * kBlockWeights);
-      return;
-    case QuantType::Q8_0:
-      for (int64_t b = 0; b < blocks; ++b) dequantize_q8_0(row + b * 34, dst + b * kBlockWeights);
-      return;
+  const BlockFormat& f = *find_format(type);
+  const int64_t blocks = K / f.weights;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * f.bytes;
+    float* out = dst + b * f.weights;
+    switch (f.type) {
+      case QuantType::Q4_0: dequantize_q4_0(block, out); break;
+      case QuantType::Q4_1: dequantize_q4_1(block, out); break;
+      case QuantType::Q5_0: dequantize_q5_0(block, out); break;
+      case QuantType::Q5_1: dequantize_q5_1(block, out); break;
+      case QuantType::Q8_0: dequantize_q8_0(block, out); break;
+      case QuantType::Q4_K: dequantize_k4_k5(block, nullptr, block + 16, out); break;
+      case QuantType::Q5_K: dequantize_k4_k5(block, block + 16, block + 48, out); break;
+      case QuantType::Q6_K: dequantize_q6_k(block, out); break;
+    }
   }
 }
 

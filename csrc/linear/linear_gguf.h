@@ -15,30 +15,30 @@ struct GgufDims {
   int64_t rows, in, out, row_bytes;
 };
 
-// The block bytes of `quant_type`, once it is a type the kernels compute.
-inline int64_t check_quant_type(const char* op, int64_t quant_type) {
-  const int64_t bytes = gguf::block_bytes(quant_type);
-  EECORE_CHECK_ARG(op, "quant_type", bytes > 0, "must be a GGUF block type these kernels compute: 2 (Q4_0), "
-                   "3 (Q4_1) or 8 (Q8_0), got ", quant_type);
-  return bytes;
+// The block format of `quant_type`, once it is a type the kernels compute.
+inline const gguf::BlockFormat& check_quant_type(const char* op, int64_t quant_type) {
+  const gguf::BlockFormat* format = gguf::find_format(quant_type);
+  EECORE_CHECK_ARG(op, "quant_type", format != nullptr, "must be a GGUF block type these kernels compute, one of ",
+                   gguf::format_list(), "; got ", quant_type);
+  return *format;
 }
 
 inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                        int64_t quant_type, const std::optional<at::Tensor>& bias) {
   const char* op = "linear_gguf";
-  const int64_t bytes = check_quant_type(op, quant_type);
+  const gguf::BlockFormat& format = check_quant_type(op, quant_type);
   check_dim(op, "input", input, 2);
   check_float_dtype(op, "input", input);
   check_last_dim_contiguous(op, "input", input);
   const int64_t K = input.size(1);
-  EECORE_CHECK_ARG(op, "input", K % gguf::kBlockWeights == 0, "must have a multiple of 32 features (whole ",
-                   gguf::type_name(quant_type), " blocks), got K = ", K);
+  EECORE_CHECK_ARG(op, "input", K % format.weights == 0, "must have a multiple of ", format.weights,
+                   " features (whole ", format.name, " blocks), got K = ", K);
   check_dim(op, "weight", weight, 2);
   check_dtype(op, "weight", weight, at::kByte);
   check_contiguous(op, "weight", weight);
   check_same_device(op, "weight", weight, "input", input);
-  const int64_t row_bytes = K / gguf::kBlockWeights * bytes;
-  check_size(op, "weight", weight, 1, row_bytes, "the bytes of one row of K / 32 blocks");
+  const int64_t row_bytes = K / format.weights * format.bytes;
+  check_size(op, "weight", weight, 1, row_bytes, "the bytes of one row of whole blocks");
   const int64_t N = weight.size(0);
   check_linear_out_and_bias(op, out, input, N, bias, "the output features N of 'weight' [N, row bytes]");
   return {input.size(0), K, N, row_bytes};
@@ -46,14 +46,46 @@ inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& 
 
 inline void check_dequantize_gguf_args(const at::Tensor& weight, int64_t quant_type, int64_t features) {
   const char* op = "dequantize_gguf";
-  const int64_t bytes = check_quant_type(op, quant_type);
-  EECORE_CHECK_ARG(op, "features", features >= 0 && features % gguf::kBlockWeights == 0,
-                   "must be a multiple of 32 (whole blocks), got ", features);
+  const gguf::BlockFormat& format = check_quant_type(op, quant_type);
+  EECORE_CHECK_ARG(op, "features", features >= 0 && features % format.weights == 0, "must be a multiple of ",
+                   format.weights, " (whole ", format.name, " blocks), got ", features);
   check_dim(op, "weight", weight, 2);
   check_dtype(op, "weight", weight, at::kByte);
   check_contiguous(op, "weight", weight);
-  check_size(op, "weight", weight, 1, features / gguf::kBlockWeights * bytes,
-             "the bytes of one row of features / 32 blocks");
+  check_size(op, "weight", weight, 1, features / format.weights * format.bytes,
+             "the bytes of one row of whole blocks");
+}
+
+// embedding_gguf's arguments; the token ids are range-checked where they are read.
+inline int64_t check_embedding_gguf_args(const at::Tensor& out, const at::Tensor& token_ids, const at::Tensor& weight,
+                                         int64_t quant_type) {
+  const char* op = "embedding_gguf";
+  const gguf::BlockFormat& format = check_quant_type(op, quant_type);
+  check_dim(op, "out", out, 2);
+  check_float_dtype(op, "out", out);
+  check_last_dim_contiguous(op, "out", out);
+  const int64_t K = out.size(1);
+  EECORE_CHECK_ARG(op, "out", K % format.weights == 0, "must have a multiple of ", format.weights,
+                   " features (whole ", format.name, " blocks), got ", K);
+  check_dim(op, "token_ids", token_ids, 1);
+  check_dtype(op, "token_ids", token_ids, at::kLong);
+  check_contiguous(op, "token_ids", token_ids);
+  check_same_device(op, "token_ids", token_ids, "out", out);
+  check_size(op, "out", out, 0, token_ids.size(0), "the number of token ids");
+  check_dim(op, "weight", weight, 2);
+  check_dtype(op, "weight", weight, at::kByte);
+  check_contiguous(op, "weight", weight);
+  check_same_device(op, "weight", weight, "out", out);
+  check_size(op, "weight", weight, 1, K / format.weights * format.bytes, "the bytes of one row of whole blocks");
+  return K;
+}
+
+// Every id of a CPU `token_ids` within [0, rows).
+inline void check_token_ids_in_range(const at::Tensor& token_ids, int64_t rows) {
+  const int64_t* ids = token_ids.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < token_ids.size(0); ++t)
+    EECORE_CHECK_ARG("embedding_gguf", "token_ids", ids[t] >= 0 && ids[t] < rows, "must be in [0, ", rows,
+                     ") (the rows of 'weight'), got ", ids[t], " at index ", t);
 }
 
 // The whole weight (a CPU tensor) dequantized [N, K] in `dtype`.

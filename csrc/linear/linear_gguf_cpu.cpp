@@ -2,12 +2,14 @@
 // with the file's exact weight values and fp32 accumulation.
 //
 // Decode-sized inputs (up to kStreamMaxRows rows) stream the quantized weight: each thread takes a
-// few output rows at a time, dequantizes them into an fp32 buffer on its stack (about 32 KiB, so
-// it stays in L1/L2), and runs the same few-rows dot kernel as fp32 `linear` over it. A decode step
+// few output rows at a time and decodes each group of 32 weights into vector registers, where the
+// input rows multiply it (gguf_simd.h); without AVX2 it dequantizes the rows into an fp32 buffer on
+// its stack (about 32 KiB, so it stays in L1/L2) for the few-rows dot kernel of fp32 `linear`. A decode step
 // so reads the file's bytes (Q4_1: 0.625 bytes a weight, a sixth of fp32's) and pays one
 // conversion per weight, in registers and cache. Larger inputs (prompts) dequantize the whole
 // weight once per call, in the input's dtype, for one BLAS GEMM, where the arithmetic dominates.
 #include <atomic>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,7 +17,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_dots.h"
-#include "linear/gguf_blocks.h"
+#include "linear/gguf_simd.h"
 #include "linear/linear_gemm.h"
 #include "linear/linear_gguf.h"
 
@@ -32,22 +34,23 @@ constexpr int64_t kMinMacsPerThread = 1 << 18;
 constexpr int64_t kGrabsPerThread = 4;
 
 #if EECORE_GGUF_SIMD
-// A register tile: MR input rows (fp32) x NR weight rows, every block decoded once into registers
-// and multiplied by the MR rows there. sums[i * NR + r] = input row i . weight row r.
-template <int MR, int NR, void (*decode)(const uint8_t*, gguf::Simd::V*)>
-void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t block_bytes,
-               int64_t blocks, float* sums) {
+using Decoder = void (*)(const uint8_t*, int64_t, gguf::Simd::V*);
+
+// A register tile: MR input rows (fp32) x NR weight rows, every group of 32 weights decoded once
+// into registers and multiplied by the MR rows there. sums[i * NR + r] = input row i . weight row r.
+template <int MR, int NR, Decoder decode>
+void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups, float* sums) {
   using S = gguf::Simd;
   S::V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = S::zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    S::V wv[NR][S::kPerBlock];
-    for (int r = 0; r < NR; ++r) decode(w + r * row_bytes + b * block_bytes, wv[r]);
+  for (int64_t g = 0; g < groups; ++g) {
+    S::V wv[NR][S::kPerGroup];
+    for (int r = 0; r < NR; ++r) decode(w + r * row_bytes, g, wv[r]);
     for (int i = 0; i < MR; ++i) {
-      const float* xb = x + i * ldx + b * gguf::kBlockWeights;
-      for (int p = 0; p < S::kPerBlock; ++p) {
-        const S::V xv = S::load(xb + p * S::kLanes);
+      const float* xg = x + i * ldx + g * gguf::kGroupWeights;
+      for (int p = 0; p < S::kPerGroup; ++p) {
+        const S::V xv = S::load(xg + p * S::kLanes);
         for (int r = 0; r < NR; ++r) acc[i][r] = S::fma(wv[r][p], xv, acc[i][r]);
       }
     }
@@ -56,14 +59,14 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
     for (int r = 0; r < NR; ++r) sums[i * NR + r] = S::sum(acc[i][r]);
 }
 
-// Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 rows' decoded blocks;
-// AVX2's 16 hold 2 x 2 (a block is 4 vectors there).
+// Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 rows' decoded groups;
+// AVX2's 16 hold 2 x 2 (a group is 4 vectors there).
 constexpr int kTileRows = gguf::Simd::kLanes == 16 ? 4 : 2;
 constexpr int kTileCols = gguf::Simd::kLanes == 16 ? 4 : 2;
 
-template <void (*decode)(const uint8_t*, gguf::Simd::V*)>
-void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t block_bytes,
-               int64_t blocks, int64_t n, float* out) {
+template <Decoder decode>
+void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t groups,
+               int64_t n, float* out) {
   // out[i * n + j] for the n weight rows from w
   float sums[kTileRows * kTileCols];
   for (int64_t j = 0; j < n; j += kTileCols) {
@@ -73,13 +76,12 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
       const float* xi = x + i * ldx;
       const uint8_t* wj = w + j * row_bytes;
       if (mr == kTileRows && nr == kTileCols) {
-        gguf_tile<kTileRows, kTileCols, decode>(xi, ldx, wj, row_bytes, block_bytes, blocks, sums);
+        gguf_tile<kTileRows, kTileCols, decode>(xi, ldx, wj, row_bytes, groups, sums);
       } else {  // edge tiles (a decode step's one row among them) one by one: taking several weight
                 // rows at once for one input row ran slower (Zen 4: Q4_1 1.15x, Q8_0 2.2x the time)
         for (int64_t a = 0; a < mr; ++a)
           for (int64_t c = 0; c < nr; ++c)
-            gguf_tile<1, 1, decode>(xi + a * ldx, ldx, wj + c * row_bytes, row_bytes, block_bytes, blocks,
-                                    sums + a * kTileCols + c);
+            gguf_tile<1, 1, decode>(xi + a * ldx, ldx, wj + c * row_bytes, row_bytes, groups, sums + a * kTileCols + c);
       }
       for (int64_t a = 0; a < mr; ++a)
         for (int64_t c = 0; c < nr; ++c) out[(i + a) * n + j + c] = sums[a * kTileCols + c];
@@ -89,11 +91,17 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
 
 void gguf_dot(int64_t quant_type, const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes,
               int64_t K, int64_t n, float* out) {
-  const int64_t blocks = K / gguf::kBlockWeights, bytes = gguf::block_bytes(quant_type);
+  using D = gguf::Decode;
+  const int64_t groups = K / gguf::kGroupWeights;
   switch (static_cast<gguf::QuantType>(quant_type)) {
-    case gguf::QuantType::Q4_0: return gguf_rows<gguf::Simd::q4_0>(x, ldx, M, w, row_bytes, bytes, blocks, n, out);
-    case gguf::QuantType::Q4_1: return gguf_rows<gguf::Simd::q4_1>(x, ldx, M, w, row_bytes, bytes, blocks, n, out);
-    case gguf::QuantType::Q8_0: return gguf_rows<gguf::Simd::q8_0>(x, ldx, M, w, row_bytes, bytes, blocks, n, out);
+    case gguf::QuantType::Q4_0: return gguf_rows<D::q4_0>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q4_1: return gguf_rows<D::q4_1>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q5_0: return gguf_rows<D::q5_0>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q5_1: return gguf_rows<D::q5_1>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q8_0: return gguf_rows<D::q8_0>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q4_K: return gguf_rows<D::q4_k>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q5_K: return gguf_rows<D::q5_k>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q6_K: return gguf_rows<D::q6_k>(x, ldx, M, w, row_bytes, groups, n, out);
   }
 }
 #endif
@@ -113,9 +121,11 @@ void linear_gguf_streaming(at::Tensor& out, const at::Tensor& input, const uint8
   const int64_t grab = std::max(grain, (N + workers * kGrabsPerThread - 1) / (workers * kGrabsPerThread));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+#if !EECORE_GGUF_SIMD
     cpu::ScratchBuffer<float, kDecodedFloats> decoded;
-    cpu::ScratchBuffer<float, 1024> sums;
     float* wbuf = decoded.get(static_cast<size_t>(chunk * K));
+#endif
+    cpu::ScratchBuffer<float, 1024> sums;
     float* acc = sums.get(static_cast<size_t>(M * chunk));
     for (int64_t begin = next.fetch_add(grab); begin < N; begin = next.fetch_add(grab)) {
       const int64_t end = std::min(N, begin + grab);
@@ -164,10 +174,33 @@ at::Tensor dequantize_gguf_cpu(const at::Tensor& weight, int64_t quant_type, int
   return dequantize_weight(weight, quant_type, features, at::kFloat);
 }
 
+void embedding_gguf_cpu(at::Tensor& out, const at::Tensor& token_ids, const at::Tensor& weight, int64_t quant_type) {
+  const int64_t K = check_embedding_gguf_args(out, token_ids, weight, quant_type);
+  check_token_ids_in_range(token_ids, weight.size(0));
+  const int64_t T = token_ids.size(0), row_bytes = weight.size(1), ldo = out.stride(0);
+  if (T == 0 || K == 0) return;
+  const int64_t* ids = token_ids.const_data_ptr<int64_t>();
+  const uint8_t* w = weight.const_data_ptr<uint8_t>();
+  EECORE_DISPATCH_FLOAT(out.scalar_type(), "eecore::embedding_gguf", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, std::max<int64_t>(1, kMinMacsPerThread / K), [&](int64_t t0, int64_t t1) {
+      cpu::ScratchBuffer<float, kDecodedFloats> decoded;
+      float* row = decoded.get(static_cast<size_t>(K));
+      for (int64_t t = t0; t < t1; ++t) {
+        float* dst = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(o + t * ldo) : row;
+        gguf::dequantize_row(quant_type, w + ids[t] * row_bytes, K, dst);
+        if constexpr (!std::is_same_v<scalar_t, float>)
+          for (int64_t k = 0; k < K; ++k) o[t * ldo + k] = static_cast<scalar_t>(row[k]);
+      }
+    });
+  });
+}
+
 }  // namespace
 }  // namespace eecore
 
 TORCH_LIBRARY_IMPL(eecore, CPU, m) {
   m.impl("linear_gguf", &eecore::linear_gguf_cpu);
   m.impl("dequantize_gguf", &eecore::dequantize_gguf_cpu);
+  m.impl("embedding_gguf", &eecore::embedding_gguf_cpu);
 }

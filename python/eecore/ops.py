@@ -130,21 +130,29 @@ def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: O
 
 
 # GGML's ids of the GGUF block types `linear_gguf` computes (eecore/csrc/linear/gguf_blocks.h)
-GGUF_QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def linear_gguf(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, quant_type: int,
                 bias: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
     """`linear` with a weight in a GGUF block format, computed with its exact values: `weight` uint8
-    `[N, K / 32 * block bytes]` as the file stores it (each row K / 32 blocks of `quant_type`, one of
-    GGUF_QUANT_TYPES' ids); fp32 accumulation. CPU. Returns `out`."""
+    `[N, K / W * block bytes]` as the file stores it (each row K / W blocks of `quant_type`, one of
+    GGUF_QUANT_TYPES' ids; W = 256 weights a block for the K formats, 32 for the others); fp32
+    accumulation. Returns `out`."""
     _ops.linear_gguf(out, input, weight, int(quant_type), bias, bool(accumulate))
     return out
 
 
 def dequantize_gguf(weight: torch.Tensor, quant_type: int, features: int) -> torch.Tensor:
-    """The fp32 values `[N, features]` of a GGUF block weight (those linear_gguf multiplies by). CPU."""
+    """The fp32 values `[N, features]` of a GGUF block weight (those linear_gguf multiplies by)."""
     return _ops.dequantize_gguf(weight, int(quant_type), int(features))
+
+
+def embedding_gguf(out: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor, quant_type: int) -> torch.Tensor:
+    """`out [T, K]` = the rows `token_ids` (int64 `[T]`, each in [0, N)) of a GGUF block weight,
+    dequantized: a GGUF token embedding's lookup, or rows of a GGUF LM head. Returns `out`."""
+    _ops.embedding_gguf(out, token_ids, weight, int(quant_type))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +196,6 @@ def _accept_update_fake(status, confidence, threshold, active):
 
 
 for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "kv_fill", "linear", "linear_gguf"):
+              "kv_fill", "linear", "linear_gguf", "embedding_gguf"):
     torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
 del _name

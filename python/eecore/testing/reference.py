@@ -213,3 +213,7 @@ def dequantize_gguf(weight, quant_type, features) -> torch.Tensor:
 
 def linear_gguf(out, input, weight, quant_type, bias=None, accumulate=False) -> None:
     linear(out, input, dequantize_gguf(weight, quant_type, input.shape[1]), bias, accumulate)
+
+
+def embedding_gguf(out, token_ids, weight, quant_type) -> None:
+    out.copy_(dequantize_gguf(weight, quant_type, out.shape[1])[token_ids.cpu()].to(out.dtype))

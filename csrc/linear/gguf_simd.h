@@ -1,0 +1,183 @@
+// The 32 weights of a GGUF group (gguf_blocks.h) decoded into vector registers, for kernels that
+// multiply them where they are decoded: `Simd::kPerGroup` vectors of `Simd::kLanes` fp32 weights,
+// in order. Each decoder takes a row of blocks and a group index g (32 weights each) and gives the
+// dequantize_* functions' values for that group (up to a multiply-add the compiler may fuse, which
+// only the dot products see).
+#pragma once
+
+#include "linear/gguf_blocks.h"
+
+namespace eecore::gguf {
+
+#if EECORE_VEC8_AVX2
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The 32 nibbles of a 16-byte block: weights 0..15 (low nibbles), then 16..31 (high).
+inline __m256i block_nibbles(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// 32 bytes' nibbles at `shift` (0: low, 4: high), as bytes.
+inline __m256i nibbles_at(const uint8_t* p, int shift) {
+  return _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0F));
+}
+
+// Byte l = 16 where bit l of `bits` is set, else 0 (Q5_0 / Q5_1's fifth bits).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// 32 bytes' bit pairs (or single bits) at `shift`, masked by `mask` and moved up by 4 bits.
+inline __m256i high_bits_at(const uint8_t* p, int shift, int mask) {
+  const __m256i bits = _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+  return _mm256_slli_epi16(bits, 4);  // at most 0x30 per byte: nothing crosses into the next byte
+}
+#endif
+
+#if defined(__AVX512F__) && EECORE_VEC8_AVX2
+struct Simd {
+  using V = __m512;
+  static constexpr int kLanes = 16, kPerGroup = 2;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  // 16 unsigned / signed bytes as fp32 lanes
+  static V from_u8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+  static V from_i8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+  static void u8x32(__m256i q, V* w) {
+    w[0] = from_u8(_mm256_castsi256_si128(q));
+    w[1] = from_u8(_mm256_extracti128_si256(q, 1));
+  }
+  static void i8x32(__m256i q, V* w) {
+    w[0] = from_i8(_mm256_castsi256_si128(q));
+    w[1] = from_i8(_mm256_extracti128_si256(q, 1));
+  }
+  // weights 0..15 times a, 16..31 times b
+  static void scale_halves(V* w, float a, float b) {
+    w[0] = mul(set1(a), w[0]);
+    w[1] = mul(set1(b), w[1]);
+  }
+};
+#define EECORE_GGUF_SIMD 1
+#elif EECORE_VEC8_AVX2
+struct Simd {
+  using V = __m256;
+  static constexpr int kLanes = 8, kPerGroup = 4;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V a) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  // the low 8 bytes of q as fp32 lanes
+  static V from_u8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
+  static V from_i8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+  static void u8x32(__m256i q, V* w) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w[0] = from_u8(lo), w[1] = from_u8(_mm_srli_si128(lo, 8)), w[2] = from_u8(hi), w[3] = from_u8(_mm_srli_si128(hi, 8));
+  }
+  static void i8x32(__m256i q, V* w) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w[0] = from_i8(lo), w[1] = from_i8(_mm_srli_si128(lo, 8)), w[2] = from_i8(hi), w[3] = from_i8(_mm_srli_si128(hi, 8));
+  }
+  static void scale_halves(V* w, float a, float b) {
+    const V va = set1(a), vb = set1(b);
+    w[0] = mul(va, w[0]), w[1] = mul(va, w[1]), w[2] = mul(vb, w[2]), w[3] = mul(vb, w[3]);
+  }
+};
+#define EECORE_GGUF_SIMD 1
+#else
+#define EECORE_GGUF_SIMD 0
+#endif
+
+#if EECORE_GGUF_SIMD
+// The decoders, one per format: decode(row, g, w) fills w with group g of the row.
+struct Decode {
+  using S = Simd;
+  using V = S::V;
+
+  static void times(V* w, float d) {
+    for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::mul(S::set1(d), w[p]);
+  }
+  static void times_plus(V* w, float d, float m) {
+    for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::add(S::mul(S::set1(d), w[p]), S::set1(m));
+  }
+  static void times_minus(V* w, float d, float m) {
+    for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::sub(S::mul(S::set1(d), w[p]), S::set1(m));
+  }
+
+  static void q4_0(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 18;
+    S::i8x32(_mm256_sub_epi8(block_nibbles(block + 2), _mm256_set1_epi8(8)), w);
+    times(w, half_at(block));
+  }
+  static void q4_1(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 20;
+    S::u8x32(block_nibbles(block + 4), w);
+    times_plus(w, half_at(block), half_at(block + 2));
+  }
+  static void q5_0(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 22;
+    const __m256i q = _mm256_or_si256(block_nibbles(block + 6), fifth_bits(u32_at(block + 2)));
+    S::i8x32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), w);
+    times(w, half_at(block));
+  }
+  static void q5_1(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 24;
+    S::u8x32(_mm256_or_si256(block_nibbles(block + 8), fifth_bits(u32_at(block + 4))), w);
+    times_plus(w, half_at(block), half_at(block + 2));
+  }
+  static void q8_0(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 34;
+    S::i8x32(load32(block + 2), w);
+    times(w, half_at(block));
+  }
+  // Q4_K and Q5_K: the group's (scale, min) from the superblock's packed table
+  static void k_scales(const uint8_t* block, int g, V* w) {
+    int scale, min;
+    scale_min_k(block + 4, g, scale, min);
+    times_minus(w, half_at(block) * static_cast<float>(scale), half_at(block + 2) * static_cast<float>(min));
+  }
+  static void q4_k(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + (g >> 3) * 144;
+    const int k = static_cast<int>(g & 7);
+    S::u8x32(nibbles_at(block + 16 + 32 * (k >> 1), 4 * (k & 1)), w);
+    k_scales(block, k, w);
+  }
+  static void q5_k(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + (g >> 3) * 176;
+    const int k = static_cast<int>(g & 7);
+    S::u8x32(_mm256_or_si256(nibbles_at(block + 48 + 32 * (k >> 1), 4 * (k & 1)), high_bits_at(block + 16, k, 1)), w);
+    k_scales(block, k, w);
+  }
+  static void q6_k(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + (g >> 3) * 210;
+    const int k = static_cast<int>(g & 7), h = k >> 2, j = k & 3;
+    const __m256i q = _mm256_or_si256(nibbles_at(block + 64 * h + 32 * (j & 1), 4 * (j >> 1)),
+                                      high_bits_at(block + 128 + 32 * h, 2 * j, 3));
+    S::i8x32(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), w);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192 + 2 * k);
+    const float d = half_at(block + 208);
+    S::scale_halves(w, d * static_cast<float>(scales[0]), d * static_cast<float>(scales[1]));
+  }
+};
+#endif
+
+}  // namespace eecore::gguf
