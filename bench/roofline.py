@@ -44,7 +44,8 @@ def decode_weight_bytes(model, layers_run: float | None = None) -> float:
     per_layer = statistics.mean(layer_weight_bytes(model, i) for i in range(L))
     c = model.config
     kv_rows = 2 * c.num_kv_heads * c.head_dim
-    kv_fill_per_layer = kv_rows * c.hidden_size * model.lm_head.element_size()
+    # kv_fill's stacked K/V projections are dense in the model's dtype, whatever form the layers keep
+    kv_fill_per_layer = kv_rows * c.hidden_size * torch.empty((), dtype=model.dtype).element_size()
     head = weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
     return depth * per_layer + (L - depth) * kv_fill_per_layer + head
 

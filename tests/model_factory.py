@@ -154,7 +154,7 @@ def write_gguf(hf_model, path, *, tokenizer_dir=None, qtype: str = "F32", arch: 
                tokenizer_pre: str = "smollm", rope_freqs: torch.Tensor | None = None,
                extra_metadata: dict | None = None, skip_tensors: tuple[str, ...] = ()) -> str:
     """Write `hf_model` as llama.cpp would: arch "llama" (Q/K rows permuted) or "qwen2" (not
-    permuted), its tensors as `qtype` ("F32", "F16" or any type gguf.quants can quantize, e.g. "Q8_0";
+    permuted), its tensors as `qtype` ("F32", "F16" or any type eecore.models.gguf_quantize writes, e.g. "Q8_0";
     norms and biases always F32), and, given `tokenizer_dir`, the tiny tokenizer as "gpt2" metadata."""
     import gguf
 
@@ -225,9 +225,11 @@ def _add_tensor(writer, name: str, array: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     elif qtype == "F16":
         writer.add_tensor(name, array.astype(np.float16))
-    else:
+    else:  # the gguf package's quantizers, and eecore's for the K formats it lacks
+        from eecore.models.gguf_quantize import quantize
+
         kind = gguf.GGMLQuantizationType[qtype]
-        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        writer.add_tensor(name, quantize(array, qtype), raw_dtype=kind)
 
 
 def _add_metadata(writer, key: str, value) -> None:

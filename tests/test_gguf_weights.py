@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 import eecore
-from eecore.models.gguf_weights import GGUFWeight
+from eecore.models.gguf_weights import GGUFWeight, StackedWeight, stack_weights
+from eecore.models.int8_weights import dense, project
 from engine_utils import greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
@@ -55,12 +56,19 @@ def test_quantized_model_decodes_as_its_dequantized_twin(tiny, name):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())
 
 
-def test_gguf_weight_rows_cat_and_errors():
+def test_stack_weights_keeps_one_type_together_and_mixed_types_apart():
     rng = np.random.default_rng(0)
     w = torch.from_numpy(rng.standard_normal((6, 64)).astype(np.float32))
     q = _to_gguf(w, "Q8_0")
     assert q.shape == (6, 64)
-    both = GGUFWeight.cat([q, q.rows(torch.tensor([1, 3]))])
+    both = stack_weights([q, q.rows(torch.tensor([1, 3]))])
+    assert isinstance(both, GGUFWeight)
     assert torch.equal(both.dequantize(torch.float32)[6:], q.dequantize(torch.float32)[[1, 3]])
-    with pytest.raises(ValueError, match="share one block type"):
-        GGUFWeight.cat([q, _to_gguf(w, "Q4_0")])
+    mixed = stack_weights([q, _to_gguf(w, "Q4_0"), w[:2]])
+    assert isinstance(mixed, StackedWeight) and mixed.shape == (14, 64)
+    x, bias = torch.randn(3, 64), torch.randn(14)
+    out = torch.randn(3, 14)
+    expected = out + x @ dense(mixed, torch.float32).T + bias
+    torch.testing.assert_close(project(out, x, mixed, bias, accumulate=True), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one input size"):
+        stack_weights([q, w[:, :32]])

@@ -269,7 +269,7 @@ def test_only_pytorch_bin_weights(tmp_path):
 
 
 def test_bad_dtype(tmp_path):
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="dtype must be .auto. or one of"):
         load_model(str(tmp_path), dtype=torch.int8)
 
 

@@ -21,14 +21,45 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def resolve_dtype(dtype, device: torch.device, precision: str = "float32") -> torch.dtype:
+    """The activations' dtype. "auto" (or None): the checkpoint's own `precision`, fp32 for a
+    quantized one (the dtype its values are exact in); on a GPU bf16 in place of fp32 (as vLLM's
+    "auto" takes a half type there)."""
+    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
+        own = _DTYPES.get(precision, torch.float32)
+        return torch.bfloat16 if device.type == "cuda" and own == torch.float32 else own
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
-    raise ValueError(f"LLM: 'dtype' must be one of float32, bfloat16, float16 (or None), got {dtype!r}")
+    raise ValueError(f"LLM: 'dtype' must be auto, float32, bfloat16 or float16, got {dtype!r}")
+
+
+def resolve_quantization(quantization, device: torch.device) -> Optional[str]:
+    """None (the checkpoint's own weights), "none" (dequantized), or a GGUF block type's name."""
+    from eecore.models.gguf_weights import QUANTIZATIONS
+
+    if quantization is None or quantization == "none":
+        return quantization
+    if not isinstance(quantization, str) or quantization.lower() not in QUANTIZATIONS:
+        raise ValueError(f"LLM: 'quantization' must be None, 'none' or one of {sorted(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    if device.type != "cpu":
+        raise ValueError(f"LLM: quantization={quantization!r} runs on the CPU; on {device.type} the weights "
+                         "compute in 'dtype'")
+    return QUANTIZATIONS[quantization.lower()]
+
+
+def _quantize(loaded, type_name: str) -> None:
+    from eecore.models.config import ModelConfig
+    from eecore.models.gguf_weights import quantize_state_dict
+
+    if loaded.quantized:
+        raise ValueError(f"LLM: {loaded.source} is already quantized ({loaded.precision}); 'quantization' "
+                         "quantizes a float checkpoint")
+    if not isinstance(loaded.config, ModelConfig):
+        raise ValueError("LLM: 'quantization' is for decoder-only models")
+    quantize_state_dict(loaded.state_dict, type_name)
 
 
 def resolve_device(device) -> torch.device:
@@ -50,6 +81,13 @@ class LLM:
     """An early-exit-capable LLM on the paged engine.
 
     model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or a .gguf file.
+    dtype: the activations' dtype; "auto": the checkpoint's own (config.json's torch_dtype, a GGUF
+        file's float type, fp32 for a quantized GGUF; bf16 in place of fp32 on a GPU).
+    quantization: None: the weights as the checkpoint holds them; on the CPU a quantized GGUF file
+        computes in its own blocks (ops.linear_gguf), on a GPU it is dequantized at load. "none":
+        dequantized to `dtype` everywhere. "int8" (= "q8_0"), "q4_0", "q4_1", "q5_0", "q5_1", "q4_k",
+        "q6_k": a float checkpoint's matrices quantized to those GGUF blocks at load (CPU;
+        eecore.models.gguf_quantize).
     early_exit / speculative: at most one decoding strategy besides full depth.
     exit_adapter: True (the exit adapters eecore trained for the default model, shipped with it),
         or an adapter file (`python -m eecore.train.exit_adapter`): trained blocks that make the
@@ -63,10 +101,10 @@ class LLM:
     EECORE_CUDA_GRAPHS=1 until they have run on one).
     """
 
-    def __init__(self, model: Optional[str] = None, dtype=None, device=None,
+    def __init__(self, model: Optional[str] = None, dtype="auto", device=None,
                  early_exit: Optional[EarlyExitConfig] = None,
                  speculative: Optional[SelfSpeculativeConfig] = None,
-                 exit_adapter: Union[None, bool, str] = None, *,
+                 exit_adapter: Union[None, bool, str] = None, *, quantization: Optional[str] = None,
                  block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
                  mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
@@ -84,8 +122,20 @@ class LLM:
         if speculative is not None and not isinstance(speculative, SelfSpeculativeConfig):
             raise TypeError(f"LLM: 'speculative' must be a SelfSpeculativeConfig, got {type(speculative).__name__}")
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        loaded = load_model(model, dtype=self.dtype)
+        quantization = resolve_quantization(quantization, self.device)
+        explicit = None if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto") \
+            else resolve_dtype(dtype, self.device)
+        loaded = load_model(model, dtype=explicit or "auto",
+                            keep_quantized=self.device.type == "cpu" and quantization is None)
+        self.dtype = explicit or resolve_dtype("auto", self.device, loaded.precision)
+        # what the weights compute in: a GGUF block type's name, or the activations' dtype
+        if quantization not in (None, "none"):
+            _quantize(loaded, quantization)
+            self.weight_format = quantization
+        elif loaded.quantized and quantization is None and self.device.type == "cpu":
+            self.weight_format = loaded.precision
+        else:
+            self.weight_format = str(self.dtype).removeprefix("torch.")
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         separate = speculative is not None and speculative.separate_draft_layers

@@ -30,12 +30,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_precision_flags(group) -> None:
+    """--dtype and --quantization (LLM's `dtype` and `quantization`)."""
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="activations' dtype (auto: the checkpoint's own; fp32 for a quantized GGUF)")
+    group.add_argument("--quantization", default=None,
+                       choices=["none", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"],
+                       help="default: the checkpoint's own weights (a GGUF file's blocks on the CPU); none: "
+                            "dequantized to --dtype; the others quantize a float checkpoint at load")
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The model, the decoding strategy (common flags first, then the advanced ones) and the engine's
     sizes. Subcommands add their own arguments and the sampling flags before these."""
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_precision_flags(m)
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     m.add_argument("--exit-adapter", nargs="?", const=True, default=None, metavar="FILE",
                    help="exit adapters: the ones shipped for the default model (no FILE), or a file")
@@ -179,7 +189,7 @@ def build_llm(args):
     speculative = speculative_config(args) if args.speculate else None
     try:
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
-                          speculative=speculative, exit_adapter=args.exit_adapter,
+                          speculative=speculative, exit_adapter=args.exit_adapter, quantization=args.quantization,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks=args.num_blocks, block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)

@@ -14,6 +14,8 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    from eecore.cli.args import add_precision_flags
+
     c = sub.add_parser("calibrate", help="calibrate early-exit thresholds (CALM's Learn-then-Test)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--prompts", required=True, help="calibration prompts: text (one per line) or JSONL")
@@ -44,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="wrap each prompt in the model's chat template (auto: when it has one)")
     g = c.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_precision_flags(g)
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
@@ -76,7 +78,7 @@ def cmd_calibrate(args) -> int:
         settings.early_exit()  # the early-exit settings' own checks, before loading anything
         texts = [p.prompt for p in read_prompt_file(args.prompts)]
         llm = eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
-                         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size)
+                         quantization=args.quantization, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size)
         prompts = [prompt_input(llm, p, args.chat) for p in texts]
         result = calibrate(llm, prompts, settings, prompts_file=args.prompts)
     except ValueError as exc:

@@ -146,7 +146,7 @@ def cmd_eval(args) -> int:
 
     def load(speculative=None):
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
-                          speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                          quantization=args.quantization, speculative=speculative, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                           block_size=args.block_size, enforce_eager=args.enforce_eager)
 
     # Rows with separate draft layers load the model each (evaluate.evaluate_strategy). The flags

@@ -11,6 +11,7 @@ import torch
 
 from eecore import ops
 from eecore.exits.classifier import ExitClassifier
+from eecore.models.int8_weights import project
 from eecore.models.llama import LlamaModel
 
 
@@ -43,9 +44,16 @@ class SoftmaxGap(ConfidenceMeasure):
         self.model = model
         self.normed = _FinalNormed(model, max_rows)
         self.top1: Optional[torch.Tensor] = None
+        # a head in GGUF blocks has no fused kernel: its logits, then the gap
+        self._logits = None if isinstance(model.lm_head, torch.Tensor) else \
+            torch.empty(max_rows, model.config.vocab_size, dtype=model.dtype, device=model.device)
 
     def __call__(self, exit_layer, hidden, previous):
-        gap, self.top1 = ops.lm_head_top2_gap(self.normed(hidden), self.model.lm_head)
+        if self._logits is None:
+            gap, self.top1 = ops.lm_head_top2_gap(self.normed(hidden), self.model.lm_head)
+        else:
+            logits = project(self._logits[: hidden.shape[0]], self.normed(hidden), self.model.lm_head)
+            gap, self.top1 = ops.softmax_top2_gap(logits)
         return gap
 
 

@@ -138,8 +138,9 @@ def model_identity(model) -> dict:
     the absolute sum alone tells two random models of one shape apart only to ~1e-3 (its
     tolerance), while signed sums of different weights differ by far more than that tolerance."""
     from eecore.models.exit_adapter import model_fingerprint
+    from eecore.models.int8_weights import leading_rows
 
-    return dict(model_fingerprint(model), embed_sum=float(model.embed[:256].double().sum()))
+    return dict(model_fingerprint(model), embed_sum=float(leading_rows(model.embed, 256).double().sum()))
 
 
 def check_model(data: dict, path: str, model, adapters) -> None:

@@ -82,10 +82,11 @@ def untile(weight: torch.Tensor) -> torch.Tensor:
 
 def tiled(weight):
     """`weight` (a tensor, or an Int8Weight: its int8 `data` beside its scales) tiled where this
-    process runs its tiles and its shape allows; else `weight` itself. (Int8Weight is recognised by
-    its shape, not imported: int8_weights imports this module for `untile`.)"""
+    process runs its tiles and its shape allows; else `weight` itself (GGUF weights always). An
+    Int8Weight is recognised by its int8 `data`, not imported: int8_weights imports this module."""
     if not isinstance(weight, torch.Tensor):
-        if amx_available(torch.int8) and can_tile(weight.data):
+        data = getattr(weight, "data", None)  # an Int8Weight's integers (GGUF block weights never tile)
+        if isinstance(data, torch.Tensor) and data.dtype == torch.int8 and amx_available(torch.int8) and can_tile(data):
             return dataclasses.replace(weight, data=tile(weight.data))
         return weight
     return tile(weight) if can_tile(weight) and amx_available(weight.dtype) else weight

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from eecore import ops
 from eecore.models.amx_weights import tiled
-from eecore.models.int8_weights import Int8Weight, project
+from eecore.models.int8_weights import Int8Weight, leading_rows, project
 from eecore.models.lora import LoraDeltas
 
 FORMAT = "eecore-exit-adapter-1"
@@ -121,7 +121,7 @@ def model_fingerprint(model) -> dict:
     not depend on the dtype it was loaded in (compared with a relative tolerance)."""
     c = model.config
     return {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
-            "embed_abs_sum": float(model.embed[:256].double().abs().sum())}
+            "embed_abs_sum": float(leading_rows(model.embed, 256).double().abs().sum())}
 
 
 def check_fingerprint(expected: dict, model, source: str) -> None:
@@ -267,7 +267,8 @@ class DraftHead:
         self._vocab_list = None if vocab is None else vocab.tolist()
         head = model.lm_head
         if self.vocab is not None:
-            head = head.rows(self.vocab) if isinstance(head, Int8Weight) else head.index_select(0, self.vocab).contiguous()
+            head = head.index_select(0, self.vocab).contiguous() if isinstance(head, torch.Tensor) \
+                else head.rows(self.vocab)
         self.head = head
         if isinstance(head, Int8Weight) and model.device.type == "cpu":  # an int8 copy: AMX-INT8 tiles where it runs
             self.head = tiled(head)
@@ -338,8 +339,8 @@ class DraftHead:
 
     def top2_gap(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(p1 - p2 over the draft vocabulary, the top-1 token id) per row, fused: no logits (an
-        int8 head computes them, then takes the gap)."""
-        if isinstance(self.head, Int8Weight):
+        int8 or GGUF head computes them, then takes the gap)."""
+        if not isinstance(self.head, torch.Tensor):
             n = hidden.shape[0]
             gap, top1 = ops.softmax_top2_gap(project(self._logits[:n], self._normed(hidden), self.head))
         else:

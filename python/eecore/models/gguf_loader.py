@@ -3,7 +3,8 @@
 Three translations happen here:
   * metadata keys (`llama.block_count`, ...) -> `ModelConfig`;
   * tensor names (`blk.3.attn_q.weight`, ...) -> HF names (`model.layers.3.self_attn.q_proj.weight`),
-    each tensor dequantized to the requested dtype;
+    each tensor dequantized to the requested dtype, or, with `keep_quantized`, each matrix in a block
+    type eecore's kernels compute kept in its blocks (a `GGUFWeight`);
   * the row order of Q and K. llama.cpp's converter permutes the rows of every head of q_proj and
     k_proj so that its "normal" RoPE, which rotates adjacent pairs (x0, x1), (x2, x3), ..., computes
     what HF's rotate-half RoPE computes on pairs (x0, x_{d/2}), (x1, x_{d/2+1}), .... We undo that, so
@@ -19,7 +20,9 @@ import torch
 
 from eecore.models.config import ModelConfig
 from eecore.models.errors import CorruptCheckpointError, UnsupportedModelError
+from eecore import ops
 from eecore.models.gguf_file import GGUFFile
+from eecore.models.gguf_weights import GGUFWeight
 from eecore.models.gguf_tokenizer import tokenizer_from_gguf
 from eecore.models.tokenizer import Tokenizer
 from eecore.models.weights import check_state_dict
@@ -72,26 +75,62 @@ def unpermute_qk(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(tensor.shape).contiguous())
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def load_gguf(path: str, dtype: torch.dtype | None, keep_quantized: bool = False
+              ) -> tuple[ModelConfig, dict, Tokenizer | None, str]:
+    """(config, HF-named state dict, tokenizer, the file's precision: see `gguf_precision`).
+
+    `dtype`: what every tensor becomes, or None for as stored (F32 / F16 / BF16; fp32 values of
+    quantized blocks). `keep_quantized`: matrices in a type of ops.GGUF_QUANT_TYPES stay in their
+    blocks (GGUFWeight) whatever `dtype` says."""
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
     permuted = gguf.metadata["general.architecture"] in _PERMUTED_QK
-    state_dict: dict[str, torch.Tensor] = {}
-    for name in gguf.tensors:
+    state_dict: dict = {}
+    for name, info in gguf.tensors.items():
         if name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise UnsupportedModelError(f"{path}: tensor {name!r} is not part of a Llama-family model")
+        heads = None
+        if permuted and ".self_attn.q_proj." in hf_name:
+            heads = config.num_heads
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            heads = config.num_kv_heads
+        if keep_quantized and len(info.shape) == 2 and info.ggml_type.name in ops.GGUF_QUANT_TYPES:
+            # an owned copy of the blocks in torch's (64-byte aligned) memory: the file's mapping is released
+            raw = gguf.raw(name)
+            blocks = torch.empty(raw.shape, dtype=torch.uint8)
+            blocks.numpy()[...] = raw
+            if heads is not None:  # whole rows of blocks move, as the rows of a dense weight would
+                blocks = unpermute_qk(blocks, heads)
+            state_dict[hf_name] = GGUFWeight(blocks, int(info.ggml_type), info.shape[1])
+            continue
         tensor = gguf.load_tensor(name, dtype=None)
         # Reorder before the cast: strided copies are fastest in the stored (usually fp32) type.
-        if permuted and ".self_attn.q_proj." in hf_name:
-            tensor = unpermute_qk(tensor, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            tensor = unpermute_qk(tensor, config.num_kv_heads)
-        state_dict[hf_name] = tensor.to(dtype)
+        if heads is not None:
+            tensor = unpermute_qk(tensor, heads)
+        state_dict[hf_name] = tensor if dtype is None else tensor.to(dtype)
     check_state_dict(state_dict, config, path)
-    return config, state_dict, tokenizer_from_gguf(gguf.metadata, path)
+    return config, state_dict, tokenizer_from_gguf(gguf.metadata, path), gguf_precision(gguf)
+
+
+def gguf_precision(gguf: GGUFFile) -> str:
+    """The file's precision: "float32", "float16" or "bfloat16" when its layers' matrices are all
+    of that type, else the name of the quantized type most of their bytes are in ("Q4_1";
+    "Q4_K" for most Q4_K_M files)."""
+    matrices = [info for name, info in gguf.tensors.items() if name.startswith("blk.") and len(info.shape) == 2]
+    names = {info.ggml_type.name for info in matrices}
+    if len(names) == 1 and next(iter(names)) in _FLOAT_TYPES:
+        return _FLOAT_TYPES[next(iter(names))]
+    quantized: dict[str, int] = {}
+    for info in matrices:
+        if info.ggml_type.name not in _FLOAT_TYPES:
+            quantized[info.ggml_type.name] = quantized.get(info.ggml_type.name, 0) + info.nbytes
+    return max(quantized, key=quantized.get) if quantized else "float32"
 
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:

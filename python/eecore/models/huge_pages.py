@@ -98,11 +98,12 @@ def pack_in_huge_pages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tenso
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors of a weight attribute: a tensor, a list of them, a dataclass of them (a layer's
-    weights, an Int8Weight's integers and scales), nested; None and other values hold none."""
+    """The tensors of a weight attribute: a tensor, a list or tuple of them, a dataclass of them (a
+    layer's weights, an Int8Weight's integers and scales, a GGUFWeight's blocks), nested; None and
+    other values hold none."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors_in(v)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name))]
@@ -112,8 +113,8 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 def _moved(value: Any, packed: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return packed[id(value)]
-    if isinstance(value, list):
-        return [_moved(v, packed) for v in value]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, packed) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), packed)
                                              for f in dataclasses.fields(value) if f.init})

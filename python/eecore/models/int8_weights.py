@@ -19,7 +19,7 @@ import torch
 
 from eecore import ops
 from eecore.models.amx_weights import untile
-from eecore.models.gguf_weights import GGUFWeight
+from eecore.models.gguf_weights import GGUFWeight, StackedWeight, gguf_rows, project_gguf
 
 INT8_MAX = 127
 
@@ -62,18 +62,33 @@ class Int8Weight:
         return (untile(self.data).float() * self.scale[:, None]).to(dtype)
 
 
-Weight = Union[torch.Tensor, Int8Weight, GGUFWeight]
+Weight = Union[torch.Tensor, Int8Weight, GGUFWeight, StackedWeight]
 
 
 def project(out: torch.Tensor, input: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
             accumulate: bool = False) -> torch.Tensor:
-    """`ops.linear` for a dense weight or an Int8Weight, `ops.linear_gguf` for a GGUFWeight: the one
-    call every model projection makes."""
+    """`ops.linear` for a dense weight or an Int8Weight, `ops.linear_gguf` for a GGUFWeight (each part
+    of a StackedWeight by its own): the one call every model projection makes."""
     if isinstance(weight, Int8Weight):
         return ops.linear(out, input, weight.data, bias, accumulate, weight.scale)
-    if isinstance(weight, GGUFWeight):
-        return ops.linear_gguf(out, input, weight.data, weight.quant_type, bias, accumulate)
+    if isinstance(weight, (GGUFWeight, StackedWeight)):
+        return project_gguf(out, input, weight, project, bias, accumulate)
     return ops.linear(out, input, weight, bias, accumulate)
+
+
+def weight_rows(out: torch.Tensor, weight: Union[torch.Tensor, GGUFWeight], ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` of a dense or GGUF weight, in `out`'s dtype, into `out` (an embedding lookup;
+    the rows of an LM head)."""
+    if isinstance(weight, GGUFWeight):
+        return gguf_rows(out, weight, ids)
+    return torch.index_select(weight, 0, ids, out=out)
+
+
+def leading_rows(weight: Union[torch.Tensor, GGUFWeight], count: int) -> torch.Tensor:
+    """The first `count` rows of a dense or GGUF weight, as a dense tensor (checksums of a model)."""
+    if isinstance(weight, GGUFWeight):
+        return weight.rows(torch.arange(min(count, weight.shape[0]), device=weight.device)).dequantize(torch.float32)
+    return weight[:count]
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -81,4 +96,6 @@ def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     stacked K/V projections, a training twin), from int8 or from AMX tiles as well."""
     if isinstance(weight, (Int8Weight, GGUFWeight)):
         return weight.dequantize(dtype)
+    if isinstance(weight, StackedWeight):
+        return torch.cat([dense(part, dtype) for part in weight.parts])
     return untile(weight).to(dtype)

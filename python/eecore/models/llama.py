@@ -19,7 +19,8 @@ from eecore import ops
 from eecore.models.amx_weights import tile_projections
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
-from eecore.models.int8_weights import Int8Weight, Weight, dense, project
+from eecore.models.gguf_weights import stack_weights
+from eecore.models.int8_weights import Int8Weight, Weight, dense, project, weight_rows
 from eecore.models.rope import cos_sin_cache
 from eecore.models.weights import weight_taker
 from eecore.models.workspace import RowViewCache
@@ -34,10 +35,11 @@ class LayerWeights:
     post_norm: torch.Tensor           # [d]
     gate_up: Weight                   # [2 I, d]: gate and up projections stacked
     down: Weight                      # [d, I]
-    # The projections are dense tensors in the model's dtype, or weight-only int8
-    # (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights), or, on a CPU with AMX, their
-    # tiles: bf16 [N/16, K/32, 16, 32], int8 [N/16, K/64, 16, 64] (eecore.models.amx_weights; `dense`
-    # gives any of them back as [N, K]).
+    # The projections are dense tensors in the model's dtype, or a GGUF file's blocks (GGUFWeight,
+    # or a StackedWeight where q, k and v, or gate and up, differ in type: eecore.models.gguf_weights),
+    # or weight-only int8 (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights), or, on
+    # a CPU with AMX, their tiles: bf16 [N/16, K/32, 16, 32], int8 [N/16, K/64, 16, 64]
+    # (eecore.models.amx_weights; `dense` gives any of them back as [N, K]).
 
 
 @dataclass
@@ -120,24 +122,26 @@ class LlamaModel:
         c = config
 
         take = weight_taker(state_dict, dtype, self.device)
-        # the projections as the model keeps them: as loaded, or weight-only int8
-        proj = Int8Weight.quantize if self.weight_dtype == torch.int8 else (lambda w: w)
+        # the projections as the model keeps them: as loaded (dense, or a GGUF file's blocks), or
+        # weight-only int8
+        proj = (lambda w: Int8Weight.quantize(dense(w, torch.float32))) if self.weight_dtype == torch.int8 \
+            else (lambda w: w)
 
-        self.embed = take("model.embed_tokens.weight")
+        self.embed: Weight = take("model.embed_tokens.weight")  # dense, or GGUF blocks (embed_tokens)
         self.final_norm = take("model.norm.weight")
         self.lm_head: Weight = proj(self.embed if c.tie_word_embeddings or "lm_head.weight" not in state_dict
                                     else take("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv = stack_weights([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.attention_bias else None
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=proj(qkv), qkv_bias=bias,
                 o_proj=proj(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=proj(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                gate_up=proj(stack_weights([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=proj(take(p + "mlp.down_proj.weight")),
             ))
         # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
@@ -159,7 +163,7 @@ class LlamaModel:
 
     # ---- pieces ----------------------------------------------------------------------------
     def embed_tokens(self, token_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.index_select(self.embed, 0, token_ids, out=out)
+        return weight_rows(out, self.embed, token_ids)
 
     def layer(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
               v_cache: torch.Tensor, ws: Workspace) -> torch.Tensor:

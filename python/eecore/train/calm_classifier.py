@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=300)
     args = ap.parse_args(argv)
-    llm = eecore.LLM(args.model, dtype="float32", device="cpu")
+    llm = eecore.LLM(args.model, dtype="float32", device="cpu", quantization="none")
     train(llm, max_new_tokens=args.max_new_tokens, hidden=args.hidden, epochs=args.epochs).save(args.out)
     print(f"saved {args.out}")
     return 0

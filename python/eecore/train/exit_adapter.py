@@ -303,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = AdapterTrainConfig(tuple(args.exit_layers), args.adapter_hidden, args.draft_vocab, args.seq_len,
                                 args.batch_size, args.steps, args.lr, args.warmup, args.min_lr_ratio,
                                 args.max_grad_norm, args.temperature, args.seed)
-    llm = eecore.LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.batch_size,
+    llm = eecore.LLM(args.model, dtype="float32", device="cpu", quantization="none", max_num_seqs=args.batch_size,
                      max_num_batched_tokens=args.batch_size * args.seq_len, max_model_len=args.seq_len + 1)
     tokens = tokenize_file(llm.tokenizer, os.path.join(args.corpus, "train.txt"), args.checkpoint_dir)
     heldout = tokenize_file(llm.tokenizer, os.path.join(args.corpus, "heldout.txt"), args.checkpoint_dir)

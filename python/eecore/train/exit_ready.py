@@ -119,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
     # the model is read (and, on the CPU, teaches) on the CPU; the student trains on --device
-    llm = eecore.LLM(args.model, dtype="float32", device="cpu", max_num_seqs=config.batch_size,
+    llm = eecore.LLM(args.model, dtype="float32", device="cpu", quantization="none", max_num_seqs=config.batch_size,
                      max_num_batched_tokens=config.batch_size * config.seq_len, max_model_len=config.seq_len + 1)
     # --eval-only reads the train split only if it must count a draft vocabulary
     tokens = None if args.eval_only else corpus_tokens(llm.tokenizer, args.corpus, "train", args.checkpoint_dir)
