@@ -1,11 +1,12 @@
 """linear_gguf against eecore's dense `linear` (bf16 and fp32 weights) on SmolLM2-135M's projections.
 
-All 30 layers' qkv, o, gate_up and down projections (random weights, the shapes of the model),
-quantized with the `gguf` package to each block format, run at M rows as a decode step does; each
+All 30 layers' qkv, o, gate_up and down projections (random weights, the shapes of the model;
+for the K formats, whose blocks hold 256 weights, the 576-wide inputs widened to 768), quantized to
+each block format (eecore.models.gguf_quantize), run at M rows as a decode step does; each
 configuration is timed in the same process, alternated, medians of `--repeats` passes. Prints ms
 per pass over the 120 projections and the weight bytes each reads, and the GB/s that makes.
 
-    python bench/linear_gguf.py [--rows 1 4 8] [--types Q4_1 Q8_0 Q4_0] [--threads 2]
+    python bench/linear_gguf.py [--rows 1 4 5 8] [--types Q4_1 Q8_0 Q4_0 Q4_K Q6_K] [--threads 2]
 """
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ import time
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
-
 import eecore
 from eecore import ops
+from eecore.models.gguf_quantize import quantize
 from common import cpu_model, save_results
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [N, K]
@@ -38,23 +37,27 @@ def timed(run, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_0"], choices=list(ops.GGUF_QUANT_TYPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8])
+    ap.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_0", "Q4_K", "Q6_K"],
+                    choices=list(ops.GGUF_QUANT_TYPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rng = np.random.default_rng(0)
-    dense = [(rng.standard_normal((n, k)).astype(np.float32) * 0.02, n, k) for _ in range(LAYERS) for n, k in SHAPES]
-    print(f"CPU: {cpu_model()}, {args.threads} threads; {len(dense)} projections of SmolLM2-135M")
+    print(f"CPU: {cpu_model()}, {args.threads} threads; {LAYERS * len(SHAPES)} projections of SmolLM2-135M")
     rows = []
     for name in args.types:
         qtype = ops.GGUF_QUANT_TYPES[name]
-        quantized = [(torch.from_numpy(quantize(w, GGMLQuantizationType(qtype))), n, k) for w, n, k in dense]
+        rng = np.random.default_rng(0)
+        widen = (lambda k: -(-k // 256) * 256) if name.endswith("_K") else (lambda k: k)
+        dense = [(rng.standard_normal((n, widen(k))).astype(np.float32) * 0.02, n, widen(k))
+                 for _ in range(LAYERS) for n, k in SHAPES]
+        quantized = [(torch.from_numpy(quantize(w, name)), n, k) for w, n, k in dense]
         weights = {"bf16": [(torch.from_numpy(w).to(torch.bfloat16), n, k) for w, n, k in dense],
                    "fp32": [(torch.from_numpy(w), n, k) for w, n, k in dense]}
         for m in args.rows:
-            xs = {dtype: {k: torch.randn(m, k).to(dtype) for k in (576, 1536)} for dtype in (torch.float32, torch.bfloat16)}
+            xs = {dtype: {k: torch.randn(m, k).to(dtype) for k in {widen(576), widen(1536)}}
+                  for dtype in (torch.float32, torch.bfloat16)}
             outs = {dtype: {n: torch.empty(m, n, dtype=dtype) for n in (576, 960, 3072)} for dtype in xs}
             f32, b16 = torch.float32, torch.bfloat16
             runs = {

@@ -68,8 +68,27 @@ struct Simd {
     w[0] = mul(set1(a), w[0]);
     w[1] = mul(set1(b), w[1]);
   }
+  // A 4-bit group's 32 weights as table[q]: the 16 values a block's scale (and minimum) give the
+  // 16 integers are computed once (as dequantize_* does, so exactly its values), and each weight
+  // is one lane of a permute, which reads only the low 4 bits of its index.
+  static V lookup(__m128i bytes, int shift, V table) {
+    return _mm512_permutexvar_ps(_mm512_srl_epi32(_mm512_cvtepu8_epi32(bytes), _mm_cvtsi32_si128(shift)), table);
+  }
+  // a 32-weight block's 16 bytes: weights 0..15 in the low nibbles, 16..31 in the high ones
+  static void lookup_block(const uint8_t* qs, V table, V* w) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    w[0] = _mm512_permutexvar_ps(q, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  }
+  // a K group's 32 bytes, the nibbles at `shift` (0 or 4)
+  static void lookup_group(const uint8_t* qs, int shift, V table, V* w) {
+    w[0] = lookup(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), shift, table);
+    w[1] = lookup(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)), shift, table);
+  }
+  static V iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 };
 #define EECORE_GGUF_SIMD 1
+#define EECORE_GGUF_LOOKUP 1
 #elif EECORE_VEC8_AVX2
 struct Simd {
   using V = __m256;
@@ -103,8 +122,10 @@ struct Simd {
   }
 };
 #define EECORE_GGUF_SIMD 1
+#define EECORE_GGUF_LOOKUP 0
 #else
 #define EECORE_GGUF_SIMD 0
+#define EECORE_GGUF_LOOKUP 0
 #endif
 
 #if EECORE_GGUF_SIMD
@@ -123,6 +144,17 @@ struct Decode {
     for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::sub(S::mul(S::set1(d), w[p]), S::set1(m));
   }
 
+#if EECORE_GGUF_LOOKUP
+  // the 4-bit formats by table lookup (Simd::lookup_block)
+  static void q4_0(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 18;
+    S::lookup_block(block + 2, S::mul(S::set1(half_at(block)), S::sub(S::iota16(), S::set1(8.f))), w);
+  }
+  static void q4_1(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 20;
+    S::lookup_block(block + 4, S::add(S::mul(S::set1(half_at(block)), S::iota16()), S::set1(half_at(block + 2))), w);
+  }
+#else
   static void q4_0(const uint8_t* row, int64_t g, V* w) {
     const uint8_t* block = row + g * 18;
     S::i8x32(_mm256_sub_epi8(block_nibbles(block + 2), _mm256_set1_epi8(8)), w);
@@ -133,6 +165,7 @@ struct Decode {
     S::u8x32(block_nibbles(block + 4), w);
     times_plus(w, half_at(block), half_at(block + 2));
   }
+#endif
   static void q5_0(const uint8_t* row, int64_t g, V* w) {
     const uint8_t* block = row + g * 22;
     const __m256i q = _mm256_or_si256(block_nibbles(block + 6), fifth_bits(u32_at(block + 2)));
@@ -158,8 +191,16 @@ struct Decode {
   static void q4_k(const uint8_t* row, int64_t g, V* w) {
     const uint8_t* block = row + (g >> 3) * 144;
     const int k = static_cast<int>(g & 7);
+#if EECORE_GGUF_LOOKUP
+    int scale, min;
+    scale_min_k(block + 4, k, scale, min);
+    const V table = S::sub(S::mul(S::set1(half_at(block) * static_cast<float>(scale)), S::iota16()),
+                           S::set1(half_at(block + 2) * static_cast<float>(min)));
+    S::lookup_group(block + 16 + 32 * (k >> 1), 4 * (k & 1), table, w);
+#else
     S::u8x32(nibbles_at(block + 16 + 32 * (k >> 1), 4 * (k & 1)), w);
     k_scales(block, k, w);
+#endif
   }
   static void q5_k(const uint8_t* row, int64_t g, V* w) {
     const uint8_t* block = row + (g >> 3) * 176;

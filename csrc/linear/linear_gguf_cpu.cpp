@@ -59,32 +59,51 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
     for (int r = 0; r < NR; ++r) sums[i * NR + r] = S::sum(acc[i][r]);
 }
 
-// Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 rows' decoded groups;
-// AVX2's 16 hold 2 x 2 (a group is 4 vectors there).
+// Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 weight rows' decoded
+// groups (2 vectors each), and up to 5 x 4; AVX2's 16 hold 2 x 2 (a group is 4 vectors there), and
+// up to 3 x 2. Rows go in tiles of kTileRows, except that a remainder of up to kMaxTileRows rows is
+// one tile: a verification pass of 5 rows (4 drafts) decodes each group once, not twice.
 constexpr int kTileRows = gguf::Simd::kLanes == 16 ? 4 : 2;
+constexpr int kMaxTileRows = gguf::Simd::kLanes == 16 ? 5 : 3;
 constexpr int kTileCols = gguf::Simd::kLanes == 16 ? 4 : 2;
+
+// One tile of mr (runtime) input rows by kTileCols weight rows.
+template <Decoder decode>
+void gguf_row_tile(int64_t mr, const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups,
+                   float* sums) {
+  switch (mr) {
+    case 2: return gguf_tile<2, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 3: return gguf_tile<3, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 4: if constexpr (kMaxTileRows >= 4) return gguf_tile<4, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
+            break;
+    case 5: if constexpr (kMaxTileRows >= 5) return gguf_tile<5, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
+            break;
+  }
+}
 
 template <Decoder decode>
 void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t groups,
                int64_t n, float* out) {
   // out[i * n + j] for the n weight rows from w
-  float sums[kTileRows * kTileCols];
+  float sums[kMaxTileRows * kTileCols];
   for (int64_t j = 0; j < n; j += kTileCols) {
     const int64_t nr = std::min<int64_t>(kTileCols, n - j);
-    for (int64_t i = 0; i < M; i += kTileRows) {
-      const int64_t mr = std::min<int64_t>(kTileRows, M - i);
+    for (int64_t i = 0; i < M;) {
+      const int64_t mr = M - i <= kMaxTileRows ? M - i : kTileRows;
       const float* xi = x + i * ldx;
       const uint8_t* wj = w + j * row_bytes;
-      if (mr == kTileRows && nr == kTileCols) {
-        gguf_tile<kTileRows, kTileCols, decode>(xi, ldx, wj, row_bytes, groups, sums);
-      } else {  // edge tiles (a decode step's one row among them) one by one: taking several weight
-                // rows at once for one input row ran slower (Zen 4: Q4_1 1.15x, Q8_0 2.2x the time)
+      if (mr > 1 && nr == kTileCols) {
+        gguf_row_tile<decode>(mr, xi, ldx, wj, row_bytes, groups, sums);
+      } else {  // one input row (a decode step's), and the last weight rows, one dot at a time:
+                // taking several weight rows at once for one input row ran slower (Zen 4: Q4_1
+                // 1.15x, Q8_0 2.2x the time)
         for (int64_t a = 0; a < mr; ++a)
           for (int64_t c = 0; c < nr; ++c)
             gguf_tile<1, 1, decode>(xi + a * ldx, ldx, wj + c * row_bytes, row_bytes, groups, sums + a * kTileCols + c);
       }
       for (int64_t a = 0; a < mr; ++a)
         for (int64_t c = 0; c < nr; ++c) out[(i + a) * n + j + c] = sums[a * kTileCols + c];
+      i += mr;
     }
   }
 }
