@@ -59,6 +59,35 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
     for (int r = 0; r < NR; ++r) sums[i * NR + r] = S::sum(acc[i][r]);
 }
 
+// One input row by one weight row, two groups at a time into separate accumulators: the tile
+// above's single accumulator chain (one fma after another into the same register) would bound a
+// decode step by the fma latency, not by decoding or memory.
+template <Decoder decode>
+float gguf_dot_one(const float* x, const uint8_t* w, int64_t groups) {
+  using S = gguf::Simd;
+  S::V acc[2][S::kPerGroup];
+  for (auto& a : acc)
+    for (auto& v : a) v = S::zero();
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    for (int u = 0; u < 2; ++u) {
+      S::V wv[S::kPerGroup];
+      decode(w, g + u, wv);
+      const float* xg = x + (g + u) * gguf::kGroupWeights;
+      for (int p = 0; p < S::kPerGroup; ++p) acc[u][p] = S::fma(wv[p], S::load(xg + p * S::kLanes), acc[u][p]);
+    }
+  }
+  if (g < groups) {
+    S::V wv[S::kPerGroup];
+    decode(w, g, wv);
+    const float* xg = x + g * gguf::kGroupWeights;
+    for (int p = 0; p < S::kPerGroup; ++p) acc[0][p] = S::fma(wv[p], S::load(xg + p * S::kLanes), acc[0][p]);
+  }
+  S::V total = S::add(acc[0][0], acc[1][0]);
+  for (int p = 1; p < S::kPerGroup; ++p) total = S::add(total, S::add(acc[0][p], acc[1][p]));
+  return S::sum(total);
+}
+
 // Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 weight rows' decoded
 // groups (2 vectors each), and up to 5 x 4; AVX2's 16 hold 2 x 2 (a group is 4 vectors there), and
 // up to 3 x 2. Rows go in tiles of kTileRows, except that a remainder of up to kMaxTileRows rows is
@@ -98,8 +127,7 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
                 // taking several weight rows at once for one input row ran slower (Zen 4: Q4_1
                 // 1.15x, Q8_0 2.2x the time)
         for (int64_t a = 0; a < mr; ++a)
-          for (int64_t c = 0; c < nr; ++c)
-            gguf_tile<1, 1, decode>(xi + a * ldx, ldx, wj + c * row_bytes, row_bytes, groups, sums + a * kTileCols + c);
+          for (int64_t c = 0; c < nr; ++c) sums[a * kTileCols + c] = gguf_dot_one<decode>(xi + a * ldx, wj + c * row_bytes, groups);
       }
       for (int64_t a = 0; a < mr; ++a)
         for (int64_t c = 0; c < nr; ++c) out[(i + a) * n + j + c] = sums[a * kTileCols + c];
