@@ -133,3 +133,16 @@ def test_bad_quantization_arguments(tiny):
         eecore.LLM(path, device="cpu", quantization="q4_0")
     with pytest.raises(ValueError, match="'dtype' must be auto, float32"):
         eecore.LLM(path, device="cpu", dtype="int4")
+
+
+def test_cli_generate_sizes_the_kv_cache_to_its_request(tiny, capsys):
+    from eecore.cli import main
+    from eecore.cli.generate import request_blocks
+
+    # tokens <= UTF-8 bytes + the template's, plus max_tokens and the drafts' lookahead; doubled
+    assert request_blocks(["héllo"], 10, 16) == 2 * (-(-(6 + 64 + 10 + 16) // 16) + 1)
+    path = _gguf_file(tiny, "Q8_0")
+    long_prompt = "ab cd ef " * 40
+    assert main(["generate", long_prompt, "--model", path, "--max-tokens", "12", "--temperature", "0",
+                 "--device", "cpu", "--chat", "off"]) == 0
+    assert "12 tokens in" in capsys.readouterr().err

@@ -144,7 +144,8 @@ class LLM:
         # before the build: an exit-ready file may carry LoRA pairs to merge into the base weights
         # (or, with separate draft layers, into their copy alone)
         self.exit_adapters = load_exit_adapters(exit_adapter, model, loaded, merge_lora=not separate)
-        self.model = build_model(loaded, self.dtype, self.device)
+        # the checkpoint is read once more only to build a draft copy
+        self.model = build_model(loaded, self.dtype, self.device, consume=not separate)
         if self.exit_adapters is not None:
             self.exit_adapters.check_model(self.model)
         draft_model = None

@@ -178,7 +178,9 @@ def early_exit_config(args):
         batch_rule=args.batch_rule, classifier_path=args.classifier)
 
 
-def build_llm(args):
+def build_llm(args, num_blocks=None):
+    """The LLM the flags ask for; `num_blocks`: the KV cache's size when --num-blocks is not given
+    (None: from the memory budget)."""
     import eecore
     from eecore.exits.thresholds_file import ThresholdsFileError
 
@@ -191,7 +193,8 @@ def build_llm(args):
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, early_exit=early_exit,
                           speculative=speculative, exit_adapter=args.exit_adapter, quantization=args.quantization,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          num_blocks=args.num_blocks, block_size=args.block_size,
+                          num_blocks=args.num_blocks if args.num_blocks is not None else num_blocks,
+                          block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
     except ThresholdsFileError as exc:  # a file made for another model: a message, not a traceback
         raise SystemExit(f"eecore: {exc}") from None

@@ -24,8 +24,22 @@ def summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) -
             f"mean layers/token {mean:.2f} of {num_layers}")
 
 
+# A prompt's tokens are at most its UTF-8 bytes (byte-level BPE) plus the chat template's own, and
+# self-speculation's drafts run ahead of the last token by at most this many.
+_TEMPLATE_TOKENS = 64
+_LOOKAHEAD = 16
+
+
+def request_blocks(prompts: list[str], max_tokens: int, block_size: int) -> int:
+    """KV blocks these requests can ever hold: a cache sized to the work, not to free memory (a
+    short run then touches a few pages, not a huge page per layer). Doubled for an
+    encoder-decoder's cross-attention K/V."""
+    need = sum(-(-(len(p.encode()) + _TEMPLATE_TOKENS + max_tokens + _LOOKAHEAD) // block_size) + 1 for p in prompts)
+    return 2 * need
+
+
 def cmd_generate(args) -> int:
-    llm = build_llm(args)
+    llm = build_llm(args, num_blocks=request_blocks(args.prompt, args.max_tokens, args.block_size))
     prompts = [prompt_input(llm, p, args.chat) for p in args.prompt]
     texts = [""] * len(prompts)
     layers: list[int] = []

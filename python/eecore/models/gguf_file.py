@@ -176,6 +176,16 @@ class GGUFFile:
         row_bytes = info.shape[-1] // block_size * type_size if info.shape else info.nbytes
         return data.reshape(*info.shape[:-1], row_bytes)
 
+    def release(self, name: str) -> None:
+        """Drop the file pages of tensor `name` from this process's memory once it has been copied:
+        a mapped page read once stays resident (and counted in the process's RSS) while the mapping
+        lives, so a loader that copies every tensor would otherwise hold the file twice at its peak."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
+        start = info.offset - info.offset % mmap.PAGESIZE  # a neighbour's edge page is read back if needed
+        self._map.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+
     def load_tensor(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """The tensor dequantized to `dtype` (None: as stored for F32/F16/BF16, else float32), in a
         fresh (writable, owned) torch tensor."""

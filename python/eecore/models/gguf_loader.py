@@ -105,11 +105,13 @@ def load_gguf(path: str, dtype: torch.dtype | None, keep_quantized: bool = False
             raw = gguf.raw(name)
             blocks = torch.empty(raw.shape, dtype=torch.uint8)
             blocks.numpy()[...] = raw
+            gguf.release(name)
             if heads is not None:  # whole rows of blocks move, as the rows of a dense weight would
                 blocks = unpermute_qk(blocks, heads)
             state_dict[hf_name] = GGUFWeight(blocks, int(info.ggml_type), info.shape[1])
             continue
         tensor = gguf.load_tensor(name, dtype=None)
+        gguf.release(name)
         # Reorder before the cast: strided copies are fastest in the stored (usually fp32) type.
         if heads is not None:
             tensor = unpermute_qk(tensor, heads)

@@ -15,7 +15,7 @@ does the same per allocation, but it is read once per process, before the model 
 The paged KV cache is allocated the same way (`zeros_in_huge_pages`): attention streams it too.
 
 `EECORE_HUGE_PAGES=0` keeps the weights where they were loaded (to compare, or where memory is
-tight: packing holds a second copy of the weights until the loaded checkpoint is released).
+tight: packing holds a second copy of the tensors the loaded checkpoint still holds).
 """
 from __future__ import annotations
 
@@ -110,26 +110,52 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _moved(value: Any, packed: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return packed[id(value)]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_moved(v, packed) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), packed)
-                                             for f in dataclasses.fields(value) if f.init})
-    return value
-
-
 def place_in_huge_pages(*holders: tuple[object, tuple[str, ...]]) -> bool:
     """Move the weights held in each `(object, attribute names)` into one huge-page mapping: every
     tensor of those attributes (see _tensors_in) is replaced by its packed copy, and a tensor held
     twice (tied embeddings) stays one tensor. Returns whether anything moved (not where huge pages
-    are unavailable: the weights then stay as they are)."""
-    packed = pack_in_huge_pages(t for obj, names in holders for name in names for t in _tensors_in(getattr(obj, name)))
-    if not packed:
-        return False
+    are unavailable: the weights then stay as they are).
+
+    Tensors move one at a time, list items (a model's layers) replaced in place as they go, so an
+    original nothing else holds is freed before the next is copied: with a consumed checkpoint the
+    peak is the weights plus one layer, not the weights twice."""
+    unique: dict[int, torch.Tensor] = {}
     for obj, names in holders:
         for name in names:
-            setattr(obj, name, _moved(getattr(obj, name), packed))
+            for t in _tensors_in(getattr(obj, name)):
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError(f"place_in_huge_pages: expected contiguous CPU tensors, got {t.device} "
+                                     f"{'contiguous' if t.is_contiguous() else 'strided'} {tuple(t.shape)}")
+                unique.setdefault(id(t), t)
+    total = sum(_aligned(t.nbytes) for t in unique.values())
+    arena = _advised_arena(total) if total > 0 else None
+    del unique
+    if arena is None:
+        return False
+    packed: dict[int, torch.Tensor] = {}  # id(original) -> its copy (an id is only looked up while alive)
+    offset = 0
+
+    def move(value: Any) -> Any:
+        nonlocal offset
+        if isinstance(value, torch.Tensor):
+            if id(value) not in packed:
+                view = arena[offset:offset + value.nbytes].view(value.dtype).view(value.shape)
+                view.copy_(value)
+                packed[id(value)] = view
+                offset += _aligned(value.nbytes)
+            return packed[id(value)]
+        if isinstance(value, list):
+            for k in range(len(value)):
+                value[k] = move(value[k])
+            return value
+        if isinstance(value, tuple):
+            return type(value)(move(v) for v in value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: move(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value) if f.init})
+        return value
+
+    for obj, names in holders:
+        for name in names:
+            setattr(obj, name, move(getattr(obj, name)))
     return True

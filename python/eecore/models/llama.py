@@ -105,10 +105,11 @@ class LlamaModel:
     is_encoder_decoder = False
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, weight_dtype: Optional[torch.dtype] = None):
+                 device: torch.device, weight_dtype: Optional[torch.dtype] = None, consume_state_dict: bool = False):
         """`dtype`: activations and weights. `weight_dtype=torch.int8`: the projections and the LM
         head are weight-only int8 instead (one fp32 scale per output row), activations stay in
-        `dtype`; the embeddings and norms keep `dtype`."""
+        `dtype`; the embeddings and norms keep `dtype`. `consume_state_dict`: take the tensors out
+        of `state_dict` as they are used (a caller that needs the checkpoint no more saves a copy)."""
         if weight_dtype not in (None, dtype, torch.int8):
             raise ValueError(f"LlamaModel: 'weight_dtype' must be None, the model's dtype or torch.int8, "
                              f"got {weight_dtype}")
@@ -121,7 +122,7 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
         c = config
 
-        take = weight_taker(state_dict, dtype, self.device)
+        take = weight_taker(state_dict, dtype, self.device, consume=consume_state_dict)
         # the projections as the model keeps them: as loaded (dense, or a GGUF file's blocks), or
         # weight-only int8
         proj = (lambda w: Int8Weight.quantize(dense(w, torch.float32))) if self.weight_dtype == torch.int8 \

@@ -67,16 +67,18 @@ WEIGHT_ALIGNMENT = 64
 
 
 def weight_taker(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> Callable[[str], torch.Tensor]:
+                 device: torch.device, consume: bool = False) -> Callable[[str], torch.Tensor]:
     """`take(name)`: the checkpoint tensor `name` as a model keeps it (on `device`, in `dtype`,
     contiguous, 64-byte aligned on the CPU), or a ValueError naming the missing tensor. A GGUF
-    block weight stays in its blocks on the CPU; elsewhere it is dequantized to `dtype`."""
+    block weight stays in its blocks on the CPU; elsewhere it is dequantized to `dtype`. With
+    `consume`, each tensor leaves `state_dict` as it is taken (the loader's copy can then be freed
+    as the model builds its own, which keeps the peak memory near one copy of the weights)."""
     from eecore.models.gguf_weights import GGUFWeight
 
     def take(name: str):
         if name not in state_dict:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        tensor = state_dict[name]
+        tensor = state_dict.pop(name) if consume else state_dict[name]
         if isinstance(tensor, GGUFWeight):
             if device.type == "cpu":
                 return tensor
