@@ -28,6 +28,8 @@ namespace {
 constexpr int64_t kStreamMaxRows = 48;
 // fp32 weights a thread dequantizes at once: its buffer's size (32 KiB).
 constexpr int64_t kDecodedFloats = 8192;
+// The dot products of a chunk (M x output rows) a thread holds before writing them out.
+constexpr int64_t kSumFloats = 1024;
 // Output rows a thread takes per grab, at least, and the multiply-adds below which one thread does
 // all the work (as in linear_cpu.cpp).
 constexpr int64_t kMinMacsPerThread = 1 << 18;
@@ -96,16 +98,16 @@ constexpr int kTileRows = gguf::Simd::kLanes == 16 ? 4 : 2;
 constexpr int kMaxTileRows = gguf::Simd::kLanes == 16 ? 5 : 3;
 constexpr int kTileCols = gguf::Simd::kLanes == 16 ? 4 : 2;
 
-// One tile of mr (runtime) input rows by kTileCols weight rows.
-template <Decoder decode>
+// One tile of mr (runtime, 2..kMaxTileRows) input rows by NR weight rows.
+template <int NR, Decoder decode>
 void gguf_row_tile(int64_t mr, const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups,
                    float* sums) {
   switch (mr) {
-    case 2: return gguf_tile<2, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
-    case 3: return gguf_tile<3, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
-    case 4: if constexpr (kMaxTileRows >= 4) return gguf_tile<4, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 2: return gguf_tile<2, NR, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 3: return gguf_tile<3, NR, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 4: if constexpr (kMaxTileRows >= 4) return gguf_tile<4, NR, decode>(x, ldx, w, row_bytes, groups, sums);
             break;
-    case 5: if constexpr (kMaxTileRows >= 5) return gguf_tile<5, kTileCols, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 5: if constexpr (kMaxTileRows >= 5) return gguf_tile<5, NR, decode>(x, ldx, w, row_bytes, groups, sums);
             break;
   }
 }
@@ -121,13 +123,17 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
       const int64_t mr = M - i <= kMaxTileRows ? M - i : kTileRows;
       const float* xi = x + i * ldx;
       const uint8_t* wj = w + j * row_bytes;
-      if (mr > 1 && nr == kTileCols) {
-        gguf_row_tile<decode>(mr, xi, ldx, wj, row_bytes, groups, sums);
-      } else {  // one input row (a decode step's), and the last weight rows, one dot at a time:
-                // taking several weight rows at once for one input row ran slower (Zen 4: Q4_1
-                // 1.15x, Q8_0 2.2x the time)
-        for (int64_t a = 0; a < mr; ++a)
-          for (int64_t c = 0; c < nr; ++c) sums[a * kTileCols + c] = gguf_dot_one<decode>(xi + a * ldx, wj + c * row_bytes, groups);
+      if (mr == 1) {  // a decode step's one row: one dot at a time (taking several weight rows at once
+                      // for one input row ran slower: Zen 4, Q4_1 1.15x, Q8_0 2.2x the time)
+        for (int64_t c = 0; c < nr; ++c) sums[c] = gguf_dot_one<decode>(xi, wj + c * row_bytes, groups);
+      } else if (nr == kTileCols) {
+        gguf_row_tile<kTileCols, decode>(mr, xi, ldx, wj, row_bytes, groups, sums);
+      } else {  // the last weight rows, one at a time for all mr input rows
+        float column[kMaxTileRows];
+        for (int64_t c = 0; c < nr; ++c) {
+          gguf_row_tile<1, decode>(mr, xi, ldx, wj + c * row_bytes, row_bytes, groups, column);
+          for (int64_t a = 0; a < mr; ++a) sums[a * kTileCols + c] = column[a];
+        }
       }
       for (int64_t a = 0; a < mr; ++a)
         for (int64_t c = 0; c < nr; ++c) out[(i + a) * n + j + c] = sums[a * kTileCols + c];
@@ -161,18 +167,28 @@ void linear_gguf_streaming(at::Tensor& out, const at::Tensor& input, const uint8
   const cpu::DotInput<scalar_t, float> h(input.const_data_ptr<scalar_t>(), input.stride(0), M, K);
   const int64_t ldo = out.stride(0);
   scalar_t* o = out.data_ptr<scalar_t>();
+#if EECORE_GGUF_SIMD
+  // output rows per gguf_dot call: whole register tiles, their sums within the scratch below
+  constexpr int64_t kTile = kTileCols;
+  const int64_t chunk = std::max<int64_t>(kTile, std::min<int64_t>(64, kSumFloats / M) / kTile * kTile);
+  const int64_t grain = std::max<int64_t>(kTile, kMinMacsPerThread / std::max<int64_t>(1, M * K));
+#else
+  constexpr int64_t kTile = 1;
   const int64_t chunk = std::max<int64_t>(1, kDecodedFloats / K);  // output rows dequantized at once
   const int64_t grain = std::max<int64_t>(chunk, kMinMacsPerThread / std::max<int64_t>(1, M * K));
+#endif
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain);
-  // threads take the next grab of output rows when free (see linear_streaming in linear_cpu.cpp)
-  const int64_t grab = std::max(grain, (N + workers * kGrabsPerThread - 1) / (workers * kGrabsPerThread));
+  // threads take the next grab of output rows when free (see linear_streaming in linear_cpu.cpp);
+  // grabs of whole tiles, so that only the weight's last rows make an edge tile
+  const int64_t grab = (std::max(grain, (N + workers * kGrabsPerThread - 1) / (workers * kGrabsPerThread)) + kTile - 1)
+                       / kTile * kTile;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
 #if !EECORE_GGUF_SIMD
     cpu::ScratchBuffer<float, kDecodedFloats> decoded;
     float* wbuf = decoded.get(static_cast<size_t>(chunk * K));
 #endif
-    cpu::ScratchBuffer<float, 1024> sums;
+    cpu::ScratchBuffer<float, kSumFloats> sums;
     float* acc = sums.get(static_cast<size_t>(M * chunk));
     for (int64_t begin = next.fetch_add(grab); begin < N; begin = next.fetch_add(grab)) {
       const int64_t end = std::min(N, begin + grab);
