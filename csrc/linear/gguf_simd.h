@@ -85,6 +85,16 @@ struct Simd {
     w[0] = lookup(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), shift, table);
     w[1] = lookup(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)), shift, table);
   }
+  // a 5-bit block (Q5_0, Q5_1): 16 bytes of nibbles and 32 fifth bits, from a 32-entry table in
+  // two vectors (a two-table permute reads an index's low 5 bits)
+  static void lookup_block5(const uint8_t* qs, uint32_t fifth, V table_lo, V table_hi, V* w) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(q, 4);
+    w[0] = _mm512_permutex2var_ps(table_lo, _mm512_mask_or_epi32(lo, static_cast<__mmask16>(fifth), lo, sixteen), table_hi);
+    w[1] = _mm512_permutex2var_ps(table_lo, _mm512_mask_or_epi32(hi, static_cast<__mmask16>(fifth >> 16), hi, sixteen),
+                                  table_hi);
+  }
   static V iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 };
 #define EECORE_GGUF_SIMD 1
@@ -166,6 +176,19 @@ struct Decode {
     times_plus(w, half_at(block), half_at(block + 2));
   }
 #endif
+#if EECORE_GGUF_LOOKUP
+  static void q5_0(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 22;
+    const V d = S::set1(half_at(block)), iota = S::iota16();
+    S::lookup_block5(block + 6, u32_at(block + 2), S::mul(d, S::sub(iota, S::set1(16.f))), S::mul(d, iota), w);
+  }
+  static void q5_1(const uint8_t* row, int64_t g, V* w) {
+    const uint8_t* block = row + g * 24;
+    const V d = S::set1(half_at(block)), m = S::set1(half_at(block + 2)), iota = S::iota16();
+    S::lookup_block5(block + 8, u32_at(block + 4), S::add(S::mul(d, iota), m),
+                     S::add(S::mul(d, S::add(iota, S::set1(16.f))), m), w);
+  }
+#else
   static void q5_0(const uint8_t* row, int64_t g, V* w) {
     const uint8_t* block = row + g * 22;
     const __m256i q = _mm256_or_si256(block_nibbles(block + 6), fifth_bits(u32_at(block + 2)));
@@ -177,6 +200,7 @@ struct Decode {
     S::u8x32(_mm256_or_si256(block_nibbles(block + 8), fifth_bits(u32_at(block + 4))), w);
     times_plus(w, half_at(block), half_at(block + 2));
   }
+#endif
   static void q8_0(const uint8_t* row, int64_t g, V* w) {
     const uint8_t* block = row + g * 34;
     S::i8x32(load32(block + 2), w);
