@@ -146,3 +146,16 @@ def test_cli_generate_sizes_the_kv_cache_to_its_request(tiny, capsys):
     assert main(["generate", long_prompt, "--model", path, "--max-tokens", "12", "--temperature", "0",
                  "--device", "cpu", "--chat", "off"]) == 0
     assert "12 tokens in" in capsys.readouterr().err
+
+
+def test_blocks_are_copied_once_from_the_file(tiny):
+    """The loader writes every kept matrix into one buffer, each layer's q, k, v (and gate, up) back
+    to back, so stacking them is a view and huge-page placement leaves them where they are."""
+    llm = eecore.LLM(_gguf_file(tiny, "Q8_0"), device="cpu", num_blocks=16)
+    storage = llm.model.embed.data.untyped_storage().data_ptr()
+    for layer in llm.model.layers:
+        for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            assert weight.data.untyped_storage().data_ptr() == storage
+    plain = load_model(_gguf_file(tiny, "Q8_0"), torch.float32)
+    qkv = torch.cat([plain.state_dict[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(dense(llm.model.layers[1].qkv, torch.float32), qkv)

@@ -24,8 +24,9 @@ from eecore import ops
 from eecore.models.gguf_file import GGUFFile
 from eecore.models.gguf_weights import GGUFWeight
 from eecore.models.gguf_tokenizer import tokenizer_from_gguf
+from eecore.models.huge_pages import weight_buffer
 from eecore.models.tokenizer import Tokenizer
-from eecore.models.weights import check_state_dict
+from eecore.models.weights import WEIGHT_ALIGNMENT, check_state_dict
 
 # general.architecture -> ModelConfig.architecture. Mistral (v0.x) files say "llama".
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -88,6 +89,8 @@ def load_gguf(path: str, dtype: torch.dtype | None, keep_quantized: bool = False
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
     permuted = gguf.metadata["general.architecture"] in _PERMUTED_QK
+    kept = _block_layout(gguf) if keep_quantized else {}
+    buffer = weight_buffer(max((end for _, end in kept.values()), default=0)) if kept else None
     state_dict: dict = {}
     for name, info in gguf.tensors.items():
         if name == _ROPE_FREQS:
@@ -100,14 +103,15 @@ def load_gguf(path: str, dtype: torch.dtype | None, keep_quantized: bool = False
             heads = config.num_heads
         elif permuted and ".self_attn.k_proj." in hf_name:
             heads = config.num_kv_heads
-        if keep_quantized and len(info.shape) == 2 and info.ggml_type.name in ops.GGUF_QUANT_TYPES:
-            # an owned copy of the blocks in torch's (64-byte aligned) memory: the file's mapping is released
+        if name in kept:
+            start, end = kept[name]
             raw = gguf.raw(name)
-            blocks = torch.empty(raw.shape, dtype=torch.uint8)
-            blocks.numpy()[...] = raw
-            gguf.release(name)
+            blocks = buffer[start:end].view(raw.shape)
             if heads is not None:  # whole rows of blocks move, as the rows of a dense weight would
-                blocks = unpermute_qk(blocks, heads)
+                blocks.copy_(unpermute_qk(torch.from_numpy(raw.copy()), heads))
+            else:
+                blocks.numpy()[...] = raw
+            gguf.release(name)
             state_dict[hf_name] = GGUFWeight(blocks, int(info.ggml_type), info.shape[1])
             continue
         tensor = gguf.load_tensor(name, dtype=None)
@@ -118,6 +122,39 @@ def load_gguf(path: str, dtype: torch.dtype | None, keep_quantized: bool = False
         state_dict[hf_name] = tensor if dtype is None else tensor.to(dtype)
     check_state_dict(state_dict, config, path)
     return config, state_dict, tokenizer_from_gguf(gguf.metadata, path), gguf_precision(gguf)
+
+
+# Matrices a layer stacks into one projection (LlamaModel): kept back to back in the buffer, a
+# stack of one block type is a view of it, not a copy (eecore.models.gguf_weights.stack_weights).
+_STACKED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _block_layout(gguf: GGUFFile) -> dict[str, tuple[int, int]]:
+    """name -> (start, end) in one buffer of every matrix kept in its blocks: each stack's parts
+    back to back, every stack and lone matrix starting on a 64-byte boundary."""
+    kept = [n for n, info in gguf.tensors.items()
+            if len(info.shape) == 2 and info.ggml_type.name in ops.GGUF_QUANT_TYPES and n != _ROPE_FREQS]
+    order: list[list[str]] = []
+    placed: set[str] = set()
+    for name in kept:
+        if name in placed:
+            continue
+        group = [name]
+        match = _LAYER_TENSOR.fullmatch(name)
+        for parts in _STACKED:
+            if match is not None and match.group(2) in parts:
+                names = [f"blk.{match.group(1)}.{part}.{match.group(3)}" for part in parts]
+                if all(n in kept for n in names):
+                    group = names
+        order.append(group)
+        placed.update(group)
+    layout, offset = {}, 0
+    for group in order:
+        offset = -(-offset // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
+        for name in group:
+            layout[name] = (offset, offset + gguf.tensors[name].nbytes)
+            offset += gguf.tensors[name].nbytes
+    return layout
 
 
 def gguf_precision(gguf: GGUFFile) -> str:

@@ -75,10 +75,21 @@ def stack_weights(weights: list) -> Union[torch.Tensor, GGUFWeight, StackedWeigh
         return torch.cat(weights)
     if all(isinstance(w, GGUFWeight) and w.quant_type == first.quant_type and w.features == first.features
            for w in weights):
+        rows = sum(w.data.shape[0] for w in weights)
+        if _back_to_back([w.data for w in weights]):  # as the GGUF loader lays them out: a view
+            return GGUFWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()),
+                              first.quant_type, first.features)
         return GGUFWeight(torch.cat([w.data for w in weights]), first.quant_type, first.features)
     if any(w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("stack_weights: the weights must share one input size")
     return StackedWeight(tuple(weights))
+
+
+def _back_to_back(tensors: list[torch.Tensor]) -> bool:
+    """Contiguous tensors of one storage, each starting where the one before ends."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    return all(t.is_contiguous() and t.untyped_storage().data_ptr() == storage for t in tensors) and all(
+        a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(tensors, tensors[1:]))
 
 
 def project_gguf(out: torch.Tensor, input: torch.Tensor, weight: Union[GGUFWeight, StackedWeight], project,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -41,10 +42,15 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
 
 
-def _advised_arena(nbytes: int) -> torch.Tensor | None:
+# Address ranges of the live buffers weight_buffer made: what place_in_huge_pages leaves in place.
+_WRITTEN_IN_PLACE: set[tuple[int, int]] = set()
+
+
+def _advised_arena(nbytes: int, in_place: bool = False) -> torch.Tensor | None:
     """`nbytes` of zeros (uint8) starting on a huge-page boundary, in an anonymous mapping advised
     MADV_HUGEPAGE before anything touches it; None where huge pages are not available. Pages are
-    backed on first write, so a large buffer costs memory only as it fills."""
+    backed on first write, so a large buffer costs memory only as it fills. `in_place`: the range
+    is recorded (while the mapping lives) as one whose tensors need no packing."""
     if not huge_pages_enabled():
         return None
     # One huge page more than needed, so the range can start on a 2 MiB boundary (the kernel only
@@ -58,7 +64,24 @@ def _advised_arena(nbytes: int) -> torch.Tensor | None:
         return None
     arena = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -arena.data_ptr() % HUGE_PAGE_BYTES
+    if in_place:
+        span = (arena.data_ptr() + start, arena.data_ptr() + start + nbytes)
+        _WRITTEN_IN_PLACE.add(span)
+        weakref.finalize(mapping, _WRITTEN_IN_PLACE.discard, span)  # when the last view is gone
     return arena[start:start + nbytes]
+
+
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 `[nbytes]` for weights a loader writes in place (a GGUF file's blocks): in huge pages
+    where they are available, else a plain allocation. place_in_huge_pages leaves the tensors in it
+    where they are, so the weights are copied once, from the file."""
+    arena = _advised_arena(nbytes, in_place=True) if nbytes > 0 else None
+    return torch.empty(nbytes, dtype=torch.uint8) if arena is None else arena
+
+
+def _written_in_place(t: torch.Tensor) -> bool:
+    ptr = t.data_ptr()
+    return any(start <= ptr < end for start, end in _WRITTEN_IN_PLACE)
 
 
 def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -123,6 +146,8 @@ def place_in_huge_pages(*holders: tuple[object, tuple[str, ...]]) -> bool:
     for obj, names in holders:
         for name in names:
             for t in _tensors_in(getattr(obj, name)):
+                if _written_in_place(t):
+                    continue
                 if t.device.type != "cpu" or not t.is_contiguous():
                     raise ValueError(f"place_in_huge_pages: expected contiguous CPU tensors, got {t.device} "
                                      f"{'contiguous' if t.is_contiguous() else 'strided'} {tuple(t.shape)}")
@@ -138,6 +163,8 @@ def place_in_huge_pages(*holders: tuple[object, tuple[str, ...]]) -> bool:
     def move(value: Any) -> Any:
         nonlocal offset
         if isinstance(value, torch.Tensor):
+            if _written_in_place(value):
+                return value
             if id(value) not in packed:
                 view = arena[offset:offset + value.nbytes].view(value.dtype).view(value.shape)
                 view.copy_(value)
