@@ -139,110 +139,147 @@ struct Simd {
 #endif
 
 #if EECORE_GGUF_SIMD
-// The decoders, one per format: decode(row, g, w) fills w with group g of the row.
-struct Decode {
-  using S = Simd;
-  using V = S::V;
+// The decoders, one struct per format. A kernel calls prepare(row, b, p) at the first group of each
+// block b of kGroups groups (the K formats' superblock: its 8 or 16 scales computed once into p,
+// not once per group), then decode(row, g, p, w), which fills w with group g of the row.
+namespace decode {
+using S = Simd;
+using V = S::V;
+constexpr int kPrepFloats = 16;
 
-  static void times(V* w, float d) {
-    for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::mul(S::set1(d), w[p]);
-  }
-  static void times_plus(V* w, float d, float m) {
-    for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::add(S::mul(S::set1(d), w[p]), S::set1(m));
-  }
-  static void times_minus(V* w, float d, float m) {
-    for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::sub(S::mul(S::set1(d), w[p]), S::set1(m));
-  }
+inline void times(V* w, float d) {
+  for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::mul(S::set1(d), w[p]);
+}
+inline void times_plus(V* w, float d, float m) {
+  for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::add(S::mul(S::set1(d), w[p]), S::set1(m));
+}
+inline void times_minus(V* w, float d, float m) {
+  for (int p = 0; p < S::kPerGroup; ++p) w[p] = S::sub(S::mul(S::set1(d), w[p]), S::set1(m));
+}
 
+// A 32-weight format: one group a block, nothing to prepare.
+struct Plain {
+  static constexpr int kGroups = 1;
+  static void prepare(const uint8_t*, int64_t, float*) {}
+};
+
+struct Q4_0 : Plain {
+  static void decode(const uint8_t* row, int64_t g, const float*, V* w) {
+    const uint8_t* block = row + g * 18;
 #if EECORE_GGUF_LOOKUP
-  // the 4-bit formats by table lookup (Simd::lookup_block)
-  static void q4_0(const uint8_t* row, int64_t g, V* w) {
-    const uint8_t* block = row + g * 18;
     S::lookup_block(block + 2, S::mul(S::set1(half_at(block)), S::sub(S::iota16(), S::set1(8.f))), w);
-  }
-  static void q4_1(const uint8_t* row, int64_t g, V* w) {
-    const uint8_t* block = row + g * 20;
-    S::lookup_block(block + 4, S::add(S::mul(S::set1(half_at(block)), S::iota16()), S::set1(half_at(block + 2))), w);
-  }
 #else
-  static void q4_0(const uint8_t* row, int64_t g, V* w) {
-    const uint8_t* block = row + g * 18;
     S::i8x32(_mm256_sub_epi8(block_nibbles(block + 2), _mm256_set1_epi8(8)), w);
     times(w, half_at(block));
+#endif
   }
-  static void q4_1(const uint8_t* row, int64_t g, V* w) {
+};
+
+struct Q4_1 : Plain {
+  static void decode(const uint8_t* row, int64_t g, const float*, V* w) {
     const uint8_t* block = row + g * 20;
+#if EECORE_GGUF_LOOKUP
+    S::lookup_block(block + 4, S::add(S::mul(S::set1(half_at(block)), S::iota16()), S::set1(half_at(block + 2))), w);
+#else
     S::u8x32(block_nibbles(block + 4), w);
     times_plus(w, half_at(block), half_at(block + 2));
-  }
 #endif
-#if EECORE_GGUF_LOOKUP
-  static void q5_0(const uint8_t* row, int64_t g, V* w) {
+  }
+};
+
+struct Q5_0 : Plain {
+  static void decode(const uint8_t* row, int64_t g, const float*, V* w) {
     const uint8_t* block = row + g * 22;
+#if EECORE_GGUF_LOOKUP
     const V d = S::set1(half_at(block)), iota = S::iota16();
     S::lookup_block5(block + 6, u32_at(block + 2), S::mul(d, S::sub(iota, S::set1(16.f))), S::mul(d, iota), w);
-  }
-  static void q5_1(const uint8_t* row, int64_t g, V* w) {
-    const uint8_t* block = row + g * 24;
-    const V d = S::set1(half_at(block)), m = S::set1(half_at(block + 2)), iota = S::iota16();
-    S::lookup_block5(block + 8, u32_at(block + 4), S::add(S::mul(d, iota), m),
-                     S::add(S::mul(d, S::add(iota, S::set1(16.f))), m), w);
-  }
 #else
-  static void q5_0(const uint8_t* row, int64_t g, V* w) {
-    const uint8_t* block = row + g * 22;
     const __m256i q = _mm256_or_si256(block_nibbles(block + 6), fifth_bits(u32_at(block + 2)));
     S::i8x32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), w);
     times(w, half_at(block));
+#endif
   }
-  static void q5_1(const uint8_t* row, int64_t g, V* w) {
+};
+
+struct Q5_1 : Plain {
+  static void decode(const uint8_t* row, int64_t g, const float*, V* w) {
     const uint8_t* block = row + g * 24;
+#if EECORE_GGUF_LOOKUP
+    const V d = S::set1(half_at(block)), m = S::set1(half_at(block + 2)), iota = S::iota16();
+    S::lookup_block5(block + 8, u32_at(block + 4), S::add(S::mul(d, iota), m),
+                     S::add(S::mul(d, S::add(iota, S::set1(16.f))), m), w);
+#else
     S::u8x32(_mm256_or_si256(block_nibbles(block + 8), fifth_bits(u32_at(block + 4))), w);
     times_plus(w, half_at(block), half_at(block + 2));
-  }
 #endif
-  static void q8_0(const uint8_t* row, int64_t g, V* w) {
+  }
+};
+
+struct Q8_0 : Plain {
+  static void decode(const uint8_t* row, int64_t g, const float*, V* w) {
     const uint8_t* block = row + g * 34;
     S::i8x32(load32(block + 2), w);
     times(w, half_at(block));
   }
-  // Q4_K and Q5_K: the group's (scale, min) from the superblock's packed table
-  static void k_scales(const uint8_t* block, int g, V* w) {
-    int scale, min;
-    scale_min_k(block + 4, g, scale, min);
-    times_minus(w, half_at(block) * static_cast<float>(scale), half_at(block + 2) * static_cast<float>(min));
+};
+
+// Q4_K and Q5_K: p[k] = d * scale_k, p[8 + k] = dmin * min_k for the superblock's 8 groups
+template <int kBytes>
+struct KScaled {
+  static constexpr int kGroups = 8;
+  static void prepare(const uint8_t* row, int64_t b, float* p) {
+    const uint8_t* block = row + b * kBytes;
+    const float d = half_at(block), dmin = half_at(block + 2);
+    for (int k = 0; k < 8; ++k) {
+      int scale, min;
+      scale_min_k(block + 4, k, scale, min);
+      p[k] = d * static_cast<float>(scale);
+      p[8 + k] = dmin * static_cast<float>(min);
+    }
   }
-  static void q4_k(const uint8_t* row, int64_t g, V* w) {
+};
+
+struct Q4_K : KScaled<144> {
+  static void decode(const uint8_t* row, int64_t g, const float* p, V* w) {
     const uint8_t* block = row + (g >> 3) * 144;
     const int k = static_cast<int>(g & 7);
 #if EECORE_GGUF_LOOKUP
-    int scale, min;
-    scale_min_k(block + 4, k, scale, min);
-    const V table = S::sub(S::mul(S::set1(half_at(block) * static_cast<float>(scale)), S::iota16()),
-                           S::set1(half_at(block + 2) * static_cast<float>(min)));
-    S::lookup_group(block + 16 + 32 * (k >> 1), 4 * (k & 1), table, w);
+    S::lookup_group(block + 16 + 32 * (k >> 1), 4 * (k & 1), S::sub(S::mul(S::set1(p[k]), S::iota16()), S::set1(p[8 + k])), w);
 #else
     S::u8x32(nibbles_at(block + 16 + 32 * (k >> 1), 4 * (k & 1)), w);
-    k_scales(block, k, w);
+    times_minus(w, p[k], p[8 + k]);
 #endif
   }
-  static void q5_k(const uint8_t* row, int64_t g, V* w) {
+};
+
+struct Q5_K : KScaled<176> {
+  static void decode(const uint8_t* row, int64_t g, const float* p, V* w) {
     const uint8_t* block = row + (g >> 3) * 176;
     const int k = static_cast<int>(g & 7);
     S::u8x32(_mm256_or_si256(nibbles_at(block + 48 + 32 * (k >> 1), 4 * (k & 1)), high_bits_at(block + 16, k, 1)), w);
-    k_scales(block, k, w);
+    times_minus(w, p[k], p[8 + k]);
   }
-  static void q6_k(const uint8_t* row, int64_t g, V* w) {
+};
+
+// Q6_K: p[j] = d * scale_j for the superblock's 16 sub-blocks of 16 weights
+struct Q6_K {
+  static constexpr int kGroups = 8;
+  static void prepare(const uint8_t* row, int64_t b, float* p) {
+    const uint8_t* block = row + b * 210;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_at(block + 208);
+    for (int j = 0; j < 16; ++j) p[j] = d * static_cast<float>(scales[j]);
+  }
+  static void decode(const uint8_t* row, int64_t g, const float* p, V* w) {
     const uint8_t* block = row + (g >> 3) * 210;
     const int k = static_cast<int>(g & 7), h = k >> 2, j = k & 3;
     const __m256i q = _mm256_or_si256(nibbles_at(block + 64 * h + 32 * (j & 1), 4 * (j >> 1)),
                                       high_bits_at(block + 128 + 32 * h, 2 * j, 3));
     S::i8x32(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), w);
-    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192 + 2 * k);
-    const float d = half_at(block + 208);
-    S::scale_halves(w, d * static_cast<float>(scales[0]), d * static_cast<float>(scales[1]));
+    S::scale_halves(w, p[2 * k], p[2 * k + 1]);
   }
 };
+}  // namespace decode
 #endif
 
 }  // namespace eecore::gguf

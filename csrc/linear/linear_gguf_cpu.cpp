@@ -36,19 +36,20 @@ constexpr int64_t kMinMacsPerThread = 1 << 18;
 constexpr int64_t kGrabsPerThread = 4;
 
 #if EECORE_GGUF_SIMD
-using Decoder = void (*)(const uint8_t*, int64_t, gguf::Simd::V*);
-
 // A register tile: MR input rows (fp32) x NR weight rows, every group of 32 weights decoded once
 // into registers and multiplied by the MR rows there. sums[i * NR + r] = input row i . weight row r.
-template <int MR, int NR, Decoder decode>
+template <int MR, int NR, class F>
 void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups, float* sums) {
   using S = gguf::Simd;
   S::V acc[MR][NR];
+  float prep[NR][gguf::decode::kPrepFloats];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = S::zero();
   for (int64_t g = 0; g < groups; ++g) {
+    if (g % F::kGroups == 0)
+      for (int r = 0; r < NR; ++r) F::prepare(w + r * row_bytes, g / F::kGroups, prep[r]);
     S::V wv[NR][S::kPerGroup];
-    for (int r = 0; r < NR; ++r) decode(w + r * row_bytes, g, wv[r]);
+    for (int r = 0; r < NR; ++r) F::decode(w + r * row_bytes, g, prep[r], wv[r]);
     for (int i = 0; i < MR; ++i) {
       const float* xg = x + i * ldx + g * gguf::kGroupWeights;
       for (int p = 0; p < S::kPerGroup; ++p) {
@@ -64,27 +65,27 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
 // One input row by one weight row, two groups at a time into separate accumulators: the tile
 // above's single accumulator chain (one fma after another into the same register) would bound a
 // decode step by the fma latency, not by decoding or memory.
-template <Decoder decode>
+template <class F>
 float gguf_dot_one(const float* x, const uint8_t* w, int64_t groups) {
   using S = gguf::Simd;
   S::V acc[2][S::kPerGroup];
+  float prep[gguf::decode::kPrepFloats];
   for (auto& a : acc)
     for (auto& v : a) v = S::zero();
+  // kGroups is 1 or even, so a pair of groups never straddles two blocks' preparations
+  auto step = [&](int64_t g, S::V* a) {
+    if (g % F::kGroups == 0) F::prepare(w, g / F::kGroups, prep);
+    S::V wv[S::kPerGroup];
+    F::decode(w, g, prep, wv);
+    const float* xg = x + g * gguf::kGroupWeights;
+    for (int p = 0; p < S::kPerGroup; ++p) a[p] = S::fma(wv[p], S::load(xg + p * S::kLanes), a[p]);
+  };
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
-    for (int u = 0; u < 2; ++u) {
-      S::V wv[S::kPerGroup];
-      decode(w, g + u, wv);
-      const float* xg = x + (g + u) * gguf::kGroupWeights;
-      for (int p = 0; p < S::kPerGroup; ++p) acc[u][p] = S::fma(wv[p], S::load(xg + p * S::kLanes), acc[u][p]);
-    }
+    step(g, acc[0]);
+    step(g + 1, acc[1]);
   }
-  if (g < groups) {
-    S::V wv[S::kPerGroup];
-    decode(w, g, wv);
-    const float* xg = x + g * gguf::kGroupWeights;
-    for (int p = 0; p < S::kPerGroup; ++p) acc[0][p] = S::fma(wv[p], S::load(xg + p * S::kLanes), acc[0][p]);
-  }
+  if (g < groups) step(g, acc[0]);
   S::V total = S::add(acc[0][0], acc[1][0]);
   for (int p = 1; p < S::kPerGroup; ++p) total = S::add(total, S::add(acc[0][p], acc[1][p]));
   return S::sum(total);
@@ -99,20 +100,20 @@ constexpr int kMaxTileRows = gguf::Simd::kLanes == 16 ? 5 : 3;
 constexpr int kTileCols = gguf::Simd::kLanes == 16 ? 4 : 2;
 
 // One tile of mr (runtime, 2..kMaxTileRows) input rows by NR weight rows.
-template <int NR, Decoder decode>
+template <int NR, class F>
 void gguf_row_tile(int64_t mr, const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups,
                    float* sums) {
   switch (mr) {
-    case 2: return gguf_tile<2, NR, decode>(x, ldx, w, row_bytes, groups, sums);
-    case 3: return gguf_tile<3, NR, decode>(x, ldx, w, row_bytes, groups, sums);
-    case 4: if constexpr (kMaxTileRows >= 4) return gguf_tile<4, NR, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 2: return gguf_tile<2, NR, F>(x, ldx, w, row_bytes, groups, sums);
+    case 3: return gguf_tile<3, NR, F>(x, ldx, w, row_bytes, groups, sums);
+    case 4: if constexpr (kMaxTileRows >= 4) return gguf_tile<4, NR, F>(x, ldx, w, row_bytes, groups, sums);
             break;
-    case 5: if constexpr (kMaxTileRows >= 5) return gguf_tile<5, NR, decode>(x, ldx, w, row_bytes, groups, sums);
+    case 5: if constexpr (kMaxTileRows >= 5) return gguf_tile<5, NR, F>(x, ldx, w, row_bytes, groups, sums);
             break;
   }
 }
 
-template <Decoder decode>
+template <class F>
 void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t groups,
                int64_t n, float* out) {
   // out[i * n + j] for the n weight rows from w
@@ -125,13 +126,13 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
       const uint8_t* wj = w + j * row_bytes;
       if (mr == 1) {  // a decode step's one row: one dot at a time (taking several weight rows at once
                       // for one input row ran slower: Zen 4, Q4_1 1.15x, Q8_0 2.2x the time)
-        for (int64_t c = 0; c < nr; ++c) sums[c] = gguf_dot_one<decode>(xi, wj + c * row_bytes, groups);
+        for (int64_t c = 0; c < nr; ++c) sums[c] = gguf_dot_one<F>(xi, wj + c * row_bytes, groups);
       } else if (nr == kTileCols) {
-        gguf_row_tile<kTileCols, decode>(mr, xi, ldx, wj, row_bytes, groups, sums);
+        gguf_row_tile<kTileCols, F>(mr, xi, ldx, wj, row_bytes, groups, sums);
       } else {  // the last weight rows, one at a time for all mr input rows
         float column[kMaxTileRows];
         for (int64_t c = 0; c < nr; ++c) {
-          gguf_row_tile<1, decode>(mr, xi, ldx, wj + c * row_bytes, row_bytes, groups, column);
+          gguf_row_tile<1, F>(mr, xi, ldx, wj + c * row_bytes, row_bytes, groups, column);
           for (int64_t a = 0; a < mr; ++a) sums[a * kTileCols + c] = column[a];
         }
       }
@@ -144,17 +145,17 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
 
 void gguf_dot(int64_t quant_type, const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes,
               int64_t K, int64_t n, float* out) {
-  using D = gguf::Decode;
+  namespace D = gguf::decode;
   const int64_t groups = K / gguf::kGroupWeights;
   switch (static_cast<gguf::QuantType>(quant_type)) {
-    case gguf::QuantType::Q4_0: return gguf_rows<D::q4_0>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q4_1: return gguf_rows<D::q4_1>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q5_0: return gguf_rows<D::q5_0>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q5_1: return gguf_rows<D::q5_1>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q8_0: return gguf_rows<D::q8_0>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q4_K: return gguf_rows<D::q4_k>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q5_K: return gguf_rows<D::q5_k>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q6_K: return gguf_rows<D::q6_k>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q4_0: return gguf_rows<D::Q4_0>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q4_1: return gguf_rows<D::Q4_1>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q5_0: return gguf_rows<D::Q5_0>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q5_1: return gguf_rows<D::Q5_1>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q8_0: return gguf_rows<D::Q8_0>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q4_K: return gguf_rows<D::Q4_K>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q5_K: return gguf_rows<D::Q5_K>(x, ldx, M, w, row_bytes, groups, n, out);
+    case gguf::QuantType::Q6_K: return gguf_rows<D::Q6_K>(x, ldx, M, w, row_bytes, groups, n, out);
   }
 }
 #endif
