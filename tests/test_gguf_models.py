@@ -13,7 +13,7 @@ from eecore.models.loader import load_model
 from engine_utils import greedy, hf_greedy, random_prompts
 from model_factory import hf_model_from_gguf, make_tiny_hf_model, write_gguf
 
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +159,28 @@ def test_blocks_are_copied_once_from_the_file(tiny):
     plain = load_model(_gguf_file(tiny, "Q8_0"), torch.float32)
     qkv = torch.cat([plain.state_dict[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
     assert torch.equal(dense(llm.model.layers[1].qkv, torch.float32), qkv)
+
+
+def test_quantize_state_dict_falls_back_as_llama_cpp_does():
+    from eecore.models.gguf_weights import quantize_state_dict
+
+    g = torch.Generator().manual_seed(0)
+    state = {"wide": torch.randn(4, 512, generator=g), "narrow": torch.randn(4, 96, generator=g),
+             "odd": torch.randn(4, 40, generator=g), "norm": torch.randn(96, generator=g)}
+    odd, norm = state["odd"], state["norm"]
+    quantize_state_dict(state, "Q4_K")
+    types = {v: k for k, v in eecore.ops.GGUF_QUANT_TYPES.items()}
+    assert types[state["wide"].quant_type] == "Q4_K" and types[state["narrow"].quant_type] == "Q5_0"
+    assert state["odd"] is odd and state["norm"] is norm  # no whole blocks / not a matrix: as they were
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_truncated_quantized_file_is_refused(tiny, tmp_path, keep):
+    from eecore.models.errors import CorruptCheckpointError
+
+    source = _gguf_file(tiny, "Q4_K")
+    target = tmp_path / "cut.gguf"
+    data = open(source, "rb").read()
+    target.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CorruptCheckpointError, match="cut.gguf: .*truncated"):
+        eecore.LLM(str(target), device="cpu")

@@ -383,7 +383,7 @@ def test_cli_draft_flags(tiny, capsys, monkeypatch):
     path, _ = tiny
     seen = []
     build = cli.build_llm
-    monkeypatch.setattr(generate_command, "build_llm", lambda args: (seen.append(args), build(args))[1])
+    monkeypatch.setattr(generate_command, "build_llm", lambda args, **kw: (seen.append(args), build(args, **kw))[1])
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
                      "--draft", "lookup", "--lookup-min-ngram", "2", "--lookup-max-ngram", "4"]) == 0
     config = seen[-1] and cli.speculative_config(seen[-1])

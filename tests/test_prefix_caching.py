@@ -199,7 +199,7 @@ def test_prefix_caching_flag_and_config(tiny, monkeypatch):
         eecore.LLM(path, dtype="float32", device="cpu", enable_prefix_caching="yes")
     seen = []
     build = cli.build_llm
-    monkeypatch.setattr(generate_command, "build_llm", lambda args: (seen.append(args), build(args))[1])
+    monkeypatch.setattr(generate_command, "build_llm", lambda args, **kw: (seen.append(args), build(args, **kw))[1])
     assert cli.main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "3",
                      "--enable-prefix-caching"]) == 0
     assert seen[-1].enable_prefix_caching is True

@@ -86,7 +86,7 @@ class LLM:
     quantization: None: the weights as the checkpoint holds them; on the CPU a quantized GGUF file
         computes in its own blocks (ops.linear_gguf), on a GPU it is dequantized at load. "none":
         dequantized to `dtype` everywhere. "int8" (= "q8_0"), "q4_0", "q4_1", "q5_0", "q5_1", "q4_k",
-        "q6_k": a float checkpoint's matrices quantized to those GGUF blocks at load (CPU;
+        "q5_k", "q6_k": a float checkpoint's matrices quantized to those GGUF blocks at load (CPU;
         eecore.models.gguf_quantize).
     early_exit / speculative: at most one decoding strategy besides full depth.
     exit_adapter: True (the exit adapters eecore trained for the default model, shipped with it),

@@ -35,7 +35,7 @@ def add_precision_flags(group) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="activations' dtype (auto: the checkpoint's own; fp32 for a quantized GGUF)")
     group.add_argument("--quantization", default=None,
-                       choices=["none", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"],
+                       choices=["none", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"],
                        help="default: the checkpoint's own weights (a GGUF file's blocks on the CPU); none: "
                             "dequantized to --dtype; the others quantize a float checkpoint at load")
 

@@ -109,9 +109,9 @@ def project_gguf(out: torch.Tensor, input: torch.Tensor, weight: Union[GGUFWeigh
 # LLM(quantization=...) -> the GGUF block type a float checkpoint's matrices are quantized to at load.
 # "int8" is Q8_0: int8 weights with one fp16 scale per block of 32.
 QUANTIZATIONS = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1",
-                 "q4_k": "Q4_K", "q6_k": "Q6_K"}
+                 "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 # A matrix whose rows are not whole 256-weight blocks takes these instead, as llama.cpp's quantize does.
-_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def quantize_state_dict(state_dict: dict, type_name: str) -> None:
