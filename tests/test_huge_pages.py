@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from eecore.models.huge_pages import ENV_VAR, HUGE_PAGE_BYTES, huge_pages_enabled, pack_in_huge_pages
+from eecore.models.huge_pages import ENV_VAR, HUGE_PAGE_BYTES, huge_pages_enabled, place_in_huge_pages, weight_buffer
 from eecore.models.int8_weights import Int8Weight
 
 linux_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE (not Linux)")
@@ -36,40 +36,63 @@ def _smaps_entry(address: int) -> tuple[int, int, dict[str, str]]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+class _Holder:
+    pass
+
+
+def _holder(**attributes) -> _Holder:
+    holder = _Holder()
+    for name, value in attributes.items():
+        setattr(holder, name, value)
+    return holder
+
+
 @linux_thp
-def test_pack_copies_each_tensor_once_aligned(monkeypatch):
+def test_place_copies_each_tensor_once_aligned(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     a, b = torch.randn(300, 7), torch.randint(-127, 128, (5, 33), dtype=torch.int8)
     c = torch.randn(3, dtype=torch.bfloat16)
-    packed = pack_in_huge_pages([a, b, a, c])
-    assert len(packed) == 3  # `a` listed twice, copied once
-    for t in (a, b, c):
-        got = packed[id(t)]
+    h = _holder(a=a, pair=[b, a], c=(c,))
+    assert place_in_huge_pages((h, ("a", "pair", "c")))
+    assert h.pair[1] is h.a  # `a` held twice, copied once
+    for got, t in ((h.a, a), (h.pair[0], b), (h.c[0], c)):
         assert got.dtype == t.dtype and got.shape == t.shape and got.is_contiguous()
         assert torch.equal(got, t) and got.data_ptr() != t.data_ptr()
         assert got.data_ptr() % 64 == 0
-    # one mapping, starting on a huge-page boundary, in the order given
-    assert packed[id(a)].data_ptr() % HUGE_PAGE_BYTES == 0
-    assert packed[id(a)].data_ptr() < packed[id(b)].data_ptr() < packed[id(c)].data_ptr()
-    packed[id(a)].zero_()  # the copies are writable and independent of the originals
+    # one mapping, starting on a huge-page boundary, in the order met
+    assert h.a.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert h.a.data_ptr() < h.pair[0].data_ptr() < h.c[0].data_ptr()
+    h.a.zero_()  # the copies are writable and independent of the originals
     assert a.abs().sum() > 0
 
 
-def test_pack_refuses_strided_or_non_cpu_tensors():
+@linux_thp
+def test_place_leaves_what_was_written_in_place(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    buffer = weight_buffer(4096)
+    inside, outside = buffer[64:128], torch.randn(16)
+    h = _holder(inside=inside, outside=outside)
+    assert place_in_huge_pages((h, ("inside", "outside")))
+    assert h.inside is inside and h.outside is not outside and torch.equal(h.outside, outside)
+
+
+def test_place_refuses_strided_or_non_cpu_tensors():
     with pytest.raises(ValueError, match="expected contiguous CPU tensors, got cpu strided"):
-        pack_in_huge_pages([torch.randn(4, 4).t()])
+        place_in_huge_pages((_holder(w=torch.randn(4, 4).t()), ("w",)))
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="expected contiguous CPU tensors, got cuda"):
-            pack_in_huge_pages([torch.randn(4, device="cuda")])
+            place_in_huge_pages((_holder(w=torch.randn(4, device="cuda")), ("w",)))
 
 
-def test_disabled_or_empty_packs_nothing(monkeypatch):
+def test_disabled_or_empty_places_nothing(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")
     assert not huge_pages_enabled()
-    assert pack_in_huge_pages([torch.randn(8)]) == {}
+    w = torch.randn(8)
+    h = _holder(w=w)
+    assert not place_in_huge_pages((h, ("w",))) and h.w is w
     monkeypatch.delenv(ENV_VAR)
-    assert pack_in_huge_pages([]) == {}
-    assert pack_in_huge_pages([torch.empty(0)]) == {}
+    assert not place_in_huge_pages((_holder(w=None), ("w",)))
+    assert not place_in_huge_pages((_holder(w=torch.empty(0)), ("w",)))
 
 
 @linux_thp

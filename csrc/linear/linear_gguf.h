@@ -23,6 +23,20 @@ inline const gguf::BlockFormat& check_quant_type(const char* op, int64_t quant_t
   return *format;
 }
 
+// `K` (of argument `arg`) holds whole blocks of `format`.
+inline void check_whole_blocks(const char* op, const char* arg, int64_t K, const gguf::BlockFormat& format) {
+  EECORE_CHECK_ARG(op, arg, K >= 0 && K % format.weights == 0, "must have a multiple of ", format.weights,
+                   " features (whole ", format.name, " blocks), got ", K);
+}
+
+// `weight`: uint8 [N, K / W * block bytes], contiguous, rows of whole blocks of `format`.
+inline void check_block_weight(const char* op, const at::Tensor& weight, int64_t K, const gguf::BlockFormat& format) {
+  check_dim(op, "weight", weight, 2);
+  check_dtype(op, "weight", weight, at::kByte);
+  check_contiguous(op, "weight", weight);
+  check_size(op, "weight", weight, 1, K / format.weights * format.bytes, "the bytes of one row of whole blocks");
+}
+
 inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                        int64_t quant_type, const std::optional<at::Tensor>& bias) {
   const char* op = "linear_gguf";
@@ -31,29 +45,19 @@ inline GgufDims check_linear_gguf_args(const at::Tensor& out, const at::Tensor& 
   check_float_dtype(op, "input", input);
   check_last_dim_contiguous(op, "input", input);
   const int64_t K = input.size(1);
-  EECORE_CHECK_ARG(op, "input", K % format.weights == 0, "must have a multiple of ", format.weights,
-                   " features (whole ", format.name, " blocks), got K = ", K);
-  check_dim(op, "weight", weight, 2);
-  check_dtype(op, "weight", weight, at::kByte);
-  check_contiguous(op, "weight", weight);
+  check_whole_blocks(op, "input", K, format);
+  check_block_weight(op, weight, K, format);
   check_same_device(op, "weight", weight, "input", input);
-  const int64_t row_bytes = K / format.weights * format.bytes;
-  check_size(op, "weight", weight, 1, row_bytes, "the bytes of one row of whole blocks");
   const int64_t N = weight.size(0);
   check_linear_out_and_bias(op, out, input, N, bias, "the output features N of 'weight' [N, row bytes]");
-  return {input.size(0), K, N, row_bytes};
+  return {input.size(0), K, N, weight.size(1)};
 }
 
 inline void check_dequantize_gguf_args(const at::Tensor& weight, int64_t quant_type, int64_t features) {
   const char* op = "dequantize_gguf";
   const gguf::BlockFormat& format = check_quant_type(op, quant_type);
-  EECORE_CHECK_ARG(op, "features", features >= 0 && features % format.weights == 0, "must be a multiple of ",
-                   format.weights, " (whole ", format.name, " blocks), got ", features);
-  check_dim(op, "weight", weight, 2);
-  check_dtype(op, "weight", weight, at::kByte);
-  check_contiguous(op, "weight", weight);
-  check_size(op, "weight", weight, 1, features / format.weights * format.bytes,
-             "the bytes of one row of whole blocks");
+  check_whole_blocks(op, "features", features, format);
+  check_block_weight(op, weight, features, format);
 }
 
 // embedding_gguf's arguments; the token ids are range-checked where they are read.
@@ -65,18 +69,14 @@ inline int64_t check_embedding_gguf_args(const at::Tensor& out, const at::Tensor
   check_float_dtype(op, "out", out);
   check_last_dim_contiguous(op, "out", out);
   const int64_t K = out.size(1);
-  EECORE_CHECK_ARG(op, "out", K % format.weights == 0, "must have a multiple of ", format.weights,
-                   " features (whole ", format.name, " blocks), got ", K);
+  check_whole_blocks(op, "out", K, format);
   check_dim(op, "token_ids", token_ids, 1);
   check_dtype(op, "token_ids", token_ids, at::kLong);
   check_contiguous(op, "token_ids", token_ids);
   check_same_device(op, "token_ids", token_ids, "out", out);
   check_size(op, "out", out, 0, token_ids.size(0), "the number of token ids");
-  check_dim(op, "weight", weight, 2);
-  check_dtype(op, "weight", weight, at::kByte);
-  check_contiguous(op, "weight", weight);
+  check_block_weight(op, weight, K, format);
   check_same_device(op, "weight", weight, "out", out);
-  check_size(op, "weight", weight, 1, K / format.weights * format.bytes, "the bytes of one row of whole blocks");
   return K;
 }
 

@@ -23,7 +23,7 @@ import dataclasses
 import mmap
 import os
 import weakref
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -93,31 +93,6 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     arena = _advised_arena(nbytes) if nbytes > 0 else None
     return None if arena is None else arena.view(dtype).view(shape)
-
-
-def pack_in_huge_pages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Copies of the CPU `tensors` in one huge-page-advised mapping, as `{id(original): copy}`
-    (a tensor listed twice, e.g. tied embeddings, is copied once). Empty where huge pages are not
-    available (not Linux, disabled, the kernel refuses the advice) or there is nothing to pack:
-    the caller then keeps its tensors."""
-    unique: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"pack_in_huge_pages: expected contiguous CPU tensors, got {t.device} "
-                             f"{'contiguous' if t.is_contiguous() else 'strided'} {tuple(t.shape)}")
-        unique.setdefault(id(t), t)
-    total = sum(_aligned(t.nbytes) for t in unique.values())
-    arena = _advised_arena(total) if total > 0 else None
-    if arena is None:
-        return {}
-    packed: dict[int, torch.Tensor] = {}
-    offset = 0
-    for key, t in unique.items():
-        view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        packed[key] = view
-        offset += _aligned(t.nbytes)
-    return packed
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
