@@ -11,7 +11,8 @@ Batch 1, greedy, each chat prompt + `--max-tokens` (EOS ignored); decode tok/s f
 output token after the first, medians over prompts and `--repeats` alternated rounds. Each row also
 gives the weight bytes a decode step reads, the GB/s that makes at the measured speed, and that
 against this machine's read bandwidth measured in the same run (bench/roofline.py). eecore's greedy
-tokens are compared with its own fp32 dequantized model's on the same file.
+tokens are compared with its own fp32 dequantized model's on the same file. "q8 activations" is
+eecore with EECORE_GGUF_ACTIVATIONS=q8 (its Q4_0 / Q4_1 / Q8_0 matrices with 8-bit activations).
 
     python bench/gguf_decode.py [--max-tokens 128] [--repeats 3] [--formats Q4_1 Q8_0 Q4_K_M]
 """
@@ -29,6 +30,7 @@ import torch
 
 import eecore
 from common import PROMPTS, chat_prompt_ids, cpu_model, save_results
+from eecore.models.gguf_weights import ACTIVATIONS_ENV_VAR
 from eecore.models.loader import default_model_path
 from roofline import decode_weight_bytes, read_bandwidth_gbs
 
@@ -82,8 +84,11 @@ def write_variant(source: str, target: str, recipe: str) -> str:
 
 
 class EecoreRunner:
-    def __init__(self, path: str, **kwargs):
+    def __init__(self, path: str, q8_activations: bool = False, **kwargs):
+        # EECORE_GGUF_ACTIVATIONS is read as the model is built
+        os.environ[ACTIVATIONS_ENV_VAR] = "q8" if q8_activations else "exact"
         self.llm = eecore.LLM(path, device="cpu", max_num_seqs=1, **kwargs)
+        os.environ.pop(ACTIVATIONS_ENV_VAR)
 
     def decode(self, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
         params = eecore.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -133,6 +138,7 @@ def main() -> None:
     runners = {}
     for fmt, path in files.items():
         runners[(fmt, "eecore")] = EecoreRunner(path)
+        runners[(fmt, "eecore q8 activations")] = EecoreRunner(path, q8_activations=True)
         runners[(fmt, "eecore fp32 (dequantized)")] = EecoreRunner(path, dtype="float32", quantization="none")
         if fmt == "Q4_1":
             runners[(fmt, "eecore bf16 (dequantized)")] = EecoreRunner(path, dtype="bfloat16", quantization="none")
@@ -160,10 +166,13 @@ def main() -> None:
         step_bytes = runner.weight_bytes()
         reference = tokens[(fmt, "eecore fp32 (dequantized)")]
         same = sum(a == b for a, b in zip(tokens[(fmt, engine)], reference))
+        prefix = statistics.mean(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                                 for a, b in zip(tokens[(fmt, engine)], reference))
         row = dict(format=fmt, engine=engine, decode_tok_s=tok_s, runs=speeds[(fmt, engine)],
                    weight_bytes_per_step=step_bytes, gb_s=tok_s * step_bytes / 1e9,
                    roofline_fraction=tok_s * step_bytes / 1e9 / bandwidth,
-                   prompts_with_fp32_greedy_tokens=f"{same}/{len(reference)}")
+                   prompts_with_fp32_greedy_tokens=f"{same}/{len(reference)}",
+                   mean_tokens_before_first_difference=prefix)
         rows.append(row)
     for row in rows:
         base = {r["engine"]: r["decode_tok_s"] for r in rows if r["format"] == row["format"]}
@@ -173,7 +182,8 @@ def main() -> None:
               + (f"  {row['vs_llama_cpp']:.2f}x llama.cpp" if llama else "")
               + f"  {row['weight_bytes_per_step'] / 1e6:6.1f} MB/step  {row['gb_s']:5.1f} GB/s"
               f" ({100 * row['roofline_fraction']:.0f}% of read bandwidth)"
-              f"  greedy = fp32's on {row['prompts_with_fp32_greedy_tokens']} prompts")
+              f"  greedy = fp32's on {row['prompts_with_fp32_greedy_tokens']} prompts"
+              f" ({row['mean_tokens_before_first_difference']:.0f} tokens before a difference)")
     payload = dict(max_tokens=args.max_tokens, repeats=args.repeats, read_bandwidth_gbs=bandwidth, rows=rows,
                    llama_cpp=None if with_llama else "not installed or --no-llama-cpp")
     print(f"results: {save_results('gguf-decode', payload)}")

@@ -53,6 +53,8 @@ def main() -> None:
         dense = [(rng.standard_normal((n, widen(k))).astype(np.float32) * 0.02, n, widen(k))
                  for _ in range(LAYERS) for n, k in SHAPES]
         quantized = [(torch.from_numpy(quantize(w, name)), n, k) for w, n, k in dense]
+        packed = [(ops.repack_gguf_q8(q, qtype, k), n, k) for q, n, k in quantized] \
+            if name in ("Q4_0", "Q4_1", "Q8_0") else None
         weights = {"bf16": [(torch.from_numpy(w).to(torch.bfloat16), n, k) for w, n, k in dense],
                    "fp32": [(torch.from_numpy(w), n, k) for w, n, k in dense]}
         for m in args.rows:
@@ -68,6 +70,9 @@ def main() -> None:
             nbytes = {name: sum(q.nbytes for q, _, _ in quantized),
                       "bf16": sum(w.nbytes for w, _, _ in weights["bf16"]),
                       "fp32": sum(w.nbytes for w, _, _ in weights["fp32"])}
+            if packed is not None:  # the same weights with 8-bit activations (linear_gguf_q8)
+                runs["q8-act"] = lambda: [ops.linear_gguf_q8(outs[f32][n], xs[f32][k], p, qtype) for p, n, k in packed]
+                nbytes["q8-act"] = sum(p.nbytes for p, _, _ in packed)
             ms = {label: timed(run, args.repeats) * 1e3 for label, run in runs.items()}
             for label in runs:
                 gbs = nbytes[label] / ms[label] / 1e6

@@ -155,6 +155,21 @@ def embedding_gguf(out: torch.Tensor, token_ids: torch.Tensor, weight: torch.Ten
     return out
 
 
+def repack_gguf_q8(weight: torch.Tensor, quant_type: int, features: int) -> torch.Tensor:
+    """A Q4_0 / Q4_1 / Q8_0 GGUF weight `[N, row bytes]` repacked for `linear_gguf_q8` (uint8
+    `[ceil(N / 16), K / 32, group bytes]`; the layout: csrc/linear/gguf_q8.h)."""
+    return _ops.repack_gguf_q8(weight, int(quant_type), int(features))
+
+
+def linear_gguf_q8(out: torch.Tensor, input: torch.Tensor, packed: torch.Tensor, quant_type: int,
+                   bias: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """`linear_gguf` with 8-bit activations (llama.cpp's arithmetic): each input row rounded to int8
+    in blocks of 32 with a scale each, integer dot products against the repacked weight. Not the
+    dequantized model's values: the activations' rounding error on top. Returns `out`."""
+    _ops.linear_gguf_q8(out, input, packed, int(quant_type), bias, bool(accumulate))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Fake implementations: shapes and dtypes only. The ops that return nothing need no fake.
 # --------------------------------------------------------------------------------------------
@@ -190,12 +205,18 @@ def _dequantize_gguf_fake(weight, quant_type, features):
     return weight.new_empty((weight.shape[0], features), dtype=torch.float32)
 
 
+@_register_fake("repack_gguf_q8")
+def _repack_gguf_q8_fake(weight, quant_type, features):
+    group_bytes = 128 + (512 if int(quant_type) == GGUF_QUANT_TYPES["Q8_0"] else 256)
+    return weight.new_empty(((weight.shape[0] + 15) // 16, features // 32, group_bytes))
+
+
 @_register_fake("accept_update")
 def _accept_update_fake(status, confidence, threshold, active):
     return status.new_empty((), dtype=torch.int32)
 
 
 for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "kv_fill", "linear", "linear_gguf", "embedding_gguf"):
+              "kv_fill", "linear", "linear_gguf", "embedding_gguf", "linear_gguf_q8"):
     torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
 del _name

@@ -7,6 +7,7 @@ type (a Q4_K_M file's q and k in Q4_K beside its v in Q6_K): each part writes it
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -15,11 +16,27 @@ import torch
 from eecore import ops
 
 
+# EECORE_GGUF_ACTIVATIONS=q8: projections in Q4_0 / Q4_1 / Q8_0 compute with 8-bit activations
+# (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several rows, but not the
+# dequantized model's values); "exact" (the default): ops.linear_gguf. Read when a model is built.
+ACTIVATIONS_ENV_VAR = "EECORE_GGUF_ACTIVATIONS"
+_Q8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def q8_activations() -> bool:
+    value = os.environ.get(ACTIVATIONS_ENV_VAR, "exact")
+    if value not in ("exact", "q8"):
+        raise ValueError(f"{ACTIVATIONS_ENV_VAR} must be 'exact' or 'q8', got {value!r}")
+    return value == "q8"
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     data: torch.Tensor  # uint8 [N, K / W * block bytes], rows of blocks as the file stores them
     quant_type: int     # GGML's type id (ops.GGUF_QUANT_TYPES)
     features: int       # K
+    # the same weight repacked for 8-bit activations (ops.repack_gguf_q8), which project() then uses
+    packed: Optional[torch.Tensor] = None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, type_name: str) -> "GGUFWeight":
@@ -37,11 +54,21 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """The bytes a projection reads (the repacked ones where project() uses them)."""
+        return self.data.nbytes if self.packed is None else self.packed.nbytes
 
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    def with_q8_activations(self) -> "GGUFWeight":
+        """This weight, also repacked for 8-bit activations where its type has that kernel."""
+        from gguf import GGMLQuantizationType
+
+        if GGMLQuantizationType(self.quant_type).name not in _Q8_TYPES or self.packed is not None:
+            return self
+        return GGUFWeight(self.data, self.quant_type, self.features,
+                          ops.repack_gguf_q8(self.data, self.quant_type, self.features))
 
     def rows(self, index: torch.Tensor) -> "GGUFWeight":
         return GGUFWeight(self.data.index_select(0, index).contiguous(), self.quant_type, self.features)
@@ -97,6 +124,8 @@ def project_gguf(out: torch.Tensor, input: torch.Tensor, weight: Union[GGUFWeigh
     """`project` for the weights of this module; `project` is the model's one projection call, which
     the parts of a StackedWeight go back through."""
     if isinstance(weight, GGUFWeight):
+        if weight.packed is not None:
+            return ops.linear_gguf_q8(out, input, weight.packed, weight.quant_type, bias, accumulate)
         return ops.linear_gguf(out, input, weight.data, weight.quant_type, bias, accumulate)
     start = 0
     for part in weight.parts:
@@ -123,6 +152,15 @@ def quantize_state_dict(state_dict: dict, type_name: str) -> None:
             continue
         kind = type_name if type_name not in _FALLBACK or tensor.shape[1] % 256 == 0 else _FALLBACK[type_name]
         state_dict[name] = GGUFWeight.quantize(tensor, kind)
+
+
+def with_q8_activations(weight):
+    """A model weight with its GGUF parts repacked for 8-bit activations (others as they are)."""
+    if isinstance(weight, GGUFWeight):
+        return weight.with_q8_activations()
+    if isinstance(weight, StackedWeight):
+        return StackedWeight(tuple(with_q8_activations(part) for part in weight.parts))
+    return weight
 
 
 def gguf_rows(out: torch.Tensor, weight: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:

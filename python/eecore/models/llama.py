@@ -19,7 +19,7 @@ from eecore import ops
 from eecore.models.amx_weights import tile_projections
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
-from eecore.models.gguf_weights import stack_weights
+from eecore.models.gguf_weights import q8_activations, stack_weights, with_q8_activations
 from eecore.models.int8_weights import Int8Weight, Weight, dense, project, weight_rows
 from eecore.models.rope import cos_sin_cache
 from eecore.models.weights import weight_taker
@@ -145,14 +145,21 @@ class LlamaModel:
                 gate_up=proj(stack_weights([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=proj(take(p + "mlp.down_proj.weight")),
             ))
-        # the LM head as lm_head_logits multiplies it: the same tensor, or its AMX tiles
-        self.lm_head_proj: Weight = self.lm_head
+        q8 = self.device.type == "cpu" and q8_activations()  # EECORE_GGUF_ACTIVATIONS=q8
+        if q8:
+            for layer in self.layers:
+                for name in ("qkv", "o_proj", "gate_up", "down"):
+                    setattr(layer, name, with_q8_activations(getattr(layer, name)))
+        # the LM head as lm_head_logits multiplies it: the same weight, a GGUF head repacked for
+        # 8-bit activations, or AMX tiles
+        self.lm_head_proj: Weight = with_q8_activations(self.lm_head) if q8 else self.lm_head
         if self.device.type == "cpu" and self.weight_dtype in (torch.bfloat16, torch.int8):
             # an int8 model is a draft copy, whose logits come from its draft head's rows (DraftHead):
             # a tiled copy of its whole head would go unread
             head = tile_projections(self.layers, ("qkv", "o_proj", "gate_up", "down"),
                                     self.lm_head if self.weight_dtype == torch.bfloat16 else None)
-            self.lm_head_proj = self.lm_head if head is None else head
+            if head is not None and head is not self.lm_head:
+                self.lm_head_proj = head
         if self.device.type == "cpu":  # see eecore.models.huge_pages
             place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "lm_head_proj", "layers")))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,

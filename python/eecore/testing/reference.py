@@ -217,3 +217,25 @@ def linear_gguf(out, input, weight, quant_type, bias=None, accumulate=False) -> 
 
 def embedding_gguf(out, token_ids, weight, quant_type) -> None:
     out.copy_(dequantize_gguf(weight, quant_type, out.shape[1])[token_ids.cpu()].to(out.dtype))
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_gguf_q8's activations: each row's blocks of 32 as (int8 values, scale) with
+    q = round(x * (127 / amax)) (float32 arithmetic, ties to even) and scale amax / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse), amax / 127.0
+
+
+def linear_gguf_q8(out, input, weight, quant_type, bias=None, accumulate=False) -> None:
+    """Against the unpacked GGUF `weight`: the dequantized weight times the rounded activations, in float64."""
+    q, scale = quantize_rows_q8(input)
+    x = (q.double() * scale.double()).reshape(input.shape)
+    y = x @ dequantize_gguf(weight, quant_type, input.shape[1]).double().T
+    if bias is not None:
+        y = y + bias.double()
+    if accumulate:
+        y = y + out.double()
+    out.copy_(y.to(out.dtype))
+

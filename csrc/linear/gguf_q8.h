@@ -1,0 +1,162 @@
+// GGUF weights with 8-bit activations (llama.cpp's arithmetic): the weight repacked once, at load,
+// so that one vpdpbusd multiplies 4 weights of 16 output rows by 4 activation bytes, and each input
+// row quantized per call to int8 in blocks of 32 with a scale of its own.
+//
+// Why: the exact kernels (gguf_simd.h) pay an fp32 multiply-add per weight and row, so 5 rows cost
+// about 2x one row; here a row adds 16 integer dot instructions per 512 weights, so a verification
+// pass or a batch costs little more than a decode step. The price is the activations' rounding: the
+// results are not the dequantized model's (tests/test_op_linear_gguf_q8.py bounds the error;
+// docs/gguf.md reports the greedy agreement).
+//
+// Packed layout: [G = ceil(N / 16) row groups][B = K / 32 blocks][kGroupBytes] bytes, each
+//   d[16] float32 (the rows' block scales; 0 for rows past N), c[16] float32, then the quants:
+//   Q4_0 / Q4_1: 4 x 64 bytes; in chunk k, row r's 4 bytes at 4 r hold weights 4k..4k+3 in their
+//                low nibbles and 16+4k..16+4k+3 in their high ones (integers 0..15);
+//   Q8_0:        8 x 64 bytes; in chunk k, row r's 4 bytes hold weights 4k..4k+3 plus 128 (0..255).
+// With u the unsigned integers, qx the activation bytes, dx their scale and sx = dx * sum(qx):
+//   row . x = sum over blocks of d * dx * sum(u * qx) + c * sx,
+// where c = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0) folds each format's offset in.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "linear/gguf_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define EECORE_GGUF_Q8_VNNI 1
+#else
+#define EECORE_GGUF_Q8_VNNI 0
+#endif
+
+namespace eecore::gguf::q8 {
+
+constexpr int64_t kRows = 16;         // output rows per group
+constexpr int64_t kScaleBytes = 128;  // d[16], c[16]
+
+inline bool packable(int64_t type) {
+  return type == static_cast<int64_t>(QuantType::Q4_0) || type == static_cast<int64_t>(QuantType::Q4_1) ||
+         type == static_cast<int64_t>(QuantType::Q8_0);
+}
+
+inline int64_t quant_bytes(int64_t type) { return type == static_cast<int64_t>(QuantType::Q8_0) ? 512 : 256; }
+inline int64_t group_bytes(int64_t type) { return kScaleBytes + quant_bytes(type); }
+
+// Block b of rows [16 g, 16 g + 16) of a GGUF weight (rows past N zero) into `dst`.
+inline void pack_block(int64_t type, const uint8_t* weight, int64_t row_bytes, int64_t N, int64_t g, int64_t b,
+                       uint8_t* dst) {
+  float d[kRows] = {}, c[kRows] = {};
+  uint8_t* quants = dst + kScaleBytes;
+  std::memset(quants, 0, quant_bytes(type));
+  const bool q8 = type == static_cast<int64_t>(QuantType::Q8_0);
+  const int64_t bytes = find_format(type)->bytes;
+  for (int64_t r = 0; r < kRows && kRows * g + r < N; ++r) {
+    const uint8_t* block = weight + (kRows * g + r) * row_bytes + b * bytes;
+    d[r] = half_at(block);
+    if (q8) {
+      c[r] = -128.f * d[r];
+      for (int j = 0; j < 32; ++j)
+        quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + j]) + 128);
+    } else {
+      const bool has_min = type == static_cast<int64_t>(QuantType::Q4_1);
+      c[r] = has_min ? half_at(block + 2) : -8.f * d[r];
+      const uint8_t* qs = block + (has_min ? 4 : 2);
+      for (int j = 0; j < 16; ++j)  // weight j low nibble, weight 16 + j high nibble: the file's own pairing
+        quants[64 * (j / 4) + 4 * r + j % 4] = qs[j];
+    }
+  }
+  std::memcpy(dst, d, sizeof(d));
+  std::memcpy(dst + sizeof(d), c, sizeof(c));
+}
+
+// One input row's blocks of 32 as int8 with a scale each: qx = round(x * 127 / amax) (nearest,
+// ties to even), dx = amax / 127, sx = dx * sum(qx).
+inline void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = static_cast<int>(std::nearbyint(xb[j] * inverse));
+      qx[32 * b + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[b] = amax / 127.f;
+    sx[b] = dx[b] * static_cast<float>(sum);
+  }
+}
+
+// sums[i * 16 + r] = input row i . weight row 16 g + r, for MR rows of quantized activations.
+template <int MR>
+inline void group_dots(const uint8_t* packed, int64_t type, int64_t B, const int8_t* qx, int64_t K, const float* dx,
+                       const float* sx, float* sums) {
+  const int64_t stride = group_bytes(type);
+  const bool q8 = type == static_cast<int64_t>(QuantType::Q8_0);
+#if EECORE_GGUF_Q8_VNNI
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = packed + b * stride;
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(block));
+    const __m512 c = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kRows);
+    __m512i u[8];  // u[k] multiplies activation bytes 4k..4k+3
+    if (q8) {
+      for (int k = 0; k < 8; ++k) u[k] = _mm512_loadu_si512(block + kScaleBytes + 64 * k);
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_loadu_si512(block + kScaleBytes + 64 * k);
+        u[k] = _mm512_and_si512(v, nibble);
+        u[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t x[8];
+      std::memcpy(x, qx + i * K + 32 * b, sizeof(x));
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {  // two chains: the dot instructions' latency
+        s0 = _mm512_dpbusd_epi32(s0, u[k], _mm512_set1_epi32(x[k]));
+        s1 = _mm512_dpbusd_epi32(s1, u[4 + k], _mm512_set1_epi32(x[4 + k]));
+      }
+      const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(dx[i * B + b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[i * B + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(sums + i * kRows, acc[i]);
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < kRows; ++r) sums[i * kRows + r] = 0.f;
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = packed + b * stride;
+    float d[kRows], c[kRows];
+    std::memcpy(d, block, sizeof(d));
+    std::memcpy(c, block + sizeof(d), sizeof(c));
+    const uint8_t* quants = block + kScaleBytes;
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* x = qx + i * K + 32 * b;
+      for (int r = 0; r < kRows; ++r) {
+        int32_t isum = 0;
+        for (int j = 0; j < 32; ++j) {
+          int u;
+          if (q8) {
+            u = quants[64 * (j / 4) + 4 * r + j % 4];
+          } else {
+            const uint8_t byte = quants[64 * ((j % 16) / 4) + 4 * r + j % 4];
+            u = j < 16 ? byte & 0x0F : byte >> 4;
+          }
+          isum += u * x[j];
+        }
+        sums[i * kRows + r] += static_cast<float>(isum) * (d[r] * dx[i * B + b]) + c[r] * sx[i * B + b];
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace eecore::gguf::q8

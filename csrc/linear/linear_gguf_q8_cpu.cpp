@@ -1,0 +1,90 @@
+// repack_gguf_q8 and linear_gguf_q8 on the CPU (gguf_q8.h): the repacking once per weight, then per
+// call each input row quantized to int8 blocks and the dots taken 16 output rows at a time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "linear/gguf_q8.h"
+#include "linear/linear_gguf_q8.h"
+
+namespace eecore {
+namespace {
+
+constexpr int64_t kTileRows = 4;  // input rows per group_dots call: 4 x 16 accumulators in registers
+
+at::Tensor repack_gguf_q8_cpu(const at::Tensor& weight, int64_t quant_type, int64_t features) {
+  check_repack_gguf_q8_args(weight, quant_type, features);
+  const int64_t N = weight.size(0), B = features / 32, G = (N + gguf::q8::kRows - 1) / gguf::q8::kRows;
+  const int64_t stride = gguf::q8::group_bytes(quant_type);
+  at::Tensor packed = at::empty({G, B, stride}, weight.options());
+  const uint8_t* w = weight.const_data_ptr<uint8_t>();
+  uint8_t* p = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < B; ++b)
+        gguf::q8::pack_block(quant_type, w, weight.size(1), N, g, b, p + (g * B + b) * stride);
+  });
+  return packed;
+}
+
+void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed, int64_t quant_type,
+                        const std::optional<at::Tensor>& bias, bool accumulate) {
+  const int64_t N = check_linear_gguf_q8_args(out, input, packed, quant_type, bias);
+  const int64_t M = input.size(0), K = input.size(1), B = K / 32, G = packed.size(0);
+  if (M == 0 || N == 0) return;
+  const at::Tensor x = input.scalar_type() == at::kFloat ? input : input.to(at::kFloat);
+  // each input row's int8 blocks, scales and scaled sums, reused across calls by this thread
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> dx, sx;
+  qx.resize(M * K);
+  dx.resize(M * B);
+  sx.resize(M * B);
+  for (int64_t i = 0; i < M; ++i)
+    gguf::q8::quantize_row(x.const_data_ptr<float>() + i * x.stride(0), K, qx.data() + i * K, dx.data() + i * B,
+                           sx.data() + i * B);
+  const uint8_t* p = packed.const_data_ptr<uint8_t>();
+  const int64_t stride = B * gguf::q8::group_bytes(quant_type);
+  const bool has_bias = bias.has_value() && bias->defined();
+  const int8_t* q = qx.data();
+  const float *dxs = dx.data(), *sxs = sx.data();
+  EECORE_DISPATCH_FLOAT(out.scalar_type(), "eecore::linear_gguf_q8", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* bs = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
+    const int64_t ldo = out.stride(0);
+    at::parallel_for(0, G, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, B * M)), [&](int64_t g0, int64_t g1) {
+      float sums[kTileRows * gguf::q8::kRows];
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
+          const int64_t mr = std::min(kTileRows, M - i0);
+          const int8_t* qi = q + i0 * K;
+          switch (mr) {
+            case 1: gguf::q8::group_dots<1>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums); break;
+            case 2: gguf::q8::group_dots<2>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums); break;
+            case 3: gguf::q8::group_dots<3>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums); break;
+            default: gguf::q8::group_dots<4>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums);
+          }
+          const int64_t rows = std::min(gguf::q8::kRows, N - g * gguf::q8::kRows);
+          for (int64_t a = 0; a < mr; ++a) {
+            scalar_t* dst = o + (i0 + a) * ldo + g * gguf::q8::kRows;
+            for (int64_t r = 0; r < rows; ++r) {
+              float v = sums[a * gguf::q8::kRows + r];
+              if (bs != nullptr) v += static_cast<float>(bs[g * gguf::q8::kRows + r]);
+              if (accumulate) v += static_cast<float>(dst[r]);
+              dst[r] = static_cast<scalar_t>(v);
+            }
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+}  // namespace eecore
+
+TORCH_LIBRARY_IMPL(eecore, CPU, m) {
+  m.impl("repack_gguf_q8", &eecore::repack_gguf_q8_cpu);
+  m.impl("linear_gguf_q8", &eecore::linear_gguf_q8_cpu);
+}
