@@ -12,7 +12,8 @@ output token after the first, medians over prompts and `--repeats` alternated ro
 gives the weight bytes a decode step reads, the GB/s that makes at the measured speed, and that
 against this machine's read bandwidth measured in the same run (bench/roofline.py). eecore's greedy
 tokens are compared with its own fp32 dequantized model's on the same file. "q8 activations" is
-eecore with EECORE_GGUF_ACTIVATIONS=q8 (its Q4_0 / Q4_1 / Q8_0 matrices with 8-bit activations).
+eecore with EECORE_GGUF_ACTIVATIONS=q8 (its Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrices with 8-bit
+activations).
 
     python bench/gguf_decode.py [--max-tokens 128] [--repeats 3] [--formats Q4_1 Q8_0 Q4_K_M]
 """

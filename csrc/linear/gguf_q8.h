@@ -1,4 +1,4 @@
-// GGUF weights with 8-bit activations (llama.cpp's arithmetic): the weight repacked once, at load,
+// GGUF weights with 8-bit activations (llama.cpp's arithmetic): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the weight repacked once, at load,
 // so that one vpdpbusd multiplies 4 weights of 16 output rows by 4 activation bytes, and each input
 // row quantized per call to int8 in blocks of 32 with a scale of its own.
 //
@@ -12,10 +12,11 @@
 //   d[16] float32 (the rows' block scales; 0 for rows past N), c[16] float32, then the quants:
 //   Q4_0 / Q4_1: 4 x 64 bytes; in chunk k, row r's 4 bytes at 4 r hold weights 4k..4k+3 in their
 //                low nibbles and 16+4k..16+4k+3 in their high ones (integers 0..15);
-//   Q8_0:        8 x 64 bytes; in chunk k, row r's 4 bytes hold weights 4k..4k+3 plus 128 (0..255).
+//   Q5_0 / Q5_1 / Q8_0: 8 x 64 bytes; in chunk k, row r's 4 bytes hold weights 4k..4k+3 as unsigned
+//                bytes: the 5-bit integers (0..31), or Q8_0's plus 128 (0..255).
 // With u the unsigned integers, qx the activation bytes, dx their scale and sx = dx * sum(qx):
 //   row . x = sum over blocks of d * dx * sum(u * qx) + c * sx,
-// where c = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0) folds each format's offset in.
+// where c = m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0) folds each format's offset in.
 #pragma once
 
 #include <algorithm>
@@ -38,11 +39,20 @@ constexpr int64_t kRows = 16;         // output rows per group
 constexpr int64_t kScaleBytes = 128;  // d[16], c[16]
 
 inline bool packable(int64_t type) {
-  return type == static_cast<int64_t>(QuantType::Q4_0) || type == static_cast<int64_t>(QuantType::Q4_1) ||
-         type == static_cast<int64_t>(QuantType::Q8_0);
+  switch (static_cast<QuantType>(type)) {
+    case QuantType::Q4_0: case QuantType::Q4_1: case QuantType::Q5_0: case QuantType::Q5_1: case QuantType::Q8_0:
+      return true;
+    default:
+      return false;
+  }
 }
 
-inline int64_t quant_bytes(int64_t type) { return type == static_cast<int64_t>(QuantType::Q8_0) ? 512 : 256; }
+// Q4_0 / Q4_1 keep two weights a byte; the others one (Q5's five bits, Q8_0's eight).
+inline bool nibble_packed(int64_t type) {
+  return type == static_cast<int64_t>(QuantType::Q4_0) || type == static_cast<int64_t>(QuantType::Q4_1);
+}
+
+inline int64_t quant_bytes(int64_t type) { return nibble_packed(type) ? 256 : 512; }
 inline int64_t group_bytes(int64_t type) { return kScaleBytes + quant_bytes(type); }
 
 // Block b of rows [16 g, 16 g + 16) of a GGUF weight (rows past N zero) into `dst`.
@@ -51,15 +61,20 @@ inline void pack_block(int64_t type, const uint8_t* weight, int64_t row_bytes, i
   float d[kRows] = {}, c[kRows] = {};
   uint8_t* quants = dst + kScaleBytes;
   std::memset(quants, 0, quant_bytes(type));
-  const bool q8 = type == static_cast<int64_t>(QuantType::Q8_0);
   const int64_t bytes = find_format(type)->bytes;
   for (int64_t r = 0; r < kRows && kRows * g + r < N; ++r) {
     const uint8_t* block = weight + (kRows * g + r) * row_bytes + b * bytes;
     d[r] = half_at(block);
-    if (q8) {
+    if (type == static_cast<int64_t>(QuantType::Q8_0)) {
       c[r] = -128.f * d[r];
       for (int j = 0; j < 32; ++j)
         quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + j]) + 128);
+    } else if (!nibble_packed(type)) {  // Q5_0 / Q5_1: the 5-bit integers, one a byte
+      const bool has_min = type == static_cast<int64_t>(QuantType::Q5_1);
+      c[r] = has_min ? half_at(block + 2) : -16.f * d[r];
+      int q[32];
+      five_bit_quants(block + (has_min ? 4 : 2), block + (has_min ? 8 : 6), q);
+      for (int j = 0; j < 32; ++j) quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(q[j]);
     } else {
       const bool has_min = type == static_cast<int64_t>(QuantType::Q4_1);
       c[r] = has_min ? half_at(block + 2) : -8.f * d[r];
@@ -96,7 +111,7 @@ template <int MR>
 inline void group_dots(const uint8_t* packed, int64_t type, int64_t B, const int8_t* qx, int64_t K, const float* dx,
                        const float* sx, float* sums) {
   const int64_t stride = group_bytes(type);
-  const bool q8 = type == static_cast<int64_t>(QuantType::Q8_0);
+  const bool bytes = !nibble_packed(type);
 #if EECORE_GGUF_Q8_VNNI
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -106,7 +121,7 @@ inline void group_dots(const uint8_t* packed, int64_t type, int64_t B, const int
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(block));
     const __m512 c = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kRows);
     __m512i u[8];  // u[k] multiplies activation bytes 4k..4k+3
-    if (q8) {
+    if (bytes) {
       for (int k = 0; k < 8; ++k) u[k] = _mm512_loadu_si512(block + kScaleBytes + 64 * k);
     } else {
       for (int k = 0; k < 4; ++k) {
@@ -144,7 +159,7 @@ inline void group_dots(const uint8_t* packed, int64_t type, int64_t B, const int
         int32_t isum = 0;
         for (int j = 0; j < 32; ++j) {
           int u;
-          if (q8) {
+          if (bytes) {
             u = quants[64 * (j / 4) + 4 * r + j % 4];
           } else {
             const uint8_t byte = quants[64 * ((j % 16) / 4) + 4 * r + j % 4];
