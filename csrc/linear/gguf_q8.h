@@ -1,4 +1,4 @@
-// GGUF weights with 8-bit activations (llama.cpp's arithmetic): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the weight repacked once, at load,
+// GGUF weights with 8-bit activations (llama.cpp's arithmetic): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K: the weight repacked once, at load,
 // so that one vpdpbusd multiplies 4 weights of 16 output rows by 4 activation bytes, and each input
 // row quantized per call to int8 in blocks of 32 with a scale of its own.
 //
@@ -10,13 +10,14 @@
 //
 // Packed layout: [G = ceil(N / 16) row groups][B = K / 32 blocks][kGroupBytes] bytes, each
 //   d[16] float32 (the rows' block scales; 0 for rows past N), c[16] float32, then the quants:
-//   Q4_0 / Q4_1: 4 x 64 bytes; in chunk k, row r's 4 bytes at 4 r hold weights 4k..4k+3 in their
+//   Q4_0 / Q4_1 / Q4_K: 4 x 64 bytes; in chunk k, row r's 4 bytes at 4 r hold weights 4k..4k+3 in their
 //                low nibbles and 16+4k..16+4k+3 in their high ones (integers 0..15);
-//   Q5_0 / Q5_1 / Q8_0: 8 x 64 bytes; in chunk k, row r's 4 bytes hold weights 4k..4k+3 as unsigned
+//   Q5_0 / Q5_1 / Q5_K / Q8_0: 8 x 64 bytes; in chunk k, row r's 4 bytes hold weights 4k..4k+3 as unsigned
 //                bytes: the 5-bit integers (0..31), or Q8_0's plus 128 (0..255).
 // With u the unsigned integers, qx the activation bytes, dx their scale and sx = dx * sum(qx):
 //   row . x = sum over blocks of d * dx * sum(u * qx) + c * sx,
-// where c = m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0) folds each format's offset in.
+// where c = m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0) folds each format's offset in;
+// a K format's group of 32 is a block here, with d = d_super * scale and c = -dmin * min.
 #pragma once
 
 #include <algorithm>
@@ -41,19 +42,63 @@ constexpr int64_t kScaleBytes = 128;  // d[16], c[16]
 inline bool packable(int64_t type) {
   switch (static_cast<QuantType>(type)) {
     case QuantType::Q4_0: case QuantType::Q4_1: case QuantType::Q5_0: case QuantType::Q5_1: case QuantType::Q8_0:
+    case QuantType::Q4_K: case QuantType::Q5_K:
       return true;
     default:
       return false;
   }
 }
 
-// Q4_0 / Q4_1 keep two weights a byte; the others one (Q5's five bits, Q8_0's eight).
+// The 4-bit formats keep two weights a byte; the others one (five bits, or Q8_0's eight).
 inline bool nibble_packed(int64_t type) {
-  return type == static_cast<int64_t>(QuantType::Q4_0) || type == static_cast<int64_t>(QuantType::Q4_1);
+  return type == static_cast<int64_t>(QuantType::Q4_0) || type == static_cast<int64_t>(QuantType::Q4_1) ||
+         type == static_cast<int64_t>(QuantType::Q4_K);
 }
 
 inline int64_t quant_bytes(int64_t type) { return nibble_packed(type) ? 256 : 512; }
 inline int64_t group_bytes(int64_t type) { return kScaleBytes + quant_bytes(type); }
+
+// Group b (32 weights) of one row as w = d * u + c (its scale, its offset, u[32] unsigned integers).
+inline void group_values(int64_t type, const uint8_t* row, int64_t b, float& d, float& c, int* u) {
+  const QuantType t = static_cast<QuantType>(type);
+  if (t == QuantType::Q4_K || t == QuantType::Q5_K) {  // an eighth of a superblock, its own (scale, min)
+    const uint8_t* block = row + (b / 8) * find_format(type)->bytes;
+    const int k = static_cast<int>(b % 8);
+    int scale, min;
+    scale_min_k(block + 4, k, scale, min);
+    d = half_at(block) * static_cast<float>(scale);
+    c = -(half_at(block + 2) * static_cast<float>(min));
+    const uint8_t* qs = block + (t == QuantType::Q4_K ? 16 : 48) + 32 * (k / 2);
+    for (int l = 0; l < 32; ++l) {
+      u[l] = (qs[l] >> (4 * (k % 2))) & 0x0F;
+      if (t == QuantType::Q5_K) u[l] |= ((block[16 + l] >> k) & 1) << 4;
+    }
+    return;
+  }
+  const uint8_t* block = row + b * find_format(type)->bytes;
+  d = half_at(block);
+  switch (t) {
+    case QuantType::Q8_0:
+      c = -128.f * d;
+      for (int j = 0; j < 32; ++j) u[j] = static_cast<int8_t>(block[2 + j]) + 128;
+      return;
+    case QuantType::Q5_0: case QuantType::Q5_1: {
+      const bool has_min = t == QuantType::Q5_1;
+      c = has_min ? half_at(block + 2) : -16.f * d;
+      five_bit_quants(block + (has_min ? 4 : 2), block + (has_min ? 8 : 6), u);
+      return;
+    }
+    default: {  // Q4_0, Q4_1
+      const bool has_min = t == QuantType::Q4_1;
+      c = has_min ? half_at(block + 2) : -8.f * d;
+      const uint8_t* qs = block + (has_min ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        u[j] = qs[j] & 0x0F;
+        u[j + 16] = qs[j] >> 4;
+      }
+    }
+  }
+}
 
 // Block b of rows [16 g, 16 g + 16) of a GGUF weight (rows past N zero) into `dst`.
 inline void pack_block(int64_t type, const uint8_t* weight, int64_t row_bytes, int64_t N, int64_t g, int64_t b,
@@ -61,26 +106,14 @@ inline void pack_block(int64_t type, const uint8_t* weight, int64_t row_bytes, i
   float d[kRows] = {}, c[kRows] = {};
   uint8_t* quants = dst + kScaleBytes;
   std::memset(quants, 0, quant_bytes(type));
-  const int64_t bytes = find_format(type)->bytes;
   for (int64_t r = 0; r < kRows && kRows * g + r < N; ++r) {
-    const uint8_t* block = weight + (kRows * g + r) * row_bytes + b * bytes;
-    d[r] = half_at(block);
-    if (type == static_cast<int64_t>(QuantType::Q8_0)) {
-      c[r] = -128.f * d[r];
-      for (int j = 0; j < 32; ++j)
-        quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + j]) + 128);
-    } else if (!nibble_packed(type)) {  // Q5_0 / Q5_1: the 5-bit integers, one a byte
-      const bool has_min = type == static_cast<int64_t>(QuantType::Q5_1);
-      c[r] = has_min ? half_at(block + 2) : -16.f * d[r];
-      int q[32];
-      five_bit_quants(block + (has_min ? 4 : 2), block + (has_min ? 8 : 6), q);
-      for (int j = 0; j < 32; ++j) quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(q[j]);
+    int u[32];
+    group_values(type, weight + (kRows * g + r) * row_bytes, b, d[r], c[r], u);
+    if (nibble_packed(type)) {  // weight j in the low nibble, weight 16 + j in the high one
+      for (int j = 0; j < 16; ++j)
+        quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(u[j] | (u[j + 16] << 4));
     } else {
-      const bool has_min = type == static_cast<int64_t>(QuantType::Q4_1);
-      c[r] = has_min ? half_at(block + 2) : -8.f * d[r];
-      const uint8_t* qs = block + (has_min ? 4 : 2);
-      for (int j = 0; j < 16; ++j)  // weight j low nibble, weight 16 + j high nibble: the file's own pairing
-        quants[64 * (j / 4) + 4 * r + j % 4] = qs[j];
+      for (int j = 0; j < 32; ++j) quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(u[j]);
     }
   }
   std::memcpy(dst, d, sizeof(d));
