@@ -1,7 +1,7 @@
-"""linear_gguf_q8 (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K weights repacked, 8-bit activations) against its reference:
-the activations rounded as the kernel rounds them, times the dequantized weight, in float64; the
-rounding error against the exact product bounded; bad arguments; and a model built with
-EECORE_GGUF_ACTIVATIONS=q8 decoding close to the exact one."""
+"""linear_gguf_q8 (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K weights repacked, 8-bit
+activations) against its reference: the activations rounded as the kernel rounds them, times the
+dequantized weight, in float64; the rounding error against the exact product bounded; bad
+arguments; and a model built with EECORE_GGUF_ACTIVATIONS=q8 decoding close to the exact one."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
-// GGUF weights with 8-bit activations (llama.cpp's arithmetic): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K: the weight repacked once, at load,
-// so that one vpdpbusd multiplies 4 weights of 16 output rows by 4 activation bytes, and each input
-// row quantized per call to int8 in blocks of 32 with a scale of its own.
+// GGUF weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) with 8-bit activations, llama.cpp's
+// arithmetic: the weight repacked once, at load, so that one vpdpbusd multiplies 4 weights of 16
+// output rows by 4 activation bytes, and each input row quantized per call to int8 in blocks of 32
+// with a scale of its own.
 //
 // Why: the exact kernels (gguf_simd.h) pay an fp32 multiply-add per weight and row, so 5 rows cost
 // about 2x one row; here a row adds 16 integer dot instructions per 512 weights, so a verification

@@ -35,7 +35,8 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 // 32 bytes' bit pairs (or single bits) at `shift`, masked by `mask` and moved up by 4 bits.
 inline __m256i high_bits_at(const uint8_t* p, int shift, int mask) {
-  const __m256i bits = _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+  const __m256i shifted = _mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(shift));
+  const __m256i bits = _mm256_and_si256(shifted, _mm256_set1_epi8(static_cast<char>(mask)));
   return _mm256_slli_epi16(bits, 4);  // at most 0x30 per byte: nothing crosses into the next byte
 }
 #endif
@@ -244,7 +245,8 @@ struct Q4_K : KScaled<144> {
     const uint8_t* block = row + (g >> 3) * 144;
     const int k = static_cast<int>(g & 7);
 #if EECORE_GGUF_LOOKUP
-    S::lookup_group(block + 16 + 32 * (k >> 1), 4 * (k & 1), S::sub(S::mul(S::set1(p[k]), S::iota16()), S::set1(p[8 + k])), w);
+    const V table = S::sub(S::mul(S::set1(p[k]), S::iota16()), S::set1(p[8 + k]));
+    S::lookup_group(block + 16 + 32 * (k >> 1), 4 * (k & 1), table, w);
 #else
     S::u8x32(nibbles_at(block + 16 + 32 * (k >> 1), 4 * (k & 1)), w);
     times_minus(w, p[k], p[8 + k]);

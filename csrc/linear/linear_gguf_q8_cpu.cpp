@@ -59,11 +59,13 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
         for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
           const int64_t mr = std::min(kTileRows, M - i0);
           const int8_t* qi = q + i0 * K;
+          const uint8_t* pg = p + g * stride;
+          const float *di = dxs + i0 * B, *si = sxs + i0 * B;
           switch (mr) {
-            case 1: gguf::q8::group_dots<1>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums); break;
-            case 2: gguf::q8::group_dots<2>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums); break;
-            case 3: gguf::q8::group_dots<3>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums); break;
-            default: gguf::q8::group_dots<4>(p + g * stride, quant_type, B, qi, K, dxs + i0 * B, sxs + i0 * B, sums);
+            case 1: gguf::q8::group_dots<1>(pg, quant_type, B, qi, K, di, si, sums); break;
+            case 2: gguf::q8::group_dots<2>(pg, quant_type, B, qi, K, di, si, sums); break;
+            case 3: gguf::q8::group_dots<3>(pg, quant_type, B, qi, K, di, si, sums); break;
+            default: gguf::q8::group_dots<4>(pg, quant_type, B, qi, K, di, si, sums);
           }
           const int64_t rows = std::min(gguf::q8::kRows, N - g * gguf::q8::kRows);
           for (int64_t a = 0; a < mr; ++a) {

@@ -23,8 +23,8 @@ void linear_gguf_q8_cuda(at::Tensor& out, const at::Tensor& input, const at::Ten
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("eecore::linear_gguf_q8", "").typed<
       void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&, bool)>();
   at::Tensor host = out.cpu();
-  const std::optional<at::Tensor> host_bias = bias.has_value() && bias->defined() ? std::optional<at::Tensor>(bias->cpu())
-                                                                                 : std::nullopt;
+  std::optional<at::Tensor> host_bias;
+  if (bias.has_value() && bias->defined()) host_bias = bias->cpu();
   op.call(host, input.cpu(), packed.cpu(), quant_type, host_bias, accumulate);
   out.copy_(host);
 }

@@ -78,7 +78,8 @@ def cmd_calibrate(args) -> int:
         settings.early_exit()  # the early-exit settings' own checks, before loading anything
         texts = [p.prompt for p in read_prompt_file(args.prompts)]
         llm = eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
-                         quantization=args.quantization, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size)
+                         quantization=args.quantization, max_num_seqs=args.max_num_seqs,
+                         num_blocks=args.num_blocks, block_size=args.block_size)
         prompts = [prompt_input(llm, p, args.chat) for p in texts]
         result = calibrate(llm, prompts, settings, prompts_file=args.prompts)
     except ValueError as exc:

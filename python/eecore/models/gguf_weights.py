@@ -4,6 +4,7 @@ by `ops.linear_gguf` with the file's exact values: a decode step then reads the 
 
 `StackedWeight` holds projections stacked along their outputs whose parts cannot share one block
 type (a Q4_K_M file's q and k in Q4_K beside its v in Q6_K): each part writes its own columns.
+A GGUFWeight may also carry its repacking for 8-bit activations (EECORE_GGUF_ACTIVATIONS below).
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import torch
 from eecore import ops
 
 
-# EECORE_GGUF_ACTIVATIONS=q8: projections in Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K compute with
-# 8-bit activations
-# (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several rows, but not the
-# dequantized model's values); "exact" (the default): ops.linear_gguf. Read when a model is built.
+# EECORE_GGUF_ACTIVATIONS=q8: projections in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q5_K compute with
+# 8-bit activations (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several
+# rows, but not the dequantized model's values); "exact" (the default): ops.linear_gguf. Read when a
+# model is built.
 ACTIVATIONS_ENV_VAR = "EECORE_GGUF_ACTIVATIONS"
 _Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 

@@ -8,8 +8,9 @@ Every path produces the same thing: a `ModelConfig`, a state dict in HF Llama na
 the tensors that config implies (checked), in the requested dtype ("auto": the checkpoint's own),
 a `Tokenizer` (or None when an HF directory ships no tokenizer.json), and the checkpoint's own
 precision. With `keep_quantized`, a GGUF file's quantized matrices stay in their blocks
-(`GGUFWeight`, computed by ops.linear_gguf) instead of becoming dense tensors. An HF directory of a T5 encoder-decoder gives a
-`T5Config` and the HF T5 names instead (see t5_weights.py). transformers is never imported here.
+(`GGUFWeight`, computed by ops.linear_gguf) instead of becoming dense tensors. An HF directory of a
+T5 encoder-decoder gives a `T5Config` and the HF T5 names instead (see t5_weights.py). transformers
+is never imported here.
 """
 from __future__ import annotations
 
