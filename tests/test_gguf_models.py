@@ -139,13 +139,18 @@ def test_cli_generate_sizes_the_kv_cache_to_its_request(tiny, capsys):
     from eecore.cli import main
     from eecore.cli.generate import request_blocks
 
-    # tokens <= UTF-8 bytes + the template's, plus max_tokens and the drafts' lookahead; doubled
-    assert request_blocks(["héllo"], 10, 16) == 2 * (-(-(6 + 64 + 10 + 16) // 16) + 1)
+    # tokens <= UTF-8 bytes + the template's, plus max_tokens and the verify width; doubled
+    assert request_blocks(["héllo"], 10, 16, lookahead=5) == 2 * (-(-(6 + 64 + 10 + 5) // 16) + 1)
     path = _gguf_file(tiny, "Q8_0")
     long_prompt = "ab cd ef " * 40
     assert main(["generate", long_prompt, "--model", path, "--max-tokens", "12", "--temperature", "0",
                  "--device", "cpu", "--chat", "off"]) == 0
     assert "12 tokens in" in capsys.readouterr().err
+    # self-speculation writes ahead of the last token: its verify width is reserved too
+    assert main(["generate", long_prompt, "--model", path, "--max-tokens", "40", "--temperature", "0",
+                 "--device", "cpu", "--chat", "off", "--speculate", "--exit-layer", "1",
+                 "--num-speculations", "8"]) == 0
+    assert "40 tokens in" in capsys.readouterr().err
 
 
 def test_blocks_are_copied_once_from_the_file(tiny):

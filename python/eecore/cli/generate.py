@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
-from eecore.cli.args import add_model_flags, add_sampling_flags, build_llm, prompt_input, sampling_params
+from eecore.cli.args import (add_model_flags, add_sampling_flags, build_llm, prompt_input, sampling_params,
+                             speculative_config)
 
 
 def add_parser(sub) -> None:
@@ -24,22 +25,22 @@ def summary(n_tokens: int, layers: list[int], elapsed: float, num_layers: int) -
             f"mean layers/token {mean:.2f} of {num_layers}")
 
 
-# A prompt's tokens are at most its UTF-8 bytes (byte-level BPE) plus the chat template's own, and
-# self-speculation's drafts run ahead of the last token by at most this many.
+# A prompt's tokens are at most its UTF-8 bytes (byte-level BPE) plus the chat template's own.
 _TEMPLATE_TOKENS = 64
-_LOOKAHEAD = 16
 
 
-def request_blocks(prompts: list[str], max_tokens: int, block_size: int) -> int:
-    """KV blocks these requests can ever hold: a cache sized to the work, not to free memory (a
-    short run then touches a few pages, not a huge page per layer). Doubled for an
+def request_blocks(prompts: list[str], max_tokens: int, block_size: int, lookahead: int = 1) -> int:
+    """KV blocks these requests can ever hold (`lookahead`: the slots a decoding round may write
+    past the last token, self-speculation's verify width): a cache sized to the work, not to free
+    memory (a short run then touches a few pages, not a huge page per layer). Doubled for an
     encoder-decoder's cross-attention K/V."""
-    need = sum(-(-(len(p.encode()) + _TEMPLATE_TOKENS + max_tokens + _LOOKAHEAD) // block_size) + 1 for p in prompts)
+    need = sum(-(-(len(p.encode()) + _TEMPLATE_TOKENS + max_tokens + lookahead) // block_size) + 1 for p in prompts)
     return 2 * need
 
 
 def cmd_generate(args) -> int:
-    llm = build_llm(args, num_blocks=request_blocks(args.prompt, args.max_tokens, args.block_size))
+    lookahead = speculative_config(args).verify_width if args.speculate else 1
+    llm = build_llm(args, num_blocks=request_blocks(args.prompt, args.max_tokens, args.block_size, lookahead))
     prompts = [prompt_input(llm, p, args.chat) for p in args.prompt]
     texts = [""] * len(prompts)
     layers: list[int] = []
