@@ -15,7 +15,7 @@ tokens are compared with its own fp32 dequantized model's on the same file. "q8 
 eecore with EECORE_GGUF_ACTIVATIONS=q8 (its Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrices with 8-bit
 activations).
 
-    python bench/gguf_decode.py [--max-tokens 128] [--repeats 3] [--formats Q4_1 Q8_0 Q4_K_M]
+    python bench/gguf_decode.py [--max-tokens 128] [--repeats 3] [--formats Q4_1 Q8_0 Q4_K_M] [--out-name NAME]
 """
 from __future__ import annotations
 
@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", nargs="+", default=["Q4_1", "Q8_0", "Q4_K_M"], choices=["Q4_1", "Q8_0", "Q4_K_M"])
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--out-name", default="gguf-decode")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with_llama = not args.no_llama_cpp and importlib.util.find_spec("llama_cpp") is not None
@@ -187,7 +188,7 @@ def main() -> None:
               f" ({row['mean_tokens_before_first_difference']:.0f} tokens before a difference)")
     payload = dict(max_tokens=args.max_tokens, repeats=args.repeats, read_bandwidth_gbs=bandwidth, rows=rows,
                    llama_cpp=None if with_llama else "not installed or --no-llama-cpp")
-    print(f"results: {save_results('gguf-decode', payload)}")
+    print(f"results: {save_results(args.out_name, payload)}")
 
 
 if __name__ == "__main__":

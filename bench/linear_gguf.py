@@ -5,7 +5,7 @@ for the K formats, whose blocks hold 256 weights, the 576-wide inputs widened to
 each block format (eecore.models.gguf_quantize), run at M rows as a decode step does; each
 configuration is timed in the same process, alternated, medians of `--repeats` passes. Prints ms
 per pass over the 120 projections and the weight bytes each reads, and the GB/s that makes.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K are also timed with 8-bit activations ("q8-act": linear_gguf_q8
+every format is also timed with 8-bit activations ("q8-act": linear_gguf_q8
 on the repacked weights, EECORE_GGUF_ACTIVATIONS=q8's kernel).
 
     python bench/linear_gguf.py [--rows 1 4 5 8] [--types Q4_1 Q8_0 Q4_0 Q4_K Q6_K] [--threads 2]
@@ -56,7 +56,7 @@ def main() -> None:
                  for _ in range(LAYERS) for n, k in SHAPES]
         quantized = [(torch.from_numpy(quantize(w, name)), n, k) for w, n, k in dense]
         packed = [(ops.repack_gguf_q8(q, qtype, k), n, k) for q, n, k in quantized] \
-            if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K") else None
+            if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K") else None
         weights = {"bf16": [(torch.from_numpy(w).to(torch.bfloat16), n, k) for w, n, k in dense],
                    "fp32": [(torch.from_numpy(w), n, k) for w, n, k in dense]}
         for m in args.rows:

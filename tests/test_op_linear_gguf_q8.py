@@ -1,4 +1,4 @@
-"""linear_gguf_q8 (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K weights repacked, 8-bit
+"""linear_gguf_q8 (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights repacked, 8-bit
 activations) against its reference: the activations rounded as the kernel rounds them, times the
 dequantized weight, in float64; the rounding error against the exact product bounded; bad
 arguments; and a model built with EECORE_GGUF_ACTIVATIONS=q8 decoding close to the exact one."""
@@ -13,7 +13,7 @@ from eecore.models.gguf_weights import ACTIVATIONS_ENV_VAR
 from eecore.testing import reference
 from test_op_linear_gguf import TYPES, random_blocks
 
-Q8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]
+Q8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("name", Q8_TYPES)
@@ -22,7 +22,8 @@ def test_matches_the_reference(name, rows):
     n, k = 37, 512 if name.endswith("_K") else 160  # 37 output rows: two whole groups of 16, a partial one
     weight = random_blocks(name, n, k, seed=rows)
     packed = ops.repack_gguf_q8(weight, TYPES[name], k)
-    assert packed.shape == (3, k // 32, 128 + (256 if name in ("Q4_0", "Q4_1", "Q4_K") else 512))
+    scale_bytes = 256 if name == "Q6_K" else 128
+    assert packed.shape == (3, k // 32, scale_bytes + (256 if name in ("Q4_0", "Q4_1", "Q4_K") else 512))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = ops.linear_gguf_q8(torch.full((rows, n), float("nan")), x, packed, TYPES[name])
     expected = torch.empty(rows, n, dtype=torch.float64)
@@ -51,8 +52,8 @@ def test_bias_accumulate_strided_rows(dtype):
 
 def test_bad_arguments_name_the_argument():
     weight = random_blocks("Q4_0", 20, 64, seed=0)
-    with pytest.raises(RuntimeError, match="'quant_type'.*2 \\(Q4_0\\), 3 \\(Q4_1\\).*13 \\(Q5_K\\).*got 14"):
-        ops.repack_gguf_q8(random_blocks("Q6_K", 4, 256, seed=0), 14, 256)
+    with pytest.raises(RuntimeError, match="'quant_type'.*2 \\(Q4_0\\), 3 \\(Q4_1\\).*14 \\(Q6_K\\).*got 10"):
+        ops.repack_gguf_q8(random_blocks("Q4_K", 4, 256, seed=0), 10, 256)  # Q2_K
     packed = ops.repack_gguf_q8(weight, TYPES["Q4_0"], 64)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="'out'.*2 groups of 16 rows"):

@@ -12,8 +12,8 @@ namespace eecore {
 
 inline void check_q8_type(const char* op, int64_t quant_type) {
   EECORE_CHECK_ARG(op, "quant_type", gguf::q8::packable(quant_type),
-                   "must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K) or 13 (Q5_K) for "
-                   "8-bit activations, got ", quant_type);
+                   "must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or "
+                   "14 (Q6_K) for 8-bit activations, got ", quant_type);
 }
 
 inline void check_repack_gguf_q8_args(const at::Tensor& weight, int64_t quant_type, int64_t features) {

@@ -35,15 +35,15 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
   const int64_t M = input.size(0), K = input.size(1), B = K / 32, G = packed.size(0);
   if (M == 0 || N == 0) return;
   const at::Tensor x = input.scalar_type() == at::kFloat ? input : input.to(at::kFloat);
-  // each input row's int8 blocks, scales and scaled sums, reused across calls by this thread
+  // each input row's int8 blocks, scales and scaled half-block sums, reused across calls by this thread
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> dx, sx;
   qx.resize(M * K);
   dx.resize(M * B);
-  sx.resize(M * B);
+  sx.resize(M * 2 * B);
   for (int64_t i = 0; i < M; ++i)
     gguf::q8::quantize_row(x.const_data_ptr<float>() + i * x.stride(0), K, qx.data() + i * K, dx.data() + i * B,
-                           sx.data() + i * B);
+                           sx.data() + i * 2 * B);
   const uint8_t* p = packed.const_data_ptr<uint8_t>();
   const int64_t stride = B * gguf::q8::group_bytes(quant_type);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -60,7 +60,7 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
           const int64_t mr = std::min(kTileRows, M - i0);
           const int8_t* qi = q + i0 * K;
           const uint8_t* pg = p + g * stride;
-          const float *di = dxs + i0 * B, *si = sxs + i0 * B;
+          const float *di = dxs + i0 * B, *si = sxs + i0 * 2 * B;
           switch (mr) {
             case 1: gguf::q8::group_dots<1>(pg, quant_type, B, qi, K, di, si, sums); break;
             case 2: gguf::q8::group_dots<2>(pg, quant_type, B, qi, K, di, si, sums); break;

@@ -156,7 +156,7 @@ def embedding_gguf(out: torch.Tensor, token_ids: torch.Tensor, weight: torch.Ten
 
 
 def repack_gguf_q8(weight: torch.Tensor, quant_type: int, features: int) -> torch.Tensor:
-    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K GGUF weight `[N, row bytes]` repacked for
+    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K GGUF weight `[N, row bytes]` repacked for
     `linear_gguf_q8` (uint8
     `[ceil(N / 16), K / 32, group bytes]`; the layout: csrc/linear/gguf_q8.h)."""
     return _ops.repack_gguf_q8(weight, int(quant_type), int(features))
@@ -209,7 +209,8 @@ def _dequantize_gguf_fake(weight, quant_type, features):
 @_register_fake("repack_gguf_q8")
 def _repack_gguf_q8_fake(weight, quant_type, features):
     nibbles = int(quant_type) in (GGUF_QUANT_TYPES["Q4_0"], GGUF_QUANT_TYPES["Q4_1"], GGUF_QUANT_TYPES["Q4_K"])
-    group_bytes = 128 + (256 if nibbles else 512)
+    two_scales = int(quant_type) == GGUF_QUANT_TYPES["Q6_K"]
+    group_bytes = (256 if two_scales else 128) + (256 if nibbles else 512)
     return weight.new_empty(((weight.shape[0] + 15) // 16, features // 32, group_bytes))
 
 

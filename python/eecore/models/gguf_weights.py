@@ -17,12 +17,11 @@ import torch
 from eecore import ops
 
 
-# EECORE_GGUF_ACTIVATIONS=q8: projections in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q5_K compute with
-# 8-bit activations (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several
+# EECORE_GGUF_ACTIVATIONS=q8: GGUF projections compute with 8-bit activations (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several
 # rows, but not the dequantized model's values); "exact" (the default): ops.linear_gguf. Read when a
 # model is built.
 ACTIVATIONS_ENV_VAR = "EECORE_GGUF_ACTIVATIONS"
-_Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+_Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def q8_activations() -> bool:
