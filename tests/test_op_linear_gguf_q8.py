@@ -79,6 +79,7 @@ def test_model_with_8_bit_activations_decodes_close_to_exact(tmp_path, monkeypat
     monkeypatch.setenv(ACTIVATIONS_ENV_VAR, "q8")
     q8 = eecore.LLM(gguf_path, device="cpu", num_blocks=32)
     assert q8.model.layers[0].qkv.packed is not None and exact.model.layers[0].qkv.packed is None
+    assert (exact.weight_format, q8.weight_format) == ("Q4_1", "Q4_1, 8-bit activations")
     params = eecore.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
     for prompt in ([5, 17, 3, 99], [200, 1, 7]):
         a, b = exact.generate([prompt], params)[0], q8.generate([prompt], params)[0]

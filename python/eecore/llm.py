@@ -112,6 +112,7 @@ class LLM:
         from eecore.models.build import build_model
         from eecore.models.config import ModelConfig
         from eecore.models.exit_adapter import load_exit_adapters
+        from eecore.models.gguf_weights import q8_activations
         from eecore.models.loader import load_model
         from eecore.speculative.draft_stack import build_draft_model
 
@@ -136,6 +137,8 @@ class LLM:
             self.weight_format = loaded.precision
         else:
             self.weight_format = str(self.dtype).removeprefix("torch.")
+        if self.weight_format not in _DTYPES and q8_activations():  # the model will repack its blocks
+            self.weight_format += ", 8-bit activations"
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         separate = speculative is not None and speculative.separate_draft_layers
