@@ -14,6 +14,14 @@ from eecore.testing import reference
 from test_op_linear_gguf import TYPES, random_blocks
 
 Q8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# 37 rows = 3 groups of 16; units of one block of 32 (K formats: a superblock of 256) with the scales
+# in the file's precision: Q4_0, Q4_1 and Q8_0 as many bytes as the file holds for 16 rows.
+PACKED_SHAPES = {
+    "Q4_0": lambda k: (3, k // 32, 16 * 18), "Q4_1": lambda k: (3, k // 32, 16 * 20),
+    "Q8_0": lambda k: (3, k // 32, 16 * 34), "Q5_0": lambda k: (3, k // 32, 32 + 512),
+    "Q5_1": lambda k: (3, k // 32, 64 + 512), "Q4_K": lambda k: (3, k // 256, 64 + 8 * (32 + 256)),
+    "Q5_K": lambda k: (3, k // 256, 64 + 8 * (32 + 512)), "Q6_K": lambda k: (3, k // 256, 32 + 8 * (32 + 512)),
+}
 
 
 @pytest.mark.parametrize("name", Q8_TYPES)
@@ -22,8 +30,7 @@ def test_matches_the_reference(name, rows):
     n, k = 37, 512 if name.endswith("_K") else 160  # 37 output rows: two whole groups of 16, a partial one
     weight = random_blocks(name, n, k, seed=rows)
     packed = ops.repack_gguf_q8(weight, TYPES[name], k)
-    scale_bytes = 256 if name == "Q6_K" else 128
-    assert packed.shape == (3, k // 32, scale_bytes + (256 if name in ("Q4_0", "Q4_1", "Q4_K") else 512))
+    assert packed.shape == PACKED_SHAPES[name](k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = ops.linear_gguf_q8(torch.full((rows, n), float("nan")), x, packed, TYPES[name])
     expected = torch.empty(rows, n, dtype=torch.float64)
@@ -60,14 +67,17 @@ def test_bad_arguments_name_the_argument():
         ops.linear_gguf_q8(torch.empty(2, 40), x, packed, TYPES["Q4_0"])
     with pytest.raises(RuntimeError, match="'packed'.*K / 32 blocks"):
         ops.linear_gguf_q8(torch.empty(2, 20), torch.randn(2, 96), packed, TYPES["Q4_0"])
-    with pytest.raises(RuntimeError, match="'packed'.*group bytes"):
+    with pytest.raises(RuntimeError, match="'packed'.*unit bytes"):
         ops.linear_gguf_q8(torch.empty(2, 20), x, packed, TYPES["Q8_0"])
 
 
-def test_fake_shape():
-    weight = random_blocks("Q8_0", 33, 64, seed=0)
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_fake_shape_is_the_real_one(name):
+    k = 512 if name.endswith("_K") else 64
+    weight = random_blocks(name, 33, k, seed=0)
+    real = ops.repack_gguf_q8(weight, TYPES[name], k)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        assert ops.repack_gguf_q8(mode.from_tensor(weight), TYPES["Q8_0"], 64).shape == (3, 2, 640)
+        assert ops.repack_gguf_q8(mode.from_tensor(weight), TYPES[name], k).shape == real.shape
 
 
 def test_model_with_8_bit_activations_decodes_close_to_exact(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "common/cpu_dots.h"
+#include "common/cpu_parallel.h"
 #include "linear/linear_amx_bf16.h"
 #include "linear/linear_amx_int8.h"
 #include "linear/linear_checks.h"
@@ -43,15 +44,14 @@ constexpr int64_t kBlockedMaxRows = 48;
 // The int8 split GEMM's int32 sums stay exact below this many input features (linear_int8_split.h).
 constexpr int64_t kInt8SplitMaxFeatures = 131072;
 constexpr int64_t kRowBlock = 21;
-// Output columns per parallel task, and the multiply-adds below which one thread does it all.
+// Output columns per parallel task.
 constexpr int64_t kTileCols = 64;
-constexpr int64_t kMinMacsPerThread = 1 << 18;
 // fp32 partial results a thread keeps on its stack (64 KiB): it hands dot_rows as many of its
 // columns at once as fit, so the weight streams in long runs (dot_rows reads a call's rows as four
 // sequential streams; one 64-column tile per call would cut them to 16 rows each).
 constexpr int64_t kAccFloats = 16384;
-// Grabs of tiles per thread (see linear_streaming): 4 measured as fast as 8 and faster than 2.
-constexpr int64_t kGrabsPerThread = 4;
+using cpu::kGrabsPerThread;
+using cpu::kMinMacsPerThread;
 
 // Rows [r0, r0 + M) of `input` into the same rows of `out`. `w_t` is the weight's storage type:
 // the input's, or int8 with one fp32 scale per weight row (`scale`): the input rows are then rounded

@@ -17,6 +17,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_dots.h"
+#include "common/cpu_parallel.h"
 #include "linear/gguf_simd.h"
 #include "linear/linear_gemm.h"
 #include "linear/linear_gguf.h"
@@ -30,10 +31,8 @@ constexpr int64_t kStreamMaxRows = 48;
 constexpr int64_t kDecodedFloats = 8192;
 // The dot products of a chunk (M x output rows) a thread holds before writing them out.
 constexpr int64_t kSumFloats = 1024;
-// Output rows a thread takes per grab, at least, and the multiply-adds below which one thread does
-// all the work (as in linear_cpu.cpp).
-constexpr int64_t kMinMacsPerThread = 1 << 18;
-constexpr int64_t kGrabsPerThread = 4;
+using cpu::kGrabsPerThread;
+using cpu::kMinMacsPerThread;
 
 #if EECORE_GGUF_SIMD
 // A register tile: MR input rows (fp32) x NR weight rows, every group of 32 weights decoded once

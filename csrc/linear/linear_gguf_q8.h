@@ -24,7 +24,7 @@ inline void check_repack_gguf_q8_args(const at::Tensor& weight, int64_t quant_ty
   check_block_weight(op, weight, features, format);
 }
 
-// The output features N (out's columns); `packed` [G, K / 32, group bytes] covers ceil(N / 16) groups.
+// The output features N (out's columns); `packed` [G, units, unit bytes] covers ceil(N / 16) groups.
 inline int64_t check_linear_gguf_q8_args(const at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
                                          int64_t quant_type, const std::optional<at::Tensor>& bias) {
   const char* op = "linear_gguf_q8";
@@ -38,8 +38,9 @@ inline int64_t check_linear_gguf_q8_args(const at::Tensor& out, const at::Tensor
   check_dtype(op, "packed", packed, at::kByte);
   check_contiguous(op, "packed", packed);
   check_same_device(op, "packed", packed, "input", input);
-  check_size(op, "packed", packed, 1, K / 32, "K / 32 blocks (repack_gguf_q8 of a weight with K features)");
-  check_size(op, "packed", packed, 2, gguf::q8::group_bytes(quant_type), "the group bytes of quant_type");
+  check_size(op, "packed", packed, 1, gguf::q8::units(quant_type, K),
+             "K / 32 blocks (K / 256 for a K format: repack_gguf_q8 of a weight with K features)");
+  check_size(op, "packed", packed, 2, gguf::q8::unit_bytes(quant_type), "the unit bytes of quant_type");
   check_dim(op, "out", out, 2);
   const int64_t N = out.size(1);
   EECORE_CHECK_ARG(op, "out", (N + gguf::q8::kRows - 1) / gguf::q8::kRows == packed.size(0),

@@ -4,27 +4,31 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <vector>
 
+#include "common/cpu_parallel.h"
 #include "linear/gguf_q8.h"
 #include "linear/linear_gguf_q8.h"
 
 namespace eecore {
 namespace {
 
-constexpr int64_t kTileRows = 4;  // input rows per group_dots call: 4 x 16 accumulators in registers
+// Input rows per group_dots call: each weight group is decoded once for up to 8 rows (a batch of 8,
+// a verification pass), whose 8 accumulators and the 8 decoded vectors fit the 32 registers.
+constexpr int64_t kTileRows = 8;
 
 at::Tensor repack_gguf_q8_cpu(const at::Tensor& weight, int64_t quant_type, int64_t features) {
   check_repack_gguf_q8_args(weight, quant_type, features);
-  const int64_t N = weight.size(0), B = features / 32, G = (N + gguf::q8::kRows - 1) / gguf::q8::kRows;
-  const int64_t stride = gguf::q8::group_bytes(quant_type);
-  at::Tensor packed = at::empty({G, B, stride}, weight.options());
+  const int64_t N = weight.size(0), U = gguf::q8::units(quant_type, features);
+  const int64_t G = (N + gguf::q8::kRows - 1) / gguf::q8::kRows, stride = gguf::q8::unit_bytes(quant_type);
+  at::Tensor packed = at::empty({G, U, stride}, weight.options());
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   uint8_t* p = packed.data_ptr<uint8_t>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < B; ++b)
-        gguf::q8::pack_block(quant_type, w, weight.size(1), N, g, b, p + (g * B + b) * stride);
+      for (int64_t unit = 0; unit < U; ++unit)
+        gguf::q8::pack_unit(quant_type, w, weight.size(1), N, g, unit, p + (g * U + unit) * stride);
   });
   return packed;
 }
@@ -40,12 +44,12 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
   thread_local std::vector<float> dx, sx;
   qx.resize(M * K);
   dx.resize(M * B);
-  sx.resize(M * 2 * B);
+  sx.resize(M * gguf::q8::kSumsPerBlock * B);
   for (int64_t i = 0; i < M; ++i)
     gguf::q8::quantize_row(x.const_data_ptr<float>() + i * x.stride(0), K, qx.data() + i * K, dx.data() + i * B,
-                           sx.data() + i * 2 * B);
+                           sx.data() + i * gguf::q8::kSumsPerBlock * B);
   const uint8_t* p = packed.const_data_ptr<uint8_t>();
-  const int64_t stride = B * gguf::q8::group_bytes(quant_type);
+  const int64_t stride = packed.size(1) * gguf::q8::unit_bytes(quant_type);
   const bool has_bias = bias.has_value() && bias->defined();
   const int8_t* q = qx.data();
   const float *dxs = dx.data(), *sxs = sx.data();
@@ -53,28 +57,39 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* bs = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
     const int64_t ldo = out.stride(0);
-    at::parallel_for(0, G, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, B * M)), [&](int64_t g0, int64_t g1) {
+    // threads take the next grab of row groups as they free up (as linear_streaming does)
+    const int64_t grain = std::max<int64_t>(1, cpu::kMinMacsPerThread / (gguf::q8::kRows * K * M));
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), (G + grain - 1) / grain);
+    const int64_t grab = std::max(grain, (G + workers * cpu::kGrabsPerThread - 1) / (workers * cpu::kGrabsPerThread));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       float sums[kTileRows * gguf::q8::kRows];
-      for (int64_t g = g0; g < g1; ++g) {
-        for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
-          const int64_t mr = std::min(kTileRows, M - i0);
-          const int8_t* qi = q + i0 * K;
-          const uint8_t* pg = p + g * stride;
-          const float *di = dxs + i0 * B, *si = sxs + i0 * 2 * B;
-          switch (mr) {
-            case 1: gguf::q8::group_dots<1>(pg, quant_type, B, qi, K, di, si, sums); break;
-            case 2: gguf::q8::group_dots<2>(pg, quant_type, B, qi, K, di, si, sums); break;
-            case 3: gguf::q8::group_dots<3>(pg, quant_type, B, qi, K, di, si, sums); break;
-            default: gguf::q8::group_dots<4>(pg, quant_type, B, qi, K, di, si, sums);
-          }
-          const int64_t rows = std::min(gguf::q8::kRows, N - g * gguf::q8::kRows);
-          for (int64_t a = 0; a < mr; ++a) {
-            scalar_t* dst = o + (i0 + a) * ldo + g * gguf::q8::kRows;
-            for (int64_t r = 0; r < rows; ++r) {
-              float v = sums[a * gguf::q8::kRows + r];
-              if (bs != nullptr) v += static_cast<float>(bs[g * gguf::q8::kRows + r]);
-              if (accumulate) v += static_cast<float>(dst[r]);
-              dst[r] = static_cast<scalar_t>(v);
+      for (int64_t g0 = next.fetch_add(grab); g0 < G; g0 = next.fetch_add(grab)) {
+        for (int64_t g = g0; g < std::min(G, g0 + grab); ++g) {
+          for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
+            const int64_t mr = std::min(kTileRows, M - i0);
+            const int8_t* qi = q + i0 * K;
+            const uint8_t* pg = p + g * stride;
+            const float *di = dxs + i0 * B, *si = sxs + i0 * gguf::q8::kSumsPerBlock * B;
+            switch (mr) {
+              case 1: gguf::q8::group_dots<1>(pg, quant_type, qi, K, di, si, sums); break;
+              case 2: gguf::q8::group_dots<2>(pg, quant_type, qi, K, di, si, sums); break;
+              case 3: gguf::q8::group_dots<3>(pg, quant_type, qi, K, di, si, sums); break;
+              case 4: gguf::q8::group_dots<4>(pg, quant_type, qi, K, di, si, sums); break;
+              case 5: gguf::q8::group_dots<5>(pg, quant_type, qi, K, di, si, sums); break;
+              case 6: gguf::q8::group_dots<6>(pg, quant_type, qi, K, di, si, sums); break;
+              case 7: gguf::q8::group_dots<7>(pg, quant_type, qi, K, di, si, sums); break;
+              default: gguf::q8::group_dots<8>(pg, quant_type, qi, K, di, si, sums);
+            }
+            const int64_t rows = std::min(gguf::q8::kRows, N - g * gguf::q8::kRows);
+            for (int64_t a = 0; a < mr; ++a) {
+              scalar_t* dst = o + (i0 + a) * ldo + g * gguf::q8::kRows;
+              for (int64_t r = 0; r < rows; ++r) {
+                float v = sums[a * gguf::q8::kRows + r];
+                if (bs != nullptr) v += static_cast<float>(bs[g * gguf::q8::kRows + r]);
+                if (accumulate) v += static_cast<float>(dst[r]);
+                dst[r] = static_cast<scalar_t>(v);
+              }
             }
           }
         }

@@ -157,8 +157,8 @@ def embedding_gguf(out: torch.Tensor, token_ids: torch.Tensor, weight: torch.Ten
 
 def repack_gguf_q8(weight: torch.Tensor, quant_type: int, features: int) -> torch.Tensor:
     """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K GGUF weight `[N, row bytes]` repacked for
-    `linear_gguf_q8` (uint8
-    `[ceil(N / 16), K / 32, group bytes]`; the layout: csrc/linear/gguf_q8.h)."""
+    `linear_gguf_q8` (uint8 `[ceil(N / 16), units, unit bytes]`, a unit being a block of 32 weights, or a
+    K format's superblock of 256, of 16 rows; the layout: csrc/linear/gguf_q8.h)."""
     return _ops.repack_gguf_q8(weight, int(quant_type), int(features))
 
 
@@ -208,10 +208,13 @@ def _dequantize_gguf_fake(weight, quant_type, features):
 
 @_register_fake("repack_gguf_q8")
 def _repack_gguf_q8_fake(weight, quant_type, features):
-    nibbles = int(quant_type) in (GGUF_QUANT_TYPES["Q4_0"], GGUF_QUANT_TYPES["Q4_1"], GGUF_QUANT_TYPES["Q4_K"])
-    two_scales = int(quant_type) == GGUF_QUANT_TYPES["Q6_K"]
-    group_bytes = (256 if two_scales else 128) + (256 if nibbles else 512)
-    return weight.new_empty(((weight.shape[0] + 15) // 16, features // 32, group_bytes))
+    name = next(n for n, t in GGUF_QUANT_TYPES.items() if t == int(quant_type))
+    per_unit = 8 if name.endswith("_K") else 1
+    header = {"Q4_K": 64, "Q5_K": 64, "Q6_K": 32}.get(name, 0)
+    scales = 64 if name in ("Q4_1", "Q5_1") else 32
+    quants = 256 if name in ("Q4_0", "Q4_1", "Q4_K") else 512
+    return weight.new_empty(((weight.shape[0] + 15) // 16, features // (32 * per_unit),
+                             header + per_unit * (scales + quants)))
 
 
 @_register_fake("accept_update")
