@@ -62,17 +62,40 @@ def int8_rounded(hf):
     from eecore.models.int8_weights import Int8Weight
     from eecore.testing.reference import round_rows_to_int16
 
+    def round_rows(x):
+        q, scale = round_rows_to_int16(x)
+        return q * scale[:, None]
+
+    return _rounded(hf, lambda w: Int8Weight.quantize(w).dequantize(w.dtype), round_rows)
+
+
+def q8_0_rounded(hf):
+    """HF's model as an int8 draft copy computes it where GGUF blocks run with 8-bit activations
+    (EECORE_GGUF_ACTIVATIONS=q8): every projection and the LM head in Q8_0 blocks, and each
+    projection's input rows rounded to int8 per block of 32 (eecore.testing.reference.quantize_rows_q8)."""
+    from eecore.models.gguf_weights import GGUFWeight
+    from eecore.testing.reference import quantize_rows_q8
+
+    def round_rows(x):
+        q, scale = quantize_rows_q8(x)
+        return (q * scale).reshape(x.shape)
+
+    return _rounded(hf, lambda w: GGUFWeight.quantize(w, "Q8_0").dequantize(w.dtype), round_rows)
+
+
+def _rounded(hf, round_weight, round_rows):
+    """A copy of HF's model with its layers' projections and LM head replaced by `round_weight(W)`
+    and their input rows `[n, K]` by `round_rows(x)`."""
     def round_input(module, args):
         x = args[0]
-        q, scale = round_rows_to_int16(x.reshape(-1, x.shape[-1]))
-        return ((q * scale[:, None]).view(x.shape).to(x.dtype),) + tuple(args[1:])
+        return (round_rows(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype),) + tuple(args[1:])
 
     model = copy.deepcopy(hf)
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and (".layers." in name or name == "lm_head"):
-                module.weight.copy_(Int8Weight.quantize(module.weight).dequantize(module.weight.dtype))
+                module.weight.copy_(round_weight(module.weight))
                 module.register_forward_pre_hook(round_input)
     return model.eval()
 

@@ -10,7 +10,8 @@ import eecore
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.guard import break_even_acceptance
-from engine_utils import assert_copy_logits_match, greedy, int8_rounded, random_prompts, truncated_merged
+from engine_utils import (assert_copy_logits_match, greedy, int8_rounded, q8_0_rounded, random_prompts,
+                          truncated_merged)
 from model_factory import make_peaked_tiny_model, random_lora
 
 L, VOCAB = 4, 320
@@ -113,6 +114,39 @@ def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
     assert len(seen) > 10
     merged = truncated_merged(hf, lora, E)
     reference = int8_rounded(merged)
+    moved = 0.0
+    with torch.no_grad():
+        for context, logits in seen:
+            ids = torch.tensor([context])
+            torch.testing.assert_close(logits, reference(ids).logits[0, -1], atol=5e-3, rtol=1e-3)
+            moved = max(moved, float((logits - merged(ids).logits[0, -1]).abs().max()))
+    assert moved > 0.05
+
+
+def test_with_8_bit_activations_an_int8_copy_is_q8_0_blocks(tiny, lora_file, monkeypatch):
+    """Where GGUF blocks run with 8-bit activations, DraftCopy(dtype="int8") makes the copy's merged
+    projections and LM head Q8_0 blocks repacked for that kernel (faster there than per-row int8):
+    each draft is HF's truncated, merged model with those weights and its projections' inputs
+    rounded to int8 per block of 32, and the outputs are still the original full depth's."""
+    from eecore.models.gguf_weights import ACTIVATIONS_ENV_VAR, GGUFWeight
+
+    path, hf = tiny
+    file, lora = lora_file
+    E = 2
+    monkeypatch.setenv(ACTIVATIONS_ENV_VAR, "q8")
+    llm = _separate(path, E, 1, file, draft_dtype="int8", max_num_batched_tokens=7, max_num_seqs=4)
+    copy = llm.engine.strategy.draft_stack.model
+    for weight in [copy.lm_head] + [getattr(layer, n) for layer in copy.layers for n in ("qkv", "o_proj", "down")]:
+        assert isinstance(weight, GGUFWeight) and weight.quant_type == 8 and weight.packed is not None
+    seen = _record_drafts(llm)
+    prompts = random_prompts(VOCAB, [3, 19, 11, 8], seed=21)
+    params = [greedy(10 + i) for i in range(4)]
+    outs = llm.generate(prompts, params)
+    full = eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+    assert len(seen) > 10
+    merged = truncated_merged(hf, lora, E)
+    reference = q8_0_rounded(merged)
     moved = 0.0
     with torch.no_grad():
         for context, logits in seen:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from eecore import ops
 from eecore.models.amx_weights import tiled
-from eecore.models.int8_weights import Int8Weight, leading_rows, project
+from eecore.models.int8_weights import Int8Weight, eight_bit, leading_rows, project
 from eecore.models.lora import LoraDeltas
 
 FORMAT = "eecore-exit-adapter-1"
@@ -79,9 +79,9 @@ class AdapterBlock:
     def to(self, dtype: torch.dtype, device) -> "AdapterBlock":
         return AdapterBlock(*(t.to(device=device, dtype=dtype).contiguous() for t in self.tensors()))
 
-    def int8(self) -> "AdapterBlock":
-        """Its projections as weight-only int8 (the norm as it is): for a draft copy in int8."""
-        return AdapterBlock(self.norm, Int8Weight.quantize(self.gate_up), Int8Weight.quantize(self.down))
+    def eight_bit(self) -> "AdapterBlock":
+        """Its projections in 8 bits (int8_weights.eight_bit; the norm as it is): for a draft copy in int8."""
+        return AdapterBlock(self.norm, eight_bit(self.gate_up), eight_bit(self.down))
 
 
 def _widen_int8(tensors: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
@@ -261,7 +261,7 @@ class DraftHead:
         block = adapters.blocks.get(exit_layer) if adapters is not None else None
         self.block = None if block is None else block.to(dtype, device)
         if self.block is not None and model.weight_dtype == torch.int8:
-            self.block = self.block.int8()
+            self.block = self.block.eight_bit()
         vocab = adapters.vocab if adapters is not None else None
         self.vocab = None if vocab is None else vocab.to(device)
         self._vocab_list = None if vocab is None else vocab.tolist()

@@ -72,7 +72,9 @@ class GGUFWeight:
                           ops.repack_gguf_q8(self.data, self.quant_type, self.features))
 
     def rows(self, index: torch.Tensor) -> "GGUFWeight":
-        return GGUFWeight(self.data.index_select(0, index).contiguous(), self.quant_type, self.features)
+        """The weight rows `index` (a draft vocabulary's rows of an LM head), repacked too if this is."""
+        rows = GGUFWeight(self.data.index_select(0, index).contiguous(), self.quant_type, self.features)
+        return rows if self.packed is None else rows.with_q8_activations()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return ops.dequantize_gguf(self.data, self.quant_type, self.features).to(dtype)

@@ -19,7 +19,8 @@ import torch
 
 from eecore import ops
 from eecore.models.amx_weights import untile
-from eecore.models.gguf_weights import GGUFWeight, StackedWeight, gguf_rows, project_gguf
+from eecore.models.gguf_weights import (GGUFWeight, StackedWeight, gguf_rows, project_gguf, q8_activations,
+                                        with_q8_activations)
 
 INT8_MAX = 127
 
@@ -99,3 +100,18 @@ def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(weight, StackedWeight):
         return torch.cat([dense(part, dtype) for part in weight.parts])
     return untile(weight).to(dtype)
+
+
+def eight_bit(weight: Weight) -> Weight:
+    """A weight in the 8-bit form that multiplies fastest in this process (a draft copy's weights,
+    its exit adapter and draft head: `LlamaModel(weight_dtype=torch.int8)`). Where GGUF blocks run
+    with 8-bit activations (EECORE_GGUF_ACTIVATIONS=q8, on the CPU) the integer kernel multiplies
+    blocks faster than ops.linear widens per-row int8: GGUF weights stay in their blocks (8 bits
+    or fewer already) and dense ones become Q8_0 blocks (int8 with an fp16 scale per 32 weights);
+    elsewhere every weight becomes per-row int8."""
+    if weight.device.type == "cpu" and q8_activations():
+        if isinstance(weight, (GGUFWeight, StackedWeight)):
+            return with_q8_activations(weight)
+        if weight.shape[1] % 32 == 0:
+            return GGUFWeight.quantize(weight, "Q8_0").with_q8_activations()
+    return Int8Weight.quantize(dense(weight, torch.float32))

@@ -20,7 +20,7 @@ from eecore.models.amx_weights import tile_projections
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.gguf_weights import q8_activations, stack_weights, with_q8_activations
-from eecore.models.int8_weights import Int8Weight, Weight, dense, project, weight_rows
+from eecore.models.int8_weights import Weight, dense, eight_bit, project, weight_rows
 from eecore.models.rope import cos_sin_cache
 from eecore.models.weights import weight_taker
 from eecore.models.workspace import RowViewCache
@@ -107,8 +107,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: Optional[torch.dtype] = None, consume_state_dict: bool = False):
         """`dtype`: activations and weights. `weight_dtype=torch.int8`: the projections and the LM
-        head are weight-only int8 instead (one fp32 scale per output row), activations stay in
-        `dtype`; the embeddings and norms keep `dtype`. `consume_state_dict`: take the tensors out
+        head are 8-bit instead (int8_weights.eight_bit: per-row int8, or Q8_0 blocks where GGUF
+        blocks run with 8-bit activations), activations stay in `dtype`; the embeddings and norms
+        keep theirs. `consume_state_dict`: take the tensors out
         of `state_dict` as they are used (a caller that needs the checkpoint no more saves a copy)."""
         if weight_dtype not in (None, dtype, torch.int8):
             raise ValueError(f"LlamaModel: 'weight_dtype' must be None, the model's dtype or torch.int8, "
@@ -125,8 +126,7 @@ class LlamaModel:
         take = weight_taker(state_dict, dtype, self.device, consume=consume_state_dict)
         # the projections as the model keeps them: as loaded (dense, or a GGUF file's blocks), or
         # weight-only int8
-        proj = (lambda w: Int8Weight.quantize(dense(w, torch.float32))) if self.weight_dtype == torch.int8 \
-            else (lambda w: w)
+        proj = eight_bit if self.weight_dtype == torch.int8 else (lambda w: w)
 
         self.embed: Weight = take("model.embed_tokens.weight")  # dense, or GGUF blocks (embed_tokens)
         self.final_norm = take("model.norm.weight")

@@ -45,7 +45,7 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
     """A LlamaModel of `loaded`'s layers 0..exit_layer-1 (and its embeddings, final norm and LM
     head, which the draft head reads), in `dtype`, with `lora`'s pairs for those layers merged in
     (pairs of later layers change nothing the drafts run, and are left out). `weight_dtype=torch.int8`
-    quantizes its projections after the merge (LlamaModel's weight-only int8)."""
+    makes its matrices 8-bit after the merge (eecore.models.int8_weights.eight_bit)."""
     from eecore.models.llama import LlamaModel
 
     if not 1 <= exit_layer < loaded.config.num_layers:
