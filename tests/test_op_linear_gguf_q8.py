@@ -14,13 +14,13 @@ from eecore.testing import reference
 from test_op_linear_gguf import TYPES, random_blocks
 
 Q8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-# 37 rows = 3 groups of 16; units of one block of 32 (K formats: a superblock of 256) with the scales
-# in the file's precision: Q4_0, Q4_1 and Q8_0 as many bytes as the file holds for 16 rows.
+# 37 rows = 3 groups of 16; units of one block of 32 (K formats: a superblock of 256) holding the
+# file's bytes for 16 rows (the K formats' 6-bit sub-scales unpacked to a byte each).
 PACKED_SHAPES = {
     "Q4_0": lambda k: (3, k // 32, 16 * 18), "Q4_1": lambda k: (3, k // 32, 16 * 20),
-    "Q8_0": lambda k: (3, k // 32, 16 * 34), "Q5_0": lambda k: (3, k // 32, 32 + 512),
-    "Q5_1": lambda k: (3, k // 32, 64 + 512), "Q4_K": lambda k: (3, k // 256, 64 + 8 * (32 + 256)),
-    "Q5_K": lambda k: (3, k // 256, 64 + 8 * (32 + 512)), "Q6_K": lambda k: (3, k // 256, 32 + 8 * (32 + 512)),
+    "Q5_0": lambda k: (3, k // 32, 16 * 22), "Q5_1": lambda k: (3, k // 32, 16 * 24),
+    "Q8_0": lambda k: (3, k // 32, 16 * 34), "Q6_K": lambda k: (3, k // 256, 16 * 210),
+    "Q4_K": lambda k: (3, k // 256, 16 * 144 + 64), "Q5_K": lambda k: (3, k // 256, 16 * 176 + 64),
 }
 
 

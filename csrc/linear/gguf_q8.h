@@ -17,12 +17,16 @@
 //     scales: Q4_0 / Q5_0 / Q8_0: fp16 d[16];  Q4_1 / Q5_1: fp16 d[16], m[16];
 //             Q4_K / Q5_K: uint8 scale[16], min[16] (the 6-bit fields);
 //             Q6_K: int8 scale[16] for weights 0..15, then [16] for weights 16..31;
-//     quants: Q4_0 / Q4_1 / Q4_K: 4 x 64 bytes; in chunk k, row r's 4 bytes at 4 r hold weights
-//             4k..4k+3 in their low nibbles and 16+4k..16+4k+3 in their high ones (integers 0..15);
-//             the others: 8 x 64 bytes; in chunk k, row r's 4 bytes hold weights 4k..4k+3 as unsigned
-//             bytes: the 5- or 6-bit integers (0..63), or Q8_0's plus 128 (0..255).
-// The scales stay in the file's precision, so the packed weight reads no more scale bytes than the
-// file (Q4_0, Q4_1 and Q8_0 are exactly the file's size; the 5- and 6-bit formats spend a byte a weight).
+//     quants: Q8_0: 8 x 64 bytes; in chunk k, row r's 4 bytes at 4 r hold weights 4k..4k+3 plus 128
+//             (0..255);
+//             the others: 4 x 64 bytes of low 4 bits; in chunk k, row r's 4 bytes at 4 r hold weights
+//             4k..4k+3 in their low nibbles and 16+4k..16+4k+3 in their high ones; then the 5-bit
+//             formats' fifth bits (Q6_K: fifth, then sixth) as 64-byte planes: bit k of byte 4 r + m is
+//             that bit of weight 4k + m (k < 4) or 16 + 4 (k - 4) + m, the weights the kernel's k-th
+//             vector of 64 bytes holds.
+// So the packed weight reads the file's bytes: the scales in the file's precision, the integers in
+// as many bits as the file gives them (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly the file's size; the
+// K formats' 6-bit sub-scales take a byte each).
 // The kernel widens them to fp32 per block; the products are exact, so every (d, c) below is the
 // value the exact kernels use.
 //
@@ -62,9 +66,10 @@ inline bool packable(int64_t type) {
 
 inline bool is(int64_t type, QuantType t) { return type == static_cast<int64_t>(t); }
 
-// The 4-bit formats keep two weights a byte; the others one (five bits, or Q8_0's eight).
-inline bool nibble_packed(int64_t type) {
-  return is(type, QuantType::Q4_0) || is(type, QuantType::Q4_1) || is(type, QuantType::Q4_K);
+// Q8_0 keeps a byte a weight; the others their low 4 bits two a byte, and their higher bits in planes.
+inline bool byte_quants(int64_t type) { return is(type, QuantType::Q8_0); }
+inline int high_bit_planes(int64_t type) {
+  return is(type, QuantType::Q6_K) ? 2 : is(type, QuantType::Q5_0) || is(type, QuantType::Q5_1) || is(type, QuantType::Q5_K) ? 1 : 0;
 }
 
 // Q6_K scales each 16 weights: its blocks carry a scale for weights 0..15 and one for 16..31.
@@ -92,7 +97,16 @@ inline int64_t header_bytes(int64_t type) {
 inline int64_t scale_bytes(int64_t type) {
   return is(type, QuantType::Q4_1) || is(type, QuantType::Q5_1) ? 4 * kRows : 2 * kRows;
 }
-inline int64_t quant_bytes(int64_t type) { return nibble_packed(type) ? 256 : 512; }
+inline int64_t quant_bytes(int64_t type) { return byte_quants(type) ? 512 : 256 + 64 * high_bit_planes(type); }
+
+// Weight j (0..31) of row r in a block's packed quants.
+inline int packed_quant(int64_t type, const uint8_t* quants, int r, int j) {
+  const int at = 64 * ((j % 16) / 4) + 4 * r + j % 4;  // chunk and byte of the low bits
+  if (byte_quants(type)) return quants[64 * (j / 4) + 4 * r + j % 4];
+  int u = j < 16 ? quants[at] & 0x0F : quants[at] >> 4;
+  for (int p = 0; p < high_bit_planes(type); ++p) u |= ((quants[256 + 64 * p + 4 * r + j % 4] >> (j / 4)) & 1) << (4 + p);
+  return u;
+}
 inline int64_t block_bytes(int64_t type) { return scale_bytes(type) + quant_bytes(type); }
 inline int64_t unit_bytes(int64_t type) { return header_bytes(type) + blocks_per_unit(type) * block_bytes(type); }
 // The units of a row of K weights.
@@ -199,11 +213,14 @@ inline void pack_unit(int64_t type, const uint8_t* weight, int64_t row_bytes, in
       int u[32];
       group_quants(type, row, b, u);
       uint8_t* quants = scales + scale_bytes(type);
-      if (nibble_packed(type)) {  // weight j in the low nibble, weight 16 + j in the high one
-        for (int j = 0; j < 16; ++j)
-          quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(u[j] | (u[j + 16] << 4));
-      } else {
+      if (byte_quants(type)) {
         for (int j = 0; j < 32; ++j) quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>(u[j]);
+      } else {  // low 4 bits: weight j in the low nibble, weight 16 + j in the high one; then the planes
+        for (int j = 0; j < 16; ++j)
+          quants[64 * (j / 4) + 4 * r + j % 4] = static_cast<uint8_t>((u[j] & 0x0F) | ((u[j + 16] & 0x0F) << 4));
+        for (int p = 0; p < high_bit_planes(type); ++p)
+          for (int j = 0; j < 32; ++j)
+            quants[256 + 64 * p + 4 * r + j % 4] |= static_cast<uint8_t>(((u[j] >> (4 + p)) & 1) << (j / 4));
       }
     }
   }
@@ -272,7 +289,8 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
                        const float* sx, float* sums) {
   const int64_t B = K / 32, U = units(type, K), per_unit = blocks_per_unit(type);
   const int64_t header = header_bytes(type), stride = block_bytes(type), scales_size = scale_bytes(type);
-  const bool bytes = !nibble_packed(type), two = two_scales(type), kq = k_format(type);
+  [[maybe_unused]] const bool bytes = byte_quants(type), two = two_scales(type), kq = k_format(type);
+  [[maybe_unused]] const int planes = high_bit_planes(type);
   const bool has_min = !kq && scales_size > 2 * kRows;
 #if EECORE_GGUF_Q8_VNNI
   __m512 acc[MR];
@@ -309,6 +327,13 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
           const __m512i v = _mm512_loadu_si512(quants + 64 * j);
           u[j] = _mm512_and_si512(v, nibble);
           u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+        for (int p = 0; p < planes; ++p) {  // bit k of each byte of a plane: bit 4 + p of u[k]'s byte
+          const __m512i plane = _mm512_loadu_si512(quants + 256 + 64 * p);
+          const __m512i value = _mm512_set1_epi8(static_cast<char>(16 << p));
+          for (int j = 0; j < 8; ++j)
+            u[j] = _mm512_mask_add_epi8(u[j], _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(1 << j))),
+                                        u[j], value);
         }
       }
       for (int i = 0; i < MR; ++i) {
@@ -360,16 +385,7 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
         const float* sums_x = sx + kSumsPerBlock * (i * B + b);
         for (int r = 0; r < kRows; ++r) {
           int32_t isum[2] = {0, 0};
-          for (int j = 0; j < 32; ++j) {
-            int u;
-            if (bytes) {
-              u = quants[64 * (j / 4) + 4 * r + j % 4];
-            } else {
-              const uint8_t byte = quants[64 * ((j % 16) / 4) + 4 * r + j % 4];
-              u = j < 16 ? byte & 0x0F : byte >> 4;
-            }
-            isum[j / 16] += u * x[j];
-          }
+          for (int j = 0; j < 32; ++j) isum[j / 16] += packed_quant(type, quants, r, j) * x[j];
           float total = 0.f;
           for (int half = 0; half < 2; ++half)
             total += static_cast<float>(isum[half]) * (d[half][r] * dx[i * B + b]) + c[half][r] * sums_x[half];

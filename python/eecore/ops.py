@@ -212,7 +212,7 @@ def _repack_gguf_q8_fake(weight, quant_type, features):
     per_unit = 8 if name.endswith("_K") else 1
     header = {"Q4_K": 64, "Q5_K": 64, "Q6_K": 32}.get(name, 0)
     scales = 64 if name in ("Q4_1", "Q5_1") else 32
-    quants = 256 if name in ("Q4_0", "Q4_1", "Q4_K") else 512
+    quants = 512 if name == "Q8_0" else 256 + 64 * {"Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}.get(name, 0)
     return weight.new_empty(((weight.shape[0] + 15) // 16, features // (32 * per_unit),
                              header + per_unit * (scales + quants)))
 
