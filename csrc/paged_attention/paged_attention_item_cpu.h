@@ -25,10 +25,13 @@ namespace eecore::cpu {
 // Keys per tile: long enough to amortise the per-tile softmax bookkeeping, short enough that the
 // tile's K and V rows (all heads of a slot: 32 x 2 KiB in bf16 at Hkv x D = 512) stay in L2.
 constexpr int64_t kKeyTile = 32;
-// The token-major order reads K and V in chunks of this many tokens per KV head: 2 keys x 4 query
-// heads fill the score kernel's 4 x 2 register block; 8 values amortise the accumulator
-// loads/stores of a value chunk over more keys.
-constexpr int64_t kTokenMajorKeyChunk = 2;
+// The token-major order reads K and V in chunks of this many tokens per KV head. 8 keys fill the
+// score kernel's blocks whatever the group: 4 x 2 for four query vectors, 2 x 4 and 1 x 4 for
+// three (SmolLM2's G = 3; with chunks of 2, those fell to one key at a time, a horizontal sum per
+// score): SmolLM2's decode attention ran 1.15-1.36x faster than with chunks of 2 (1 and 8
+// sequences, 128-1,024 keys, Zen 4, bench/attention_rows.py alternated). 8 values amortise the
+// accumulator loads/stores of a value chunk over more keys.
+constexpr int64_t kTokenMajorKeyChunk = 8;
 constexpr int64_t kTokenMajorValueChunk = 8;
 
 // One sequence of the batch, as read from the index tensors.
