@@ -53,6 +53,7 @@ pybind11::dict build_info() {
 namespace eecore {
 bool amx_bf16_available();  // linear/linear_cpu.cpp
 bool amx_int8_available();  // linear/linear_cpu.cpp
+bool gguf_q8_vectorized();  // linear/linear_gguf_q8_cpu.cpp
 }  // namespace eecore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -61,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether ops.linear runs bf16 weights tiled for AMX-BF16 here (CPU, build and OS all allow it)");
   m.def("amx_int8_available", &eecore::amx_int8_available,
         "Whether ops.linear runs weight-only int8 weights tiled for AMX-INT8 here (CPU, build and OS all allow it)");
+  m.def("gguf_q8_vectorized", &eecore::gguf_q8_vectorized,
+        "Whether linear_gguf_q8 runs its vector (AVX512-VNNI) kernel on the CPU, rather than scalar code");
   m.def("build_info", &build_info,
         "How this eecore._C was built: CUDA or not, toolkit, archs, and which ops have CPU / CUDA kernels");
 }

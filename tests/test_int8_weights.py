@@ -3,6 +3,7 @@ are int8 against the same model built from the dequantized weights."""
 import pytest
 import torch
 
+from eecore import _C
 from eecore.testing import reference
 from eecore.models.int8_weights import Int8Weight, dense, project
 
@@ -44,27 +45,39 @@ def test_quantize_refuses_what_it_cannot_round():
         Int8Weight.quantize(torch.zeros(4, 4, dtype=torch.int32))
 
 
-def test_int8_llama_keeps_dense_embeddings_and_norms(tmp_path):
-    """LlamaModel(weight_dtype=torch.int8): the projections and the LM head are int8, the embeddings
-    and norms stay dense, and the head computes with the rounded head (the layers are checked
-    against HF in tests/test_separate_draft_layers.py)."""
+@pytest.mark.parametrize("blocks", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _C.gguf_q8_vectorized(), reason="linear_gguf_q8 has no vector kernel in this build"))],
+    ids=["per-row-int8", "q8_0-blocks"])
+def test_int8_llama_keeps_dense_embeddings_and_norms(tmp_path, monkeypatch, blocks):
+    """LlamaModel(weight_dtype=torch.int8): the projections and the LM head are 8-bit (per-row int8,
+    or Q8_0 blocks repacked for 8-bit activations where that kernel is vectorized: eight_bit), the
+    embeddings and norms stay dense, and the head computes with the rounded head (the layers are
+    checked against HF in tests/test_separate_draft_layers.py)."""
+    from eecore.models import int8_weights
+    from eecore.models.gguf_weights import GGUFWeight
     from eecore.models.llama import LlamaModel
     from eecore.models.loader import load_model
     from model_factory import make_tiny_hf_model
 
+    monkeypatch.setattr(int8_weights, "integer_gguf_kernel", lambda: blocks)
     path, _ = make_tiny_hf_model(tmp_path, num_layers=3, vocab_size=200, with_tokenizer=False)
     loaded = load_model(path, dtype=torch.float32)
     cpu = torch.device("cpu")
     model = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=torch.int8)
     w = model.layers[0]
-    assert all(isinstance(t, Int8Weight) for t in (w.qkv, w.o_proj, w.gate_up, w.down, model.lm_head))
+    kind = GGUFWeight if blocks else Int8Weight
+    assert all(isinstance(t, kind) for t in (w.qkv, w.o_proj, w.gate_up, w.down, model.lm_head))
     assert model.embed.dtype == w.input_norm.dtype == torch.float32
     head = loaded.state_dict.get("lm_head.weight", loaded.state_dict["model.embed_tokens.weight"])
     x = torch.randn(5, loaded.config.hidden_size)
     got = model.lm_head_logits(x, torch.empty(5, loaded.config.vocab_size))
-    rounded = Int8Weight.quantize(head)
     want = torch.empty_like(got)
-    reference.linear(want, x, rounded.data, weight_scale=rounded.scale)
+    if blocks:
+        assert model.lm_head.quant_type == 8 and model.lm_head.packed is not None
+        reference.linear_gguf_q8(want, x, GGUFWeight.quantize(head, "Q8_0").data, 8)
+    else:
+        rounded = Int8Weight.quantize(head)
+        reference.linear(want, x, rounded.data, weight_scale=rounded.scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="'weight_dtype' must be None, the model's dtype or torch.int8"):
         LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=torch.float16)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import eecore
+from eecore import _C
+from eecore.models import int8_weights
 from eecore.models.exit_adapter import ExitAdapters, model_fingerprint
 from eecore.speculative.decoder import SelfSpeculativeDecoder
 from eecore.speculative.guard import break_even_acceptance
@@ -98,7 +100,7 @@ def test_draft_logits_are_the_copys_own(tiny, lora_file, budget, num_blocks):
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
-def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
+def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file, monkeypatch):
     """DraftCopy(dtype="int8"): the copy's projections, after the LoRA merge, and its LM head are
     weight-only int8; each draft is what HF's truncated, merged model says with those weights
     rounded the same way (and its projections' inputs rounded to int16 rows). The tolerance is
@@ -108,7 +110,9 @@ def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
     path, hf = tiny
     file, lora = lora_file
     E = 2
+    monkeypatch.setattr(int8_weights, "integer_gguf_kernel", lambda: False)  # per-row int8 (no VNNI, or AMX)
     llm = _separate(path, E, 1, file, draft_dtype="int8", max_num_batched_tokens=7, max_num_seqs=4)
+    assert isinstance(llm.engine.strategy.draft_stack.model.layers[0].qkv, int8_weights.Int8Weight)
     seen = _record_drafts(llm)
     llm.generate(random_prompts(VOCAB, [3, 19, 11, 8], seed=21), [greedy(10 + i) for i in range(4)])
     assert len(seen) > 10
@@ -123,17 +127,18 @@ def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file):
     assert moved > 0.05
 
 
-def test_with_8_bit_activations_an_int8_copy_is_q8_0_blocks(tiny, lora_file, monkeypatch):
-    """Where GGUF blocks run with 8-bit activations, DraftCopy(dtype="int8") makes the copy's merged
-    projections and LM head Q8_0 blocks repacked for that kernel (faster there than per-row int8):
-    each draft is HF's truncated, merged model with those weights and its projections' inputs
-    rounded to int8 per block of 32, and the outputs are still the original full depth's."""
-    from eecore.models.gguf_weights import ACTIVATIONS_ENV_VAR, GGUFWeight
+@pytest.mark.skipif(not _C.gguf_q8_vectorized(), reason="linear_gguf_q8 has no vector kernel in this build")
+def test_where_the_integer_kernel_runs_an_int8_copy_is_q8_0_blocks(tiny, lora_file, monkeypatch):
+    """Where linear_gguf_q8 has its VNNI kernel (and no AMX-INT8 runs per-row int8), DraftCopy(dtype=
+    "int8") makes the copy's merged projections and LM head Q8_0 blocks repacked for 8-bit
+    activations: each draft is HF's truncated, merged model with those weights and its projections'
+    inputs rounded to int8 per block of 32, and the outputs are still the original full depth's."""
+    from eecore.models.gguf_weights import GGUFWeight
 
     path, hf = tiny
     file, lora = lora_file
     E = 2
-    monkeypatch.setenv(ACTIVATIONS_ENV_VAR, "q8")
+    monkeypatch.setattr(int8_weights, "integer_gguf_kernel", lambda: True)
     llm = _separate(path, E, 1, file, draft_dtype="int8", max_num_batched_tokens=7, max_num_seqs=4)
     copy = llm.engine.strategy.draft_stack.model
     for weight in [copy.lm_head] + [getattr(layer, n) for layer in copy.layers for n in ("qkv", "o_proj", "down")]:

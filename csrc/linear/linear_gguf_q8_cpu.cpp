@@ -99,6 +99,8 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
 }
 
 }  // namespace
+
+bool gguf_q8_vectorized() { return EECORE_GGUF_Q8_VNNI != 0; }
 }  // namespace eecore
 
 TORCH_LIBRARY_IMPL(eecore, CPU, m) {

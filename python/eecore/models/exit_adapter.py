@@ -251,8 +251,8 @@ class DraftHead:
     """Reads draft logits off layer-E residual states at inference, with preallocated buffers:
     the exit's adapter block (if any), the final norm, and the LM head rows of the draft
     vocabulary (all of them without one). `logits` returns fp32 `[n, K]`; `token_ids` maps a
-    column to its token id. A model with weight-only int8 projections (a draft copy) gets an int8
-    adapter and head too."""
+    column to its token id. A model with 8-bit projections (a draft copy: int8_weights.eight_bit)
+    gets an 8-bit adapter and head too."""
 
     def __init__(self, model, exit_layer: int, adapters: Optional[ExitAdapters], max_rows: int):
         self.model = model

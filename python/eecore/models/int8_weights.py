@@ -18,9 +18,8 @@ from typing import Optional, Union
 import torch
 
 from eecore import ops
-from eecore.models.amx_weights import untile
-from eecore.models.gguf_weights import (GGUFWeight, StackedWeight, gguf_rows, project_gguf, q8_activations,
-                                        with_q8_activations)
+from eecore.models.amx_weights import amx_available, untile
+from eecore.models.gguf_weights import GGUFWeight, StackedWeight, gguf_rows, project_gguf, with_q8_activations
 
 INT8_MAX = 127
 
@@ -103,15 +102,24 @@ def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def eight_bit(weight: Weight) -> Weight:
-    """A weight in the 8-bit form that multiplies fastest in this process (a draft copy's weights,
-    its exit adapter and draft head: `LlamaModel(weight_dtype=torch.int8)`). Where GGUF blocks run
-    with 8-bit activations (EECORE_GGUF_ACTIVATIONS=q8, on the CPU) the integer kernel multiplies
-    blocks faster than ops.linear widens per-row int8: GGUF weights stay in their blocks (8 bits
-    or fewer already) and dense ones become Q8_0 blocks (int8 with an fp16 scale per 32 weights);
-    elsewhere every weight becomes per-row int8."""
-    if weight.device.type == "cpu" and q8_activations():
+    """A weight in the 8-bit form that multiplies fastest in this process: a draft copy's weights,
+    its exit adapter and draft head (`LlamaModel(weight_dtype=torch.int8)`), which only propose
+    tokens, so their arithmetic need not be the model's. Where linear_gguf_q8 has its AVX512-VNNI
+    kernel and the int8 path no AMX-INT8 tiles, GGUF blocks with 8-bit activations multiply faster
+    than ops.linear widens per-row int8 (a draft pass reads the same bytes with a quarter of the
+    instructions): GGUF weights stay in their blocks (8 bits or fewer already) and dense ones (the
+    LoRA-merged layers) become Q8_0 blocks (int8 with an fp16 scale per 32 weights), all repacked
+    for that kernel. Elsewhere every weight becomes per-row int8."""
+    if weight.device.type == "cpu" and integer_gguf_kernel():
         if isinstance(weight, (GGUFWeight, StackedWeight)):
             return with_q8_activations(weight)
         if weight.shape[1] % 32 == 0:
             return GGUFWeight.quantize(weight, "Q8_0").with_q8_activations()
     return Int8Weight.quantize(dense(weight, torch.float32))
+
+
+def integer_gguf_kernel() -> bool:
+    """Whether eight_bit makes GGUF blocks with 8-bit activations (see there)."""
+    from eecore import _C
+
+    return bool(_C.gguf_q8_vectorized()) and not amx_available(torch.int8)

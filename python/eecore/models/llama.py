@@ -37,7 +37,7 @@ class LayerWeights:
     down: Weight                      # [d, I]
     # The projections are dense tensors in the model's dtype, or a GGUF file's blocks (GGUFWeight,
     # or a StackedWeight where q, k and v, or gate and up, differ in type: eecore.models.gguf_weights),
-    # or weight-only int8 (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights), or, on
+    # or 8-bit (LlamaModel(weight_dtype=torch.int8): eecore.models.int8_weights.eight_bit), or, on
     # a CPU with AMX, their tiles: bf16 [N/16, K/32, 16, 32], int8 [N/16, K/64, 16, 64]
     # (eecore.models.amx_weights; `dense` gives any of them back as [N, K]).
 
@@ -125,7 +125,7 @@ class LlamaModel:
 
         take = weight_taker(state_dict, dtype, self.device, consume=consume_state_dict)
         # the projections as the model keeps them: as loaded (dense, or a GGUF file's blocks), or
-        # weight-only int8
+        # 8-bit
         proj = eight_bit if self.weight_dtype == torch.int8 else (lambda w: w)
 
         self.embed: Weight = take("model.embed_tokens.weight")  # dense, or GGUF blocks (embed_tokens)

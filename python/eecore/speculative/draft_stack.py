@@ -5,7 +5,7 @@ Why a copy, when LayerSkip shares the first E layers between draft and verificat
 layer is one weight for two jobs. Training it for its exit (eecore.train.exit_ready) moves what the
 later layers receive, and full depth drifts from the original model. A copy can be trained (an
 exit-ready file's LoRA pairs are merged into the copy alone) and stored in a cheaper dtype (bf16, or
-weight-only int8: eecore.models.int8_weights), and full depth, hence every output, stays the
+8 bits: eecore.models.int8_weights.eight_bit), and full depth, hence every output, stays the
 original model's. What it costs:
 - verification cannot continue from the drafts' layer-E states (they come from other weights), so
   it runs all L layers over the drafted positions: d draft passes of E layers plus L layers per

@@ -57,8 +57,9 @@ class DraftCopy:
     and verification continues from the exit-query cache through layers E..L-1 (LayerSkip)."""
 
     dtype: Optional[str] = option(
-        None, "--draft-dtype", "the copy's dtype (default: the model's); int8: weight-only int8 projections, "
-        "exit adapter and draft head, activations in the model's dtype", choices=DRAFT_DTYPES)
+        None, "--draft-dtype", "the copy's dtype (default: the model's); int8: 8-bit projections, exit adapter "
+        "and draft head (per-row int8, or Q8_0 blocks with 8-bit activations where that kernel is "
+        "vectorized: eecore.models.int8_weights.eight_bit), activations in the model's dtype", choices=DRAFT_DTYPES)
     top_k: int = option(
         1, "--draft-top-k", "verify the K most likely tokens at each drafted position at once (the top-1 chain "
         "and K-1 alternatives, a token tree): a round may emit one more token; greedy requests")

@@ -2,7 +2,7 @@
 SmolLM2-135M with its shipped draft layers (`SelfSpeculativeConfig.exit_ready`, `--exit-ready`).
 
 Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pairs merged in,
-weight-only int8) and verify with the original model:
+8-bit: int8_weights.eight_bit) and verify with the original model:
 - "layer": d = 4, a chain stopped below top-1 probability 0.15, and past its first draft only when
   that draft is at least 0.5 sure while the sequence's first drafts are accepted less than half the
   time;
