@@ -8,7 +8,11 @@ per pass over the 120 projections and the weight bytes each reads, and the GB/s 
 every format is also timed with 8-bit activations ("q8-act": linear_gguf_q8
 on the repacked weights, EECORE_GGUF_ACTIVATIONS=q8's kernel).
 
-    python bench/linear_gguf.py [--rows 1 4 5 8] [--types Q4_1 Q8_0 Q4_0 Q4_K Q6_K] [--threads 2]
+`--layers 1` keeps the weights in cache (one layer's projections, 2-4 MB): the kernels' arithmetic
+rate without the memory stream.
+
+    python bench/linear_gguf.py [--rows 1 4 5 8] [--types Q4_1 Q8_0 Q4_0 Q4_K Q6_K] [--threads 2] [--layers 30]
+                                [--out-name linear-gguf]
 """
 from __future__ import annotations
 
@@ -44,16 +48,18 @@ def main() -> None:
                     choices=list(ops.GGUF_QUANT_TYPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=LAYERS, help="layers of projections a pass runs")
+    ap.add_argument("--out-name", default="linear-gguf")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}, {args.threads} threads; {LAYERS * len(SHAPES)} projections of SmolLM2-135M")
+    print(f"CPU: {cpu_model()}, {args.threads} threads; {args.layers * len(SHAPES)} projections of SmolLM2-135M")
     rows = []
     for name in args.types:
         qtype = ops.GGUF_QUANT_TYPES[name]
         rng = np.random.default_rng(0)
         widen = (lambda k: -(-k // 256) * 256) if name.endswith("_K") else (lambda k: k)
         dense = [(rng.standard_normal((n, widen(k))).astype(np.float32) * 0.02, n, widen(k))
-                 for _ in range(LAYERS) for n, k in SHAPES]
+                 for _ in range(args.layers) for n, k in SHAPES]
         quantized = [(torch.from_numpy(quantize(w, name)), n, k) for w, n, k in dense]
         packed = [(ops.repack_gguf_q8(q, qtype, k), n, k) for q, n, k in quantized] \
             if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K") else None
@@ -78,11 +84,13 @@ def main() -> None:
             ms = {label: timed(run, args.repeats) * 1e3 for label, run in runs.items()}
             for label in runs:
                 gbs = nbytes[label] / ms[label] / 1e6
-                print(f"M={m:3d} {label:>5}: {ms[label]:7.2f} ms, {nbytes[label] / 1e6:6.1f} MB, {gbs:5.1f} GB/s"
+                macs = m * sum(n * k for _, n, k in dense) / ms[label] / 1e6
+                print(f"M={m:3d} {label:>5}: {ms[label]:7.2f} ms, {nbytes[label] / 1e6:6.1f} MB, {gbs:5.1f} GB/s, "
+                      f"{macs:6.1f} G multiply-adds/s"
                       + ("" if label == name else f"   ({ms[label] / ms[name]:.2f}x the {name} time)"))
                 rows.append(dict(format=name, weights=label, rows=m, ms=ms[label], mbytes=nbytes[label] / 1e6,
-                                 gb_per_s=gbs))
-    print(f"results: {save_results('linear-gguf', dict(eecore=eecore.__version__, threads=args.threads, rows=rows))}")
+                                 gb_per_s=gbs, gmacs_per_s=macs))
+    print(f"results: {save_results(args.out_name, dict(eecore=eecore.__version__, threads=args.threads, layers=args.layers, rows=rows))}")
 
 
 if __name__ == "__main__":
