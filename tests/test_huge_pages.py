@@ -1,5 +1,6 @@
 """Weights packed into huge pages (eecore.models.huge_pages): the same values, aligned, tied
 weights still shared, the mapping advised where the OS has THP, and the same generations."""
+import dataclasses
 import mmap
 import re
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from eecore.models.huge_pages import ENV_VAR, HUGE_PAGE_BYTES, huge_pages_enabled, place_in_huge_pages, weight_buffer
+from eecore.models.gguf_weights import GGUFWeight
 from eecore.models.int8_weights import Int8Weight
 
 linux_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE (not Linux)")
@@ -114,14 +116,19 @@ def test_llama_weights_live_in_one_advised_mapping(tmp_path, monkeypatch, weight
         out = [model.embed, model.final_norm, model.lm_head]
         for layer in model.layers:
             out += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
-        return [u for t in out for u in ((t.data, t.scale) if isinstance(t, Int8Weight) else (t,))]
+        # an 8-bit weight's tensors (Int8Weight: integers and scales; GGUFWeight: blocks and their
+        # repacked copy), as place_in_huge_pages walks a dataclass
+        return [u for t in out for u in ((t,) if isinstance(t, torch.Tensor) else
+                                         [getattr(t, f.name) for f in dataclasses.fields(t)
+                                          if isinstance(getattr(t, f.name), torch.Tensor)])]
 
     for want, got in zip(tensors(plain), tensors(packed), strict=True):
         assert torch.equal(got, want) and got.data_ptr() != want.data_ptr()
     if weight_dtype is None:
         assert packed.lm_head is packed.embed  # tied: still one tensor
     else:
-        assert isinstance(packed.lm_head, Int8Weight) and isinstance(packed.layers[0].qkv, Int8Weight)
+        eight_bit = (Int8Weight, GGUFWeight)  # int8_weights.eight_bit
+        assert isinstance(packed.lm_head, eight_bit) and isinstance(packed.layers[0].qkv, eight_bit)
     start, end, fields = _smaps_entry(packed.embed.data_ptr())
     assert all(start <= t.data_ptr() < end for t in tensors(packed))
     assert not any(start <= t.data_ptr() < end for t in tensors(plain))
