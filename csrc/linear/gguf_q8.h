@@ -226,11 +226,33 @@ inline void pack_unit(int64_t type, const uint8_t* weight, int64_t row_bytes, in
   }
 }
 
-// One input row's blocks of 32 as int8 with a scale each: qx = round(x * 127 / amax) (nearest,
-// ties to even), dx = amax / 127, and sx[3b + h] = dx * the sum of qx over half h of block b, sx[3b + 2]
-// over the whole block (so that the kernel reads each as one broadcast).
+// Input rows as the kernel reads them (a view from one row on): each row's blocks of 32 as int8
+// with a scale each, qx = round(x * 127 / amax) (nearest, ties to even), dx = amax / 127, and per
+// block three sums of qx (over weights 0..15, 16..31 and all 32), each one value the kernel
+// broadcasts: sx = dx * the sum, for the formats whose offset is a float of its own, and
+// ox = -offset * the sum, for those whose offset is a fixed multiple of the scale (their integer
+// dot sums start from it, so that the offset costs no float instruction).
 constexpr int64_t kSumsPerBlock = 3;
-inline void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+struct RowBlocks {
+  int8_t* qx;   // [rows][K]
+  float* dx;    // [rows][K / 32]
+  float* sx;    // [rows][K / 32][3]
+  int32_t* ox;  // [rows][K / 32][3]
+  int64_t K;
+
+  RowBlocks from(int64_t row) const {
+    const int64_t B = K / 32;
+    return {qx + row * K, dx + row * B, sx + row * kSumsPerBlock * B, ox + row * kSumsPerBlock * B, K};
+  }
+};
+
+// One input row of K features into `out`'s row 0, for weights of `type`.
+inline void quantize_row(const float* x, int64_t type, const RowBlocks& out) {
+  const int64_t K = out.K;
+  const int offset = static_cast<int>(fixed_offset(type));
+  int8_t* qx = out.qx;
+  float *dx = out.dx, *sx = out.sx;
+  int32_t* ox = out.ox;
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
     int sums[2] = {0, 0};
@@ -255,9 +277,11 @@ inline void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float
     }
 #endif
     dx[b] = amax / 127.f;
-    sx[3 * b] = dx[b] * static_cast<float>(sums[0]);
-    sx[3 * b + 1] = dx[b] * static_cast<float>(sums[1]);
-    sx[3 * b + 2] = dx[b] * static_cast<float>(sums[0] + sums[1]);
+    const int whole[kSumsPerBlock] = {sums[0], sums[1], sums[0] + sums[1]};
+    for (int h = 0; h < kSumsPerBlock; ++h) {
+      sx[kSumsPerBlock * b + h] = dx[b] * static_cast<float>(whole[h]);
+      ox[kSumsPerBlock * b + h] = -offset * whole[h];
+    }
   }
 }
 
@@ -282,12 +306,16 @@ inline __m512 widen_int8(const uint8_t* p) {
 }
 #endif
 
-// sums[i * 16 + r] = input row i . weight row 16 g + r, for MR rows of quantized activations
-// (qx [MR][K], dx [MR][K / 32], sx [MR][3 K / 32]); `packed` is the row group's units.
-template <int MR>
-inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, int64_t K, const float* dx,
-                       const float* sx, float* sums) {
-  const int64_t B = K / 32, U = units(type, K), per_unit = blocks_per_unit(type);
+// sums[i * 16 + r] = input row i . weight row 16 g + r, for the first MR rows of `x`; `packed` is
+// the row group's units. kFixedOffset: `type`'s offset is a fixed multiple of its scale (a template
+// argument: tested per block and row at run time, it cost a one-row pass about a third more).
+template <int MR, bool kFixedOffset>
+inline void group_dots(const uint8_t* packed, int64_t type, const RowBlocks& x_rows, float* sums) {
+  const int64_t K = x_rows.K, B = K / 32, U = units(type, K), per_unit = blocks_per_unit(type);
+  const int8_t* qx = x_rows.qx;
+  const float *dx = x_rows.dx, *sx = x_rows.sx;
+  [[maybe_unused]] const int32_t* ox = x_rows.ox;
+  constexpr bool fixed = kFixedOffset;
   const int64_t header = header_bytes(type), stride = block_bytes(type), scales_size = scale_bytes(type);
   [[maybe_unused]] const bool bytes = byte_quants(type), two = two_scales(type), kq = k_format(type);
   [[maybe_unused]] const int planes = high_bit_planes(type);
@@ -296,7 +324,6 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512 minus_offset = _mm512_set1_ps(-fixed_offset(type));
   for (int64_t unit = 0; unit < U; ++unit) {
     const uint8_t* base = packed + unit * unit_bytes(type);
     const __m512 super = kq ? widen_halves(base) : _mm512_setzero_ps();
@@ -305,18 +332,17 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
     for (int64_t k = 0; k < per_unit; ++k) {
       const int64_t b = unit * per_unit + k;
       const uint8_t* scales = base + header + k * stride;
-      __m512 d, c, d_hi = _mm512_setzero_ps(), c_hi = _mm512_setzero_ps();
+      // the rows' scales, and the offsets that are floats of their own (the fixed ones are in ox)
+      __m512 d, c = _mm512_setzero_ps(), d_hi = _mm512_setzero_ps();
       if (two) {  // Q6_K
         d = _mm512_mul_ps(super, widen_int8(scales));
         d_hi = _mm512_mul_ps(super, widen_int8(scales + kRows));
-        c = _mm512_mul_ps(minus_offset, d);
-        c_hi = _mm512_mul_ps(minus_offset, d_hi);
       } else if (kq) {  // Q4_K, Q5_K
         d = _mm512_mul_ps(super, widen_uint8(scales));
         c = _mm512_mul_ps(minus_super_min, widen_uint8(scales + kRows));
       } else {
         d = widen_halves(scales);
-        c = has_min ? widen_halves(scales + 2 * kRows) : _mm512_mul_ps(minus_offset, d);
+        if (has_min) c = widen_halves(scales + 2 * kRows);
       }
       const uint8_t* quants = scales + scales_size;
       __m512i u[8];  // u[k] multiplies activation bytes 4k..4k+3 of the block
@@ -339,21 +365,22 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
       for (int i = 0; i < MR; ++i) {
         const int8_t* x = qx + i * K + 32 * b;
         const __m512 x_scale = _mm512_set1_ps(dx[i * B + b]);
-        const float* sums_x = sx + kSumsPerBlock * (i * B + b);
-        if (two) {  // weights 0..15 and 16..31 have scales of their own: a dot sum for each half
-          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        [[maybe_unused]] const float* sums_x = sx + kSumsPerBlock * (i * B + b);
+        const int32_t* offset_sums = ox + kSumsPerBlock * (i * B + b);
+        if (two) {  // Q6_K: weights 0..15 and 16..31 have scales of their own: a dot sum for each half,
+                    // each starting from its half's offset term
+          __m512i s0 = _mm512_set1_epi32(offset_sums[0]), s1 = _mm512_set1_epi32(offset_sums[1]);
           for (int j = 0; j < 4; ++j) {
             s0 = _mm512_dpbusd_epi32(s0, u[j], broadcast_int32(x + 4 * j));
             s1 = _mm512_dpbusd_epi32(s1, u[4 + j], broadcast_int32(x + 16 + 4 * j));
           }
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, x_scale), acc[i]);
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d_hi, x_scale), acc[i]);
-          acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums_x[0]), acc[i]);
-          acc[i] = _mm512_fmadd_ps(c_hi, _mm512_set1_ps(sums_x[1]), acc[i]);
         } else {
           // One row: two chains of 4 dots, as one chain's latency would bind. Several rows: one chain
-          // each, the rows' chains overlapping.
-          __m512i s = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+          // each, the rows' chains overlapping. A fixed offset starts the sum.
+          __m512i s = fixed ? _mm512_set1_epi32(offset_sums[2]) : _mm512_setzero_si512();
+          __m512i s1 = _mm512_setzero_si512();
           for (int j = 0; j < 4; ++j) {
             s = _mm512_dpbusd_epi32(s, u[j], broadcast_int32(x + 4 * j));
             if (MR == 1) {
@@ -364,7 +391,7 @@ inline void group_dots(const uint8_t* packed, int64_t type, const int8_t* qx, in
           }
           if (MR == 1) s = _mm512_add_epi32(s, s1);
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, x_scale), acc[i]);
-          acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums_x[2]), acc[i]);
+          if (!fixed) acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums_x[2]), acc[i]);
         }
       }
     }

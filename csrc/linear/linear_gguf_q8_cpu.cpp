@@ -18,6 +18,21 @@ namespace {
 // a verification pass), whose 8 accumulators and the 8 decoded vectors fit the 32 registers.
 constexpr int64_t kTileRows = 8;
 
+// group_dots for a tile of mr (1..kTileRows) input rows.
+template <bool kFixedOffset>
+void tile_dots(int64_t mr, const uint8_t* packed, int64_t type, const gguf::q8::RowBlocks& rows, float* sums) {
+  switch (mr) {
+    case 1: return gguf::q8::group_dots<1, kFixedOffset>(packed, type, rows, sums);
+    case 2: return gguf::q8::group_dots<2, kFixedOffset>(packed, type, rows, sums);
+    case 3: return gguf::q8::group_dots<3, kFixedOffset>(packed, type, rows, sums);
+    case 4: return gguf::q8::group_dots<4, kFixedOffset>(packed, type, rows, sums);
+    case 5: return gguf::q8::group_dots<5, kFixedOffset>(packed, type, rows, sums);
+    case 6: return gguf::q8::group_dots<6, kFixedOffset>(packed, type, rows, sums);
+    case 7: return gguf::q8::group_dots<7, kFixedOffset>(packed, type, rows, sums);
+    default: return gguf::q8::group_dots<8, kFixedOffset>(packed, type, rows, sums);
+  }
+}
+
 at::Tensor repack_gguf_q8_cpu(const at::Tensor& weight, int64_t quant_type, int64_t features) {
   check_repack_gguf_q8_args(weight, quant_type, features);
   const int64_t N = weight.size(0), U = gguf::q8::units(quant_type, features);
@@ -39,20 +54,21 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
   const int64_t M = input.size(0), K = input.size(1), B = K / 32, G = packed.size(0);
   if (M == 0 || N == 0) return;
   const at::Tensor x = input.scalar_type() == at::kFloat ? input : input.to(at::kFloat);
-  // each input row's int8 blocks, scales and scaled half-block sums, reused across calls by this thread
+  // each input row's int8 blocks, scales and block sums (gguf_q8.h), reused across calls by this thread
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> dx, sx;
+  thread_local std::vector<int32_t> ox;
   qx.resize(M * K);
   dx.resize(M * B);
   sx.resize(M * gguf::q8::kSumsPerBlock * B);
+  ox.resize(M * gguf::q8::kSumsPerBlock * B);
+  const gguf::q8::RowBlocks rows{qx.data(), dx.data(), sx.data(), ox.data(), K};
   for (int64_t i = 0; i < M; ++i)
-    gguf::q8::quantize_row(x.const_data_ptr<float>() + i * x.stride(0), K, qx.data() + i * K, dx.data() + i * B,
-                           sx.data() + i * gguf::q8::kSumsPerBlock * B);
+    gguf::q8::quantize_row(x.const_data_ptr<float>() + i * x.stride(0), quant_type, rows.from(i));
   const uint8_t* p = packed.const_data_ptr<uint8_t>();
   const int64_t stride = packed.size(1) * gguf::q8::unit_bytes(quant_type);
   const bool has_bias = bias.has_value() && bias->defined();
-  const int8_t* q = qx.data();
-  const float *dxs = dx.data(), *sxs = sx.data();
+  const bool fixed = gguf::q8::fixed_offset(quant_type) != 0.f;
   EECORE_DISPATCH_FLOAT(out.scalar_type(), "eecore::linear_gguf_q8", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* bs = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
@@ -68,23 +84,17 @@ void linear_gguf_q8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tens
         for (int64_t g = g0; g < std::min(G, g0 + grab); ++g) {
           for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
             const int64_t mr = std::min(kTileRows, M - i0);
-            const int8_t* qi = q + i0 * K;
+            const gguf::q8::RowBlocks tile = rows.from(i0);
             const uint8_t* pg = p + g * stride;
-            const float *di = dxs + i0 * B, *si = sxs + i0 * gguf::q8::kSumsPerBlock * B;
-            switch (mr) {
-              case 1: gguf::q8::group_dots<1>(pg, quant_type, qi, K, di, si, sums); break;
-              case 2: gguf::q8::group_dots<2>(pg, quant_type, qi, K, di, si, sums); break;
-              case 3: gguf::q8::group_dots<3>(pg, quant_type, qi, K, di, si, sums); break;
-              case 4: gguf::q8::group_dots<4>(pg, quant_type, qi, K, di, si, sums); break;
-              case 5: gguf::q8::group_dots<5>(pg, quant_type, qi, K, di, si, sums); break;
-              case 6: gguf::q8::group_dots<6>(pg, quant_type, qi, K, di, si, sums); break;
-              case 7: gguf::q8::group_dots<7>(pg, quant_type, qi, K, di, si, sums); break;
-              default: gguf::q8::group_dots<8>(pg, quant_type, qi, K, di, si, sums);
+            if (fixed) {
+              tile_dots<true>(mr, pg, quant_type, tile, sums);
+            } else {
+              tile_dots<false>(mr, pg, quant_type, tile, sums);
             }
-            const int64_t rows = std::min(gguf::q8::kRows, N - g * gguf::q8::kRows);
+            const int64_t valid = std::min(gguf::q8::kRows, N - g * gguf::q8::kRows);
             for (int64_t a = 0; a < mr; ++a) {
               scalar_t* dst = o + (i0 + a) * ldo + g * gguf::q8::kRows;
-              for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t r = 0; r < valid; ++r) {
                 float v = sums[a * gguf::q8::kRows + r];
                 if (bs != nullptr) v += static_cast<float>(bs[g * gguf::q8::kRows + r]);
                 if (accumulate) v += static_cast<float>(dst[r]);
