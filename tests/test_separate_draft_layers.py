@@ -100,49 +100,31 @@ def test_draft_logits_are_the_copys_own(tiny, lora_file, budget, num_blocks):
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
-def test_an_int8_copy_drafts_with_its_int8_weights(tiny, lora_file, monkeypatch):
+@pytest.mark.parametrize("blocks", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _C.gguf_q8_vectorized(), reason="linear_gguf_q8 has no vector kernel in this build"))],
+    ids=["per-row-int8", "q8_0-blocks"])
+def test_an_int8_copy_drafts_with_its_8_bit_weights(tiny, lora_file, monkeypatch, blocks):
     """DraftCopy(dtype="int8"): the copy's projections, after the LoRA merge, and its LM head are
-    weight-only int8; each draft is what HF's truncated, merged model says with those weights
-    rounded the same way (and its projections' inputs rounded to int16 rows). The tolerance is
-    looser than fp32's: a value that sits on an int16 rounding boundary in one engine can round the
-    other way in the other (~1e-3 of logits up to 15 here), while the weights' rounding moves the
-    logits by ~0.4, far outside it."""
-    path, hf = tiny
-    file, lora = lora_file
-    E = 2
-    monkeypatch.setattr(int8_weights, "integer_gguf_kernel", lambda: False)  # per-row int8 (no VNNI, or AMX)
-    llm = _separate(path, E, 1, file, draft_dtype="int8", max_num_batched_tokens=7, max_num_seqs=4)
-    assert isinstance(llm.engine.strategy.draft_stack.model.layers[0].qkv, int8_weights.Int8Weight)
-    seen = _record_drafts(llm)
-    llm.generate(random_prompts(VOCAB, [3, 19, 11, 8], seed=21), [greedy(10 + i) for i in range(4)])
-    assert len(seen) > 10
-    merged = truncated_merged(hf, lora, E)
-    reference = int8_rounded(merged)
-    moved = 0.0
-    with torch.no_grad():
-        for context, logits in seen:
-            ids = torch.tensor([context])
-            torch.testing.assert_close(logits, reference(ids).logits[0, -1], atol=5e-3, rtol=1e-3)
-            moved = max(moved, float((logits - merged(ids).logits[0, -1]).abs().max()))
-    assert moved > 0.05
-
-
-@pytest.mark.skipif(not _C.gguf_q8_vectorized(), reason="linear_gguf_q8 has no vector kernel in this build")
-def test_where_the_integer_kernel_runs_an_int8_copy_is_q8_0_blocks(tiny, lora_file, monkeypatch):
-    """Where linear_gguf_q8 has its VNNI kernel (and no AMX-INT8 runs per-row int8), DraftCopy(dtype=
-    "int8") makes the copy's merged projections and LM head Q8_0 blocks repacked for 8-bit
-    activations: each draft is HF's truncated, merged model with those weights and its projections'
-    inputs rounded to int8 per block of 32, and the outputs are still the original full depth's."""
+    8-bit (int8_weights.eight_bit): per-row int8 (no VNNI kernel for GGUF blocks, or AMX-INT8), or
+    Q8_0 blocks with 8-bit activations. Each draft is what HF's truncated, merged model says with
+    those weights rounded the same way and its projections' inputs rounded as the kernel rounds them
+    (int16 rows; int8 blocks of 32), and the outputs stay the original full depth's. The tolerance is
+    looser than fp32's: a value that sits on a rounding boundary in one engine can round the other
+    way in the other (~1e-3 of logits up to 15 here), while the weights' rounding moves the logits
+    by ~0.4, far outside it."""
     from eecore.models.gguf_weights import GGUFWeight
 
     path, hf = tiny
     file, lora = lora_file
     E = 2
-    monkeypatch.setattr(int8_weights, "integer_gguf_kernel", lambda: True)
+    monkeypatch.setattr(int8_weights, "integer_gguf_kernel", lambda: blocks)
     llm = _separate(path, E, 1, file, draft_dtype="int8", max_num_batched_tokens=7, max_num_seqs=4)
     copy = llm.engine.strategy.draft_stack.model
     for weight in [copy.lm_head] + [getattr(layer, n) for layer in copy.layers for n in ("qkv", "o_proj", "down")]:
-        assert isinstance(weight, GGUFWeight) and weight.quant_type == 8 and weight.packed is not None
+        if blocks:
+            assert isinstance(weight, GGUFWeight) and weight.quant_type == 8 and weight.packed is not None
+        else:
+            assert isinstance(weight, int8_weights.Int8Weight)
     seen = _record_drafts(llm)
     prompts = random_prompts(VOCAB, [3, 19, 11, 8], seed=21)
     params = [greedy(10 + i) for i in range(4)]
@@ -151,7 +133,7 @@ def test_where_the_integer_kernel_runs_an_int8_copy_is_q8_0_blocks(tiny, lora_fi
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert len(seen) > 10
     merged = truncated_merged(hf, lora, E)
-    reference = q8_0_rounded(merged)
+    reference = (q8_0_rounded if blocks else int8_rounded)(merged)
     moved = 0.0
     with torch.no_grad():
         for context, logits in seen:
