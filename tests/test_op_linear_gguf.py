@@ -77,6 +77,19 @@ def test_linear_matches_dequantized_matmul(name, rows):
     assert (out.double() - expected).abs().max().item() <= tolerance
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_a_rows_sums_do_not_depend_on_the_pass(name):
+    """Each row of a pass of 2-48 rows is summed in one order whatever register tile it falls in
+    (4 x 4, 5 x 4, 8 x 2, the last weight rows one at a time), so a verification pass of any width
+    gives a row the bits a wider pass gives it (one row alone takes the two-accumulator order)."""
+    n, k = 37, features(name, 2)
+    weight = random_blocks(name, n, k, seed=4)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))
+    full = ops.linear_gguf(torch.empty(20, n), x, weight, TYPES[name])
+    for m in range(2, 20):
+        assert torch.equal(ops.linear_gguf(torch.empty(m, n), x[:m], weight, TYPES[name]), full[:m])
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_extreme_scales(name):
     k = features(name, 1)

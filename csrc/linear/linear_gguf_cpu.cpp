@@ -91,24 +91,67 @@ float gguf_dot_one(const float* x, const uint8_t* w, int64_t groups) {
 }
 
 // Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 weight rows' decoded
-// groups (2 vectors each), and up to 5 x 4; AVX2's 16 hold 2 x 2 (a group is 4 vectors there), and
-// up to 3 x 2. Rows go in tiles of kTileRows, except that a remainder of up to kMaxTileRows rows is
-// one tile: a verification pass of 5 rows (4 drafts) decodes each group once, not twice.
+// groups (2 vectors each), and up to 5 x 4, or 8 x 2 (16 accumulators beside 2 rows' groups); AVX2's
+// 16 hold 2 x 2 (a group is 4 vectors there), and up to 3 x 2. A pass of up to kMaxTileRows input
+// rows is one tile (a verification of 5 rows decodes each group once, not twice); from
+// kWideTileMinRows rows on, tiles of up to kWideTileRows rows by kWideTileCols weight rows decode
+// each group for more input rows (8 rows: once instead of twice).
 constexpr int kTileRows = gguf::Simd::kLanes == 16 ? 4 : 2;
 constexpr int kMaxTileRows = gguf::Simd::kLanes == 16 ? 5 : 3;
 constexpr int kTileCols = gguf::Simd::kLanes == 16 ? 4 : 2;
+constexpr int kWideTileRows = gguf::Simd::kLanes == 16 ? 8 : kMaxTileRows;
+constexpr int kWideTileMinRows = kMaxTileRows + 1;
+constexpr int kWideTileCols = 2;
 
-// One tile of mr (runtime, 2..kMaxTileRows) input rows by NR weight rows.
+// One tile of mr (runtime, 2..kWideTileRows) input rows by NR weight rows.
 template <int NR, class F>
 void gguf_row_tile(int64_t mr, const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups,
                    float* sums) {
   switch (mr) {
     case 2: return gguf_tile<2, NR, F>(x, ldx, w, row_bytes, groups, sums);
     case 3: return gguf_tile<3, NR, F>(x, ldx, w, row_bytes, groups, sums);
-    case 4: if constexpr (kMaxTileRows >= 4) return gguf_tile<4, NR, F>(x, ldx, w, row_bytes, groups, sums);
-            break;
-    case 5: if constexpr (kMaxTileRows >= 5) return gguf_tile<5, NR, F>(x, ldx, w, row_bytes, groups, sums);
-            break;
+  }
+  if constexpr (kMaxTileRows >= 5) {
+    switch (mr) {
+      case 4: return gguf_tile<4, NR, F>(x, ldx, w, row_bytes, groups, sums);
+      case 5: return gguf_tile<5, NR, F>(x, ldx, w, row_bytes, groups, sums);
+    }
+  }
+  if constexpr (kWideTileRows >= 8 && NR <= kWideTileCols) {
+    switch (mr) {
+      case 6: return gguf_tile<6, NR, F>(x, ldx, w, row_bytes, groups, sums);
+      case 7: return gguf_tile<7, NR, F>(x, ldx, w, row_bytes, groups, sums);
+      case 8: return gguf_tile<8, NR, F>(x, ldx, w, row_bytes, groups, sums);
+    }
+  }
+  TORCH_CHECK(false, "linear_gguf: no register tile of ", mr, " x ", NR, " rows");  // gguf_rows never asks
+}
+
+// Rows [i, i + mr) of x against the n weight rows from w, in tiles of `cols` weight rows (the last
+// ones one at a time): out[(i + a) * n + j].
+template <int NR, class F>
+void gguf_row_strip(int64_t mr, const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t groups,
+                    int64_t n, float* out) {
+  float sums[kWideTileRows * NR];
+  for (int64_t j = 0; j < n; j += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n - j);
+    const uint8_t* wj = w + j * row_bytes;
+    if (mr == 1) {  // a decode step's one row: one dot at a time (taking several weight rows at once
+                    // for one input row ran slower: Zen 4, Q4_1 1.15x, Q8_0 2.2x the time)
+      for (int64_t c = 0; c < nr; ++c) out[j + c] = gguf_dot_one<F>(x, wj + c * row_bytes, groups);
+      continue;
+    }
+    if (nr == NR) {
+      gguf_row_tile<NR, F>(mr, x, ldx, wj, row_bytes, groups, sums);
+    } else {  // the last weight rows, one at a time for all mr input rows
+      float column[kWideTileRows];
+      for (int64_t c = 0; c < nr; ++c) {
+        gguf_row_tile<1, F>(mr, x, ldx, wj + c * row_bytes, row_bytes, groups, column);
+        for (int64_t a = 0; a < mr; ++a) sums[a * NR + c] = column[a];
+      }
+    }
+    for (int64_t a = 0; a < mr; ++a)
+      for (int64_t c = 0; c < nr; ++c) out[a * n + j + c] = sums[a * NR + c];
   }
 }
 
@@ -116,27 +159,16 @@ template <class F>
 void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t groups,
                int64_t n, float* out) {
   // out[i * n + j] for the n weight rows from w
-  float sums[kMaxTileRows * kTileCols];
-  for (int64_t j = 0; j < n; j += kTileCols) {
-    const int64_t nr = std::min<int64_t>(kTileCols, n - j);
-    for (int64_t i = 0; i < M;) {
-      const int64_t mr = M - i <= kMaxTileRows ? M - i : kTileRows;
-      const float* xi = x + i * ldx;
-      const uint8_t* wj = w + j * row_bytes;
-      if (mr == 1) {  // a decode step's one row: one dot at a time (taking several weight rows at once
-                      // for one input row ran slower: Zen 4, Q4_1 1.15x, Q8_0 2.2x the time)
-        for (int64_t c = 0; c < nr; ++c) sums[c] = gguf_dot_one<F>(xi, wj + c * row_bytes, groups);
-      } else if (nr == kTileCols) {
-        gguf_row_tile<kTileCols, F>(mr, xi, ldx, wj, row_bytes, groups, sums);
-      } else {  // the last weight rows, one at a time for all mr input rows
-        float column[kMaxTileRows];
-        for (int64_t c = 0; c < nr; ++c) {
-          gguf_row_tile<1, F>(mr, xi, ldx, wj + c * row_bytes, row_bytes, groups, column);
-          for (int64_t a = 0; a < mr; ++a) sums[a * kTileCols + c] = column[a];
-        }
-      }
-      for (int64_t a = 0; a < mr; ++a)
-        for (int64_t c = 0; c < nr; ++c) out[(i + a) * n + j + c] = sums[a * kTileCols + c];
+  for (int64_t i = 0; i < M;) {
+    const int64_t rest = M - i;
+    if (rest >= kWideTileMinRows && kWideTileRows > kMaxTileRows) {
+      // never leave one row alone: it would take gguf_dot_one's order, not a tile's
+      const int64_t mr = rest == kWideTileRows + 1 ? kWideTileRows - 1 : std::min<int64_t>(kWideTileRows, rest);
+      gguf_row_strip<kWideTileCols, F>(mr, x + i * ldx, ldx, w, row_bytes, groups, n, out + i * n);
+      i += mr;
+    } else {
+      const int64_t mr = rest <= kMaxTileRows ? rest : kTileRows;
+      gguf_row_strip<kTileCols, F>(mr, x + i * ldx, ldx, w, row_bytes, groups, n, out + i * n);
       i += mr;
     }
   }
