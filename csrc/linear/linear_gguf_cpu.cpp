@@ -35,6 +35,13 @@ using cpu::kGrabsPerThread;
 using cpu::kMinMacsPerThread;
 
 #if EECORE_GGUF_SIMD
+// sums[t] = the lane sum of v[t], t < count: four at a time where they come in fours.
+inline void lane_sums(const gguf::Simd::V* v, int64_t count, float* sums) {
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) gguf::Simd::sum4(v + t, sums + t);
+  for (; t < count; ++t) sums[t] = gguf::Simd::sum(v[t]);
+}
+
 // A register tile: MR input rows (fp32) x NR weight rows, every group of 32 weights decoded once
 // into registers and multiplied by the MR rows there. sums[i * NR + r] = input row i . weight row r.
 template <int MR, int NR, class F>
@@ -57,15 +64,14 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) sums[i * NR + r] = S::sum(acc[i][r]);
+  lane_sums(&acc[0][0], MR * NR, sums);  // sums[i * NR + r] is accumulator i * NR + r
 }
 
 // One input row by one weight row, two groups at a time into separate accumulators: the tile
 // above's single accumulator chain (one fma after another into the same register) would bound a
 // decode step by the fma latency, not by decoding or memory.
 template <class F>
-float gguf_dot_one(const float* x, const uint8_t* w, int64_t groups) {
+gguf::Simd::V gguf_dot_one(const float* x, const uint8_t* w, int64_t groups) {
   using S = gguf::Simd;
   S::V acc[2][S::kPerGroup];
   float prep[gguf::decode::kPrepFloats];
@@ -87,7 +93,7 @@ float gguf_dot_one(const float* x, const uint8_t* w, int64_t groups) {
   if (g < groups) step(g, acc[0]);
   S::V total = S::add(acc[0][0], acc[1][0]);
   for (int p = 1; p < S::kPerGroup; ++p) total = S::add(total, S::add(acc[0][p], acc[1][p]));
-  return S::sum(total);
+  return total;  // its lanes' sum is the dot product
 }
 
 // Register tiles: AVX-512's 32 vectors hold 4 x 4 accumulators beside 4 weight rows' decoded
@@ -138,7 +144,9 @@ void gguf_row_strip(int64_t mr, const float* x, int64_t ldx, const uint8_t* w, i
     const uint8_t* wj = w + j * row_bytes;
     if (mr == 1) {  // a decode step's one row: one dot at a time (taking several weight rows at once
                     // for one input row ran slower: Zen 4, Q4_1 1.15x, Q8_0 2.2x the time)
-      for (int64_t c = 0; c < nr; ++c) out[j + c] = gguf_dot_one<F>(x, wj + c * row_bytes, groups);
+      gguf::Simd::V dots[NR];
+      for (int64_t c = 0; c < nr; ++c) dots[c] = gguf_dot_one<F>(x, wj + c * row_bytes, groups);
+      lane_sums(dots, nr, out + j);
       continue;
     }
     if (nr == NR) {
