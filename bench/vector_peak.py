@@ -23,38 +23,40 @@ SOURCE = r"""
 #include <thread>
 #include <vector>
 
-// `iterations` rounds of 12 independent chains of `op` (latency 4-5 cycles, so 12 chains keep two
-// pipes busy); returns a value that depends on every result, so nothing is optimised away.
+// `iterations` rounds of 12 independent chains of `step` (latency 4-5 cycles, so 12 chains keep two
+// pipes busy), chain i starting from seed(i) (distinct, or the compiler would compute one chain);
+// returns the chains added up, so that nothing is optimised away.
 #define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
-int64_t dpbusd_loop(int64_t iterations) {
-#define INIT(i) __m512i a##i = _mm512_set1_epi32(i);
-  CHAINS(INIT)
-  __m512i u = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+template <typename V, typename Seed, typename Step, typename Add>
+V chains(int64_t iterations, Seed seed, V operand, Step step, Add add) {
+#define DECLARE(i) V a##i = seed(i);
+  CHAINS(DECLARE)
   for (int64_t k = 0; k < iterations; ++k) {
-#define STEP(i) a##i = _mm512_dpbusd_epi32(a##i, u, x);
+#define STEP(i) a##i = step(a##i, operand);
     CHAINS(STEP)
-    asm volatile("" : "+v"(u));
+    asm volatile("" : "+v"(operand));
   }
-  int64_t sum = 0;
-#define SUM(i) sum += _mm512_reduce_add_epi32(a##i);
-  CHAINS(SUM)
-  return sum;
+  V total = a0;
+#define ADD(i) total = add(total, a##i);
+  CHAINS(ADD)
+  return total;
 }
 
-double fma_loop(int64_t iterations) {
-#define INITF(i) __m512 f##i = _mm512_set1_ps(i * 1e-3f);
-  CHAINS(INITF)
-  __m512 g = _mm512_set1_ps(0.5f);
-  for (int64_t k = 0; k < iterations; ++k) {
-#define STEPF(i) f##i = _mm512_fmadd_ps(f##i, g, g);
-    CHAINS(STEPF)
-    asm volatile("" : "+v"(g));
-  }
-  double sum = 0;
-#define SUMF(i) sum += _mm512_reduce_add_ps(f##i);
-  CHAINS(SUMF)
-  return sum;
+int64_t dpbusd_loop(int64_t iterations) {  // 64 int8 multiply-adds an instruction
+  const __m512i total = chains(
+      iterations, [](int i) { return _mm512_set1_epi32(i); }, _mm512_set1_epi8(3),
+      [](__m512i a, __m512i u) { return _mm512_dpbusd_epi32(a, u, u); },
+      [](__m512i a, __m512i b) { return _mm512_add_epi32(a, b); });
+  return _mm512_reduce_add_epi32(total);
+}
+
+double fma_loop(int64_t iterations) {  // 16 fp32 multiply-adds an instruction
+  const __m512 total = chains(
+      iterations, [](int i) { return _mm512_set1_ps(i * 1e-3f); }, _mm512_set1_ps(0.5f),
+      [](__m512 a, __m512 g) { return _mm512_fmadd_ps(a, g, g); },
+      [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+  return _mm512_reduce_add_ps(total);
 }
 
 // Instructions per second of loop `kind` (0: vpdpbusd, 1: fma) on `threads` threads at once.
