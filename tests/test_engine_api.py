@@ -42,6 +42,22 @@ def test_top_k_one_is_greedy(tiny):
     assert [o.token_ids for o in sampled] == [o.token_ids for o in llm.generate(prompts, greedy(8))]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype):
+    """argmax_rows (numpy's argmax for fp32 on the CPU, torch's max elsewhere) picks what torch.argmax
+    picks: the first maximal index, a NaN counting as maximal; rows of a matrix, a strided view, one row."""
+    from eecore.engine.sampler import argmax_rows
+
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, 10] = logits[1, 500] = 50.0  # a tie: the first
+    logits[2, 7] = float("nan")
+    logits[3, 3] = logits[3, 900] = float("nan")  # the first NaN
+    for rows in (logits, logits[:, ::3], logits[4]):
+        got = argmax_rows(rows)
+        assert got.dtype == torch.int64 and got.shape == rows.shape[:-1]
+        assert torch.equal(got, rows.argmax(dim=-1))
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     from eecore.engine.sampler import Sampler
 
