@@ -98,8 +98,9 @@ TORCH_LIBRARY(eecore, m) {
   // out [T, K] = the rows token_ids [T] (int64, each in [0, N)) of such a weight, dequantized
   // (a GGUF token embedding, or the rows of a GGUF LM head).
   m.def("embedding_gguf(Tensor(a!) out, Tensor token_ids, Tensor weight, int quant_type) -> ()");
-  // 8-bit activations (csrc/linear/gguf_q8.h): a Q4_0 / Q4_1 / Q8_0 weight [N, row bytes] repacked
-  // once to [ceil(N / 16), K / 32, group bytes], then out [M, N] (+)= input [M, K] . weight^T (+ bias)
+  // 8-bit activations (csrc/linear/gguf_q8.h): a GGUF weight [N, row bytes] of any of the formats
+  // above repacked once to [ceil(N / 16), units, unit bytes] (a unit: a block of 32 weights, a K
+  // format's superblock of 256, of 16 rows), then out [M, N] (+)= input [M, K] . weight^T (+ bias)
   // with each input row rounded to int8 in blocks of 32 (llama.cpp's arithmetic, not exact).
   m.def("repack_gguf_q8(Tensor weight, int quant_type, int features) -> Tensor");
   m.def("linear_gguf_q8(Tensor(a!) out, Tensor input, Tensor packed, int quant_type, Tensor? bias, "

@@ -94,9 +94,9 @@ inline int64_t blocks_per_unit(int64_t type) { return k_format(type) ? 8 : 1; }
 inline int64_t header_bytes(int64_t type) {
   return two_scales(type) ? 2 * kRows : k_format(type) ? 4 * kRows : 0;
 }
-inline int64_t scale_bytes(int64_t type) {
-  return is(type, QuantType::Q4_1) || is(type, QuantType::Q5_1) ? 4 * kRows : 2 * kRows;
-}
+// Q4_1 and Q5_1 blocks carry a minimum of their own (fp16 m beside d).
+inline bool has_min(int64_t type) { return is(type, QuantType::Q4_1) || is(type, QuantType::Q5_1); }
+inline int64_t scale_bytes(int64_t type) { return has_min(type) ? 4 * kRows : 2 * kRows; }
 inline int64_t quant_bytes(int64_t type) { return byte_quants(type) ? 512 : 256 + 64 * high_bit_planes(type); }
 
 // Weight j (0..31) of row r in a block's packed quants.
@@ -130,7 +130,7 @@ inline void block_scales(int64_t type, const uint8_t* unit, int64_t k, float d[2
       c[0][r] = -(half_at(header + 2 * kRows + 2 * r) * static_cast<float>(scales[kRows + r]));
     } else {
       d[0][r] = half_at(scales + 2 * r);
-      c[0][r] = scale_bytes(type) > 2 * kRows ? half_at(scales + 2 * kRows + 2 * r) : -fixed_offset(type) * d[0][r];
+      c[0][r] = has_min(type) ? half_at(scales + 2 * kRows + 2 * r) : -fixed_offset(type) * d[0][r];
     }
     d[1][r] = d[0][r];
     c[1][r] = c[0][r];
@@ -164,12 +164,12 @@ inline void group_quants(int64_t type, const uint8_t* row, int64_t b, int* u) {
       for (int j = 0; j < 32; ++j) u[j] = static_cast<int8_t>(block[2 + j]) + 128;
       return;
     case QuantType::Q5_0: case QuantType::Q5_1: {
-      const bool has_min = t == QuantType::Q5_1;
-      five_bit_quants(block + (has_min ? 4 : 2), block + (has_min ? 8 : 6), u);
+      const int64_t scales = has_min(type) ? 4 : 2;  // d, and m where the block has one
+      five_bit_quants(block + scales, block + scales + 4, u);
       return;
     }
     default: {  // Q4_0, Q4_1
-      const uint8_t* qs = block + (t == QuantType::Q4_1 ? 4 : 2);
+      const uint8_t* qs = block + (has_min(type) ? 4 : 2);
       for (int j = 0; j < 16; ++j) {
         u[j] = qs[j] & 0x0F;
         u[j + 16] = qs[j] >> 4;
@@ -208,7 +208,7 @@ inline void pack_unit(int64_t type, const uint8_t* weight, int64_t row_bytes, in
         scales[kRows + r] = static_cast<uint8_t>(min);
       } else {  // fp16 d, and m after it where the format has one
         std::memcpy(scales + 2 * r, row + b * block_size, 2);
-        if (scale_bytes(type) > 2 * kRows) std::memcpy(scales + 2 * kRows + 2 * r, row + b * block_size + 2, 2);
+        if (has_min(type)) std::memcpy(scales + 2 * kRows + 2 * r, row + b * block_size + 2, 2);
       }
       int u[32];
       group_quants(type, row, b, u);
@@ -319,7 +319,7 @@ inline void group_dots(const uint8_t* packed, int64_t type, const RowBlocks& x_r
   const int64_t header = header_bytes(type), stride = block_bytes(type), scales_size = scale_bytes(type);
   [[maybe_unused]] const bool bytes = byte_quants(type), two = two_scales(type), kq = k_format(type);
   [[maybe_unused]] const int planes = high_bit_planes(type);
-  const bool has_min = !kq && scales_size > 2 * kRows;
+  const bool own_min = has_min(type);
 #if EECORE_GGUF_Q8_VNNI
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -342,7 +342,7 @@ inline void group_dots(const uint8_t* packed, int64_t type, const RowBlocks& x_r
         c = _mm512_mul_ps(minus_super_min, widen_uint8(scales + kRows));
       } else {
         d = widen_halves(scales);
-        if (has_min) c = widen_halves(scales + 2 * kRows);
+        if (own_min) c = widen_halves(scales + 2 * kRows);
       }
       const uint8_t* quants = scales + scales_size;
       __m512i u[8];  // u[k] multiplies activation bytes 4k..4k+3 of the block
