@@ -80,7 +80,8 @@ def print_machine(details: str) -> None:
 def add_model_args(parser: argparse.ArgumentParser, *, draft_dtype: str | None) -> None:
     """The model and draft copy a part measures (their defaults differ by part)."""
     parser.add_argument("--exit-layer", type=int, default=8)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+                        help="the model's dtype (auto: GGUF weights in their own precision)")
     parser.add_argument("--draft-dtype", default=draft_dtype, help="the separate draft copy's dtype")
 
 
@@ -216,7 +217,10 @@ def verify_rows(args) -> None:
     model = llm.model
     bandwidth, peak = read_bandwidth_gbs() * 1e9, peak_flops(model.dtype)
     weight = decode_weight_bytes(model)
-    flops_per_row = 2 * weight / model.lm_head.element_size()
+    # a multiply-add per weight of the layers and the head (GGUF blocks: rows x features of them)
+    matrices = [getattr(model.layers[i], name) for i in range(model.num_layers)
+                for name in ("qkv", "o_proj", "gate_up", "down")] + [model.lm_head]
+    flops_per_row = 2 * sum(m.shape[0] * m.shape[1] for m in matrices)
 
     def t_min(n: int) -> float:
         return max(weight / bandwidth, args.batch * n * flops_per_row / peak)

@@ -113,7 +113,7 @@ def test_exit_ready_presets():
             layer.disable_by_batch_size) == (8, 4, 0.15, eecore.DraftCopy(dtype="int8"), "layer",
                                              4 if amx_available(torch.int8) else 2)
     assert layer == eecore.SelfSpeculativeConfig(
-        num_speculations=4, disable_by_batch_size=4 if amx_available(torch.int8) else 2,
+        num_speculations=4, disable_by_batch_size=4 if amx_available(torch.int8) else 2, adaptive=True,
         layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5,
                                  copy=eecore.DraftCopy(dtype="int8")))
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
@@ -121,6 +121,7 @@ def test_exit_ready_presets():
             hybrid.lookup.min_ngram, hybrid.lookup.max_ngram, hybrid.layer.stop_below) == \
         ("hybrid", "token", 6, 3, 2, 4, 0.15)
     assert hybrid.layer.copy == eecore.DraftCopy(dtype="int8") and hybrid.layer.long_draft_acceptance == 0.5
+    assert hybrid.adaptive and not eecore.SelfSpeculativeConfig.exit_ready("hybrid", adaptive_drafts=False).adaptive
     with pytest.raises(ValueError, match="'preset' must be one of layer, hybrid, got 'tree'"):
         eecore.SelfSpeculativeConfig.exit_ready("tree")
     with pytest.raises(ValueError, match=r"LayerDrafts: 'stop_below' \(--draft-threshold\) must be a number in "

@@ -247,8 +247,10 @@ FLAG_CONFIGS = {
         ["--exit-layer", "4", "--min-acceptance", "break-even"],
         SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=4, guard=AcceptanceGuard(min_acceptance="break-even")))),
     "lookup": (
-        ["--draft", "lookup", "--num-speculations", "6", "--lookup-max-ngram", "5", "--disable-by-batch-size", "3"],
-        SelfSpeculativeConfig(num_speculations=6, lookup=LookupDrafts(max_ngram=5), disable_by_batch_size=3)),
+        ["--draft", "lookup", "--num-speculations", "6", "--lookup-max-ngram", "5", "--disable-by-batch-size", "3",
+         "--adaptive-drafts"],
+        SelfSpeculativeConfig(num_speculations=6, lookup=LookupDrafts(max_ngram=5), disable_by_batch_size=3,
+                              adaptive=True)),
     "short": (["--exit-layer", "3"], SelfSpeculativeConfig(exit_layer=3)),
 }
 
@@ -276,7 +278,7 @@ def test_each_flag_lands_on_its_field():
               "--draft-threshold": "0.25", "--long-draft-acceptance": "0.75", "--exit-threshold": None,
               "--min-acceptance": "0.125", "--probe-every": "32", "--draft-dtype": "float16", "--draft-top-k": "2",
               "--layer-disable-by-batch-size": "3", "--disable-by-batch-size": "7", "--lookup-min-ngram": "2",
-              "--lookup-max-ngram": "6", "--hybrid-switch": "token"}
+              "--lookup-max-ngram": "6", "--hybrid-switch": "token", "--adaptive-drafts": "on"}
     before = tree_of(_parsed_config(*base))
     for path, f in walk(SelfSpeculativeConfig):
         flag = f.metadata["flag"]

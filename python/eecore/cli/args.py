@@ -19,6 +19,14 @@ def parse_min_acceptance(text: str):
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'break-even', got {text!r}") from None
 
 
+def on_off(text: str) -> bool:
+    """A switch's value: on/true/1 or off/false/0 (a bare switch flag means on)."""
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1 (argparse names the flag in its error)."""
     try:
@@ -106,6 +114,10 @@ def add_speculation_flags(p: argparse.ArgumentParser) -> None:
             continue
         # None: the field's default, or --exit-ready's setting
         kind = _flag_type(f)
+        if kind is on_off:  # `--flag` alone turns it on; `--flag off` turns off what a preset turned on
+            s.add_argument(flag, type=on_off, nargs="?", const=True, default=None, metavar="on|off",
+                           help=f"{f.metadata['help']} ({'.'.join(path)})")
+            continue
         metavar = None if f.metadata["choices"] else {int: "N", float: "P"}.get(kind, "A")
         s.add_argument(flag, type=kind, choices=f.metadata["choices"], default=None, metavar=metavar,
                        help=f"{f.metadata['help']} ({'.'.join(path)})")
@@ -119,6 +131,8 @@ def _flag_type(f):
     """The argparse type of a config field, from its annotation."""
     if f.metadata["choices"]:
         return str
+    if str(f.type) == "bool":
+        return on_off
     if "Union[float, str]" in str(f.type):
         return parse_min_acceptance
     return float if "float" in str(f.type) else int

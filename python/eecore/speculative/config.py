@@ -47,6 +47,12 @@ class SelfSpeculativeConfig:
         one costs only while decoding is bound by reading the weights; in a large batch it is bound
         by arithmetic and every drafted row is paid in full. Such steps are plain full-depth steps,
         and may carry prompt chunks beside the decodes, as full depth does.
+
+    adaptive: the lengths above are caps; each round, each sequence drafts as many tokens of each
+        kind as pay at the pass costs measured while decoding and its running acceptance, none
+        where drafts do not pay (eecore.speculative.draft_planner). What a verify row costs differs
+        tenfold between weights and machines (an exact 4-bit kernel on a CPU is bound by arithmetic
+        from the second row on; a GPU verifies a few rows for the price of one).
     """
 
     num_speculations: int = option(4, "--num-speculations", "the most tokens a sequence drafts a round")
@@ -59,16 +65,21 @@ class SelfSpeculativeConfig:
     disable_by_batch_size: Optional[int] = option(
         None, "--disable-by-batch-size", "run plain full-depth steps while more than N sequences decode: in a "
         "large batch verifying drafts costs arithmetic, not only weight reads (default: never)")
+    adaptive: bool = option(
+        False, "--adaptive-drafts", "choose each sequence's draft lengths per round from the passes' costs measured "
+        "while decoding and its running acceptance, down to none where drafts do not pay "
+        "(eecore.speculative.draft_planner)")
 
     def __init__(self, num_speculations: int = 4, layer: Optional[LayerDrafts] = None,
                  lookup: Optional[LookupDrafts] = None, hybrid_switch: str = "round",
-                 disable_by_batch_size: Optional[int] = None, *, exit_layer: Optional[int] = None, **flat):
+                 disable_by_batch_size: Optional[int] = None, adaptive: bool = False, *,
+                 exit_layer: Optional[int] = None, **flat):
         if flat:
             warnings.warn(f"SelfSpeculativeConfig({', '.join(sorted(flat))}=...): flat keyword arguments are "
                           f"deprecated; set them on layer=LayerDrafts(...), lookup=LookupDrafts(...) "
                           f"(eecore.speculative.options)", DeprecationWarning, stacklevel=2)
             given = dict(flat, num_speculations=num_speculations, hybrid_switch=hybrid_switch,
-                         disable_by_batch_size=disable_by_batch_size, exit_layer=exit_layer)
+                         disable_by_batch_size=disable_by_batch_size, adaptive_drafts=adaptive, exit_layer=exit_layer)
             if layer is not None or lookup is not None:
                 raise ValueError("SelfSpeculativeConfig: give 'layer'/'lookup' or the deprecated flat keyword "
                                  f"arguments ({', '.join(sorted(flat))}), not both")
@@ -81,6 +92,7 @@ class SelfSpeculativeConfig:
             layer = LayerDrafts(exit_layer=exit_layer)
         self.num_speculations, self.layer, self.lookup = num_speculations, layer, lookup
         self.hybrid_switch, self.disable_by_batch_size = hybrid_switch, disable_by_batch_size
+        self.adaptive = adaptive
         self._check()
 
     @classmethod
@@ -105,6 +117,8 @@ class SelfSpeculativeConfig:
         limit = self.disable_by_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise invalid(SelfSpeculativeConfig, "disable_by_batch_size", "an int >= 1 or None", limit)
+        if not isinstance(self.adaptive, bool):
+            raise invalid(SelfSpeculativeConfig, "adaptive", "a bool", self.adaptive)
         if self.layer is not None:
             self._check_layer_drafts(self.layer)
         if self.hybrid_switch not in HYBRID_SWITCHES:

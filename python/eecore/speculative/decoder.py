@@ -29,6 +29,7 @@ of its rows.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -42,6 +43,7 @@ from eecore.speculative.acceptance import Acceptor
 from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
 from eecore.speculative.draft import Draft, DraftPicker
 from eecore.speculative.draft_length import DraftLength
+from eecore.speculative.draft_planner import DraftPlan, DraftPlanner
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
@@ -73,6 +75,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.picker = self.proposer = None
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
+        # config.adaptive: each sequence's draft lengths from the measured pass costs
+        self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if self.lookup is not None else 0) \
+            if config.adaptive else None
         self.verifier = Verifier(runner, self.exit_layer, self._exit_states)
         self.acceptor = Acceptor(runner, sampler, self.num_layers, self.exit_layer, self.draft_stack)
         self.recorder = RoundRecorder(self.guard, self.draft_length, lookup=self.lookup is not None,
@@ -103,7 +108,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             SpeculationGuard(model, rows, floor, layer.guard.probe_every, self.draft_head)
         self.picker = DraftPicker(config, self.draft_head, sampler, self.draft_length)
         if config.switches_per_token:
-            self.proposer = TokenSwitchProposer(self.draft_stack, self.picker, self.lookup, self.layer_drafts)
+            self.proposer = TokenSwitchProposer(self.draft_stack, self.picker, self.lookup)
         elif self.draft_stack is not None:
             self.proposer = CopyProposer(self.draft_stack, self.picker)
         else:
@@ -112,22 +117,26 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     # ---- one round: propose, verify, accept, record ------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
+        start = time.perf_counter()
         budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
         layers = self.draft_head is not None and (self.layers_above is None or len(seqs) <= self.layers_above)
+        if self.planner is not None:
+            self.planner.new_round()
+        plans = [self._plan(s, len(seqs), n) for s, n in zip(seqs, budgets)]
         if self.config.switches_per_token:
-            return self._token_switch_round(seqs, budgets, layers)
+            return self._token_switch_round(seqs, budgets, layers, plans, start)
         drafts = [Draft() for _ in seqs]
         if self.lookup is not None:
-            for seq, draft, n in zip(seqs, drafts, budgets):
-                if n:
-                    draft.add_lookup(self.lookup.propose(seq, n))
-        layer_budgets, shadowed = self._layer_budgets(seqs, drafts, budgets, layers)
+            for seq, draft, plan in zip(seqs, drafts, plans):
+                if plan.lookup:
+                    draft.add_lookup(self.lookup.propose(seq, plan.lookup))
+        layer_budgets, shadowed = self._layer_budgets(seqs, drafts, [p.layer for p in plans], layers)
         if not any(layer_budgets) and not any(drafts):
-            return self._plain_round(seqs, shadowed)  # no match, the guard, or last tokens
+            return self._plain_round(seqs, shadowed, start)  # no match, the guard, or last tokens
         for draft, n in zip(drafts, layer_budgets):
             draft.layer_turn = n > 0
-        if any(layer_budgets):
-            self.proposer.propose(seqs, drafts, layer_budgets)
+        drafting = self._draft_passes(lambda: self.proposer.propose(seqs, drafts, layer_budgets)) \
+            if any(layer_budgets) else 0.0
         if any(layer_budgets) and self.proposer.verifies_from_exit_states:
             widths = [len(d) + 1 for d in drafts]
             logits = self.verifier.from_exit_states(seqs, drafts, logit_rows(widths, drafts))
@@ -137,7 +146,39 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             logits = self.verifier.full(rows, shadowed, logit_rows(widths, drafts))
         results, offsets = self._accept(seqs, drafts, widths, logits)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
+        self._clock_round(sum(widths), start, drafting)
         return results
+
+    def _plan(self, seq: Sequence, batch: int, budget: int) -> DraftPlan:
+        """`seq`'s caps this round: the planner's (config.adaptive), else the config's."""
+        if self.planner is None:
+            return DraftPlan(lookup=budget, layer=min(budget, self.layer_drafts))
+        behind = 0 if self.draft_stack is None else self.draft_stack.behind(seq)
+        return self.planner.plan(seq, batch, budget, self._room(seq), behind)
+
+    def _draft_passes(self, propose) -> float:
+        """Runs `propose` (a proposer's draft passes); returns its seconds. The planner's clock
+        learns what one pass costs from rounds whose passes ran one token per sequence: a pass that
+        catches the copy up on a prompt or on plain rounds' tokens is the price of starting to
+        draft, not of a draft."""
+        if self.planner is None:
+            propose()
+            return 0.0
+        stack, clock = self.draft_stack, self.planner.clock
+        passes, caught_up, begin = self.proposer.passes, stack.catch_up_tokens if stack else 0, time.perf_counter()
+        propose()
+        seconds = time.perf_counter() - begin
+        passes, caught_up = self.proposer.passes - passes, (stack.catch_up_tokens if stack else 0) - caught_up
+        if caught_up:
+            clock.record_catch_up(passes, caught_up, seconds)
+        else:
+            clock.record_copy(passes, seconds)
+        return seconds
+
+    def _clock_round(self, rows: int, start: float, drafting: float) -> None:
+        """The round's time less its draft passes: what verifying `rows` rows cost."""
+        if self.planner is not None:
+            self.planner.clock.record_verify(rows, time.perf_counter() - start - drafting)
 
     def _layer_budgets(self, seqs, drafts: list[Draft], budgets: list[int], layers: bool):
         """Layer drafts for sequences without a lookup draft, as far as the guard allows (the guard
@@ -150,41 +191,54 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             if drafts[b]:
                 continue
             if self.guard is None or self.guard.allows(seq):
-                layer_budgets[b] = min(budgets[b], self.layer_drafts)
+                layer_budgets[b] = budgets[b]
             elif self.guard.wants_shadow(seq) and self.draft_stack is None:
                 shadowed.append(b)  # (separate draft layers have no layer-E state to check)
         return layer_budgets, shadowed
 
-    def _plain_round(self, seqs: list[Sequence], shadowed: list[int]) -> list[list[Token]]:
+    def _plain_round(self, seqs: list[Sequence], shadowed: list[int], start: float) -> list[list[Token]]:
         for seq in seqs:
             self.recorder.plain(seq)
         if not shadowed:
-            return self._plain.decode(seqs)
-        # the guard's shadow check wants layer-E states: tap them on the way through
-        results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
-        self._record_shadow(seqs, shadowed, shadowed, logits)
+            results = self._plain.decode(seqs)
+        else:
+            # the guard's shadow check wants layer-E states: tap them on the way through
+            results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
+            self._record_shadow(seqs, shadowed, shadowed, logits)
+        self._clock_round(len(seqs), start, 0.0)
         return results
 
-    def _token_switch_round(self, seqs: list[Sequence], budgets: list[int], layers: bool) -> list[list[Token]]:
+    def _token_switch_round(self, seqs: list[Sequence], budgets: list[int], layers: bool, plans: list[DraftPlan],
+                            start: float) -> list[list[Token]]:
         """hybrid_switch="token": drafts from TokenSwitchProposer, verified by one full-depth pass."""
-        allowed = [bool(layers and n and (self.guard is None or self.guard.allows(s))) for s, n in zip(seqs, budgets)]
-        drafts = self.proposer.propose(seqs, budgets, allowed)
+        passes = [plan.layer if layers and (self.guard is None or self.guard.allows(s)) else 0
+                  for s, plan in zip(seqs, plans)]
+        budgets = [min(n, max(plan.lookup, plan.layer)) for n, plan in zip(budgets, plans)]
+        drafts = []
+        drafting = self._draft_passes(lambda: drafts.extend(self.proposer.propose(seqs, budgets, passes)))
         if not any(drafts):  # no match, and no copy token sure enough: a plain step
             starts = [s.num_computed_tokens for s in seqs]
             results = self._plain.decode(seqs)
-            for seq, draft, start in zip(seqs, drafts, starts):
+            for seq, draft, begin in zip(seqs, drafts, starts):
                 self.recorder.record(seq, None, 0, layer_turn=draft.copy_ran)  # a copy pass at rate 0
+                if self.planner is not None:
+                    self.planner.record(seq, draft, 0)
                 if draft.copy_ran:  # the copy's K/V of the pending token is right
-                    self.draft_stack.settle(seq, start + 1)
+                    self.draft_stack.settle(seq, begin + 1)
+            self._clock_round(len(seqs), start, drafting)
             return results
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d.tokens) for s, d in zip(seqs, drafts)]
         logits = self.verifier.full(rows)
-        return self._accept(seqs, drafts, [len(r.tokens) for r in rows], logits)[0]
+        results = self._accept(seqs, drafts, [len(r.tokens) for r in rows], logits)[0]
+        self._clock_round(sum(len(r.tokens) for r in rows), start, drafting)
+        return results
 
     def _accept(self, seqs, drafts: list[Draft], widths: list[int], logits: torch.Tensor):
         accepted, offsets = self.acceptor.accept_all(seqs, drafts, widths, logits)
         for seq, draft, a in zip(seqs, drafts, accepted):
             self.recorder.record(seq, draft, a.drafts_accepted, a.alternative_accepted)
+            if self.planner is not None:
+                self.planner.record(seq, draft, a.drafts_accepted)
         return [a.tokens for a in accepted], offsets
 
     # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------
@@ -207,7 +261,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.guard.record_shadow([seqs[b] for b in rows], states, logits[rows_in_logits])
 
     def release(self, seq: Sequence) -> None:
-        for part in (self.guard, self.draft_length, self.lookup, self.draft_stack):
+        for part in (self.guard, self.draft_length, self.lookup, self.draft_stack, self.planner):
             if part is not None:
                 part.release(seq)
 

@@ -81,6 +81,7 @@ class DraftStack:
         self._states = torch.empty(builder.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
         # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
         self._seen: dict[int, list[int]] = {}
+        self.catch_up_tokens = 0  # tokens run beyond one a sequence and pass (the draft planner's clock)
 
     def weight_bytes(self) -> int:
         """Bytes a drafted token reads: the copy's E layers, then the draft head."""
@@ -113,7 +114,12 @@ class DraftStack:
             self._seen[seq.seq_id][2] = pending + 1 + len(draft)
         if all(len(tokens) == 1 for _, tokens in pieces):
             return self._run([Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)])
+        self.catch_up_tokens += sum(len(tokens) - 1 for _, tokens in pieces if tokens)
         return self._chunked(seqs, pieces)
+
+    def behind(self, seq: Sequence) -> int:
+        """Tokens the copy would run before the pending token in `seq`'s next first pass."""
+        return seq.num_computed_tokens - self._valid(seq)
 
     def settle(self, seq: Sequence, agreed_end: int) -> None:
         """After verification: the written positions below `agreed_end` (the pending token and the

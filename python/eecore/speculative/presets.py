@@ -9,6 +9,12 @@ Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pa
 - "hybrid": 4 drafted tokens, each position from a prompt-lookup match of 2-4 tokens where the draft
   so far ends in one and from the copy otherwise (at most 3 copy passes), with the same stops.
 
+Both are adaptive (eecore.speculative.draft_planner): those lengths are caps, and each round a
+sequence drafts as far as pays at the pass costs measured while decoding and its running
+acceptance. What a verify row costs depends on the weights: the shipped copy's drafts pay by the
+fixed rule over fp32 weights and lose over the Q4_1 file's exact kernel, where a second verify row
+costs 0.7 of a step, and on chat the planner drafts next to nothing.
+
 On a CPU, verifying many sequences' drafts is bound by arithmetic, so each preset stops drafting
 above the batch where it stopped paying: 2 (layer) and 4 (hybrid) running sequences; where the int8
 copy runs on AMX-INT8 tiles the layer preset drafts up to 4, and where bf16 verify rows run on
@@ -37,11 +43,12 @@ def exit_ready_preset(config_cls, preset: str):
     if preset == "layer":
         limit = LAYER_PRESET_AMX_MAX_BATCH if amx_available(torch.int8) else 2
         return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **stops),
-                                     disable_by_batch_size=limit)
+                          disable_by_batch_size=limit, adaptive=True)
     lookup_limit, layer_limit = (HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH, 4) if amx_available(torch.bfloat16) else (4, None)
     return config_cls(
         num_speculations=4, layer=LayerDrafts(exit_layer=8, max_length=3, disable_by_batch_size=layer_limit, **stops),
-        lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", disable_by_batch_size=lookup_limit)
+        lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", disable_by_batch_size=lookup_limit,
+        adaptive=True)
 
 
 def exit_ready_config(config_cls, preset: str, options: dict):

@@ -33,6 +33,7 @@ class SharedLayerProposer:
         self.exit_layer = exit_layer
         self.num_drafts = num_drafts
         self.exit_states = exit_states  # [rows, verify width, d]: layer-E state of each drafted position
+        self.passes = 0  # passes run, for the draft planner's clock
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
         E, states = self.exit_layer, self.exit_states
@@ -50,6 +51,7 @@ class SharedLayerProposer:
             inputs = self.runner.prepare(rows)
             hidden = self.runner.embed(inputs)
             self.runner.run_layers(hidden, inputs.attn, 0, E)
+            self.passes += 1
             if k == 0 and inputs.num_tokens > len(seqs):  # lookup rows hold several positions
                 index = [b * width + j for b, d in enumerate(lookup) for j in range(len(d) + 1)]
                 states[: len(seqs)].view(len(seqs) * width, -1).index_copy_(
@@ -87,6 +89,7 @@ class CopyProposer:
     def __init__(self, stack, picker: DraftPicker):
         self.stack = stack
         self.picker = picker
+        self.passes = 0
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
         live = [b for b, n in enumerate(budgets) if n]
@@ -95,6 +98,7 @@ class CopyProposer:
         for b in live:
             drafts[b].copy_ran = True
         hidden = self.stack.first_pass([seqs[b] for b in live])
+        self.passes += 1
         for k in range(1, max(budgets[b] for b in live) + 1):
             kept, ended = self.picker.take(self.picker.head.columns(hidden), live, seqs, drafts,
                                            with_alternatives=True, opening=live if k == 1 else ())
@@ -102,27 +106,29 @@ class CopyProposer:
             if not live:
                 break
             hidden = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
+            self.passes += 1
 
 
 class TokenSwitchProposer:
     """hybrid_switch="token": each sequence's draft grows by lookup continuations while it ends in
     an n-gram match, and by one copy token where it does not (one copy pass for all such sequences
     at once, which first runs what the copy has not seen: its catch-up, the pending token and the
-    draft's lookup tokens), until its budget, `layer_passes` copy passes, or a doubtful copy token."""
+    draft's lookup tokens), until its budget, its copy passes, or a doubtful copy token."""
 
     verifies_from_exit_states = False
 
-    def __init__(self, stack, picker: DraftPicker, lookup, layer_passes: int):
+    def __init__(self, stack, picker: DraftPicker, lookup):
         self.stack = stack
         self.picker = picker
         self.lookup = lookup
-        self.layer_passes = layer_passes
+        self.passes = 0
 
-    def propose(self, seqs: list[Sequence], budgets: list[int], layers: list[bool]) -> list[Draft]:
-        """`layers[b]`: whether the copy may draft for seqs[b] this round (the guard, and the batch
-        limit of layer drafts); without it a draft is a lookup run alone."""
+    def propose(self, seqs: list[Sequence], budgets: list[int], copy_passes: list[int]) -> list[Draft]:
+        """`copy_passes[b]`: the most copy passes seqs[b] may draft with this round (0: the guard,
+        the batch limit of layer drafts or the planner keep the copy off; a draft is then a lookup
+        run alone)."""
         drafts = [Draft() for _ in seqs]
-        passes_left = [self.layer_passes if allowed and n else 0 for allowed, n in zip(layers, budgets)]
+        passes_left = [p if n else 0 for p, n in zip(copy_passes, budgets)]
 
         def extend_by_lookup(b: int) -> None:
             while len(drafts[b]) < budgets[b]:
@@ -139,6 +145,7 @@ class TokenSwitchProposer:
             live_seqs, live_drafts = [seqs[b] for b in live], [drafts[b].tokens for b in live]
             hidden = self.stack.first_pass(live_seqs, live_drafts) if first else \
                 self.stack.next_pass(live_seqs, live_drafts)
+            self.passes += 1
             first = False
             opening = [b for b in live if not drafts[b].copy_ran]
             for b in live:

@@ -1,0 +1,253 @@
+"""Draft lengths chosen from what this machine's passes cost (`SelfSpeculativeConfig(adaptive=True)`).
+
+A round pays only when it emits more tokens per second than a plain step, and what its passes
+cost depends on the weights and the hardware more than on the drafts. On 2 Zen 4 cores with
+SmolLM2-135M (bench/spec_costs.py verify-rows), a full-depth pass over 2 / 5 rows costs 1.70 / 2.39
+one-row passes on the Q4_1 file's exact kernel (fp32 products: arithmetic-bound past one row),
+1.06 / 1.51 with 8-bit activations and about 1.1 / 1.2 on dequantized fp32 weights; a pass of the
+exit-ready draft copy costs 0.29-0.42 of a step. No fixed draft length suits all three: d = 4
+pays on fp32 weights and loses on the exact Q4_1 kernel, where a layer draft cannot pay at all.
+
+So the planner measures the costs where it runs, and chooses each sequence's draft length per
+round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
+
+- costs (`PassClock`): the wall time of every round, less its draft passes, is the verify pass's
+  cost for the rows it verified (a plain step is a pass of one row per sequence); the draft
+  passes' time over their count is the copy pass's cost, and what a pass that first catches the
+  copy up (on the prompt, or on tokens decoded without it) takes beyond that is the cost of a
+  catch-up token. Each is a running average. Every round
+  ends by reading its tokens on the host, so wall time is right on a GPU as well. A row count not
+  yet measured is estimated at the cost of the widest one measured below it (the cheapest it could
+  be), so that the planner tries it and learns its cost;
+- acceptance: per sequence and kind, two rates: that a round's first draft of the kind is
+  accepted (a1), and that a later one is when every draft before it was (a2). A prompt-lookup
+  draft is either a wrong guess (its first token fails) or a copy of text that goes on (its later
+  tokens rarely fail), so one rate for both would misjudge every length. Each is a running sum of
+  hits and misses that forgets, with six rounds' worth of the decoder's rate over all sequences as
+  its prior;
+- choice: a chain of d drafts emits E(d) = 1 + a1 (1 + a2 + ... + a2^(d-1)) tokens and costs the
+  verify pass of its rows plus, for layer drafts, d copy passes and the copy's catch-up on the
+  tokens it is behind, spread over the rounds left to earn it back (the tokens the sequence may
+  still emit, at most 64, over E(d)); the planner takes the d with the most tokens per second, 0
+  being a plain step. In a batch, a sequence is planned as if the others verified one row each.
+- probes: a sequence planned at 0 for a kind stops learning about it, so after a wait it drafts
+  that kind as far as the rates of all sequences would pay (none if they would not); the wait
+  doubles while probes fail (32 to 128 rounds), and a round whose drafts of the kind were all
+  accepted resets it. The rates of all sequences drift back to hopeful while nobody drafts, so
+  that a workload that turns to text where drafts pay (chat, then code) starts drafting again.
+
+Greedy outputs do not depend on the drafts, so every choice keeps them the full model's; sampled
+outputs keep its law.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from eecore.engine.sequence import Sequence
+from eecore.speculative.draft import Draft
+
+KINDS = ("layer", "lookup")
+
+
+class PassClock:
+    """Running averages of measured pass costs, in seconds: a verify pass by its rows, a copy pass."""
+
+    DECAY = 0.8  # weight on the past: a few rounds ride out noise, a phase change passes in ~10
+
+    def __init__(self):
+        self._verify: dict[int, float] = {}
+        self.copy_pass: Optional[float] = None
+        self.catch_up_token: float = 0.0  # until measured: drafting starts hopeful
+
+    def record_verify(self, rows: int, seconds: float) -> None:
+        self._verify[rows] = self._average(self._verify.get(rows), seconds)
+
+    def record_copy(self, passes: int, seconds: float) -> None:
+        if passes > 0:
+            self.copy_pass = self._average(self.copy_pass, seconds / passes)
+
+    def record_catch_up(self, passes: int, tokens: int, seconds: float) -> None:
+        """Draft passes that also ran `tokens` catch-up tokens: the time beyond `passes` plain copy
+        passes is theirs (nothing is learned before a plain copy pass has been timed)."""
+        if tokens > 0 and self.copy_pass is not None:
+            extra = max(0.0, seconds - passes * self.copy_pass) / tokens
+            self.catch_up_token = self._average(self.catch_up_token or None, extra)
+
+    def verify(self, rows: int) -> Optional[float]:
+        """The estimated cost of a verify pass of `rows` rows; None before anything is measured."""
+        below = [r for r in self._verify if r <= rows]
+        if not below:
+            return None
+        return self._verify[max(below)]  # no pass costs less than a narrower one
+
+    def _average(self, old: Optional[float], new: float) -> float:
+        return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
+
+
+FIRST, LATER = 0, 1  # a round's first draft of a kind, and the ones after it
+
+
+@dataclass
+class _Odds:
+    """One sequence's record for one draft kind: hits and misses of first and later drafts."""
+    hits: list = field(default_factory=lambda: [0.0, 0.0])
+    misses: list = field(default_factory=lambda: [0.0, 0.0])
+    idle: int = 0            # rounds planned at 0 since it last drafted this kind
+    wait: int = 32           # rounds planned at 0 before a probe
+
+
+@dataclass
+class _Rate:
+    """The decoder's running acceptance for one kind and place, over all sequences: new sequences'
+    prior. It starts hopeful (0.8, worth two rounds), so that the first sequences draft and measure
+    instead of waiting for probes, and drifts back there while nobody drafts (`relax`), so that a
+    workload that turns to text where drafts pay finds out."""
+    HOPEFUL_HITS, HOPEFUL_MISSES = 1.6, 0.4
+    hits: float = HOPEFUL_HITS
+    misses: float = HOPEFUL_MISSES
+
+    def value(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def add(self, hits: int, misses: int, forget: float) -> None:
+        self.hits = forget * self.hits + hits
+        self.misses = forget * self.misses + misses
+
+    def relax(self, keep: float) -> None:
+        self.hits = keep * self.hits + (1 - keep) * self.HOPEFUL_HITS
+        self.misses = keep * self.misses + (1 - keep) * self.HOPEFUL_MISSES
+
+
+@dataclass
+class DraftPlan:
+    """A sequence's caps for this round: the most tokens it may draft by lookup, and by layers."""
+    lookup: int
+    layer: int
+
+
+class DraftPlanner:
+    FORGET = 0.9             # per recorded round: about the last 10 rounds count
+    PRIOR_ROUNDS = 6.0       # the decoder's rate counts as this many rounds of a sequence's own
+    GLOBAL_FORGET = 0.98
+    FIRST_PROBE_WAIT = 32
+    MAX_PROBE_WAIT = 128
+    RELAX = 0.998            # per round: the decoder's rates are back near hopeful after ~1,000 rounds
+
+    def __init__(self, max_layer: int, max_lookup: int):
+        self.max_length = {"layer": max_layer, "lookup": max_lookup}
+        self.clock = PassClock()
+        self._rates = {kind: (_Rate(), _Rate()) for kind in KINDS}
+        self._odds: dict[int, dict[str, _Odds]] = {}
+
+    # ---- planning ----------------------------------------------------------------------------
+    # tokens over which a catch-up's cost is spread, at most: a longer reply earns it back sooner
+    # than it can be measured to
+    CATCH_UP_HORIZON = 64
+
+    def plan(self, seq: Sequence, batch: int, budget: int, room: int, behind: int = 0) -> DraftPlan:
+        """The caps for `seq` this round: `batch` sequences decoding, at most `budget` drafts, `room`
+        tokens it may still emit, `behind` tokens the copy must catch up on before it drafts."""
+        return DraftPlan(self._length(seq, "lookup", batch, budget, 0.0),
+                         self._length(seq, "layer", batch, budget, self._catch_up(room, behind)))
+
+    def _catch_up(self, room: int, behind: int) -> float:
+        """The copy's catch-up in seconds, times the tokens a round emits (a cost per round of
+        min(room, horizon) / E(d) rounds)."""
+        return self.clock.catch_up_token * behind / max(1, min(room, self.CATCH_UP_HORIZON))
+
+    def acceptance(self, seq: Sequence, kind: str) -> tuple[float, float]:
+        """(a1, a2): the rates at which `seq`'s first and later drafts of `kind` are accepted."""
+        mine = self._odds.get(seq.seq_id)
+        odds, prior = (mine[kind] if mine else _Odds()), self._prior(kind)
+        return tuple((odds.hits[p] + self.PRIOR_ROUNDS * prior[p]) / (odds.hits[p] + odds.misses[p] + self.PRIOR_ROUNDS)
+                     for p in (FIRST, LATER))
+
+    def _prior(self, kind: str) -> tuple[float, float]:
+        return self._rates[kind][FIRST].value(), self._rates[kind][LATER].value()
+
+    def new_round(self) -> None:
+        """Called once per round, before planning it."""
+        for rates in self._rates.values():
+            for rate in rates:
+                rate.relax(self.RELAX)
+
+    def best_length(self, acceptance: tuple[float, float], batch: int, most: int, copy_passes: bool,
+                    catch_up: float = 0.0) -> int:
+        """The draft length d in 0..most with the most expected tokens per second at rates
+        `acceptance` (a1, a2) and the clock's costs (`catch_up`: see _catch_up), the other `batch` - 1
+        sequences verifying one row each; 0 until a plain step of `batch` rows (or fewer) was timed."""
+        plain = self.clock.verify(batch)
+        if plain is None or most <= 0:
+            return 0
+        copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
+        best, best_rate = 0, batch / plain
+        first, later = acceptance
+        tokens, reach = float(batch), first  # reach: the chance that the d-th draft is accepted
+        for d in range(1, most + 1):
+            tokens += reach
+            reach *= later
+            cost = self.clock.verify(batch + d)
+            rate = tokens / (cost + d * copy + catch_up * (tokens - batch + 1))
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
+
+    def _length(self, seq: Sequence, kind: str, batch: int, budget: int, catch_up: float) -> int:
+        most = min(budget, self.max_length[kind])
+        if most <= 0:
+            return 0
+        copy = kind == "layer"
+        d = self.best_length(self.acceptance(seq, kind), batch, most, copy, catch_up)
+        odds = self._seq(seq)[kind]
+        if d > 0:
+            return d
+        odds.idle += 1
+        if odds.idle < odds.wait:
+            return 0
+        odds.idle = 0
+        odds.wait = min(2 * odds.wait, self.MAX_PROBE_WAIT)
+        # a probe: the length that would pay at the rates of all sequences, so that one round says
+        # whether this one's is back; none where even those would not pay (chat alone, or layer
+        # drafts on an exact 4-bit kernel on a CPU)
+        return self.best_length(self._prior(kind), batch, most, copy, catch_up)
+
+    # ---- learning ----------------------------------------------------------------------------
+    def record(self, seq: Sequence, draft: Optional[Draft], accepted: int) -> None:
+        """A verified round of `seq`: its draft and how many of its leading drafts were accepted."""
+        if draft is None:
+            return
+        outcome = {kind: [[0, 0], [0, 0]] for kind in KINDS}  # [place][hit, miss]
+        seen = set()
+        for i, from_lookup in enumerate(draft.from_lookup[: accepted + 1]):
+            kind = "lookup" if from_lookup else "layer"
+            outcome[kind][LATER if kind in seen else FIRST][0 if i < accepted else 1] += 1
+            seen.add(kind)
+        if draft.copy_ran and "layer" not in seen and len(draft) <= accepted:
+            # the copy ran and its draft was dropped below the threshold: a pass paid for nothing
+            outcome["layer"][FIRST][1] += 1
+        mine = self._seq(seq)
+        for kind, places in outcome.items():
+            if not any(h + m for h, m in places):
+                continue
+            odds = mine[kind]
+            for place, (hits, misses) in enumerate(places):
+                odds.hits[place] = self.FORGET * odds.hits[place] + hits
+                odds.misses[place] = self.FORGET * odds.misses[place] + misses
+                if hits + misses:
+                    self._rates[kind][place].add(hits, misses, self.GLOBAL_FORGET)
+            if not any(m for _, m in places):  # this kind pays again: probes start over from the first wait
+                odds.wait = self.FIRST_PROBE_WAIT
+            odds.idle = 0
+
+    def _seq(self, seq: Sequence) -> dict[str, _Odds]:
+        odds = self._odds.get(seq.seq_id)
+        if odds is None:
+            odds = self._odds[seq.seq_id] = {kind: _Odds(wait=self.FIRST_PROBE_WAIT) for kind in KINDS}
+        return odds
+
+    def release(self, seq: Sequence) -> None:
+        self._odds.pop(seq.seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._odds)

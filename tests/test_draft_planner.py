@@ -1,0 +1,285 @@
+"""Draft lengths from measured pass costs (SelfSpeculativeConfig(adaptive=True),
+eecore.speculative.draft_planner): the cost model's choices, what it learns from rounds, and that
+outputs stay full depth's whatever it chooses."""
+from __future__ import annotations
+
+import pytest
+
+import eecore
+from eecore.engine.sequence import Sequence
+from eecore.speculative.draft import Draft
+from eecore.speculative.draft_planner import DraftPlan, DraftPlanner, PassClock
+from engine_utils import greedy
+from test_hybrid_switch import _prompts, lora_file  # noqa: F401 (a fixture)
+from test_separate_draft_layers import tiny  # noqa: F401 (a fixture)
+
+
+class StubClock(PassClock):
+    """Fixed costs: a verify pass of r rows `verify(r)`, a copy pass `copy`; learns nothing."""
+
+    def __init__(self, verify, copy=0.0, catch_up=0.0):
+        super().__init__()
+        self._cost, self.copy_pass, self.catch_up_token = verify, copy, catch_up
+
+    def verify(self, rows):
+        return self._cost(rows)
+
+    def record_verify(self, rows, seconds):
+        pass
+
+    def record_copy(self, passes, seconds):
+        pass
+
+    def record_catch_up(self, passes, tokens, seconds):
+        pass
+
+
+def _planner(verify, copy=0.0, most=4, catch_up=0.0) -> DraftPlanner:
+    planner = DraftPlanner(max_layer=most, max_lookup=most)
+    planner.clock = StubClock(verify, copy, catch_up)
+    return planner
+
+
+def _seq(prompt=(1, 2, 3)) -> Sequence:
+    return Sequence(list(prompt), eecore.SamplingParams(max_tokens=1000))
+
+
+def _rate(planner, acceptance, d, copy_passes, batch=1):
+    """Expected tokens per second of a batch in which one sequence drafts a chain of d at (a1, a2),
+    brute force."""
+    first, later = acceptance
+    tokens = batch + sum(first * later ** k for k in range(d))
+    copy = planner.clock.copy_pass if copy_passes else 0.0
+    return tokens / (planner.clock.verify(batch + d) + d * copy)
+
+
+# ---- the clock -------------------------------------------------------------------------------
+
+def test_the_clock_averages_and_estimates_unmeasured_rows_from_below():
+    clock = PassClock()
+    assert clock.verify(1) is None and clock.copy_pass is None
+    clock.record_verify(1, 0.010)
+    clock.record_verify(1, 0.020)
+    assert clock.verify(1) == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)
+    clock.record_verify(3, 0.030)
+    # 2 rows: never cheaper than 1 row, so 1 row's cost; 5 rows: the widest measured below, 3 rows'
+    assert clock.verify(2) == clock.verify(1) and clock.verify(5) == pytest.approx(0.030)
+    clock.record_catch_up(1, 10, 0.050)  # nothing to subtract a pass from yet: not learned
+    assert clock.catch_up_token == 0.0
+    clock.record_copy(2, 0.004)
+    assert clock.copy_pass == pytest.approx(0.002)
+    clock.record_copy(0, 1.0)  # no pass ran: nothing learned
+    assert clock.copy_pass == pytest.approx(0.002)
+    clock.record_catch_up(1, 10, 0.012)  # 0.010 s beyond the pass, over 10 tokens
+    assert clock.catch_up_token == pytest.approx(0.001)
+
+
+# ---- choosing a length -----------------------------------------------------------------------
+
+def test_verify_rows_that_cost_nothing_make_the_longest_chain_pay():
+    planner = _planner(lambda rows: 1.0, copy=0.1)
+    assert planner.best_length((0.6, 0.6), 1, 4, copy_passes=False) == 4
+    assert planner.best_length((0.8, 0.8), 1, 4, copy_passes=True) == 4
+    # a copy pass costs a tenth of a step: a fourth draft accepted 0.6^4 of the time does not pay it
+    assert planner.best_length((0.6, 0.6), 1, 4, copy_passes=True) == 3
+    assert planner.best_length((0.0, 0.9), 1, 4, copy_passes=False) == 0  # never accepted: never pays
+
+
+def test_verify_rows_that_cost_a_step_each_never_pay():
+    planner = _planner(lambda rows: float(rows))
+    # E(d) <= d + 1 tokens for d + 1 rows' cost: even sure drafts only tie with a plain step
+    assert planner.best_length((0.99, 0.99), 1, 4, copy_passes=False) == 0
+
+
+@pytest.mark.parametrize("acceptance", [(0.3, 0.5), (0.75, 0.9), (0.9, 0.95), (0.5, 0.3)])
+def test_the_choice_is_the_best_rate_at_the_costs_measured_on_a_cpu(acceptance):
+    # bench/spec_costs.py verify-rows on 2 Zen 4 cores, SmolLM2's Q4_1 file, exact kernel (ms)
+    costs = {1: 7.53, 2: 12.79, 3: 14.67, 4: 16.11, 5: 18.02}
+    planner = _planner(costs.get, copy=2.22)
+    for copy_passes in (False, True):
+        rates = [1 / costs[1]] + [_rate(planner, acceptance, d, copy_passes) for d in range(1, 5)]
+        best = max(range(5), key=lambda d: (rates[d], -d))
+        assert planner.best_length(acceptance, 1, 4, copy_passes) == best
+    # layer drafts need the rate of the copy on code to break even there; lookup drafts (no copy
+    # pass) pay far sooner
+    assert planner.best_length((0.65, 0.9), 1, 4, copy_passes=True) == 0
+    assert planner.best_length((0.65, 0.9), 1, 4, copy_passes=False) == 4
+
+
+def test_a_batch_prices_a_sequences_rows_at_the_batch_width():
+    # 4 rows cost what 1 does, more cost a step each: alone a sequence drafts 3, beside 3 others none
+    planner = _planner(lambda rows: 1.0 if rows <= 4 else float(rows - 3))
+    assert planner.best_length((0.9, 0.9), 1, 4, copy_passes=False) == 3
+    assert planner.best_length((0.9, 0.9), 4, 4, copy_passes=False) == 0
+    for batch in (1, 2, 3):
+        rates = [_rate(planner, (0.9, 0.9), d, False, batch) for d in range(5)]
+        assert planner.best_length((0.9, 0.9), batch, 4, False) == max(range(5), key=lambda d: (rates[d], -d))
+
+
+def test_catching_the_copy_up_is_spread_over_the_rounds_left():
+    planner = _planner(lambda rows: 1.0 + 0.05 * (rows - 1), copy=0.1, catch_up=0.05)
+    assert planner.plan(_seq(), 1, 4, room=64, behind=0).layer == 4
+    # 200 tokens behind: 10 steps of catch-up, which 64 tokens at d = 4 earn back (0.4 steps a
+    # token) and 8 tokens do not; lookup drafts have nothing to catch up on
+    assert planner.plan(_seq(), 1, 4, room=64, behind=200).layer == 4
+    assert planner.plan(_seq(), 1, 4, room=8, behind=200).layer == 0
+    assert planner.plan(_seq(), 1, 4, room=8, behind=200).lookup == 4
+
+
+def test_a_batch_size_first_decodes_a_plain_step_to_time_it():
+    planner = DraftPlanner(max_layer=3, max_lookup=4)
+    seq = _seq()
+    assert planner.plan(seq, 1, 4, room=64) == DraftPlan(lookup=0, layer=0)
+    planner.clock.record_verify(1, 0.01)  # rows not timed yet cost no more than the widest timed below
+    assert planner.plan(seq, 1, 4, room=64) == DraftPlan(lookup=4, layer=3)
+    assert planner.plan(seq, 1, 2, room=64) == DraftPlan(lookup=2, layer=2)  # the budget caps them
+    assert planner.plan(seq, 1, 0, room=64) == DraftPlan(lookup=0, layer=0)
+
+
+# ---- learning from rounds --------------------------------------------------------------------
+
+def _draft(sources: str, copy_ran: bool = False) -> Draft:
+    """A draft of k (lookup) and c (copy) tokens."""
+    return Draft(tokens=list(range(len(sources))), from_lookup=[s == "k" for s in sources], copy_ran=copy_ran)
+
+
+def test_hits_and_misses_go_to_each_kind_and_place():
+    planner = _planner(lambda rows: 1.0)
+    seq = _seq()
+    base_lookup, base_layer = planner.acceptance(seq, "lookup"), planner.acceptance(seq, "layer")
+    planner.record(seq, _draft("kkcc", copy_ran=True), accepted=3)  # k k c accepted, the second c rejected
+    lookup, layer = planner.acceptance(seq, "lookup"), planner.acceptance(seq, "layer")
+    assert lookup[0] > base_lookup[0] and lookup[1] > base_lookup[1]  # first and later lookup hits
+    assert layer[0] > base_layer[0] and layer[1] < base_layer[1]  # first copy token hit, later one missed
+    other = _seq()
+    planner.record(other, _draft("", copy_ran=True), accepted=0)  # the copy ran, the threshold dropped it
+    assert planner.acceptance(other, "layer")[0] < planner.acceptance(_seq(), "layer")[0]
+    assert planner.acceptance(other, "lookup") == planner.acceptance(_seq(), "lookup")
+    planner.record(other, None, 0)  # a plain round teaches nothing
+    planner.release(seq)
+    planner.release(other)
+    assert len(planner) == 0
+
+
+def _rounds(planner, seq, good, n, accept):
+    """`n` rounds of `seq`, whose lookup drafts are accepted as `accept(d)` says, beside `good`, whose
+    drafts are always accepted (so the rates of all sequences stay worth a probe); `seq`'s lengths."""
+    lengths = []
+    for _ in range(n):
+        planner.new_round()
+        g = planner.plan(good, 2, 4, room=10_000).lookup
+        if g:
+            planner.record(good, _draft("k" * g), accepted=g)
+        d = planner.plan(seq, 2, 4, room=10_000).lookup
+        lengths.append(d)
+        if d:
+            planner.record(seq, _draft("k" * d), accepted=accept(d))
+    return lengths
+
+
+def test_a_sequence_whose_drafts_fail_stops_and_probes_ever_more_rarely():
+    planner = _planner(lambda rows: 1.0 + 0.5 * (rows - 1))
+    rounds = _rounds(planner, _seq(), _seq(), 400, lambda d: 0)
+    drafting = [i for i, d in enumerate(rounds) if d]
+    assert drafting[0] == 0  # hopeful at first
+    probes = [i for i in drafting if i > 20]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] >= 64, rounds  # waits double
+    assert sum(1 for d in rounds if d) < 15
+
+
+def test_accepted_probes_bring_the_drafts_back():
+    planner = _planner(lambda rows: 1.0 + 0.5 * (rows - 1))
+    seq, good = _seq(), _seq()
+    assert _rounds(planner, seq, good, 20, lambda d: 0)[-1] == 0
+    rounds = _rounds(planner, seq, good, 100, lambda d: d)
+    first = next(i for i, d in enumerate(rounds) if d)
+    assert first <= 33 and all(rounds[first + 3:]), rounds  # the first probe, then every round
+
+
+def test_a_decoder_whose_drafts_all_fail_hardly_probes():
+    # one sequence alone, never accepted: the rates of all are its own, and a probe rarely pays
+    planner = _planner(lambda rows: 1.0 + 0.5 * (rows - 1))
+    seq, rounds = _seq(), []
+    for _ in range(200):
+        planner.new_round()
+        d = planner.plan(seq, 1, 4, room=10_000).lookup
+        rounds.append(d)
+        if d:
+            planner.record(seq, _draft("k" * d), accepted=0)
+    # a probe falls due now and then, as the rates of all (its own) drift back towards hopeful
+    assert rounds[0] and sum(1 for d in rounds[1:] if d) <= 3, rounds
+    assert not any(a and b for a, b in zip(rounds[1:], rounds[2:])), rounds
+
+
+def test_the_rates_of_all_sequences_drift_back_to_hopeful_while_nobody_drafts():
+    planner = _planner(lambda rows: 1.0 + 0.2 * (rows - 1))
+    for _ in range(30):
+        planner.record(_seq(), _draft("kk"), accepted=0)
+    assert planner.plan(_seq(), 1, 4, room=1000).lookup == 0
+    for _ in range(3000):
+        planner.new_round()
+    assert planner.plan(_seq(), 1, 4, room=1000).lookup == 4
+
+
+# ---- in the engine ---------------------------------------------------------------------------
+
+def _adaptive(path, file=None, switch="token", copy=True, **kw):
+    layer = eecore.LayerDrafts(exit_layer=2, max_length=2, copy=eecore.DraftCopy() if copy else None)
+    spec = eecore.SelfSpeculativeConfig(num_speculations=4, hybrid_switch=switch, layer=layer,
+                                        lookup=eecore.LookupDrafts(min_ngram=2), adaptive=True)
+    return eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8,
+                      exit_adapter=file if copy else None, speculative=spec, **kw)
+
+
+@pytest.mark.parametrize("switch,copy", [("token", True), ("round", True), ("round", False)],
+                         ids=["token-copy", "round-copy", "round-shared"])
+def test_greedy_is_full_depth_whatever_the_planner_chooses(tiny, lora_file, switch, copy):
+    path, _ = tiny
+    file, _ = lora_file
+    for batch in (1, 3):
+        prompts = _prompts(batch)
+        params = [greedy(20 + 5 * i) for i in range(batch)]
+        expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+            prompts, params)]
+        llm = _adaptive(path, file, switch, copy)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        strategy = llm.engine.strategy
+        assert strategy.planner.clock.verify(batch) is not None  # it timed the rounds
+        assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+        assert len(strategy.planner) == 0  # finished sequences leave no state
+
+
+def test_costly_verify_rows_turn_drafting_off_and_free_ones_on(tiny, lora_file):
+    path, _ = tiny
+    file, _ = lora_file
+    prompts, params = _prompts(2), [greedy(40), greedy(40)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, params)]
+    drafted = {}
+    for name, verify in (("free", lambda rows: 1.0), ("a step a row", lambda rows: float(rows))):
+        llm = _adaptive(path, file)
+        llm.engine.strategy.planner.clock = StubClock(verify, copy=0.01)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        drafted[name] = sum(o.metrics["num_drafted_tokens"] for o in outs)
+    assert drafted["a step a row"] == 0 < drafted["free"]
+
+
+def test_bad_adaptive_is_refused():
+    with pytest.raises(ValueError, match=r"'adaptive' \(--adaptive-drafts\) must be a bool"):
+        eecore.SelfSpeculativeConfig(lookup=eecore.LookupDrafts(), adaptive="yes")
+
+
+def test_cli_flag_and_preset_override(tiny):
+    from eecore.cli import main
+    from eecore.cli.args import on_off
+
+    path, _ = tiny
+    assert main(["generate", "Hello", "--model", path, "--dtype", "float32", "--max-tokens", "6", "--speculate",
+                 "--draft", "lookup", "--adaptive-drafts"]) == 0
+    assert on_off("off") is False and on_off("ON") is True
+    with pytest.raises(SystemExit):
+        main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup", "--adaptive-drafts", "maybe"])
+    assert eecore.SelfSpeculativeConfig.exit_ready("hybrid", adaptive_drafts=False).adaptive is False
