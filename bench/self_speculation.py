@@ -26,6 +26,8 @@ code-completion prompts (eecore.evaluation.prompts) instead of the CLI's chat pr
 drafts with a copy of layers 0..E-1 (eecore.speculative.draft_stack) in each of `--draft-dtypes`; an
 exit-ready file's LoRA pairs then change only the copy, so full depth is the original model;
 `--draft-top-ks` (separate only) verifies each drafted position's top-k tokens as a token tree.
+`--exit-measure agreement` makes both thresholds compare with the shipped exit decision's
+probability that full depth agrees (eecore.speculative.exit_decision) instead of the top-1 probability.
 `--accept confident` runs dynamic early exit with deferred K/V instead (the draft threshold is the
 exit confidence): the `exits` column is the share of tokens emitted at layer E, `ROUGE` the ROUGE-L
 of the outputs to full depth's.
@@ -109,7 +111,8 @@ def speculative_config(args, E, d, threshold, draft_dtype, top_k, exit_threshold
     """The config of one row, from the flags by their flat names (eecore.speculative.flat_options)."""
     options = dict(exit_layer=E, num_speculations=d, draft_threshold=threshold, min_acceptance=args.min_acceptance,
                    draft=args.draft, hybrid_switch=args.hybrid_switch, accept=args.accept,
-                   exit_threshold=exit_threshold, disable_by_batch_size=args.disable_by_batch_size,
+                   exit_threshold=exit_threshold, exit_measure=args.exit_measure,
+                   disable_by_batch_size=args.disable_by_batch_size,
                    layer_disable_by_batch_size=args.layer_disable_by_batch_size,
                    layer_speculations=None if args.layer_speculations is None else min(args.layer_speculations, d))
     if args.draft != "layer":
@@ -131,7 +134,7 @@ def main():
                          "max_num_seqs = the batch size, as a server runs them (a finished sequence's place goes to "
                          "the next prompt); by default each group of B prompts runs to its end before the next")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers (only the ratio to full depth)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
                     help="eecore's model dtype, for both full depth and speculation (HF stays float32)")
     ap.add_argument("--out-name", default=None, help="results file prefix (default: cpu-self-speculation[-guard])")
     ap.add_argument("--repeats", type=int, default=3,
@@ -159,6 +162,9 @@ def main():
     ap.add_argument("--accept", choices=["verified", "confident"], default="verified",
                     help="confident: dynamic early exit with deferred K/V (LayerDrafts.exit_threshold); "
                          "the rows then report the early-exit rate and ROUGE-L to full depth")
+    ap.add_argument("--exit-measure", default=None,
+                    help="LayerDrafts.exit_measure: what the draft and exit thresholds compare with ('agreement': "
+                         "the shipped exit decision; default: the draft's top-1 probability)")
     ap.add_argument("--exit-thresholds", type=float, nargs="+", default=[None],
                     help="--accept confident: LayerDrafts.exit_threshold values to run (default: "
                          "the draft threshold)")

@@ -101,8 +101,8 @@ def test_sure_first_drafts_keep_the_chains_long(tiny):
         llm = _spec(path, 1.0)
         strategy = llm.engine.strategy
         propose = strategy.picker.propose
-        strategy.picker.propose = lambda logits, seqs, _fake=fake: dataclasses.replace(
-            propose(logits, seqs), top1=[_fake] * len(seqs))
+        strategy.picker.propose = lambda logits, seqs, drafted=None, _fake=fake: dataclasses.replace(
+            propose(logits, seqs, drafted), confidence=[_fake] * len(seqs))
         outs = llm.generate(prompts, greedy(30))
         drafted[fake] = [o.metrics["num_drafted_tokens"] / o.metrics["num_verify_steps"] for o in outs]
     assert all(r > 2.5 for r in drafted[1.0]) and all(r < 1.5 for r in drafted[0.99]), drafted

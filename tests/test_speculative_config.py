@@ -233,8 +233,9 @@ FLAG_CONFIGS = {
                               copy=DraftCopy(dtype="bfloat16", top_k=2), disable_by_batch_size=2),
             lookup=LookupDrafts(min_ngram=2, max_ngram=4))),
     "exits": (
-        ["--exit-layer", "2", "--draft-threshold", "0.3", "--exit-threshold", "0.7"],
-        SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2, stop_below=0.3, exit_threshold=0.7))),
+        ["--exit-layer", "2", "--draft-threshold", "0.3", "--exit-threshold", "0.7", "--exit-measure", "agreement"],
+        SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2, stop_below=0.3, exit_threshold=0.7,
+                                                exit_measure="agreement"))),
     "confident-as-before": (  # what --accept confident --draft-threshold 0.3 meant
         ["--exit-layer", "2", "--draft-threshold", "0.3", "--exit-threshold", "0.3"],
         SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2, stop_below=0.3, exit_threshold=0.3))),
@@ -276,6 +277,7 @@ def test_each_flag_lands_on_its_field():
             "--min-acceptance", "0.5"]
     values = {"--exit-layer": "3", "--num-speculations": "6", "--layer-speculations": "2",
               "--draft-threshold": "0.25", "--long-draft-acceptance": "0.75", "--exit-threshold": None,
+              "--exit-measure": None,  # (a None default: FLAG_CONFIGS["exits"] sets it)
               "--min-acceptance": "0.125", "--probe-every": "32", "--draft-dtype": "float16", "--draft-top-k": "2",
               "--layer-disable-by-batch-size": "3", "--disable-by-batch-size": "7", "--lookup-min-ngram": "2",
               "--lookup-max-ngram": "6", "--hybrid-switch": "token", "--adaptive-drafts": "on"}

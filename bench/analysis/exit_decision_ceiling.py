@@ -19,9 +19,19 @@ equal to full depth's token), and its precision at a coverage:
 - `perfect`: a decision that knows where the copy is right, whose coverage is the copy's agreement.
 
 The learned decisions are fit on code prompts of the training packages (the copy never saw the
-held-out ones), scored on the held-out code prompts of the other benches.
+held-out ones) and, with `--train-chat N`, N everyday requests of the training topics in the chat
+template; they are scored on the held-out code prompts of the other benches (`--eval-prompts`) and,
+with `--eval-chat N`, on N held-out everyday requests (the `everyday` bench prompts), each table of
+its own.
 
-    python bench/analysis/exit_decision_ceiling.py [--train-prompts 320] [--eval-prompts 24] [--max-tokens 96]
+`--write FILE` also saves the "logistic + lookup" decision, fit on all the training positions, as
+an exit decision file for the shipped draft layers (`LayerDrafts(exit_measure=FILE)`;
+eecore.speculative.exit_decision): the shipped one is
+`python bench/analysis/exit_decision_ceiling.py --train-chat 160 --eval-chat 24 --write
+python/eecore/data/smollm2-135m-instruct-exit-decision.json`.
+
+    python bench/analysis/exit_decision_ceiling.py [--train-prompts 320] [--train-chat 0] [--eval-prompts 24]
+        [--eval-chat 0] [--max-tokens 96] [--write FILE]
 
 writes bench/results/<machine>/exit-decision-ceiling-<date>.json.
 """
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -81,8 +92,10 @@ def features(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return torch.cat(scalars), torch.cat(states), torch.cat(right)
 
 
-def fit(x: torch.Tensor, y: torch.Tensor, hidden: int = 0, epochs: int = 40, weight_decay: float = 1e-4):
-    """A logistic regression (or a one-hidden-layer MLP) predicting `y` from `x`; returns a scorer."""
+def fit(x: torch.Tensor, y: torch.Tensor, hidden: int = 0, epochs: int = 40, weight_decay: float = 1e-4,
+        keep: Optional[dict] = None):
+    """A logistic regression (or a one-hidden-layer MLP) predicting `y` from `x`; returns a scorer.
+    `keep`: filled with the regression's normalization and weights (for an exit decision file)."""
     torch.manual_seed(0)
     mean, std = x.mean(0), x.std(0) + 1e-6
     net = torch.nn.Linear(x.shape[1], 1) if not hidden else torch.nn.Sequential(
@@ -97,6 +110,10 @@ def fit(x: torch.Tensor, y: torch.Tensor, hidden: int = 0, epochs: int = 40, wei
             opt.zero_grad()
             loss.backward()
             opt.step()
+
+    if keep is not None and not hidden:
+        keep.update(mean=mean.tolist(), std=std.tolist(), weight=net.weight.detach()[0].tolist(),
+                    bias=net.bias.detach().item())
 
     def score(z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -121,46 +138,73 @@ def curve(score: torch.Tensor, right: torch.Tensor) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--train-prompts", type=int, default=320)
-    ap.add_argument("--eval-prompts", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    args = ap.parse_args()
-
-    train = record(0, args.max_tokens, texts=training_prompts(args.train_prompts), features=True)
-    held_out = record(args.eval_prompts, args.max_tokens, features=True)
-    x, h, y = features(train)
-    xe, he, ye = features(held_out)
-    agreement = ye.mean().item()
-    with_state, with_state_e = torch.cat([h, x], 1), torch.cat([he, xe], 1)
-    decisions = {
-        "top-1 probability": xe[:, 0],
-        "top-2 gap": xe[:, 1],
-        "negative entropy": -xe[:, 2],
-        "logistic": fit(x[:, :3], y)(xe[:, :3]),
-        "logistic + lookup": fit(x, y)(xe),
-        "MLP + lookup": fit(x, y, hidden=32)(xe),
-        "state + logistic + lookup": fit(with_state, y, epochs=30, weight_decay=1e-3)(with_state_e),
-        "perfect": ye,
-    }
-    print(f"CPU: {cpu_model()}; {len(train)} training-package prompts ({len(y)} positions, copy agreement "
-          f"{y.mean():.3f}), {len(held_out)} held-out prompts ({len(ye)} positions, agreement {agreement:.3f})")
+def table(title: str, decisions: dict, right: torch.Tensor) -> list[dict]:
+    """Prints and returns each decision's curve on `right`."""
+    print(title)
     head = "".join(f"{'cov@' + str(p):>10}" for p in PRECISIONS) + "".join(f"{'prec@' + str(c):>10}" for c in COVERAGES)
     print(f"{'decision':28}{head}{'wrong/64@0.74':>15}")
     rows = []
     for name, score in decisions.items():
-        row = dict(decision=name, **curve(score, ye))
+        row = dict(decision=name, **curve(score, right))
         rows.append(row)
         cells = "".join(f"{row[f'coverage_at_precision_{p}']:10.3f}" for p in PRECISIONS)
         cells += "".join(f"{row[f'precision_at_coverage_{c}']:10.3f}" for c in COVERAGES)
         print(f"{name:28}{cells}{row['wrong_exits_per_64_at_coverage_0.74']:15.2f}")
-    print(f"perfect decision: {agreement:.1%} of tokens exit, {agreement * SKIPPED_PER_EXIT:.1%} of the layers skipped")
-    path = save_results("exit-decision-ceiling", dict(
-        model="SmolLM2-135M-Instruct", draft="the shipped exit-ready copy, exit 8", max_tokens=args.max_tokens,
-        train_prompts=len(train), train_positions=len(y), train_agreement=y.mean().item(),
-        eval_prompts=len(held_out), eval_positions=len(ye), eval_agreement=agreement,
-        layers_skipped_by_perfect_decision=agreement * SKIPPED_PER_EXIT, rows=rows))
+    return rows
+
+
+def main() -> None:
+    from eecore.sources.general_chat_prompts import general_instruction_records
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--train-prompts", type=int, default=320)
+    ap.add_argument("--train-chat", type=int, default=0, help="everyday requests of the training topics")
+    ap.add_argument("--eval-prompts", type=int, default=24)
+    ap.add_argument("--eval-chat", type=int, default=0, help="held-out everyday requests")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--write", default=None, metavar="FILE", help="save the logistic + lookup decision here")
+    args = ap.parse_args()
+
+    train = record(0, args.max_tokens, texts=training_prompts(args.train_prompts), features=True)
+    if args.train_chat:
+        chat = [r.text for r in general_instruction_records(args.train_chat, "train")]
+        train += record(0, args.max_tokens, kind="everyday", texts=chat, features=True)
+    x, h, y = features(train)
+    kept: dict = {}
+    scorers = {
+        "logistic": (lambda z, zh, f=fit(x[:, :3], y): f(z[:, :3])),
+        "logistic + lookup": (lambda z, zh, f=fit(x, y, keep=kept): f(z)),
+        "MLP + lookup": (lambda z, zh, f=fit(x, y, hidden=32): f(z)),
+        "state + logistic + lookup": (lambda z, zh, f=fit(torch.cat([h, x], 1), y, epochs=30, weight_decay=1e-3):
+                                      f(torch.cat([zh, z], 1))),
+    }
+    print(f"CPU: {cpu_model()}; {len(train)} training prompts ({len(y)} positions, copy agreement {y.mean():.3f})")
+    evals = {"held-out code": record(args.eval_prompts, args.max_tokens, features=True)}
+    if args.eval_chat:
+        evals["held-out everyday requests"] = record(args.eval_chat, args.max_tokens, kind="everyday", features=True)
+    results = dict(model="SmolLM2-135M-Instruct", draft="the shipped exit-ready copy, exit 8", max_tokens=args.max_tokens,
+                   train_prompts=len(train), train_positions=len(y), train_agreement=y.mean().item(), evals={})
+    for name, held_out in evals.items():
+        xe, he, ye = features(held_out)
+        agreement = ye.mean().item()
+        decisions = {"top-1 probability": xe[:, 0], "top-2 gap": xe[:, 1], "negative entropy": -xe[:, 2],
+                     **{k: f(xe, he) for k, f in scorers.items()}, "perfect": ye}
+        rows = table(f"\n{name}: {len(held_out)} prompts, {len(ye)} positions, copy agreement {agreement:.3f}",
+                     decisions, ye)
+        print(f"perfect decision: {agreement:.1%} of tokens exit, {agreement * SKIPPED_PER_EXIT:.1%} of the layers skipped")
+        results["evals"][name] = dict(prompts=len(held_out), positions=len(ye), agreement=agreement,
+                                      layers_skipped_by_perfect_decision=agreement * SKIPPED_PER_EXIT, rows=rows)
+    if args.write:
+        from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE
+        from eecore.speculative.exit_decision import AgreementModel, file_sha256
+
+        AgreementModel(**kept, draft_file_sha256=file_sha256(SHIPPED_DRAFT_FILE), how=(
+            f"logistic regression fit by bench/analysis/exit_decision_ceiling.py on {len(y)} positions: full "
+            f"depth's greedy continuations ({args.max_tokens} tokens) of {args.train_prompts} code prompts of "
+            f"the training packages and {args.train_chat} everyday requests of the training topics, the "
+            f"draft copy teacher-forced along them")).save(args.write)
+        print(f"exit decision: {args.write}")
+    path = save_results("exit-decision-ceiling", results)
     print(f"results: {path}")
 
 

@@ -47,14 +47,14 @@ from eecore.engine.sequence import Sequence
 from eecore.speculative.draft_length import DraftLength
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
-from common import PROMPT_KINDS, GreedyReplay, bench_prompt_ids, cpu_model, save_results  # noqa: E402
+from common import PROMPT_KINDS, GreedyReplay, bench_prompt_ids, chat_prompt_ids, cpu_model, save_results  # noqa: E402
 
 
 @torch.no_grad()
 def record(num_prompts: int, max_tokens: int, kind: str = "code", texts: Optional[list[str]] = None,
            features: bool = False) -> list[dict]:
     """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default; or `texts`, raw
-    prompts continued as code): its tokens, the full model's greedy continuation, and the exit-ready draft copy's
+    prompts continued as code, or user messages in the chat template where `kind` is chat or everyday): its tokens, the full model's greedy continuation, and the exit-ready draft copy's
     teacher-forced top-1 token and probability for each continuation position. With `features`,
     also what an exit decision could read there: the second probability, the entropy over the draft
     vocabulary, and the copy's layer-E states (fp16)."""
@@ -62,8 +62,12 @@ def record(num_prompts: int, max_tokens: int, kind: str = "code", texts: Optiona
     spec = eecore.LLM(device="cpu", max_num_seqs=8, exit_adapter=True,
                       speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
     stack = spec.engine.strategy.draft_stack
-    prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts) if texts is None else \
-        [full.tokenizer.encode(t) for t in texts]
+    if texts is None:
+        prompts = bench_prompt_ids(full.tokenizer, kind, num_prompts)
+    elif kind == "code":
+        prompts = [full.tokenizer.encode(t) for t in texts]
+    else:
+        prompts = [chat_prompt_ids(full.tokenizer, t) for t in texts]
     # a chat answer ends at the end of turn; past it the model would write what no request asks for
     outs = full.generate(prompts, eecore.SamplingParams(max_tokens=max_tokens, ignore_eos=kind == "code"))
     records = []

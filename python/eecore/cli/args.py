@@ -135,6 +135,8 @@ def _flag_type(f):
         return on_off
     if "Union[float, str]" in str(f.type):
         return parse_min_acceptance
+    if "str" in str(f.type):
+        return str
     return float if "float" in str(f.type) else int
 
 

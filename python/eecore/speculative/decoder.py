@@ -46,6 +46,7 @@ from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.draft_planner import DraftPlan, DraftPlanner
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.drafters import PromptLookup
+from eecore.speculative.exit_decision import agreement_measure
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.proposers import CopyProposer, SharedLayerProposer, TokenSwitchProposer
 from eecore.speculative.stats import RoundRecorder
@@ -72,6 +73,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         # lookup-only: no layer drafts, so no exit-query cache, draft head or guard
         self.exit_layer = config.exit_layer
         self.draft_head = self.guard = self._exit_states = self.draft_stack = self.draft_length = None
+        self.measure = None
         self.picker = self.proposer = None
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
@@ -106,7 +108,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 None if self.draft_stack is None else self.draft_stack.weight_bytes())
         self.guard = None if floor is None else \
             SpeculationGuard(model, rows, floor, layer.guard.probe_every, self.draft_head)
-        self.picker = DraftPicker(config, self.draft_head, sampler, self.draft_length)
+        self.measure = None if layer.exit_measure is None else agreement_measure(
+            getattr(adapters, "source", None), self.lookup,
+            *(() if layer.exit_measure == "agreement" else (layer.exit_measure,)))
+        self.picker = DraftPicker(config, self.draft_head, sampler, self.draft_length, self.measure)
         if config.switches_per_token:
             self.proposer = TokenSwitchProposer(self.draft_stack, self.picker, self.lookup)
         elif self.draft_stack is not None:
@@ -261,7 +266,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.guard.record_shadow([seqs[b] for b in rows], states, logits[rows_in_logits])
 
     def release(self, seq: Sequence) -> None:
-        for part in (self.guard, self.draft_length, self.lookup, self.draft_stack, self.planner):
+        for part in (self.guard, self.draft_length, self.lookup, self.draft_stack, self.planner, self.measure):
             if part is not None:
                 part.release(seq)
 

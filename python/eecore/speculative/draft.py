@@ -41,50 +41,60 @@ class Proposal:
     tokens: list[int]
     probs: list                 # q per row (None: greedy)
     confident: list[bool]       # top-1 probability at least LayerDrafts.stop_below
-    exiting: list[bool]         # top-1 probability at least LayerDrafts.exit_threshold
+    exiting: list[bool]         # confidence at least LayerDrafts.exit_threshold
     logprobs: list              # what an exiting row reports (None unless the request asks)
-    top1: Optional[list[float]]  # top-1 probabilities (None when no rule needs them)
+    # the draft rules' confidence per row (None when no rule needs it): the top-1 probability, or
+    # with LayerDrafts.exit_measure the probability that full depth agrees (exit_decision)
+    confidence: Optional[list[float]]
 
 
 class DraftPicker:
-    """Layer drafts from the draft head's column logits `[n, K]` (DraftHead.columns)."""
+    """Layer drafts from the draft head's column logits `[n, K]` (DraftHead.columns). `measure`: an
+    exit_decision.AgreementMeasure whose probability the rules read instead of the top-1 probability."""
 
-    def __init__(self, config, draft_head, sampler: Sampler, draft_length=None):
+    def __init__(self, config, draft_head, sampler: Sampler, draft_length=None, measure=None):
         self.head = draft_head
         self.sampler = sampler
         self.stop_below = config.layer.stop_below
         self.exit_threshold = config.layer.exit_threshold
         self.top_k = config.top_k
         self.draft_length = draft_length
+        self.measure = measure
 
-    def propose(self, logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
+    def propose(self, logits: torch.Tensor, seqs: list[Sequence], drafted: Optional[list[list[int]]] = None
+                ) -> Proposal:
         """Draft tokens: argmax, or a draw from the processed distribution q over the whole
         vocabulary (kept for rejection sampling). Greedy rows never leave the K columns (the rest of
-        the vocabulary has logit -inf)."""
+        the vocabulary has logit -inf). `drafted[i]`: what seqs[i] drafted before this round's row
+        (the measure's lookup reads it)."""
         head = self.head
-        top1 = None
+        top1 = probs = None
         if self.stop_below is None and self.exit_threshold is None and self.draft_length is None:
             columns = argmax_rows(logits).tolist()
         else:
             # the top-1 probability and its column in one softmax and one max: right after a
             # verify pass has streamed the weights through every cache, each torch op costs tens
             # of microseconds whatever its size, so a drafted token pays per op, not per element
-            p, columns = torch.softmax(logits, dim=-1).max(dim=-1)
+            probs = torch.softmax(logits, dim=-1)
+            p, columns = probs.max(dim=-1)
             top1, columns = p.tolist(), columns.tolist()
         tokens = head.token_id_list(columns)
-        probs: list = [None] * len(seqs)
+        draws: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             q = Sampler.probabilities(head.widen(logits[sampled]), [seqs[i].params for i in sampled])
             for j, i in enumerate(sampled):
                 tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
-                probs[i] = q[j]
+                draws[i] = q[j]
         n = len(seqs)
-        confident = [True] * n if self.stop_below is None else [p >= self.stop_below for p in top1]
-        exiting = [False] * n if self.exit_threshold is None else [p >= self.exit_threshold for p in top1]
+        confidence = top1
+        if self.measure is not None and probs is not None:
+            confidence = self.measure.confidence(probs, tokens, seqs, drafted or [[] for _ in seqs])
+        confident = [True] * n if self.stop_below is None else [p >= self.stop_below for p in confidence]
+        exiting = [False] * n if self.exit_threshold is None else [p >= self.exit_threshold for p in confidence]
         logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
                     if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
-        return Proposal(tokens, probs, confident, exiting, logprobs, top1)
+        return Proposal(tokens, draws, confident, exiting, logprobs, confidence)
 
     def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
         """The draft's next most likely tokens after each greedy sequence's chain token (up to
@@ -106,7 +116,7 @@ class DraftPicker:
         live_seqs = [seqs[b] for b in rows]
         for seq in live_seqs:  # every layer proposal costs a draft head (with a copy: a copy pass), kept or not
             seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + 1
-        proposal = self.propose(logits, live_seqs)
+        proposal = self.propose(logits, live_seqs, [drafts[b].tokens for b in rows])
         alts = self.alternatives(logits, live_seqs, proposal.tokens) if self.top_k > 1 else [[]] * len(rows)
         kept, ended = [], set()
         for i, b in enumerate(rows):
@@ -114,7 +124,7 @@ class DraftPicker:
                 continue
             draft = drafts[b]
             if self.draft_length is not None and b in opening and \
-                    not self.draft_length.goes_on(seqs[b], proposal.top1[i]):
+                    not self.draft_length.goes_on(seqs[b], proposal.confidence[i]):
                 ended.add(b)
             if proposal.exiting[i] and len(draft.exits) == len(draft.tokens):
                 draft.exits.append(proposal.logprobs[i])

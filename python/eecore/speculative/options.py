@@ -109,6 +109,10 @@ class LayerDrafts:
         every layer, so later tokens attend to what the full model would have written. Drafts after
         the exits are verified as usual. The output is no longer exactly the full model's (`eecore
         eval` measures how far it moves). Not with a guard or draft trees; lookup drafts stay verified.
+    exit_measure: what stop_below, exit_threshold and long_draft_acceptance compare with: None, the
+        draft's top-1 probability; "agreement" (or a model file's path), the probability that full
+        depth emits the draft's token, from the draft's distribution and whether prompt lookup agrees
+        (eecore.speculative.exit_decision).
     guard: stop drafting for sequences whose drafts are rejected too often (AcceptanceGuard).
     copy: draft with a copy of the layers (DraftCopy) instead of the model's own.
     disable_by_batch_size: layer drafts stop in any step that decodes more than this many sequences
@@ -127,6 +131,11 @@ class LayerDrafts:
     exit_threshold: Optional[float] = option(
         None, "--exit-threshold", "emit a round's leading drafts at least this sure unverified, as exits at layer E "
         "(dynamic early exit; the next full-depth pass computes their exact K/V; lossy)")
+    exit_measure: Optional[str] = option(
+        None, "--exit-measure", "what --draft-threshold, --exit-threshold and --long-draft-acceptance compare with: "
+        "the draft's top-1 probability (default), or 'agreement': the probability that full depth agrees, "
+        "learned from the draft's distribution and prompt lookup (eecore.speculative.exit_decision; the "
+        "shipped model, for the shipped draft layers), or the path of such a model's file")
     guard: Optional[AcceptanceGuard] = option(None, "", "", nested=AcceptanceGuard)
     copy: Optional[DraftCopy] = option(None, "", "", nested=DraftCopy)
     disable_by_batch_size: Optional[int] = option(
@@ -145,6 +154,10 @@ class LayerDrafts:
         if self.exit_threshold is not None and self.stop_below is not None and self.exit_threshold < self.stop_below:
             raise invalid(LayerDrafts, "exit_threshold", f"at least stop_below ({self.stop_below}): a draft below "
                           f"stop_below is dropped before it could exit", self.exit_threshold)
+        if self.exit_measure is not None and (not isinstance(self.exit_measure, str) or not (
+                self.exit_measure == "agreement" or self.exit_measure.endswith(".json"))):
+            raise invalid(LayerDrafts, "exit_measure", "None, 'agreement' or the path of an exit decision file "
+                          "(.json)", self.exit_measure)
         if self.guard is not None and not isinstance(self.guard, AcceptanceGuard):
             raise invalid(LayerDrafts, "guard", "an AcceptanceGuard or None", self.guard)
         if self.copy is not None and not isinstance(self.copy, DraftCopy):
