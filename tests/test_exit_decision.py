@@ -131,3 +131,72 @@ def test_bad_exit_measure(tiny):
     with pytest.raises(ValueError, match="exit_measure='agreement' reads a model fit for one draft file"):
         _llm(path, file, "agreement", stop_below=0.5)
     assert os.path.isfile(SHIPPED)
+
+
+# ---- calibrating the exit threshold (eecore.speculative.exit_calibration) --------------------------
+
+def test_calibration_tests_thresholds_from_the_most_conservative_down(tiny):
+    from eecore.speculative.exit_calibration import calibrate_exit_threshold
+
+    path, _, file, _ = tiny
+    prompts = [[3 + i, 40 + 2 * i, 7, 90 + i] for i in range(12)]
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                     speculative=eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+                         exit_layer=2, copy=eecore.DraftCopy(), stop_below=0.1, exit_threshold=0.9)))
+    full = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, greedy(10))]
+    result = calibrate_exit_threshold(llm, prompts, 0.3, 0.1, max_tokens=10, ignore_eos=True,
+                                      candidates=[1.0, 0.6, 0.3, 0.1])
+    tested = result.data["candidates"]
+    assert [c["threshold"] for c in tested] == [1.0, 0.6, 0.3, 0.1][: len(tested)]
+    # passing is a prefix; the chosen threshold is the last that passed, and 1.0 alone is no answer
+    flags = [c["passed"] for c in tested]
+    assert flags == sorted(flags, reverse=True)
+    chosen = [c["threshold"] for c in tested if c["passed"]]
+    assert result.threshold == (chosen[-1] if chosen and chosen[-1] < 1.0 else None)
+    assert result.passed == (result.threshold is not None)
+    assert all(c["passed"] == (c["p_value"] <= 0.1) for c in tested)
+    shares = [c["exit_share"] for c in tested]
+    assert len(tested) >= 2 and shares[-1] > shares[0]  # lower thresholds let more drafts exit
+    # the built threshold is back, and without exits the engine still gives full depth's output
+    picker = llm.engine.strategy.picker
+    assert picker.exit_threshold == 0.9
+    picker.exit_threshold = 1.01
+    assert [llm.generate([p], greedy(10))[0].token_ids for p in prompts] == full
+    with pytest.raises(ValueError, match="cannot pass any threshold"):
+        calibrate_exit_threshold(llm, prompts[:5], 0.3, 0.1)
+    plain = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
+                       speculative=eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+                           exit_layer=2, copy=eecore.DraftCopy())))
+    with pytest.raises(ValueError, match="build the LLM with layer drafts and an exit threshold"):
+        calibrate_exit_threshold(plain, prompts, 0.3, 0.1)
+
+
+def test_exits_and_adaptive_lengths_are_refused_together():
+    with pytest.raises(ValueError, match="'adaptive' does not combine with LayerDrafts 'exit_threshold'"):
+        eecore.SelfSpeculativeConfig(adaptive=True, layer=eecore.LayerDrafts(exit_layer=2, exit_threshold=0.8))
+    # the presets give up their adaptive lengths for exits, unless told otherwise
+    assert not eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=0.8).adaptive
+    with pytest.raises(ValueError, match="'adaptive' does not combine"):
+        eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=0.8, adaptive_drafts=True)
+
+
+def test_cli_calibrates_the_exit_ready_exits(tmp_path, capsys):
+    from eecore.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nimport os\nclass Stack:\n")
+    out = str(tmp_path / "exits.json")
+    base = ["calibrate", "--exit-ready", "--prompts", str(prompts), "--out", out, "--epsilon", "0.1",
+            "--max-tokens", "6", "--ignore-eos", "--chat", "off", "--candidates", "3"]
+    assert main(base + ["--tolerance", "0.2"]) == 2  # token consistency is not for draft exits
+    assert "--consistency text" in capsys.readouterr().err
+    assert main(base + ["--tolerance", "0.2", "--consistency", "text", "--measure", "softmax"]) == 2
+    assert "leave out" in capsys.readouterr().err
+    # a tolerance this loose passes every candidate: the last, 0.0, lets every draft exit
+    assert main(base + ["--tolerance", "0.99", "--consistency", "text"]) == 0
+    assert "--exit-threshold 0" in capsys.readouterr().out
+    with open(out) as f:
+        data = json.load(f)
+    assert data["threshold"] == 0.0 and data["exit_measure"] == "probability"
+    assert [c["threshold"] for c in data["candidates"]] == [1.0, 0.5, 0.0]

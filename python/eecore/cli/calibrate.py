@@ -6,6 +6,12 @@ Prompt files are `eecore eval`'s (eecore.evaluation.prompt_sets: one prompt per 
 a "prompt"). A "reference" is accepted and ignored: calibration compares with the model's own
 full-depth output, not with a reference.
 The prompts must be drawn like the ones the thresholds will serve (the guarantee assumes i.i.d.).
+
+`--exit-ready` calibrates the exit threshold of the exit-ready layer preset's drafts instead
+(`LayerDrafts.exit_threshold`, drafts emitted unverified; `--exit-measure agreement` to calibrate on
+the learned exit decision), by textual consistency only (eecore.speculative.exit_calibration). The
+file it writes records every candidate; use the threshold it prints with `eecore generate
+--exit-ready --exit-threshold T` (and the same `--exit-measure`).
 """
 from __future__ import annotations
 
@@ -24,7 +30,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="delta: the tolerated expected inconsistency with full depth, per prompt")
     c.add_argument("--epsilon", type=float, required=True,
                    help="the allowed probability that the guarantee fails")
-    c.add_argument("--measure", choices=["softmax", "cosine", "classifier"], required=True)
+    c.add_argument("--measure", choices=["softmax", "cosine", "classifier"], default=None,
+                   help="the early-exit measure to calibrate (required unless --exit-ready)")
+    c.add_argument("--exit-ready", action="store_const", const="layer", default=None,
+                   help="calibrate the exit threshold of the exit-ready layer preset's drafts (--consistency text)")
+    c.add_argument("--exit-measure", default=None,
+                   help="--exit-ready: what the exit threshold compares with ('agreement': the learned exit "
+                        "decision; default: the draft's top-1 probability)")
     c.add_argument("--batch-rule", choices=["all", "compact"], default="all")
     c.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
     c.add_argument("--min-exit-layer", type=int, default=1)
@@ -58,6 +70,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args) -> int:
+    if args.exit_ready is not None:
+        return _calibrate_draft_exits(args)
+    if args.measure is None:
+        print("eecore calibrate: --measure is required (softmax, cosine or classifier), unless --exit-ready",
+              file=sys.stderr)
+        return 2
     import eecore
     from eecore.cli.args import prompt_input
     from eecore.exits import thresholds_file
@@ -91,4 +109,52 @@ def cmd_calibrate(args) -> int:
         return 1
     thresholds_file.save(result.data, args.out)
     print(f"eecore calibrate: {result.summary()}; wrote {args.out}")
+    return 0
+
+
+def _calibrate_draft_exits(args) -> int:
+    import json
+
+    import eecore
+    from eecore.cli.args import prompt_input
+    from eecore.evaluation.prompt_sets import read_prompt_file
+    from eecore.speculative.exit_calibration import calibrate_exit_threshold
+
+    try:
+        if args.consistency != "text":
+            raise ValueError("--exit-ready calibrates by textual consistency: give --consistency text")
+        if args.measure is not None or args.exit_adapter not in (None, True) or args.model is not None:
+            raise ValueError("--exit-ready calibrates the shipped draft layers on the default model: leave out "
+                             "--measure, --exit-adapter and --model")
+        candidates = None
+        if args.candidates is not None:
+            if args.candidates < 2:
+                raise ValueError(f"--candidates must be >= 2, got {args.candidates}")
+            candidates = [1.0 - i / (args.candidates - 1) for i in range(args.candidates)]
+        spec = eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=1.0, exit_measure=args.exit_measure)
+        texts = [p.prompt for p in read_prompt_file(args.prompts)]
+        llm = eecore.LLM(dtype=args.dtype, device=args.device, exit_adapter=True, quantization=args.quantization,
+                         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size,
+                         speculative=spec)
+        prompts = [prompt_input(llm, p, args.chat) for p in texts]
+        result = calibrate_exit_threshold(llm, prompts, args.tolerance, args.epsilon, max_tokens=args.max_tokens,
+                                          ignore_eos=args.ignore_eos, candidates=candidates, loss=args.text_loss,
+                                          p_value=args.p_value)
+    except ValueError as exc:
+        print(f"eecore calibrate: {exc}", file=sys.stderr)
+        return 2
+    tested = result.data["candidates"]
+    last = tested[-1] if tested else None
+    if not result.passed:
+        print(f"eecore calibrate: no exit threshold below 1 passed (first failure: {last}); {args.out} not "
+              f"written", file=sys.stderr)
+        return 1
+    result.data["prompts_file"] = args.prompts
+    with open(args.out, "w") as f:
+        json.dump(result.data, f, indent=1)
+    chosen = next(c for c in tested if c["threshold"] == result.threshold)
+    measure = "" if args.exit_measure is None else f" --exit-measure {args.exit_measure}"
+    print(f"eecore calibrate: exit threshold {result.threshold:g} (risk {chosen['risk']:.3f}, "
+          f"{chosen['exit_share']:.0%} of tokens exit); wrote {args.out}. Use: eecore generate --exit-ready "
+          f"layer{measure} --exit-threshold {result.threshold:g}")
     return 0

@@ -52,7 +52,10 @@ class SelfSpeculativeConfig:
         kind as pay at the pass costs measured while decoding and its running acceptance, none
         where drafts do not pay (eecore.speculative.draft_planner). What a verify row costs differs
         tenfold between weights and machines (an exact 4-bit kernel on a CPU is bound by arithmetic
-        from the second row on; a GPU verifies a few rows for the price of one).
+        from the second row on; a GPU verifies a few rows for the price of one). Greedy outputs stay
+        full depth's; a seeded sampled request keeps the model's law, but its draws, like the draft
+        lengths, follow the timings. Not with exits (LayerDrafts.exit_threshold), whose output
+        depends on the lengths.
     """
 
     num_speculations: int = option(4, "--num-speculations", "the most tokens a sequence drafts a round")
@@ -119,6 +122,10 @@ class SelfSpeculativeConfig:
             raise invalid(SelfSpeculativeConfig, "disable_by_batch_size", "an int >= 1 or None", limit)
         if not isinstance(self.adaptive, bool):
             raise invalid(SelfSpeculativeConfig, "adaptive", "a bool", self.adaptive)
+        if self.adaptive and self.trusts_drafts:
+            raise ValueError("SelfSpeculativeConfig: 'adaptive' does not combine with LayerDrafts 'exit_threshold': "
+                             "which drafts exit depends on the chain lengths, and the output would then depend on "
+                             "the machine's timings (--adaptive-drafts off)")
         if self.layer is not None:
             self._check_layer_drafts(self.layer)
         if self.hybrid_switch not in HYBRID_SWITCHES:

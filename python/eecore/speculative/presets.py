@@ -55,6 +55,9 @@ def exit_ready_config(config_cls, preset: str, options: dict):
     """The preset with `options` (flat names, eecore.speculative.flat_options) applied."""
     base = exit_ready_preset(config_cls, preset)
     options = dict(options)
+    exits = options.get("exit_threshold") is not None or options.get("accept") == "confident"
+    if exits and options.get("adaptive_drafts") is None:
+        options["adaptive_drafts"] = False  # exits need fixed lengths (SelfSpeculativeConfig.adaptive)
     limit = options.get("disable_by_batch_size")
     if limit is not None and base.layer is not None and base.layer.disable_by_batch_size is not None \
             and "layer_disable_by_batch_size" not in options:
