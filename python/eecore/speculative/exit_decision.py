@@ -20,7 +20,6 @@ another); the shipped one is fit for the shipped draft layers by
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from typing import Optional
 import torch
 
 from eecore.engine.sequence import Sequence
+from eecore.exits.thresholds_file import file_sha256
 from eecore.speculative.drafters import PromptLookup
 
 INPUTS = ("top-1 probability", "top-1 minus top-2", "entropy", "lookup has a token", "lookup agrees")
@@ -37,14 +37,6 @@ FORMAT = "eecore-exit-decision-1"
 LOOKUP_NGRAMS = (2, 4)
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
                        "smollm2-135m-instruct-exit-decision.json")
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def distribution_inputs(probs: torch.Tensor) -> torch.Tensor:
