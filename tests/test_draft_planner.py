@@ -232,8 +232,7 @@ def _adaptive(path, file=None, switch="token", copy=True, **kw):
                       exit_adapter=file if copy else None, speculative=spec, **kw)
 
 
-@pytest.mark.parametrize("switch,copy", [("token", True), ("round", True), ("round", False)],
-                         ids=["token-copy", "round-copy", "round-shared"])
+@pytest.mark.parametrize("switch,copy", [("token", True), ("round", True)], ids=["token-copy", "round-copy"])
 def test_greedy_is_full_depth_whatever_the_planner_chooses(tiny, lora_file, switch, copy):
     path, _ = tiny
     file, _ = lora_file
@@ -270,6 +269,8 @@ def test_costly_verify_rows_turn_drafting_off_and_free_ones_on(tiny, lora_file):
 def test_bad_adaptive_is_refused():
     with pytest.raises(ValueError, match=r"'adaptive' \(--adaptive-drafts\) must be a bool"):
         eecore.SelfSpeculativeConfig(lookup=eecore.LookupDrafts(), adaptive="yes")
+    with pytest.raises(ValueError, match="give LayerDrafts a copy"):  # shared layers verify from exit states
+        eecore.SelfSpeculativeConfig(layer=eecore.LayerDrafts(exit_layer=2), adaptive=True)
 
 
 def test_cli_flag_and_preset_override(tiny):

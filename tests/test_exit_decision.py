@@ -174,7 +174,8 @@ def test_calibration_tests_thresholds_from_the_most_conservative_down(tiny):
 
 def test_exits_and_adaptive_lengths_are_refused_together():
     with pytest.raises(ValueError, match="'adaptive' does not combine with LayerDrafts 'exit_threshold'"):
-        eecore.SelfSpeculativeConfig(adaptive=True, layer=eecore.LayerDrafts(exit_layer=2, exit_threshold=0.8))
+        eecore.SelfSpeculativeConfig(adaptive=True, layer=eecore.LayerDrafts(exit_layer=2, exit_threshold=0.8,
+                                                                             copy=eecore.DraftCopy()))
     # the presets give up their adaptive lengths for exits, unless told otherwise
     assert not eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=0.8).adaptive
     with pytest.raises(ValueError, match="'adaptive' does not combine"):

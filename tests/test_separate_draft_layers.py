@@ -68,10 +68,10 @@ def _record_drafts(llm):
     seen = []
     original = strategy.picker.propose
 
-    def propose(logits, seqs):
+    def propose(logits, seqs, drafted=None):
         for row, seq in zip(logits, seqs):
             seen.append((seq.token_slice(0, seq.num_computed_tokens + 1), row.clone()))
-        return original(logits, seqs)
+        return original(logits, seqs, drafted)
 
     strategy.picker.propose = propose
     return seen

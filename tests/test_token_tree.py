@@ -163,10 +163,10 @@ def test_the_copy_keeps_only_agreed_drafts(tiny):
         first.append([s.token_slice(0, s.num_computed_tokens + 1) for s in seqs])
         return first_pass(seqs)
 
-    def recording_propose(logits, seqs):
+    def recording_propose(logits, seqs, drafted=None):
         if first:
             seen.extend(zip(first.pop(), logits.clone()))
-        return propose(logits, seqs)
+        return propose(logits, seqs, drafted)
 
     stack.first_pass, strategy.picker.propose = recording_first_pass, recording_propose
     outs = llm.generate(random_prompts(VOCAB, [5, 9, 3], seed=6), greedy(30))

@@ -54,8 +54,9 @@ class SelfSpeculativeConfig:
         tenfold between weights and machines (an exact 4-bit kernel on a CPU is bound by arithmetic
         from the second row on; a GPU verifies a few rows for the price of one). Greedy outputs stay
         full depth's; a seeded sampled request keeps the model's law, but its draws, like the draft
-        lengths, follow the timings. Not with exits (LayerDrafts.exit_threshold), whose output
-        depends on the lengths.
+        lengths, follow the timings. Layer drafts need a copy (LayerDrafts.copy: every round is then
+        one full-depth verify pass), and exits (LayerDrafts.exit_threshold), whose output depends
+        on the lengths, are refused.
     """
 
     num_speculations: int = option(4, "--num-speculations", "the most tokens a sequence drafts a round")
@@ -122,6 +123,10 @@ class SelfSpeculativeConfig:
             raise invalid(SelfSpeculativeConfig, "disable_by_batch_size", "an int >= 1 or None", limit)
         if not isinstance(self.adaptive, bool):
             raise invalid(SelfSpeculativeConfig, "adaptive", "a bool", self.adaptive)
+        if self.adaptive and self.layer is not None and self.layer.copy is None:
+            raise ValueError("SelfSpeculativeConfig: 'adaptive' prices rounds of full-depth verify passes; layer drafts "
+                             "from the model's own layers verify from the exit-query cache, which it does not model: "
+                             "give LayerDrafts a copy (DraftCopy()), or use lookup drafts alone")
         if self.adaptive and self.trusts_drafts:
             raise ValueError("SelfSpeculativeConfig: 'adaptive' does not combine with LayerDrafts 'exit_threshold': "
                              "which drafts exit depends on the chain lengths, and the output would then depend on "

@@ -33,7 +33,6 @@ class SharedLayerProposer:
         self.exit_layer = exit_layer
         self.num_drafts = num_drafts
         self.exit_states = exit_states  # [rows, verify width, d]: layer-E state of each drafted position
-        self.passes = 0  # passes run, for the draft planner's clock
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
         E, states = self.exit_layer, self.exit_states
@@ -51,7 +50,6 @@ class SharedLayerProposer:
             inputs = self.runner.prepare(rows)
             hidden = self.runner.embed(inputs)
             self.runner.run_layers(hidden, inputs.attn, 0, E)
-            self.passes += 1
             if k == 0 and inputs.num_tokens > len(seqs):  # lookup rows hold several positions
                 index = [b * width + j for b, d in enumerate(lookup) for j in range(len(d) + 1)]
                 states[: len(seqs)].view(len(seqs) * width, -1).index_copy_(
@@ -89,7 +87,7 @@ class CopyProposer:
     def __init__(self, stack, picker: DraftPicker):
         self.stack = stack
         self.picker = picker
-        self.passes = 0
+        self.passes = 0  # copy passes run, for the draft planner's clock
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
         live = [b for b, n in enumerate(budgets) if n]
