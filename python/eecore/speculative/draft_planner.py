@@ -94,7 +94,7 @@ class _Odds:
     hits: list = field(default_factory=lambda: [0.0, 0.0])
     misses: list = field(default_factory=lambda: [0.0, 0.0])
     idle: int = 0            # rounds planned at 0 since it last drafted this kind
-    wait: int = 32           # rounds planned at 0 before a probe
+    wait: int = 0            # rounds planned at 0 before a probe (DraftPlanner sets the first)
 
 
 @dataclass
@@ -127,6 +127,10 @@ class DraftPlan:
 
 
 class DraftPlanner:
+    """Per sequence and round, how many tokens to draft of each kind (see the module doc); the
+    decoder calls new_round, plan for each sequence, record after each verified round, release
+    when a sequence ends."""
+
     FORGET = 0.9             # per recorded round: about the last 10 rounds count
     PRIOR_ROUNDS = 6.0       # the decoder's rate counts as this many rounds of a sequence's own
     GLOBAL_FORGET = 0.98
