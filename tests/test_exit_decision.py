@@ -165,6 +165,11 @@ def test_calibration_tests_thresholds_from_the_most_conservative_down(tiny):
     assert [llm.generate([p], greedy(10))[0].token_ids for p in prompts] == full
     with pytest.raises(ValueError, match="cannot pass any threshold"):
         calibrate_exit_threshold(llm, prompts[:5], 0.3, 0.1)
+    # binomial p-values test 0/1 losses: each candidate's risk is then a share of prompts
+    binomial = calibrate_exit_threshold(llm, prompts, 0.3, 0.1, max_tokens=10, ignore_eos=True,
+                                        candidates=[1.0, 0.6, 0.3, 0.1], p_value="binomial")
+    assert all(round(c["risk"] * len(prompts)) == pytest.approx(c["risk"] * len(prompts))
+               for c in binomial.data["candidates"])
     plain = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=file,
                        speculative=eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
                            exit_layer=2, copy=eecore.DraftCopy())))

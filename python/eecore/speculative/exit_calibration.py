@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch
+
 from eecore.exits import calibration as ltt
 from eecore.exits.calibrator import text_loss
 from eecore.sampling_params import SamplingParams
@@ -69,11 +71,18 @@ def calibrate_exit_threshold(llm, prompts: Sequence, tolerance: float, epsilon: 
     exit_shares: list[float] = []
     exit_layer = config.exit_layer
 
+    # the binomial p-value needs 0/1 losses: each loss becomes 1 with its own probability, drawn
+    # once per prompt (as eecore.exits.calibrator does)
+    uniforms = torch.rand(len(prompts), generator=torch.Generator().manual_seed(0), dtype=torch.float64).tolist()
+
     def risk_of(threshold: float) -> float:
         outs = outputs(threshold)
         layers = [e for o in outs for e in o.exit_layers]
         exit_shares.append(sum(e == exit_layer for e in layers) / max(len(layers), 1))
-        return sum(text_loss(loss, o.token_ids, ref) for o, ref in zip(outs, full)) / len(outs)
+        losses = [text_loss(loss, o.token_ids, ref) for o, ref in zip(outs, full)]
+        if p_value == "binomial":
+            losses = ltt.binarize(losses, uniforms)
+        return sum(losses) / len(losses)
 
     cands = candidates or default_exit_candidates()
     result = ltt.fixed_sequence_test(cands, risk_of, len(prompts), tolerance, epsilon, p_value)
