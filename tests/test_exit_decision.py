@@ -70,6 +70,11 @@ def test_the_lookup_inputs_read_the_sequence_and_the_draft_so_far():
     has_weight.release(other)
     has_weight.release(seq)
     assert len(has_weight.lookup) == 0
+    # the decoder's lookup is shared only with the n-grams the model was fit with
+    from eecore.speculative.drafters import PromptLookup
+    same, other_ngrams = PromptLookup(2, 4), PromptLookup(1, 3)
+    assert AgreementMeasure(_model([0.0] * N), same).lookup is same
+    assert AgreementMeasure(_model([0.0] * N), other_ngrams).lookup is not other_ngrams
 
 
 def test_a_model_is_refused_for_another_draft_file(tmp_path):

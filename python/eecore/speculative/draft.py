@@ -40,7 +40,7 @@ class Proposal:
     """Draft tokens for a batch of rows of draft-head logits (DraftPicker.propose)."""
     tokens: list[int]
     probs: list                 # q per row (None: greedy)
-    confident: list[bool]       # top-1 probability at least LayerDrafts.stop_below
+    confident: list[bool]       # confidence at least LayerDrafts.stop_below
     exiting: list[bool]         # confidence at least LayerDrafts.exit_threshold
     logprobs: list              # what an exiting row reports (None unless the request asks)
     # the draft rules' confidence per row (None when no rule needs it): the top-1 probability, or

@@ -118,8 +118,11 @@ class DraftStack:
         return self._chunked(seqs, pieces)
 
     def behind(self, seq: Sequence) -> int:
-        """Tokens the copy would run before the pending token in `seq`'s next first pass."""
-        return seq.num_computed_tokens - self._valid(seq)
+        """Tokens the copy would run before the pending token in `seq`'s next first pass (as
+        _valid reckons it, without recording anything)."""
+        record = self._seen.get(seq.seq_id)
+        valid = 0 if record is None or record[0] != seq.num_preemptions else min(record[1], seq.num_computed_tokens)
+        return seq.num_computed_tokens - valid
 
     def settle(self, seq: Sequence, agreed_end: int) -> None:
         """After verification: the written positions below `agreed_end` (the pending token and the

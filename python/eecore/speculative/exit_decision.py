@@ -89,9 +89,11 @@ class AgreementMeasure:
     lookup index of its own per sequence."""
 
     def __init__(self, model: AgreementModel, lookup: Optional[PromptLookup] = None):
+        """`lookup`: the decoder's prompt lookup, shared when it matches the n-grams the model was
+        fit with (LOOKUP_NGRAMS); otherwise the measure keeps an index of its own."""
         self.model = model
-        self.lookup = lookup if lookup is not None else PromptLookup(*LOOKUP_NGRAMS)
-        self._owns_lookup = lookup is None
+        self._owns_lookup = lookup is None or (lookup.min_ngram, lookup.max_ngram) != LOOKUP_NGRAMS
+        self.lookup = PromptLookup(*LOOKUP_NGRAMS) if self._owns_lookup else lookup
 
     def confidence(self, probs: torch.Tensor, tokens: list[int], seqs: list[Sequence], drafted: list[list[int]]
                    ) -> list[float]:
