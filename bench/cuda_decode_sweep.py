@@ -2,12 +2,16 @@
 device-to-device copy bandwidth measured in the same process.
 
     PYTHONPATH=python python bench/cuda_decode_sweep.py [--quick] [--headline-only]
-        [--kernels auto decode_mma decode_mma:2 decode mma] [--max-kv-gib 16]
+        [--kernels auto decode_mma:v1 decode_mma:v2 decode_mma:2 decode mma] [--max-kv-gib 16]
 
 The sweep crosses batch B (1..256), context (256..32k), GQA (1, 4, 8 query heads per KV head with
 32 query heads) and head dim (64, 128), bf16, block size 16, random block tables, and skips cells
 whose KV exceeds --max-kv-gib (SDPA needs a second, gathered copy). Each kernel is forced in turn
-through EECORE_PAGED_ATTENTION_KERNEL ("auto" is the planner's own choice); SDPA gets its KV
+through EECORE_PAGED_ATTENTION_KERNEL ("auto" is the planner's own choice), with options after
+colons: `decode_mma:2` (EECORE_DECODE_MMA_STAGES=2: 2-stage pipelines, 3 CTAs per SM) and
+`decode_mma:v1` / `decode_mma:v2` (EECORE_DECODE_MMA_LDMATRIX=0 / 1: the kernel before ldmatrix
+fragments, look-ahead block-table reads and lazy rescaling, or with them), combinable as
+`decode_mma:2:v2`; without v1 or v2 the build's default. SDPA gets its KV
 pre-gathered and contiguous, for free. Every timing is the median per call over CUDA-graph replays
 of 10 calls, so launch gaps do not hide the kernels of small cells. Outputs are checked against
 SDPA's before any timing.
@@ -33,6 +37,28 @@ from bench_cuda import copy_bandwidth  # noqa: E402
 
 KERNEL_ENV = "EECORE_PAGED_ATTENTION_KERNEL"
 STAGES_ENV = "EECORE_DECODE_MMA_STAGES"
+LDMATRIX_ENV = "EECORE_DECODE_MMA_LDMATRIX"
+VARIANT_ENVS = (KERNEL_ENV, STAGES_ENV, LDMATRIX_ENV)
+
+
+def variant_env(kernel: str) -> dict:
+    """The environment that selects `kernel`: a kernel name with options after colons."""
+    name, *options = kernel.split(":")
+    env = {KERNEL_ENV: name}
+    for option in options:
+        if option in ("2", "3"):
+            env[STAGES_ENV] = option
+        elif option in ("v1", "v2"):
+            env[LDMATRIX_ENV] = "0" if option == "v1" else "1"
+        else:
+            raise SystemExit(f"--kernels: unknown option {option!r} in {kernel!r} (expected 2, 3, v1 or v2)")
+    return env
+
+
+def select_variant(kernel: str) -> None:
+    for key in VARIANT_ENVS:
+        os.environ.pop(key, None)
+    os.environ.update(variant_env(kernel))
 HEADLINE = (64, 4096, 32, 8, 128)
 
 
@@ -105,12 +131,7 @@ def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16):
     row["sdpa_us"] = sdpa_ms * 1e3
     row["sdpa_of_copy"] = moved / sdpa_ms / 1e6 / copy_gbps
     for kernel in kernels:
-        name, _, stages = kernel.partition(":")  # "decode_mma:2": EECORE_DECODE_MMA_STAGES=2
-        os.environ[KERNEL_ENV] = name
-        if stages:
-            os.environ[STAGES_ENV] = stages
-        else:
-            os.environ.pop(STAGES_ENV, None)
+        select_variant(kernel)
         out = torch.full_like(q, float("nan"))
         call = lambda: ops.paged_attention(out, q, k_cache, v_cache, table, seq_lens, starts,  # noqa: E731
                                            q_len, scale, True, None)
@@ -122,20 +143,22 @@ def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16):
         row[f"{kernel}_of_copy"] = moved / ms / 1e6 / copy_gbps
         row[f"{kernel}_vs_sdpa"] = sdpa_ms / ms
         row[f"{kernel}_rel_err"] = err
-    os.environ.pop(KERNEL_ENV, None)
-    os.environ.pop(STAGES_ENV, None)
+    for key in VARIANT_ENVS:
+        os.environ.pop(key, None)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", default=["auto", "decode_mma", "decode_mma:2", "decode", "mma"],
-                    help="kernels to time (EECORE_PAGED_ATTENTION_KERNEL values; decode_mma:2 with "
-                         "EECORE_DECODE_MMA_STAGES=2)")
+    ap.add_argument("--kernels", nargs="+", default=["auto", "decode_mma:v1", "decode_mma:v2", "decode_mma:2",
+                                                     "decode", "mma"],
+                    help="kernels to time (EECORE_PAGED_ATTENTION_KERNEL values, options after colons: see above)")
     ap.add_argument("--headline-only", action="store_true")
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
     ap.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results/<gpu>)")
     args = ap.parse_args()
+    for kernel in args.kernels:
+        variant_env(kernel)  # unknown options fail before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("cuda_decode_sweep.py needs a CUDA device")
     from eecore import ops

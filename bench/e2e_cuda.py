@@ -3,10 +3,21 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
 
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
+        [--exit-models llama-3.2-1b] [--num-speculations 3]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
 medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
-enforce_eager=True, so each row also says what the graphs gain. Writes
+enforce_eager=True, so each row also says what the graphs gain.
+
+For each of --exit-models, early exit and self-speculation at E = L/4 and L/2 against full depth,
+at every batch size, each alternating with full depth (both graphed where eecore captures them):
+static exits at E (`EarlyExitConfig(measure="static")`, the seed's batched iteration with KV fill
+of the skipped layers), LayerSkip's self-speculation with the first E layers as the drafter
+(`LayerDrafts(E)`, shared KV cache and exit-query cache) and with a draft copy of them
+(`LayerDrafts(E, copy=DraftCopy())`). Random weights measure speed only: their drafts' acceptance
+is printed beside it, since a round's speed depends on it; the draft copy also runs with perfect
+drafts (bench/spec_costs.py's oracle: its passes run, then full depth's tokens replace its own), the
+most any training of the drafter could give at that E, d and batch. Writes
 bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
 """
 from __future__ import annotations
@@ -42,6 +53,56 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
     return model.to(device).eval()
 
 
+def exit_configs(num_layers: int, d: int) -> dict:
+    """Early exit and self-speculation at E = L/4 and L/2, by row name."""
+    configs = {}
+    for E in sorted({num_layers // 4, num_layers // 2}):
+        configs[f"static exit E={E}"] = dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=E))
+        configs[f"layer drafts E={E} d={d}"] = dict(
+            speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=eecore.LayerDrafts(E)))
+        for perfect in (False, True):
+            configs[f"draft copy E={E} d={d}" + (", perfect drafts" if perfect else "")] = dict(
+                speculative=eecore.SelfSpeculativeConfig(num_speculations=d,
+                                                         layer=eecore.LayerDrafts(E, copy=eecore.DraftCopy())),
+                perfect=perfect)
+    return configs
+
+
+def exit_strategies(name: str, folder: str, full, prompts, params, args) -> list[dict]:
+    """Each configuration of exit_configs against the full-depth engine `full`, alternating run by run."""
+    from spec_costs import install_oracle
+
+    rows = []
+    continuations = {tuple(p): o.token_ids for p, o in zip(prompts, full.generate(prompts, params))}
+    for label, config in exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations).items():
+        perfect = config.pop("perfect", False)
+        llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), **config)
+        if perfect:  # the copy's passes all run; its tokens are replaced by full depth's
+            install_oracle(llm, continuations)
+        llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        for batch in args.batch_sizes:
+            t_full, t_exit = [], []
+            for _ in range(args.repeats):
+                full_outs, t = timed(full.generate, prompts[:batch], params)
+                t_full.append(t)
+                outs, t = timed(llm.generate, prompts[:batch], params)
+                t_exit.append(t)
+            speedup = statistics.median(t_full) / statistics.median(t_exit)
+            drafted = sum(o.metrics.get("num_drafted_tokens", 0) for o in outs)
+            accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
+            same = sum(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
+            tok_s = batch * args.max_tokens / statistics.median(t_exit)
+            rows.append(dict(model=name, config=label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
+                             drafted=drafted, accepted=accepted, identical_to_full_depth=f"{same}/{batch}"))
+            acceptance = f"   acceptance {accepted / drafted:.2f}" if drafted else ""
+            print(f"{name} {label} batch {batch}: {tok_s:8.1f} tok/s   {speedup:4.2f}x full depth{acceptance}   "
+                  f"identical to full depth {same}/{batch}", flush=True)
+        del llm
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -50,6 +111,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--exit-models", nargs="*", default=["llama-3.2-1b"], choices=list(MODELS))
+    ap.add_argument("--num-speculations", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -57,7 +120,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     os.environ.setdefault("EECORE_CUDA_GRAPHS", "1")  # the graphed engine (opt-in while unverified)
 
-    rows = []
+    rows, exit_rows = [], []
     for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             hf = random_checkpoint(name, folder, dtype, args.device)
@@ -90,13 +153,17 @@ def main():
                 print(f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s (eager {tokens / t_eager:8.1f}, "
                       f"graphs {t_eager / t_ee:4.2f}x)   HF {tokens / t_hf:8.1f} tok/s   speed-up {t_hf / t_ee:5.2f}x   "
                       f"identical greedy outputs {same}/{batch} (to eager {same_eager}/{batch})", flush=True)
-            del llm, eager, hf
+            del eager, hf
+            if name in args.exit_models:
+                exit_rows += exit_strategies(name, folder, llm, prompts, params, args)
+            del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     path = save_results(f"{device_slug(device_name)}-e2e", dict(device=device_name, dtype=args.dtype,
                                                              max_tokens=args.max_tokens, prompt_len=args.prompt_len,
-                                                             repeats=args.repeats, weights="random", rows=rows),
+                                                             repeats=args.repeats, weights="random", rows=rows,
+                                                             exits=exit_rows),
                         folder=device_folder(device_name) if args.device == "cuda" else None)
     print(f"results: {path}")
 

@@ -266,8 +266,8 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
         chain.clear()
         return copy_drafts(seqs, drafts, budgets)
 
-    def oracle_propose(logits, seqs):
-        proposal = propose(logits, seqs)
+    def oracle_propose(logits, seqs, *more, **named):
+        proposal = propose(logits, seqs, *more, **named)
         for i, seq in enumerate(seqs):
             k = chain.get(seq.seq_id, 0)
             chain[seq.seq_id] = k + 1

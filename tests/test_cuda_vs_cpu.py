@@ -23,16 +23,21 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "rows", "mma"])
+@pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "decode_mma-v1", "decode_mma-v2",
+                        "rows", "mma"])
 def attention_kernel(request, monkeypatch):
     """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
     every kernel is held to the same oracle on the same shapes, whichever the planner prefers.
-    "decode_mma-2stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2."""
+    "decode_mma-2stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2, "decode_mma-v1" / "-v2" with
+    EECORE_DECODE_MMA_LDMATRIX=0 / 1 (its first version, or ldmatrix fragments, look-ahead
+    block-table reads and lazy rescaling)."""
     kernel, _, variant = request.param.partition("-")
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
     if variant == "2stages":
         monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", "2")
+    if variant in ("v1", "v2"):
+        monkeypatch.setenv("EECORE_DECODE_MMA_LDMATRIX", "0" if variant == "v1" else "1")
     return request.param
 
 
@@ -161,6 +166,34 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
     # Few short queries over a long context: the tensor-core kernel splits the context too.
     case = make_attention(dtype, [3000, 1500], [q_len, q_len], 32, 8, 128, 16)
     check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("shape", [
+    dict(heads=(32, 8), head_dim=128, block_size=16, q_lens=[1, 1, 1, 1]),    # decode, G = 4
+    dict(heads=(32, 4), head_dim=64, block_size=32, q_lens=[1, 1, 1, 1]),     # G = 8, two row tiles at D = 64
+    dict(heads=(12, 3), head_dim=128, block_size=1, q_lens=[5, 3, 1, 2]),     # verification rows, block size 1
+    dict(heads=(16, 2), head_dim=256, block_size=16, q_lens=[2, 2, 2, 2]),    # D = 256
+    dict(heads=(8, 2), head_dim=128, block_size=24, q_lens=[1, 4, 1, 1]),     # a block size that is no power of two
+])
+def test_decode_mma_versions_agree_bit_for_bit(dtype, stages, shape, monkeypatch):
+    """decode_mma with ldmatrix fragments, look-ahead block-table reads and lazy rescaling against its
+    first version: the same arithmetic in the same order (a skipped rescale multiplies by exactly 1),
+    so the outputs must be identical, not just close."""
+    case = make_attention(dtype, [1, 40, 700, 2100], shape["q_lens"], *shape["heads"], head_dim=shape["head_dim"],
+                          block_size=shape["block_size"])
+    monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", "decode_mma")
+    monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", stages)
+    outs = []
+    for version in ("1", "0"):
+        monkeypatch.setenv("EECORE_DECODE_MMA_LDMATRIX", version)
+        out = poison(torch.empty_like(case["query"], device="cuda"))
+        ops.paged_attention(*attention_args(case, out, "cuda"))
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Everything a session lent a GPU runs, in one command, from the repo root. Steps (EECORE_GPU_STEPS,
-# default all of them, in this order):
-#   build      the extension for the visible GPU (skipped with EECORE_SKIP_BUILD=1: carried .so)
+# default all of them; they run in this order, most wanted first, so a run out of time loses the last):
+#   build      the extension for the visible GPU (skipped with EECORE_SKIP_BUILD=1: carried .so), and
+#              the SASS instruction mix of the decode_mma kernels (sass-decode-mma.txt)
 #   attn       paged-attention tests on CUDA, every kernel forced in turn (test_cuda_vs_cpu.py's
 #              attention cases, test_op_paged_attention.py's cuda cases)
-#   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
+#   engine     tests/test_engine_cuda.py (CUDA graphs against eager included)
 #   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/<gpu>/
+#   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
-#   engine     tests/test_engine_cuda.py
+#   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
 #   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
-#   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
 # Usage: EECORE_GPU_STEPS="build attn sweep" tools/gpu_check.sh
 # Environment:
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
 #   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
 #   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
-#   EECORE_NCU_KERNELS        kernels Nsight Compute profiles (default: decode_mma)
+#   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
+#                             "decode_mma or auto" for the kernels a change touched (default: all)
+#   EECORE_NCU_KERNELS        kernels Nsight Compute profiles, as the sweep names them (default: decode_mma)
 #   EECORE_SANITIZE_KERNEL    the kernel the sanitizers check (default: decode_mma)
 # Each step's timeout is cut to what is left of the budget, so the logs always come back. Measured
 # on an H200 (2026-11-26): build 70 s, sweep 60 s, ncu 10 s, sanitizers 55 s, engine tests 20 s;
@@ -48,8 +51,11 @@ PARALLEL=()  # pytest-xdist where installed (the device image has it)
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$JOBS")
 SANITIZER="$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")"
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 || echo ncu)"
-ATTN_TESTS=(tests/test_cuda_vs_cpu.py -k "decode or prefill or verification or causal or cross or rows_past or unaligned or invalid")
-TEST_GUARD=(--timeout 90 --durations 8)  # a hung test is named (pytest-timeout is on the device image)
+ATTN_CASES="decode or prefill or verification or causal or cross or rows_past or unaligned or invalid"
+ATTN_TESTS=(tests/test_cuda_vs_cpu.py -k "($ATTN_CASES)${EECORE_ATTN_FILTER:+ and ($EECORE_ATTN_FILTER)}")
+TEST_GUARD=(--durations 8)
+# a hung test is named, where pytest-timeout is installed (the device image has it)
+"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_GUARD+=(--timeout 90)
 status=0
 
 want() { [[ "$STEPS" == *" $1 "* ]]; }
@@ -63,7 +69,6 @@ limited() {
 }
 finish() {
   cp bench/results/*/*"$(date +%F)"* "$WORK/" 2>/dev/null
-  cp "$WORK"/*.md "$WORK"/ncu-*.txt "$LOGS/" 2>/dev/null
   tar -czf "$LOGS/logs.tar.gz" -C "$WORK" . 2>/dev/null
   cp python/eecore/_C*.so "$LOGS/" 2>/dev/null
   exit $status
@@ -86,22 +91,28 @@ if want build; then
   fi
 fi
 "$PY" -c "import eecore._C as c; print(c.build_info())" 2>&1 | tee -a "$LOGS/summary.txt"
+if want build && command -v "$CUDA_HOME/bin/cuobjdump" > /dev/null; then
+  # Instructions per decode_mma instantiation, by opcode: the next CPU session reads the mix.
+  "$CUDA_HOME/bin/cuobjdump" -sass python/eecore/_C*.so 2>/dev/null | "$PY" tools/sass_mix.py decode_mma \
+    > "$WORK/sass-decode-mma.txt" 2>&1
+  head -12 "$WORK/sass-decode-mma.txt" | tee -a "$LOGS/summary.txt"
+fi
 
 if want attn; then
   step "paged-attention tests on CUDA, every kernel forced in turn"
   OMP_NUM_THREADS=1 limited 240 "$PY" -m pytest -q "${PARALLEL[@]}" "${TEST_GUARD[@]}" -p no:cacheprovider "${ATTN_TESTS[@]}" ${EECORE_TEST_ARGS:-} \
     > "$WORK/pytest-attn.txt" 2>&1 || status=1
   report "$WORK/pytest-attn.txt"
-  OMP_NUM_THREADS=1 limited 90 "$PY" -m pytest -q "${PARALLEL[@]}" "${TEST_GUARD[@]}" -p no:cacheprovider tests/test_op_paged_attention.py -k cuda \
-    > "$WORK/pytest-attn-op.txt" 2>&1 || status=1
+  OMP_NUM_THREADS=1 limited 90 "$PY" -m pytest -q "${PARALLEL[@]}" "${TEST_GUARD[@]}" -p no:cacheprovider tests/test_op_paged_attention.py \
+    -k "cuda${EECORE_ATTN_FILTER:+ and ($EECORE_ATTN_FILTER)}" > "$WORK/pytest-attn-op.txt" 2>&1 || status=1
   report "$WORK/pytest-attn-op.txt"
 fi
 
-if want ops; then
-  step "the other CUDA op tests"
-  OMP_NUM_THREADS=1 limited 200 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_cuda_vs_cpu.py \
-    tests/test_op_*.py -k "cuda and not paged_attention and not (${ATTN_TESTS[2]})" ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
-  report "$WORK/pytest-ops.txt"
+if want engine; then
+  step "the engine on CUDA"
+  limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py ${EECORE_TEST_ARGS:-} \
+    > "$WORK/pytest-engine.txt" 2>&1 || status=1
+  report "$WORK/pytest-engine.txt"
 fi
 
 if want sweep; then
@@ -110,13 +121,18 @@ if want sweep; then
   grep -E "copy|worst|headline|Error|error" "$WORK/decode-sweep.txt" | tail -8 | tee -a "$LOGS/summary.txt"
 fi
 
+if want e2e; then
+  step "end-to-end decode against HF"
+  (cd bench && limited 200 "$PY" e2e_cuda.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
+  grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
+fi
 if want ncu; then
   step "Nsight Compute at B=64, ctx 4096, 32/8 heads, D=128"
-  for kernel in ${EECORE_NCU_KERNELS:-decode_mma}; do
-    EECORE_PAGED_ATTENTION_KERNEL=$kernel limited 60 "$NCU" --target-processes all -k "regex:paged_attention_${kernel}" \
+  for kernel in ${EECORE_NCU_KERNELS:-decode_mma}; do  # "decode_mma:v1": the sweep sets the variant
+    limited 60 "$NCU" --target-processes all -k "regex:paged_attention_${kernel%%:*}_kernel" \
       --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats \
-      "$PY" bench/cuda_decode_sweep.py --headline-only --kernels "$kernel" > "$WORK/ncu-$kernel.txt" 2>&1 || status=1
+      "$PY" bench/cuda_decode_sweep.py --headline-only --kernels "$kernel" > "$WORK/ncu-${kernel//:/-}.txt" 2>&1 || status=1
   done
   for f in "$WORK"/ncu-*.txt; do
     grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|ERR" "$f" \
@@ -127,14 +143,17 @@ fi
 if want sanitize; then
   SAN_KERNEL="${EECORE_SANITIZE_KERNEL:-decode_mma}"
   step "compute-sanitizer memcheck and racecheck, forced $SAN_KERNEL kernel"
-  # Test ids put the forced kernel first: "test_decode[decode_mma-16-heads1-dtype1]".
-  sub=(tests/test_cuda_vs_cpu.py -k "(test_decode or causal or invalid or rows_past or unaligned or verification) and not large and $SAN_KERNEL-")
+  # Test ids put the forced kernel first: "test_decode[decode_mma-16-heads1-dtype1]"; its variants
+  # ("decode_mma-2stages-...", "decode_mma-v1-...", "-v2-") are left out: the plain cases run the build's
+  # default or EECORE_DECODE_MMA_LDMATRIX's choice.
+  sub=(tests/test_cuda_vs_cpu.py -k "(test_decode or causal or invalid or rows_past or unaligned or verification) and not large and $SAN_KERNEL- and not 2stages and not v1- and not v2- and not versions_agree")
   limited 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
     --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider "${sub[@]}" > "$WORK/memcheck.txt" 2>&1 &
   mc=$!
   limited 150 "$SANITIZER" --tool racecheck --error-exitcode 99 \
     --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_vs_cpu.py \
-    -k "(test_decode or verification) and $SAN_KERNEL- and dtype1 and not large" > "$WORK/racecheck.txt" 2>&1 || status=1
+    -k "(test_decode or verification) and $SAN_KERNEL- and dtype1 and not large and not 2stages and not v1- and not v2- and not versions_agree" \
+    > "$WORK/racecheck.txt" 2>&1 || status=1
   wait $mc || status=1
   for f in memcheck racecheck; do
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$WORK/$f.txt" | head -4 | tee -a "$LOGS/summary.txt"
@@ -142,11 +161,11 @@ if want sanitize; then
   done
 fi
 
-if want engine; then
-  step "the engine on CUDA"
-  limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py ${EECORE_TEST_ARGS:-} \
-    > "$WORK/pytest-engine.txt" 2>&1 || status=1
-  report "$WORK/pytest-engine.txt"
+if want ops; then
+  step "the other CUDA op tests"
+  OMP_NUM_THREADS=1 limited 200 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_cuda_vs_cpu.py \
+    tests/test_op_*.py -k "cuda and not paged_attention and not (${ATTN_TESTS[2]})" ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
+  report "$WORK/pytest-ops.txt"
 fi
 
 if want bench; then
@@ -155,9 +174,4 @@ if want bench; then
   tail -14 "$WORK/bench.txt" | tee -a "$LOGS/summary.txt"
 fi
 
-if want e2e; then
-  step "end-to-end decode against HF"
-  (cd bench && limited 150 "$PY" e2e_cuda.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
-  grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
-fi
 finish

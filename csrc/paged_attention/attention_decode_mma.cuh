@@ -31,6 +31,16 @@ constexpr int kWarpKeys = 16;  // keys per warp tile: one k-slice of P V, two n-
 // halves the shared memory so that 3 CTAs (12 warps) fit an SM: an experiment for the latency the
 // profile shows (docs/cuda.md), chosen with EECORE_DECODE_MMA_STAGES=2 (D <= 128, 16 rows).
 constexpr int kDefaultStages = 3;
+// LDMATRIX = true (the default): fragments come from shared memory by ldmatrix (K and Q as they
+// lie, V transposed): 4 + 2 instructions per 16 dims of a tile instead of 16 32-bit and 32 16-bit
+// loads; each tile's block-table entries are read one iteration ahead, so their L2 round trip
+// overlaps a tile's arithmetic instead of stalling the warp before its copies; and O is rescaled
+// only when some row's running max moved (alpha == 1 otherwise: skipping the multiply is exact).
+// The profile of the kernel without them (docs/cuda.md) showed a latency-bound warp: 0.43 issued
+// instructions per scheduler cycle with no eligible warp 57% of the time. Off by default until it
+// has run on a GPU (EECORE_DECODE_MMA_LDMATRIX=1 turns it on, =0 off); the first version stays for
+// side-by-side timing.
+constexpr bool kDefaultLdmatrix = false;
 
 template <int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
 struct Shape {
@@ -66,7 +76,26 @@ __device__ __forceinline__ bool locate_key(const PagedLayout& layout, const int3
   return block >= 0 && block < layout.num_blocks;
 }
 
-template <typename T, int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
+// Index into the block table and offset in its block of key `pos` >= 0. Block sizes are usually
+// powers of two: a shift and a mask then replace the division.
+__device__ __forceinline__ void key_index(int64_t pos, int32_t block_size, int32_t block_shift, int64_t& index,
+                                          int32_t& offset) {
+  if (pos <= INT32_MAX) {
+    const int32_t p32 = static_cast<int32_t>(pos);
+    if (block_shift >= 0) {
+      index = p32 >> block_shift;
+      offset = p32 & (block_size - 1);
+    } else {
+      index = p32 / block_size;
+      offset = p32 - static_cast<int32_t>(index) * block_size;
+    }
+  } else {
+    index = pos / block_size;
+    offset = static_cast<int32_t>(pos - index * block_size);
+  }
+}
+
+template <typename T, int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages, bool LDMATRIX = kDefaultLdmatrix>
 __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kCtasPerSm)
     paged_attention_decode_mma_kernel(const PagedAttentionParams p, const int32_t splits, const int32_t split_tokens,
                                       float* __restrict__ workspace) {
@@ -123,17 +152,33 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
 
   // Copies this warp's tile t into stage t % kStages: every block-table lookup first (the copies'
   // asm has a memory clobber that would serialize them), then the copies.
-  auto issue = [&](int32_t t) {
-    const int stage = t % kStages;
+  // The block-table entries (-1: no key) of the keys this lane copies in tile t.
+  auto lookup = [&](int32_t t, int32_t (&entry)[S::kCopiesPerLane]) {
     const int64_t first = tile_start(t);
-    bool present[S::kCopiesPerLane];
-    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
 #pragma unroll
     for (int i = 0; i < S::kCopiesPerLane; ++i) {
       const int64_t pos = first + copy_key + i * S::kKeysPerPass;
-      block[i] = 0;
-      offset[i] = 0;
-      present[i] = pos < k_stop && locate_key(k_layout, table, p.max_blocks, block_shift, pos, block[i], offset[i]);
+      int64_t index;
+      int32_t offset;
+      key_index(pos, p.block_size, block_shift, index, offset);
+      entry[i] = t < my_tiles && pos >= 0 && pos < k_stop && index < p.max_blocks ? table[index] : -1;
+    }
+  };
+  // Copies tile t into stage t % kStages from its looked-up entries (copy_tile), or looking them up
+  // first (issue): every lookup before the copies (their asm has a memory clobber that would
+  // serialize them).
+  auto copy_tile = [&](int32_t t, const int32_t (&entry)[S::kCopiesPerLane], bool present[S::kCopiesPerLane],
+                       int32_t block[S::kCopiesPerLane], int32_t offset[S::kCopiesPerLane], bool located) {
+    const int stage = t % kStages;
+    const int64_t first = tile_start(t);
+    if (located) {
+#pragma unroll
+      for (int i = 0; i < S::kCopiesPerLane; ++i) {
+        int64_t index;
+        key_index(first + copy_key + i * S::kKeysPerPass, p.block_size, block_shift, index, offset[i]);
+        block[i] = entry[i];
+        present[i] = entry[i] >= 0 && entry[i] < p.num_blocks;
+      }
     }
     T* ks = k_tile(stage);
     T* vs = v_tile(stage);
@@ -151,6 +196,27 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
         zero_16(v_dst);
       }
     }
+  };
+  auto issue = [&](int32_t t) {
+    const int64_t first = tile_start(t);
+    bool present[S::kCopiesPerLane];
+    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
+    const int32_t none[S::kCopiesPerLane] = {};
+#pragma unroll
+    for (int i = 0; i < S::kCopiesPerLane; ++i) {
+      const int64_t pos = first + copy_key + i * S::kKeysPerPass;
+      block[i] = 0;
+      offset[i] = 0;
+      present[i] = pos < k_stop && locate_key(k_layout, table, p.max_blocks, block_shift, pos, block[i], offset[i]);
+    }
+    copy_tile(t, none, present, block, offset, false);
+  };
+  int32_t ahead[S::kCopiesPerLane];  // LDMATRIX: the entries of the next tile to copy
+  auto issue_ahead = [&](int32_t t) {  // copies tile t from `ahead`, then looks up tile t + 1's entries
+    bool present[S::kCopiesPerLane];
+    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
+    copy_tile(t, ahead, present, block, offset, true);
+    lookup(t + 1, ahead);
   };
 
   // The two packed rows of each m-tile this thread holds accumulators for: quad_row and quad_row + 8.
@@ -188,13 +254,20 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
       for (int e = 0; e < 4; ++e) o[mt][jd][e] = 0.f;
   }
 
+  if constexpr (LDMATRIX) lookup(0, ahead);
 #pragma unroll
   for (int t = 0; t < kStages - 1; ++t) {
-    if (t < my_tiles) issue(t);
+    if (t < my_tiles) {
+      if constexpr (LDMATRIX) issue_ahead(t);
+      else issue(t);
+    }
     cp_async_commit();  // possibly empty: keeps "all but the newest kStages - 1" uniform
   }
   for (int32_t it = 0; it < my_tiles; ++it) {
-    if (it + kStages - 1 < my_tiles) issue(it + kStages - 1);  // the stage the warp finished last iteration
+    if (it + kStages - 1 < my_tiles) {  // the stage the warp finished last iteration
+      if constexpr (LDMATRIX) issue_ahead(it + kStages - 1);
+      else issue(it + kStages - 1);
+    }
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();  // every lane's copies of tile `it` are visible to the whole warp
@@ -214,17 +287,35 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
       uint32_t b[2][2];
+      if constexpr (LDMATRIX) {
+        // matrix i = lane / 8: keys 8 (i / 2) + 0..7, dims 16 kk + 8 (i % 2) + 0..7 -> b[i / 2][i % 2]
+        uint32_t r[4];
+        ldmatrix_x4(r, ks + (8 * (lane / 16) + lane % 8) * kPitch + kk * 16 + 8 * ((lane / 8) % 2));
+        b[0][0] = r[0];
+        b[0][1] = r[1];
+        b[1][0] = r[2];
+        b[1][1] = r[3];
+      } else {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const T* kb = ks + (8 * j + quad_row) * kPitch + kk * 16 + 2 * quad_lane;
-        b[j][0] = load_pair(kb);
-        b[j][1] = load_pair(kb + 8);
+        for (int j = 0; j < 2; ++j) {
+          const T* kb = ks + (8 * j + quad_row) * kPitch + kk * 16 + 2 * quad_lane;
+          b[j][0] = load_pair(kb);
+          b[j][1] = load_pair(kb + 8);
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
-        const T* qa = q_s + (mt * 16 + quad_row) * kPitch + kk * 16 + 2 * quad_lane;
-        const uint32_t a[4] = {load_pair(qa), load_pair(qa + 8 * kPitch), load_pair(qa + 8),
-                               load_pair(qa + 8 * kPitch + 8)};
+        uint32_t a[4];
+        if constexpr (LDMATRIX) {
+          // matrix i: rows 16 mt + 8 (i % 2) + 0..7, dims 16 kk + 8 (i / 2) + 0..7 -> a[i]
+          ldmatrix_x4(a, q_s + (mt * 16 + 8 * ((lane / 8) % 2) + lane % 8) * kPitch + kk * 16 + 8 * (lane / 16));
+        } else {
+          const T* qa = q_s + (mt * 16 + quad_row) * kPitch + kk * 16 + 2 * quad_lane;
+          a[0] = load_pair(qa);
+          a[1] = load_pair(qa + 8 * kPitch);
+          a[2] = load_pair(qa + 8);
+          a[3] = load_pair(qa + 8 * kPitch + 8);
+        }
 #pragma unroll
         for (int j = 0; j < 2; ++j) mma<T>(s[mt][j], a, b[j]);
       }
@@ -271,23 +362,40 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
           l_run[mt][e / 2] += prob;
         }
       }
+      // The warp's rows mostly keep their max from tile to tile; multiplying by alpha == 1 is a no-op.
+      if (!LDMATRIX || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-      for (int jd = 0; jd < kDimTiles; ++jd) {
-        o[mt][jd][0] *= alpha[0];
-        o[mt][jd][1] *= alpha[0];
-        o[mt][jd][2] *= alpha[1];
-        o[mt][jd][3] *= alpha[1];
+        for (int jd = 0; jd < kDimTiles; ++jd) {
+          o[mt][jd][0] *= alpha[0];
+          o[mt][jd][1] *= alpha[0];
+          o[mt][jd][2] *= alpha[1];
+          o[mt][jd][3] *= alpha[1];
+        }
       }
 
       // ---- O += P V: S's two n-tiles are exactly the A fragment of the tile's 16 keys
       const uint32_t a[4] = {pack_floats<T>(s[mt][0][0], s[mt][0][1]), pack_floats<T>(s[mt][0][2], s[mt][0][3]),
                              pack_floats<T>(s[mt][1][0], s[mt][1][1]), pack_floats<T>(s[mt][1][2], s[mt][1][3])};
-      const T* vb = vs + (2 * quad_lane) * kPitch + quad_row;
+      if constexpr (LDMATRIX) {
+        // matrix i: keys 8 (i % 2) + 0..7, dims 8 (jd + i / 2) + 0..7, transposed -> b of n-tiles jd, jd + 1
+        const T* vb = vs + (lane % 16) * kPitch + 8 * (lane / 16);
 #pragma unroll
-      for (int jd = 0; jd < kDimTiles; ++jd) {
-        const T* vp = vb + 8 * jd;  // B[k][n] = V[key k][dim 8jd + n]
-        const uint32_t b[2] = {pack_pair(vp[0], vp[kPitch]), pack_pair(vp[8 * kPitch], vp[9 * kPitch])};
-        mma<T>(o[mt][jd], a, b);
+        for (int jd = 0; jd < kDimTiles; jd += 2) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, vb + 8 * jd);
+          const uint32_t b0[2] = {r[0], r[1]};
+          const uint32_t b1[2] = {r[2], r[3]};
+          mma<T>(o[mt][jd], a, b0);
+          mma<T>(o[mt][jd + 1], a, b1);
+        }
+      } else {
+        const T* vb = vs + (2 * quad_lane) * kPitch + quad_row;
+#pragma unroll
+        for (int jd = 0; jd < kDimTiles; ++jd) {
+          const T* vp = vb + 8 * jd;  // B[k][n] = V[key k][dim 8jd + n]
+          const uint32_t b[2] = {pack_pair(vp[0], vp[kPitch]), pack_pair(vp[8 * kPitch], vp[9 * kPitch])};
+          mma<T>(o[mt][jd], a, b);
+        }
       }
     }
     __syncwarp();  // the whole warp has read this stage before a lane refills it

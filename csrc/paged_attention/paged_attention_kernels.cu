@@ -176,6 +176,14 @@ inline bool decode_mma_two_stages(const PagedAttentionParams& p) {
          decode_mma_head_dim(p.head_dim) <= 128;
 }
 
+// EECORE_DECODE_MMA_LDMATRIX=1 / 0: decode_mma with ldmatrix fragments, look-ahead block-table
+// reads and lazy rescaling, or its first version (unset: attention::decode_mma::kDefaultLdmatrix).
+inline bool decode_mma_ldmatrix() {
+  const char* v = std::getenv("EECORE_DECODE_MMA_LDMATRIX");
+  if (v == nullptr || *v == '\0') return attention::decode_mma::kDefaultLdmatrix;
+  return std::strcmp(v, "0") != 0;
+}
+
 inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
   int64_t ctas = 1;
   dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
@@ -194,7 +202,9 @@ template <typename T, int kHeadDim, int kMTiles, int kStages>
 cudaError_t launch_decode_mma_shape(const PagedAttentionParams& p, const PagedAttentionPlan& plan, float* ws,
                                     cudaStream_t stream) {
   using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles, kStages>;
-  auto kernel = attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages>;
+  auto kernel = decode_mma_ldmatrix()
+                    ? attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, true>
+                    : attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, false>;
   if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits),
                   static_cast<unsigned>(decode_mma_row_blocks(p)), static_cast<unsigned>(p.num_kv_heads));

@@ -67,4 +67,26 @@ __device__ __forceinline__ uint32_t pack_floats(float lo, float hi) {
   return pack_pair<T>(from_float<T>(lo), from_float<T>(hi));
 }
 
+// Four 8x8 matrices of 16-bit elements from shared memory in one instruction. Lanes 8i..8i+7 give
+// the addresses of matrix i's rows 0..7 (16 bytes each, 16-byte aligned); lane 4g + t receives in
+// r[i] matrix i's row g, columns 2t and 2t+1: a row-major tile's A fragment, or a B fragment read
+// from rows that hold B's columns (K's rows for S = Q K^T).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// The same, each matrix transposed: lane 4g + t receives matrix i's rows 2t and 2t+1 of column g,
+// the B fragment of a row-major [k][n] tile (V's rows for O += P V).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
 }  // namespace eecore::cuda
