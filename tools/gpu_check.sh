@@ -129,7 +129,7 @@ fi
 if want ncu; then
   step "Nsight Compute at B=64, ctx 4096, 32/8 heads, D=128"
   for kernel in ${EECORE_NCU_KERNELS:-decode_mma}; do  # "decode_mma:v1": the sweep sets the variant
-    limited 60 "$NCU" --target-processes all -k "regex:paged_attention_${kernel%%:*}_kernel" \
+    limited 60 "$NCU" --clock-control none --target-processes all -k "regex:paged_attention_${kernel%%:*}_kernel" \
       --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats \
       "$PY" bench/cuda_decode_sweep.py --headline-only --kernels "$kernel" > "$WORK/ncu-${kernel//:/-}.txt" 2>&1 || status=1
