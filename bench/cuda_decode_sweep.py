@@ -11,7 +11,8 @@ through EECORE_PAGED_ATTENTION_KERNEL ("auto" is the planner's own choice), with
 colons: `decode_mma:2` (EECORE_DECODE_MMA_STAGES=2: 2-stage pipelines, 3 CTAs per SM) and
 `decode_mma:v1` / `decode_mma:v2` (EECORE_DECODE_MMA_LDMATRIX=0 / 1: the kernel before ldmatrix
 fragments, look-ahead block-table reads and lazy rescaling, or with them), combinable as
-`decode_mma:2:v2`; without v1 or v2 the build's default. SDPA gets its KV
+`decode_mma:2:v2`; without v1 or v2 the build's default; `f<N>` sets EECORE_DECODE_MMA_V2_FLAGS=N
+(which of v2's changes run, e.g. `decode_mma:v2:f0` for ldmatrix alone). SDPA gets its KV
 pre-gathered and contiguous, for free. Every timing is the median per call over CUDA-graph replays
 of 10 calls, so launch gaps do not hide the kernels of small cells. Outputs are checked against
 SDPA's before any timing.
@@ -38,7 +39,8 @@ from bench_cuda import copy_bandwidth  # noqa: E402
 KERNEL_ENV = "EECORE_PAGED_ATTENTION_KERNEL"
 STAGES_ENV = "EECORE_DECODE_MMA_STAGES"
 LDMATRIX_ENV = "EECORE_DECODE_MMA_LDMATRIX"
-VARIANT_ENVS = (KERNEL_ENV, STAGES_ENV, LDMATRIX_ENV)
+V2_FLAGS_ENV = "EECORE_DECODE_MMA_V2_FLAGS"
+VARIANT_ENVS = (KERNEL_ENV, STAGES_ENV, LDMATRIX_ENV, V2_FLAGS_ENV)
 
 
 def variant_env(kernel: str) -> dict:
@@ -50,8 +52,10 @@ def variant_env(kernel: str) -> dict:
             env[STAGES_ENV] = option
         elif option in ("v1", "v2"):
             env[LDMATRIX_ENV] = "0" if option == "v1" else "1"
+        elif option[:1] == "f" and option[1:].isdigit():
+            env[V2_FLAGS_ENV] = option[1:]
         else:
-            raise SystemExit(f"--kernels: unknown option {option!r} in {kernel!r} (expected 2, 3, v1 or v2)")
+            raise SystemExit(f"--kernels: unknown option {option!r} in {kernel!r} (expected 2, 3, v1, v2 or f<N>)")
     return env
 
 

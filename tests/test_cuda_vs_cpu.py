@@ -170,6 +170,7 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("v2_flags", ["0", "7"])
 @pytest.mark.parametrize("shape", [
     dict(heads=(32, 8), head_dim=128, block_size=16, q_lens=[1, 1, 1, 1]),    # decode, G = 4
     dict(heads=(32, 4), head_dim=64, block_size=32, q_lens=[1, 1, 1, 1]),     # G = 8, two row tiles at D = 64
@@ -177,14 +178,15 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
     dict(heads=(16, 2), head_dim=256, block_size=16, q_lens=[2, 2, 2, 2]),    # D = 256
     dict(heads=(8, 2), head_dim=128, block_size=24, q_lens=[1, 4, 1, 1]),     # a block size that is no power of two
 ])
-def test_decode_mma_versions_agree_bit_for_bit(dtype, stages, shape, monkeypatch):
-    """decode_mma with ldmatrix fragments, look-ahead block-table reads and lazy rescaling against its
-    first version: the same arithmetic in the same order (a skipped rescale multiplies by exactly 1),
-    so the outputs must be identical, not just close."""
+def test_decode_mma_versions_agree_bit_for_bit(dtype, stages, v2_flags, shape, monkeypatch):
+    """decode_mma v2 (ldmatrix fragments; with flags 7 also whole-tile copies and masks and lazy
+    rescaling) against its first version: the same arithmetic in the same order (a skipped rescale
+    multiplies by exactly 1, a skipped mask passes every key), so the outputs must be identical."""
     case = make_attention(dtype, [1, 40, 700, 2100], shape["q_lens"], *shape["heads"], head_dim=shape["head_dim"],
                           block_size=shape["block_size"])
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", "decode_mma")
     monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", stages)
+    monkeypatch.setenv("EECORE_DECODE_MMA_V2_FLAGS", v2_flags)
     outs = []
     for version in ("1", "0"):
         monkeypatch.setenv("EECORE_DECODE_MMA_LDMATRIX", version)

@@ -31,16 +31,23 @@ constexpr int kWarpKeys = 16;  // keys per warp tile: one k-slice of P V, two n-
 // halves the shared memory so that 3 CTAs (12 warps) fit an SM: an experiment for the latency the
 // profile shows (docs/cuda.md), chosen with EECORE_DECODE_MMA_STAGES=2 (D <= 128, 16 rows).
 constexpr int kDefaultStages = 3;
-// LDMATRIX = true (the default): fragments come from shared memory by ldmatrix (K and Q as they
-// lie, V transposed): 4 + 2 instructions per 16 dims of a tile instead of 16 32-bit and 32 16-bit
-// loads; each tile's block-table entries are read one iteration ahead, so their L2 round trip
-// overlaps a tile's arithmetic instead of stalling the warp before its copies; and O is rescaled
-// only when some row's running max moved (alpha == 1 otherwise: skipping the multiply is exact).
-// The profile of the kernel without them (docs/cuda.md) showed a latency-bound warp: 0.43 issued
-// instructions per scheduler cycle with no eligible warp 57% of the time. Off by default until it
-// has run on a GPU (EECORE_DECODE_MMA_LDMATRIX=1 turns it on, =0 off); the first version stays for
-// side-by-side timing.
+// LDMATRIX = true ("v2"): fragments come from shared memory by ldmatrix (K and Q as they lie, V
+// transposed): 4 + 2 instructions per 16 dims of a tile instead of 16 32-bit and 32 16-bit loads;
+// and, as `v2_flags` (EECORE_DECODE_MMA_V2_FLAGS, default all) selects, so that each can be timed
+// alone:
+//   kWholeTileCopy  a tile whose 16 keys lie in one block (block sizes that are multiples of 16)
+//                   is copied from one table lookup and one base address, instead of a lookup and
+//                   a 64-bit address per key and lane;
+//   kWholeTileMask  such a tile, entirely before the first query and with no bias or tree mask,
+//                   skips the per-key masks;
+//   kLazyRescale    O is rescaled only when some row's running max moved (alpha == 1 otherwise:
+//                   skipping the multiply is exact).
+// The first version's profile (docs/cuda.md) showed a latency-bound warp issuing few instructions
+// per cycle; its dynamic instruction count is dominated by per-key addressing and masking, which
+// these remove. Off by default until measured faster (EECORE_DECODE_MMA_LDMATRIX=1 turns it on).
 constexpr bool kDefaultLdmatrix = false;
+constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4;
+constexpr int32_t kAllV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale;
 
 template <int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
 struct Shape {
@@ -76,29 +83,10 @@ __device__ __forceinline__ bool locate_key(const PagedLayout& layout, const int3
   return block >= 0 && block < layout.num_blocks;
 }
 
-// Index into the block table and offset in its block of key `pos` >= 0. Block sizes are usually
-// powers of two: a shift and a mask then replace the division.
-__device__ __forceinline__ void key_index(int64_t pos, int32_t block_size, int32_t block_shift, int64_t& index,
-                                          int32_t& offset) {
-  if (pos <= INT32_MAX) {
-    const int32_t p32 = static_cast<int32_t>(pos);
-    if (block_shift >= 0) {
-      index = p32 >> block_shift;
-      offset = p32 & (block_size - 1);
-    } else {
-      index = p32 / block_size;
-      offset = p32 - static_cast<int32_t>(index) * block_size;
-    }
-  } else {
-    index = pos / block_size;
-    offset = static_cast<int32_t>(pos - index * block_size);
-  }
-}
-
 template <typename T, int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages, bool LDMATRIX = kDefaultLdmatrix>
 __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kCtasPerSm)
     paged_attention_decode_mma_kernel(const PagedAttentionParams p, const int32_t splits, const int32_t split_tokens,
-                                      float* __restrict__ workspace) {
+                                      float* __restrict__ workspace, const int32_t v2_flags) {
   using S = Shape<HEAD_DIM, M_TILES, STAGES>;
   constexpr int kStages = STAGES;
   constexpr int kRows = S::kRows;
@@ -139,7 +127,10 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
   unsigned char* warp_smem = smem + S::kQBytes + warp * S::kWarpBytes;
   auto k_tile = [&](int stage) { return reinterpret_cast<T*>(warp_smem + stage * S::kTileBytes); };
   auto v_tile = [&](int stage) { return k_tile(stage) + kWarpKeys * kPitch; };
-  int32_t* present_s = reinterpret_cast<int32_t*>(warp_smem + kStages * S::kTileBytes);  // [kStages][kWarpKeys]
+  // [kStages][kWarpKeys]: 0 key absent, 1 present, kWholeTile: every key of the tile present (a
+  // whole-tile copy's flags)
+  int32_t* present_s = reinterpret_cast<int32_t*>(warp_smem + kStages * S::kTileBytes);
+  constexpr int32_t kWholeTile = 2;
   const int32_t my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
 
   const int32_t* table = p.block_table + seq * p.block_table_stride;
@@ -152,33 +143,45 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
 
   // Copies this warp's tile t into stage t % kStages: every block-table lookup first (the copies'
   // asm has a memory clobber that would serialize them), then the copies.
-  // The block-table entries (-1: no key) of the keys this lane copies in tile t.
-  auto lookup = [&](int32_t t, int32_t (&entry)[S::kCopiesPerLane]) {
+  auto issue = [&](int32_t t) {
+    const int stage = t % kStages;
     const int64_t first = tile_start(t);
+    if (LDMATRIX && (v2_flags & kWholeTileCopy) && block_shift >= 4 && (first & (kWarpKeys - 1)) == 0 &&
+        first + kWarpKeys <= k_stop && first <= INT32_MAX - kWarpKeys) {
+      // The tile's 16 keys lie in one block: one lookup, one base address, fixed strides.
+      const int32_t f32 = static_cast<int32_t>(first);
+      const int32_t index = f32 >> block_shift;
+      const int32_t block = index < p.max_blocks ? table[index] : -1;
+      const bool present = block >= 0 && block < p.num_blocks;
+      const int32_t offset = (f32 & (p.block_size - 1)) + copy_key;
+      const T* k_src = k_cache + (present ? paged_offset(k_layout, block, offset, kv_head) : 0) + copy_chunk * 8;
+      const T* v_src = v_cache + (present ? paged_offset(v_layout, block, offset, kv_head) : 0) + copy_chunk * 8;
+      T* ks = k_tile(stage);
+      T* vs = v_tile(stage);
+#pragma unroll
+      for (int i = 0; i < S::kCopiesPerLane; ++i) {
+        const int32_t n = copy_key + i * S::kKeysPerPass;
+        if (copy_chunk == 0) present_s[stage * kWarpKeys + n] = present ? kWholeTile : 0;
+        T* k_dst = ks + n * kPitch + copy_chunk * 8;
+        T* v_dst = vs + n * kPitch + copy_chunk * 8;
+        if (present && copy_chunk * 8 < p.head_dim) {
+          cp_async_16(k_dst, k_src + i * S::kKeysPerPass * p.k_stride_token);
+          cp_async_16(v_dst, v_src + i * S::kKeysPerPass * p.v_stride_token);
+        } else {
+          zero_16(k_dst);
+          zero_16(v_dst);
+        }
+      }
+      return;
+    }
+    bool present[S::kCopiesPerLane];
+    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
 #pragma unroll
     for (int i = 0; i < S::kCopiesPerLane; ++i) {
       const int64_t pos = first + copy_key + i * S::kKeysPerPass;
-      int64_t index;
-      int32_t offset;
-      key_index(pos, p.block_size, block_shift, index, offset);
-      entry[i] = t < my_tiles && pos >= 0 && pos < k_stop && index < p.max_blocks ? table[index] : -1;
-    }
-  };
-  // Copies tile t into stage t % kStages from its looked-up entries (copy_tile), or looking them up
-  // first (issue): every lookup before the copies (their asm has a memory clobber that would
-  // serialize them).
-  auto copy_tile = [&](int32_t t, const int32_t (&entry)[S::kCopiesPerLane], bool present[S::kCopiesPerLane],
-                       int32_t block[S::kCopiesPerLane], int32_t offset[S::kCopiesPerLane], bool located) {
-    const int stage = t % kStages;
-    const int64_t first = tile_start(t);
-    if (located) {
-#pragma unroll
-      for (int i = 0; i < S::kCopiesPerLane; ++i) {
-        int64_t index;
-        key_index(first + copy_key + i * S::kKeysPerPass, p.block_size, block_shift, index, offset[i]);
-        block[i] = entry[i];
-        present[i] = entry[i] >= 0 && entry[i] < p.num_blocks;
-      }
+      block[i] = 0;
+      offset[i] = 0;
+      present[i] = pos < k_stop && locate_key(k_layout, table, p.max_blocks, block_shift, pos, block[i], offset[i]);
     }
     T* ks = k_tile(stage);
     T* vs = v_tile(stage);
@@ -196,27 +199,6 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
         zero_16(v_dst);
       }
     }
-  };
-  auto issue = [&](int32_t t) {
-    const int64_t first = tile_start(t);
-    bool present[S::kCopiesPerLane];
-    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
-    const int32_t none[S::kCopiesPerLane] = {};
-#pragma unroll
-    for (int i = 0; i < S::kCopiesPerLane; ++i) {
-      const int64_t pos = first + copy_key + i * S::kKeysPerPass;
-      block[i] = 0;
-      offset[i] = 0;
-      present[i] = pos < k_stop && locate_key(k_layout, table, p.max_blocks, block_shift, pos, block[i], offset[i]);
-    }
-    copy_tile(t, none, present, block, offset, false);
-  };
-  int32_t ahead[S::kCopiesPerLane];  // LDMATRIX: the entries of the next tile to copy
-  auto issue_ahead = [&](int32_t t) {  // copies tile t from `ahead`, then looks up tile t + 1's entries
-    bool present[S::kCopiesPerLane];
-    int32_t block[S::kCopiesPerLane], offset[S::kCopiesPerLane];
-    copy_tile(t, ahead, present, block, offset, true);
-    lookup(t + 1, ahead);
   };
 
   // The two packed rows of each m-tile this thread holds accumulators for: quad_row and quad_row + 8.
@@ -254,20 +236,17 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
       for (int e = 0; e < 4; ++e) o[mt][jd][e] = 0.f;
   }
 
-  if constexpr (LDMATRIX) lookup(0, ahead);
 #pragma unroll
   for (int t = 0; t < kStages - 1; ++t) {
-    if (t < my_tiles) {
-      if constexpr (LDMATRIX) issue_ahead(t);
-      else issue(t);
-    }
+    if (t < my_tiles) issue(t);
     cp_async_commit();  // possibly empty: keeps "all but the newest kStages - 1" uniform
   }
+  // A whole tile before the first query row needs no per-key mask (padding rows, never stored, may
+  // then see keys: their values do not matter and stay finite).
+  const bool unmasked_before_first_query =
+      LDMATRIX && (v2_flags & kWholeTileMask) && p.position_bias == nullptr;
   for (int32_t it = 0; it < my_tiles; ++it) {
-    if (it + kStages - 1 < my_tiles) {  // the stage the warp finished last iteration
-      if constexpr (LDMATRIX) issue_ahead(it + kStages - 1);
-      else issue(it + kStages - 1);
-    }
+    if (it + kStages - 1 < my_tiles) issue(it + kStages - 1);  // the stage the warp finished last iteration
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();  // every lane's copies of tile `it` are visible to the whole warp
@@ -322,11 +301,21 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
     }
 
     // ---- scale, bias, masks, online softmax per row (rows split over the 4 lanes of a quad)
+    const bool unmasked = unmasked_before_first_query && present_s[stage * kWarpKeys] == kWholeTile &&
+                          (first + kWarpKeys <= first_pos || (!p.causal && p.tree_mask == nullptr));
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
+        if (unmasked) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][j][e] *= qk_scale;
+            tile_max[e / 2] = fmaxf(tile_max[e / 2], s[mt][j][e]);
+          }
+          continue;
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e / 2;
@@ -363,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
         }
       }
       // The warp's rows mostly keep their max from tile to tile; multiplying by alpha == 1 is a no-op.
-      if (!LDMATRIX || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+      if (!LDMATRIX || !(v2_flags & kLazyRescale) || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
         for (int jd = 0; jd < kDimTiles; ++jd) {
           o[mt][jd][0] *= alpha[0];

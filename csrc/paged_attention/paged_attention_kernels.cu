@@ -184,6 +184,14 @@ inline bool decode_mma_ldmatrix() {
   return std::strcmp(v, "0") != 0;
 }
 
+// EECORE_DECODE_MMA_V2_FLAGS: which of v2's changes run (attention::decode_mma::kWholeTileCopy | ...;
+// default all), so that each can be timed alone.
+inline int32_t decode_mma_v2_flags() {
+  const char* v = std::getenv("EECORE_DECODE_MMA_V2_FLAGS");
+  if (v == nullptr || *v == '\0') return attention::decode_mma::kAllV2Flags;
+  return static_cast<int32_t>(std::strtol(v, nullptr, 10)) & attention::decode_mma::kAllV2Flags;
+}
+
 inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
   int64_t ctas = 1;
   dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
@@ -209,7 +217,8 @@ cudaError_t launch_decode_mma_shape(const PagedAttentionParams& p, const PagedAt
   const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits),
                   static_cast<unsigned>(decode_mma_row_blocks(p)), static_cast<unsigned>(p.num_kv_heads));
   kernel<<<grid, attention::decode_mma::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits,
-                                                                                plan.split_tokens, ws);
+                                                                                plan.split_tokens, ws,
+                                                                                decode_mma_v2_flags());
   return cudaGetLastError();
 }
 
