@@ -17,13 +17,14 @@ of the skipped layers), LayerSkip's self-speculation with the first E layers as 
 (`LayerDrafts(E, copy=DraftCopy())`). Random weights measure speed only: their drafts' acceptance
 is printed beside it, since a round's speed depends on it; the draft copy also runs with perfect
 drafts (bench/spec_costs.py's oracle: its passes run, then full depth's tokens replace its own), the
-most any training of the drafter could give at that E, d and batch. Writes
+most any training of the drafter could give at that E, d and batch (full depth's output at the same
+batch is the oracle; in bf16 a verify pass of several rows a sequence rounds differently from a
+one-row step, so near-ties of random weights can still reject a perfect draft). Writes
 bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 
@@ -73,7 +74,7 @@ def exit_strategies(name: str, folder: str, full, prompts, params, args) -> list
     from spec_costs import install_oracle
 
     rows = []
-    continuations = {tuple(p): o.token_ids for p, o in zip(prompts, full.generate(prompts, params))}
+    continuations: dict[tuple, list[int]] = {}
     for label, config in exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations).items():
         perfect = config.pop("perfect", False)
         llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), **config)
@@ -81,6 +82,11 @@ def exit_strategies(name: str, folder: str, full, prompts, params, args) -> list
             install_oracle(llm, continuations)
         llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         for batch in args.batch_sizes:
+            if perfect:
+                # Full depth's output at this very batch: in bf16 on a GPU the rounding depends on
+                # the batch's shape, so another batch's greedy continuation soon differs.
+                reference = full.generate(prompts[:batch], params)
+                continuations.update({tuple(p): o.token_ids for p, o in zip(prompts, reference)})
             t_full, t_exit = [], []
             for _ in range(args.repeats):
                 full_outs, t = timed(full.generate, prompts[:batch], params)
@@ -118,7 +124,6 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("e2e_cuda.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
-    os.environ.setdefault("EECORE_CUDA_GRAPHS", "1")  # the graphed engine (opt-in while unverified)
 
     rows, exit_rows = [], []
     for name in args.models:

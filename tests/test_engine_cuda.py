@@ -121,13 +121,8 @@ def test_token_trees_are_full_depth(tiny):
 
 # ---- CUDA graphs of the decode step (eecore.engine.static_decode) ----------------------------
 
-@pytest.fixture
-def graphs_on(monkeypatch):
-    monkeypatch.setenv("EECORE_CUDA_GRAPHS", "1")  # opt-in until these tests have passed on a GPU
-
-
 @pytest.mark.parametrize("num_prompts", [1, 3, 6, 11])
-def test_graphs_give_eager_tokens_and_logprobs(tiny, num_prompts, graphs_on):
+def test_graphs_give_eager_tokens_and_logprobs(tiny, num_prompts):
     """Captured and replayed decode steps against enforce_eager=True: requests finish on different
     steps, so the batch passes through several padded sizes (11 -> 16, 6 -> 8, 3 -> 4, ...)."""
     path, hf = tiny
@@ -144,7 +139,7 @@ def test_graphs_give_eager_tokens_and_logprobs(tiny, num_prompts, graphs_on):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
 
 
-def test_graphs_with_preemption_and_bf16(tiny, graphs_on):
+def test_graphs_with_preemption_and_bf16(tiny):
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14, 7, 30, 2, 11], seed=3)
     eager = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=14, block_size=4, enforce_eager=True)
@@ -161,7 +156,7 @@ def test_graphs_with_preemption_and_bf16(tiny, graphs_on):
 
 
 @pytest.mark.parametrize("draft", ["lookup", "copy", "hybrid-token"])
-def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, graphs_on):
+def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft):
     """Self-speculation's verify pass captured per padded batch at the round's verify width, and a
     draft copy's one-token passes, against enforce_eager=True: same tokens and logprobs."""
     path, hf = tiny
@@ -189,7 +184,7 @@ def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, graphs_on):
 
 @pytest.mark.parametrize("early_exit", [dict(measure="softmax", threshold=3e-5), dict(measure="cosine", threshold=0.5),
                                         dict(measure="static", exit_layer=1)])
-def test_graphs_of_early_exit_segments_give_eager_tokens(tiny, early_exit, graphs_on):
+def test_graphs_of_early_exit_segments_give_eager_tokens(tiny, early_exit):
     """Early exit's iteration (rule "all", static exits) captured as one graph per segment between
     two checks, against enforce_eager=True: same tokens, exit layers and logprobs."""
     path, hf = tiny

@@ -43,9 +43,12 @@ constexpr int kDefaultStages = 3;
 //   kLazyRescale    O is rescaled only when some row's running max moved (alpha == 1 otherwise:
 //                   skipping the multiply is exact).
 // The first version's profile (docs/cuda.md) showed a latency-bound warp issuing few instructions
-// per cycle; its dynamic instruction count is dominated by per-key addressing and masking, which
-// these remove. Off by default until measured faster (EECORE_DECODE_MMA_LDMATRIX=1 turns it on).
-constexpr bool kDefaultLdmatrix = false;
+// per cycle, most of them per-key addressing. On an H200 at B = 64, context 4096, 32/8 heads,
+// D = 128 (bench/results/nvidia-h200/nvidia-h200-decode-kernels-2026-11-27.md): the first version
+// 401 us (65% of the copy bandwidth), ldmatrix alone 392, whole-tile copies alone 287, masks or
+// rescaling alone ~395, all of them 279 us (94%). The default; EECORE_DECODE_MMA_LDMATRIX=0 runs
+// the first version for side-by-side timing.
+constexpr bool kDefaultLdmatrix = true;
 constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4;
 constexpr int32_t kAllV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale;
 

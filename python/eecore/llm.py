@@ -97,8 +97,8 @@ class LLM:
         a draft copy (`LayerDrafts(copy=DraftCopy())`), into the copy of the draft layers alone (full
         depth then stays the original model).
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig);
-    `enforce_eager=True` turns off the CUDA graphs of full-depth decode steps on a GPU (opt-in with
-    EECORE_CUDA_GRAPHS=1 until they have run on one).
+    `enforce_eager=True` turns off the CUDA graphs that a GPU runs its decode steps, verify passes,
+    draft-copy passes and early-exit segments as (vLLM's switch of the same name).
     """
 
     def __init__(self, model: Optional[str] = None, dtype="auto", device=None,

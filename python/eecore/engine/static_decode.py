@@ -15,7 +15,6 @@ how the CPU tests check it: same tokens as the plain step, buffers reused, nothi
 from __future__ import annotations
 
 import bisect
-import os
 from typing import Optional
 
 import torch
@@ -184,15 +183,10 @@ class StaticLayers(StaticPass):
         return self._all_layers(inputs)
 
 
-# The graphs have not yet run on a GPU (tests/test_engine_cuda.py holds them to eager mode there):
-# until they have, they are opt-in with EECORE_CUDA_GRAPHS=1, and the plain step stays the default.
-GRAPHS_ENV = "EECORE_CUDA_GRAPHS"
-
-
 def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional[StaticDecode]:
-    """CUDA graphs of the decode step on a CUDA device (with EECORE_CUDA_GRAPHS=1, for now) unless
-    `enforce_eager`; none on the CPU."""
-    if enforce_eager or runner.model.device.type != "cuda" or os.environ.get(GRAPHS_ENV) != "1":
+    """CUDA graphs of the decode step on a CUDA device unless `enforce_eager` (tests/test_engine_cuda.py
+    holds them to eager mode there); none on the CPU."""
+    if enforce_eager or runner.model.device.type != "cuda":
         return None
     return StaticDecode(runner, max_batch, capture=True)
 
