@@ -177,6 +177,9 @@ def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft):
     if stack is not None:
         assert stack.static.graphs, "no draft copy pass was captured"
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    # lossless verification hides wrong draft rows (row 0 alone decides the token): the graphed
+    # pass must accept exactly what the eager one does
+    assert [o.metrics["num_accepted_tokens"] for o in graphed] == [o.metrics["num_accepted_tokens"] for o in eager]
     for a, b in zip(graphed, eager):
         for step_a, step_b in zip(a.logprobs, b.logprobs):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())

@@ -214,6 +214,7 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
         assert stack.static.outputs, "no static copy pass ran"
         assert stack.runner.layer_tokens == plain_llm.engine.strategy.draft_stack.runner.layer_tokens
     assert [o.token_ids for o in static] == [o.token_ids for o in plain]
+    assert [o.metrics["num_accepted_tokens"] for o in static] == [o.metrics["num_accepted_tokens"] for o in plain]
     assert [o.exit_layers for o in static] == [o.exit_layers for o in plain]
     for a, b in zip(static, plain):
         for step_a, step_b in zip(a.logprobs, b.logprobs):
@@ -353,3 +354,43 @@ def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny):
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
         assert runner.static_decode.graphs or config is not None
 
+
+
+def test_graphed_verify_accepts_perfect_drafts(tiny):
+    """Drafts replaced by full depth's own greedy tokens must all be accepted by the verify pass
+    replayed as (emulated) graphs: lossless verification would hide draft rows computed from stale
+    inputs, since the pending token's row alone decides what is emitted."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = greedy(12)
+    expected = {tuple(p): o.token_ids for p, o in zip(prompts, _llm(path, static=False).generate(prompts, params))}
+    llm = _llm(path, static=True, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=3, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
+    runner, decoder = llm.engine.runner, llm.engine.strategy
+    runner.static_verify = _emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
+                                                        width=decoder.lookahead))
+    decoder.draft_stack.static = _emulate_graphs(StaticLayers(decoder.draft_stack.runner,
+                                                              llm.engine.config.max_num_seqs, capture=False))
+    chain: dict[int, int] = {}  # drafts proposed so far this round, by sequence
+    propose_round, propose_token = decoder.proposer.propose, decoder.picker.propose
+
+    def round_drafts(*args, **kwargs):
+        chain.clear()
+        return propose_round(*args, **kwargs)
+
+    def perfect_token(logits, seqs, *args, **kwargs):
+        proposal = propose_token(logits, seqs, *args, **kwargs)
+        for i, seq in enumerate(seqs):
+            k = chain[seq.seq_id] = chain.get(seq.seq_id, -1) + 1
+            wanted = expected[tuple(seq.prompt_token_ids)]
+            if len(seq.output_token_ids) + k < len(wanted):
+                proposal.tokens[i] = wanted[len(seq.output_token_ids) + k]
+        return proposal
+
+    decoder.proposer.propose, decoder.picker.propose = round_drafts, perfect_token
+    outs = llm.generate(prompts, params)
+    assert runner.static_verify.graphs, "the verify pass was never replayed"
+    assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    drafted = sum(o.metrics["num_drafted_tokens"] for o in outs)
+    assert drafted > 0
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) == drafted
