@@ -8,6 +8,7 @@
 #   engine     tests/test_engine_cuda.py (CUDA graphs against eager included)
 #   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/<gpu>/
 #   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
+#   profile    bench/cuda_step_profile.py: a decode step's kernels by time, graphed and eager
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
@@ -17,6 +18,7 @@
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
 #   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
+#   EECORE_PROFILE_ARGS       arguments for bench/cuda_step_profile.py
 #   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
 #   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
 #                             "decode_mma or auto" for the kernels a change touched (default: all)
@@ -33,7 +35,7 @@ cd "$(dirname "$0")/.."
 LOGS="${OUT:-${TMPDIR:-/tmp}/eecore-gpu-check}"
 WORK="$(mktemp -d)"
 mkdir -p "$LOGS"
-STEPS=" ${EECORE_GPU_STEPS:-build attn ops sweep ncu sanitize engine bench e2e} "
+STEPS=" ${EECORE_GPU_STEPS:-build attn engine sweep e2e profile ncu sanitize ops bench} "
 [ "${EECORE_SKIP_BUILD:-0}" = "1" ] && STEPS="${STEPS/ build / }"
 DEADLINE=$(($(date +%s) + ${EECORE_GPU_CHECK_SECONDS:-470}))
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -126,6 +128,13 @@ if want e2e; then
   (cd bench && limited 200 "$PY" e2e_cuda.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
   grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
 fi
+if want profile; then
+  step "a decode step's kernels (graphed, then eager)"
+  (cd bench && limited 90 "$PY" cuda_step_profile.py ${EECORE_PROFILE_ARGS:-} \
+    && limited 60 "$PY" cuda_step_profile.py --enforce-eager ${EECORE_PROFILE_ARGS:-}) > "$WORK/step-profile.txt" 2>&1 || status=1
+  grep -E "a step|Error" "$WORK/step-profile.txt" | tail -8 | tee -a "$LOGS/summary.txt"
+fi
+
 if want ncu; then
   step "Nsight Compute at B=64, ctx 4096, 32/8 heads, D=128"
   for kernel in ${EECORE_NCU_KERNELS:-decode_mma}; do  # "decode_mma:v1": the sweep sets the variant
