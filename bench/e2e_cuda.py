@@ -3,7 +3,7 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
 
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
-        [--exit-models llama-3.2-1b] [--num-speculations 3]
+        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-ready-model GGUF]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
 medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
@@ -19,7 +19,12 @@ is printed beside it, since a round's speed depends on it; the draft copy also r
 drafts (bench/spec_costs.py's oracle: its passes run, then full depth's tokens replace its own), the
 most any training of the drafter could give at that E, d and batch (full depth's output at the same
 batch is the oracle; in bf16 a verify pass of several rows a sequence rounds differently from a
-one-row step, so near-ties of random weights can still reject a perfect draft). Writes
+one-row step, so near-ties of random weights can still reject a perfect draft).
+
+With --exit-ready-model (the SmolLM2-135M-Instruct GGUF, which a lent GPU gets in parts: see
+tools/gpu_train_exit_ready.sh), the exit-ready presets for a GPU (`SelfSpeculativeConfig.exit_ready(
+preset, device="cuda")` with the shipped draft layers) run against that model's full depth on
+held-out code prompts, at every batch size: real weights, real acceptance. Writes
 bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
 """
 from __future__ import annotations
@@ -31,7 +36,8 @@ import tempfile
 import torch
 
 import eecore
-from common import alternate_with_hf, device_folder, device_slug, hf_generate_greedy, save_results, timed
+from common import (alternate_with_hf, bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
+                    timed)
 
 MODELS = {  # HF LlamaConfig fields of the real checkpoints
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -69,15 +75,27 @@ def exit_configs(num_layers: int, d: int) -> dict:
     return configs
 
 
-def exit_strategies(name: str, folder: str, full, prompts, params, args) -> list[dict]:
-    """Each configuration of exit_configs against the full-depth engine `full`, alternating run by run."""
+def exit_ready_configs(device: str) -> dict:
+    """The exit-ready presets for `device`, with the shipped draft layers (eecore.speculative.presets)."""
+    from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE
+
+    # the shipped file by path: exit_adapter=True is refused for a model given by path
+    return {f"exit-ready {preset}": dict(exit_adapter=SHIPPED_DRAFT_FILE,
+                                         speculative=eecore.SelfSpeculativeConfig.exit_ready(preset, device=device))
+            for preset in ("layer", "hybrid")}
+
+
+def against_full_depth(name: str, model: str, configs: dict, full, prompts, params, args) -> list[dict]:
+    """Each of `configs` (label -> LLM keywords, "perfect": replace the drafts by full depth's
+    tokens) on `model` against the full-depth engine `full`, alternating run by run."""
     from spec_costs import install_oracle
 
     rows = []
     continuations: dict[tuple, list[int]] = {}
-    for label, config in exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations).items():
+    for label, config in configs.items():
+        config = dict(config)
         perfect = config.pop("perfect", False)
-        llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), **config)
+        llm = eecore.LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), **config)
         if perfect:  # the copy's passes all run; its tokens are replaced by full depth's
             install_oracle(llm, continuations)
         llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -111,7 +129,7 @@ def exit_strategies(name: str, folder: str, full, prompts, params, args) -> list
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -119,6 +137,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--exit-models", nargs="*", default=["llama-3.2-1b"], choices=list(MODELS))
     ap.add_argument("--num-speculations", type=int, default=3)
+    ap.add_argument("--exit-ready-model", default=None, metavar="GGUF",
+                    help="also run the exit-ready presets (SelfSpeculativeConfig.exit_ready(device='cuda'), the "
+                         "shipped draft layers) on this SmolLM2-135M-Instruct file against its full depth, on "
+                         "held-out code prompts")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -160,10 +182,20 @@ def main():
                       f"identical greedy outputs {same}/{batch} (to eager {same_eager}/{batch})", flush=True)
             del eager, hf
             if name in args.exit_models:
-                exit_rows += exit_strategies(name, folder, llm, prompts, params, args)
+                configs = exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations)
+                exit_rows += against_full_depth(name, folder, configs, llm, prompts, params, args)
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+    if args.exit_ready_model is not None:
+        full = eecore.LLM(args.exit_ready_model, dtype=args.dtype, device=args.device,
+                          max_num_seqs=max(args.batch_sizes))
+        prompts = bench_prompt_ids(full.tokenizer, "code", max(args.batch_sizes))
+        params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        full.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        exit_rows += against_full_depth("smollm2-135m-instruct", args.exit_ready_model, exit_ready_configs(args.device), full,
+                                        prompts, params, args)
+        del full
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     path = save_results(f"{device_slug(device_name)}-e2e", dict(device=device_name, dtype=args.dtype,
                                                              max_tokens=args.max_tokens, prompt_len=args.prompt_len,

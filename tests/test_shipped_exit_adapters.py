@@ -195,3 +195,24 @@ def test_exit_ready_outputs_are_full_depths(preset):
     outs = spec.generate(prompts, greedy(24))
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+
+
+
+def test_exit_ready_presets_on_a_gpu_draft_at_every_batch_in_the_model_dtype(monkeypatch):
+    """device="cuda": no CPU batch limits, the copy in the model's dtype (CUDA widens int8 weights on
+    every call), the planner on; options still override. Built without a GPU: only the config."""
+    from eecore.speculative import presets
+    monkeypatch.setattr(presets, "preset_device", lambda device: "cuda" if device == "cuda" else "cpu")
+    layer = eecore.SelfSpeculativeConfig.exit_ready("layer", device="cuda")
+    assert layer == eecore.SelfSpeculativeConfig(
+        num_speculations=4, adaptive=True,
+        layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5, copy=eecore.DraftCopy()))
+    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", device="cuda", draft_dtype="float16")
+    assert hybrid.disable_by_batch_size is None and hybrid.layer.disable_by_batch_size is None
+    assert hybrid.layer.copy == eecore.DraftCopy(dtype="float16") and hybrid.hybrid_switch == "token"
+    assert eecore.SelfSpeculativeConfig.exit_ready("layer", device="cpu").layer.copy == eecore.DraftCopy(dtype="int8")
+
+
+def test_exit_ready_preset_device_is_checked():
+    with pytest.raises(ValueError, match="SelfSpeculativeConfig.exit_ready: 'device'"):
+        eecore.SelfSpeculativeConfig.exit_ready("layer", device="tpu")

@@ -21,6 +21,8 @@
 #     collect                   waits for it (9 minutes at most: call it again if it says so) and copies
 #                               the log and the file into $OUT. Keep a call in flight all along: an idle
 #                               machine goes back after 30 s, and the run with it;
+#     exitready [ARGS...]       the exit-ready presets on the real weights against full depth on the GPU
+#                               (bench/e2e_cuda.py --exit-ready-model), batch 1, 8 and 64; parts 1-3 only;
 #     generate PROMPTS [ARGS...] on-policy data: the original model's greedy continuations of PROMPTS code
 #                               prompts, or of CODE code prompts and CHAT chat instructions when PROMPTS
 #                               is CODE+CHAT, and GENERAL everyday requests when it is CODE+CHAT+GENERAL
@@ -154,17 +156,38 @@ collect() {
   cp "$BACKGROUND_OUT"/* "${OUT:?collect runs on the device machine}/"
 }
 
-# assemble: the model and the corpus from the carried parts, once per machine, into $PAYLOAD/work
+# assemble_model: the model from the carried parts 1-3, once per machine, into $PAYLOAD/work
+assemble_model() {
+  local work="$PWD/$PAYLOAD/work"
+  mkdir -p "$work"
+  for part in 1 2 3; do [ -d "$PAYLOAD/part$part" ] || { echo "missing $PAYLOAD/part$part: carry it first"; exit 1; }; done
+  [ -f "$work/model.gguf" ] || cat "$PAYLOAD"/part1/model.gguf.part00 "$PAYLOAD"/part2/model.gguf.part01 \
+    "$PAYLOAD"/part3/model.gguf.part02 > "$work/model.gguf"
+}
+
+# assemble: the model and the corpus (part 4) from the carried parts, once per machine
 assemble() {
   local work="$PWD/$PAYLOAD/work"
+  [ -d "$PAYLOAD/part4" ] || { echo "missing $PAYLOAD/part4: carry it first"; exit 1; }
+  assemble_model
   mkdir -p "$work/corpus"
-  for part in 1 2 3 4; do [ -d "$PAYLOAD/part$part" ] || { echo "missing $PAYLOAD/part$part: carry it first"; exit 1; }; done
-  if [ ! -f "$work/model.gguf" ]; then
-    cat "$PAYLOAD"/part1/model.gguf.part00 "$PAYLOAD"/part2/model.gguf.part01 "$PAYLOAD"/part3/model.gguf.part02 \
-      > "$work/model.gguf"
+  if [ ! -f "$work/corpus/train.npy" ]; then
     cp "$PAYLOAD"/part4/corpus/manifest.json "$PAYLOAD"/part4/corpus/heldout.npy "$work/corpus/"
     xz -dc "$PAYLOAD"/part4/corpus/train.npy.xz > "$work/corpus/train.npy"
   fi
+}
+
+# exitready [ARGS...]: the exit-ready presets for a GPU on the real weights against their full depth
+# (bench/e2e_cuda.py --exit-ready-model: held-out code prompts, batch 1, 8 and 64, outputs compared);
+# needs parts 1-3 only. ARGS go to e2e_cuda.py.
+exitready() {
+  local out="${OUT:-/tmp}"
+  assemble_model
+  environment
+  build "$out"
+  (cd bench && "$PY" e2e_cuda.py --models --exit-models --exit-ready-model "$PWD/../$PAYLOAD/work/model.gguf" \
+    --repeats 2 "$@") 2>&1 | grep -v "Writing model shards" | tee "$out/exit-ready-gpu.txt"
+  cp bench/results/*/*-e2e-"$(date +%F)".json "$out/" 2>/dev/null || true
 }
 
 # generate PROMPTS [ARGS...]: on-policy data, the original model's greedy continuations of PROMPTS code
@@ -238,5 +261,6 @@ case "${1:-}" in
   generate) shift; generate "$@" ;;
   onpolicy) shift; onpolicy "$@" ;;
   collect) collect ;;
-  *) echo "usage: $0 pack | receive | generate PROMPTS [args] | onpolicy BUDGET PROMPTS [trainer args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
+  exitready) shift; exitready "$@" ;;
+  *) echo "usage: $0 pack | receive | exitready [e2e_cuda args] | generate PROMPTS [args] | onpolicy BUDGET PROMPTS [trainer args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
 esac

@@ -6,6 +6,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
+from eecore.device import resolve_device
 from eecore.engine.llm_engine import EngineConfig, LLMEngine
 from eecore.engine.streaming import DeltaTracker
 from eecore.exits.config import EarlyExitConfig
@@ -60,21 +61,6 @@ def _quantize(loaded, type_name: str) -> None:
     if not isinstance(loaded.config, ModelConfig):
         raise ValueError("LLM: 'quantization' is for decoder-only models")
     quantize_state_dict(loaded.state_dict, type_name)
-
-
-def resolve_device(device) -> torch.device:
-    from eecore import _C
-
-    has_cuda_kernels = bool(_C.build_info().get("cuda"))
-    if device is None:
-        return torch.device("cuda" if has_cuda_kernels and torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not has_cuda_kernels:
-        raise ValueError("LLM: device='cuda' but this eecore was built without CUDA kernels; rebuild with a "
-                         "CUDA build of torch and nvcc (see docs/cuda.md)")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLM: 'device' must be cpu or cuda, got {device!r}")
-    return dev
 
 
 class LLM:

@@ -240,7 +240,7 @@ def speculative_config(args):
         raise SystemExit(f"eecore: {which} needs --exit-layer E (only --draft lookup runs without one)")
     try:
         if preset is not None:
-            return eecore.SelfSpeculativeConfig.exit_ready(preset, **given)
+            return eecore.SelfSpeculativeConfig.exit_ready(preset, device=getattr(args, "device", None), **given)
         return from_flat(eecore.SelfSpeculativeConfig, given)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None

@@ -131,7 +131,8 @@ def _calibrate_draft_exits(args) -> int:
             if args.candidates < 2:
                 raise ValueError(f"--candidates must be >= 2, got {args.candidates}")
             candidates = [1.0 - i / (args.candidates - 1) for i in range(args.candidates)]
-        spec = eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=1.0, exit_measure=args.exit_measure)
+        spec = eecore.SelfSpeculativeConfig.exit_ready("layer", device=args.device, exit_threshold=1.0,
+                                                       exit_measure=args.exit_measure)
         texts = [p.prompt for p in read_prompt_file(args.prompts)]
         llm = eecore.LLM(dtype=args.dtype, device=args.device, exit_adapter=True, quantization=args.quantization,
                          max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size,

@@ -100,13 +100,15 @@ class SelfSpeculativeConfig:
         self._check()
 
     @classmethod
-    def exit_ready(cls, preset: str = "layer", **options) -> "SelfSpeculativeConfig":
+    def exit_ready(cls, preset: str = "layer", device=None, **options) -> "SelfSpeculativeConfig":
         """The embedded model's exit-ready self-speculation (eecore.speculative.presets): "layer"
         drafts with the shipped draft layers alone, "hybrid" with prompt lookup first. Use it with
         `LLM(exit_adapter=True)`, which loads those layers (CLI: `--exit-ready [layer|hybrid]`).
-        `options` change the preset, named as their command-line flags (`stop_below` is
-        `draft_threshold`, `layer.copy.dtype` is `draft_dtype`, ...: eecore.speculative.flat_options)."""
-        return exit_ready_config(cls, preset, options)
+        `device`: the LLM's (None: LLM's default); the CPU presets draft with an int8 copy and stop
+        at small batches, the GPU ones do neither. `options` change the preset, named as their
+        command-line flags (`stop_below` is `draft_threshold`, `layer.copy.dtype` is `draft_dtype`,
+        ...: eecore.speculative.flat_options)."""
+        return exit_ready_config(cls, preset, options, device)
 
     def _check(self) -> None:
         if not is_int(self.num_speculations) or self.num_speculations < 1:

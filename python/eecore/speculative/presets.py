@@ -20,11 +20,17 @@ above the batch where it stopped paying: 2 (layer) and 4 (hybrid) running sequen
 copy runs on AMX-INT8 tiles the layer preset drafts up to 4, and where bf16 verify rows run on
 AMX-BF16 the hybrid's lookup drafts go on up to 8 (layer drafts up to 4). The measurements behind
 every number are in docs/exit-ready.md and docs/draft-layers-history.md.
+
+On a GPU neither CPU limit holds: a verify pass of several rows a sequence costs about what one row
+costs up to large batches, and the int8 copy is a CPU format (CUDA widens its weights on every
+call). There the presets draft at every batch size, with the copy in the model's dtype, and leave
+the lengths to the planner, which prices the rounds it times on that device.
 """
 from __future__ import annotations
 
 import torch
 
+from eecore.device import resolve_device
 from eecore.models.amx_weights import amx_available
 from eecore.speculative.flat_options import from_flat
 from eecore.speculative.options import DraftCopy, LayerDrafts, LookupDrafts
@@ -34,11 +40,27 @@ LAYER_PRESET_AMX_MAX_BATCH = 4
 HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH = 8
 
 
-def exit_ready_preset(config_cls, preset: str):
-    """The preset, a `config_cls` (SelfSpeculativeConfig), as tuned for this CPU, before any override."""
+def preset_device(device) -> str:
+    """"cpu" or "cuda": `device` as LLM takes it (None: LLM's default, CUDA where eecore has CUDA
+    kernels and a GPU is visible)."""
+    try:
+        return resolve_device(device).type
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'device' {exc}") from None
+
+
+def exit_ready_preset(config_cls, preset: str, device=None):
+    """The preset, a `config_cls` (SelfSpeculativeConfig), as tuned for `device`'s kind, before any
+    override."""
     if preset not in PRESETS:
         raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'preset' must be one of {', '.join(PRESETS)}, "
                          f"got {preset!r}")
+    if preset_device(device) == "cuda":
+        copy = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy())
+        if preset == "layer":
+            return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **copy), adaptive=True)
+        return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, max_length=3, **copy),
+                          lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", adaptive=True)
     stops = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy(dtype="int8"))
     if preset == "layer":
         limit = LAYER_PRESET_AMX_MAX_BATCH if amx_available(torch.int8) else 2
@@ -51,9 +73,9 @@ def exit_ready_preset(config_cls, preset: str):
         adaptive=True)
 
 
-def exit_ready_config(config_cls, preset: str, options: dict):
-    """The preset with `options` (flat names, eecore.speculative.flat_options) applied."""
-    base = exit_ready_preset(config_cls, preset)
+def exit_ready_config(config_cls, preset: str, options: dict, device=None):
+    """The preset for `device` with `options` (flat names, eecore.speculative.flat_options) applied."""
+    base = exit_ready_preset(config_cls, preset, device)
     options = dict(options)
     exits = options.get("exit_threshold") is not None or options.get("accept") == "confident"
     if exits and options.get("adaptive_drafts") is None:
