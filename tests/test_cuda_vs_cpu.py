@@ -170,7 +170,7 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("stages", ["2", "3"])
-@pytest.mark.parametrize("v2_flags", ["0", "7"])
+@pytest.mark.parametrize("v2_flags", ["0", "7", "15"])
 @pytest.mark.parametrize("shape", [
     dict(heads=(32, 8), head_dim=128, block_size=16, q_lens=[1, 1, 1, 1]),    # decode, G = 4
     dict(heads=(32, 4), head_dim=64, block_size=32, q_lens=[1, 1, 1, 1]),     # G = 8, two row tiles at D = 64
@@ -180,8 +180,9 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
 ])
 def test_decode_mma_versions_agree_bit_for_bit(dtype, stages, v2_flags, shape, monkeypatch):
     """decode_mma v2 (ldmatrix fragments; with flags 7 also whole-tile copies and masks and lazy
-    rescaling) against its first version: the same arithmetic in the same order (a skipped rescale
-    multiplies by exactly 1, a skipped mask passes every key), so the outputs must be identical."""
+    rescaling, with 15 also Q's load overlapped with the first tiles') against its first version:
+    the same arithmetic in the same order (a skipped rescale multiplies by exactly 1, a skipped mask
+    passes every key), so the outputs must be identical."""
     case = make_attention(dtype, [1, 40, 700, 2100], shape["q_lens"], *shape["heads"], head_dim=shape["head_dim"],
                           block_size=shape["block_size"])
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", "decode_mma")

@@ -41,7 +41,9 @@ constexpr int kDefaultStages = 3;
 //   kWholeTileMask  such a tile, entirely before the first query and with no bias or tree mask,
 //                   skips the per-key masks;
 //   kLazyRescale    O is rescaled only when some row's running max moved (alpha == 1 otherwise:
-//                   skipping the multiply is exact).
+//                   skipping the multiply is exact);
+//   kQOverlap       the first tiles' copies are issued before the CTA waits for its Q tile (not in
+//                   the default set until it has run on a GPU).
 // The first version's profile (docs/cuda.md) showed a latency-bound warp issuing few instructions
 // per cycle, most of them per-key addressing. On an H200 at B = 64, context 4096, 32/8 heads,
 // D = 128 (bench/results/nvidia-h200/nvidia-h200-decode-kernels-2026-11-27.md): the first version
@@ -49,8 +51,9 @@ constexpr int kDefaultStages = 3;
 // rescaling alone ~395, all of them 279 us (94%). The default; EECORE_DECODE_MMA_LDMATRIX=0 runs
 // the first version for side-by-side timing.
 constexpr bool kDefaultLdmatrix = true;
-constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4;
-constexpr int32_t kAllV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale;
+constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4, kQOverlap = 8;
+constexpr int32_t kDefaultV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale;
+constexpr int32_t kKnownV2Flags = kDefaultV2Flags | kQOverlap;
 
 template <int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
 struct Shape {
@@ -123,8 +126,11 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
   T* q_s = reinterpret_cast<T*>(smem);  // [kRows][kPitch]
   load_packed_q<T, kRows, HEAD_DIM, kPitch, kThreads>(p, pr, m_begin, kv_head, q_s);
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  const bool q_overlap = LDMATRIX && (v2_flags & kQOverlap);  // uniform over the grid
+  if (!q_overlap) {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
 
   // ---- this warp's pipeline: tiles warp, warp + kWarps, ... of the split
   unsigned char* warp_smem = smem + S::kQBytes + warp * S::kWarpBytes;
@@ -243,6 +249,12 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
   for (int t = 0; t < kStages - 1; ++t) {
     if (t < my_tiles) issue(t);
     cp_async_commit();  // possibly empty: keeps "all but the newest kStages - 1" uniform
+  }
+  if (q_overlap) {
+    // Q's group is the oldest: it lands while the first tiles' copies are in flight, so a CTA pays
+    // one memory latency before its first tile instead of two (short contexts are latency-bound).
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
   }
   // A whole tile before the first query row needs no per-key mask (padding rows, never stored, may
   // then see keys: their values do not matter and stay finite).

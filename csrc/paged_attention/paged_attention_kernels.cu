@@ -185,11 +185,11 @@ inline bool decode_mma_ldmatrix() {
 }
 
 // EECORE_DECODE_MMA_V2_FLAGS: which of v2's changes run (attention::decode_mma::kWholeTileCopy | ...;
-// default all), so that each can be timed alone.
+// default kDefaultV2Flags), so that each can be timed alone.
 inline int32_t decode_mma_v2_flags() {
   const char* v = std::getenv("EECORE_DECODE_MMA_V2_FLAGS");
-  if (v == nullptr || *v == '\0') return attention::decode_mma::kAllV2Flags;
-  return static_cast<int32_t>(std::strtol(v, nullptr, 10)) & attention::decode_mma::kAllV2Flags;
+  if (v == nullptr || *v == '\0') return attention::decode_mma::kDefaultV2Flags;
+  return static_cast<int32_t>(std::strtol(v, nullptr, 10)) & attention::decode_mma::kKnownV2Flags;
 }
 
 inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
