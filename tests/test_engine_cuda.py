@@ -185,6 +185,34 @@ def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())
 
 
+@pytest.mark.parametrize("spec", [dict(num_speculations=3, layer=dict(exit_layer=1)),
+                                  dict(num_speculations=3, layer=dict(exit_layer=2), lookup=dict(min_ngram=2))])
+def test_graphs_of_layerskip_passes_give_eager_tokens(tiny, spec, monkeypatch):
+    """LayerSkip's draft passes through layers 0..E-1 and its verify pass from the exit-query cache,
+    captured per padded batch, against enforce_eager=True: same tokens, accepted drafts and logprobs."""
+    monkeypatch.setenv("EECORE_LAYERSKIP_GRAPHS", "1")  # opt-in until this test has passed on a GPU
+    path, hf = tiny
+
+    def config():
+        return eecore.SelfSpeculativeConfig(num_speculations=spec["num_speculations"],
+                                            layer=eecore.LayerDrafts(**spec["layer"]),
+                                            lookup=eecore.LookupDrafts(**spec["lookup"]) if "lookup" in spec else None)
+
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = [greedy(6 + 3 * i, logprobs=2) for i in range(len(prompts))]
+    eager = _llm(path, speculative=config(), enforce_eager=True).generate(prompts, params)
+    llm = _llm(path, speculative=config())
+    graphed = llm.generate(prompts, params)
+    decoder = llm.engine.strategy
+    assert decoder.proposer.static.graphs and decoder.verifier.static_from_exit_states.graphs, "nothing was captured"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert [o.metrics["num_accepted_tokens"] for o in graphed] == [o.metrics["num_accepted_tokens"] for o in eager]
+    for a, b in zip(graphed, eager):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())
+
+
 @pytest.mark.parametrize("early_exit", [dict(measure="softmax", threshold=3e-5), dict(measure="cosine", threshold=0.5),
                                         dict(measure="static", exit_layer=1)])
 def test_graphs_of_early_exit_segments_give_eager_tokens(tiny, early_exit):

@@ -11,7 +11,7 @@ import eecore
 from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import StaticDecode, StaticLayers, StaticVerify, capture_sizes
+from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
 from eecore.exits.static_segments import StaticExitSegments
 from engine_utils import greedy, random_prompts
 from model_factory import make_tiny_hf_model
@@ -371,6 +371,83 @@ def test_graphed_verify_accepts_perfect_drafts(tiny):
                                                         width=decoder.lookahead))
     decoder.draft_stack.static = _emulate_graphs(StaticLayers(decoder.draft_stack.runner,
                                                               llm.engine.config.max_num_seqs, capture=False))
+    _draft_full_depths_tokens(decoder, expected)
+    outs = llm.generate(prompts, params)
+    assert runner.static_verify.graphs, "the verify pass was never replayed"
+    assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    drafted = sum(o.metrics["num_drafted_tokens"] for o in outs)
+    assert drafted > 0
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) == drafted
+
+
+SHARED_LAYER_CONFIGS = {  # LayerSkip's own: drafts from the model's first E layers, verified from layer E
+    "layer": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(2)),
+    "layer-lookup": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(1),
+                                                         lookup=eecore.LookupDrafts(min_ngram=2)),
+    "layer-exits": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        2, stop_below=0.0, exit_threshold=0.0035)),
+}
+
+
+def _graph_shared_layer_passes(llm):
+    """The decoder's draft passes through layers 0..E-1 and its verify pass from the exit-query cache
+    as emulated graphs (what a GPU engine builds wherever its decode steps are graphs)."""
+    runner, decoder = llm.engine.runner, llm.engine.strategy
+    rows = llm.engine.config.max_num_seqs
+    decoder.proposer.static = _emulate_graphs(StaticLayers(runner, rows, capture=False, num_layers=decoder.exit_layer))
+    decoder.verifier.static_from_exit_states = _emulate_graphs(StaticExitVerify(
+        runner, rows, False, decoder.lookahead, decoder.exit_layer, decoder.verifier.exit_states))
+    return decoder.proposer.static, decoder.verifier.static_from_exit_states
+
+
+@pytest.mark.parametrize("name", list(SHARED_LAYER_CONFIGS))
+def test_shared_layer_passes_replayed_as_graphs_give_the_varlen_passes(tiny, name):
+    """LayerSkip's one-token draft passes (layers 0..E-1, shared KV cache) and its verify pass from
+    the exit-query cache, padded to the verify width, as graphs: the same tokens, logprobs, exits
+    and accepted drafts as the varlen passes, the same work per layer, every block freed."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]  # repeats: prompt lookup finds matches
+    params = [greedy(6 + 3 * i, logprobs=2) for i in range(len(prompts))]
+    plain_llm = _llm(path, static=False, speculative=SHARED_LAYER_CONFIGS[name]())
+    plain = plain_llm.generate(prompts, params)
+    llm = _llm(path, static=False, speculative=SHARED_LAYER_CONFIGS[name]())
+    drafts, verify = _graph_shared_layer_passes(llm)
+    graphed = llm.generate(prompts, params)
+    assert drafts.graphs and verify.graphs, "a shared-layer pass never ran static"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
+    assert [o.exit_layers for o in graphed] == [o.exit_layers for o in plain]
+    assert [o.metrics["num_accepted_tokens"] for o in graphed] == [o.metrics["num_accepted_tokens"] for o in plain]
+    for a, b in zip(graphed, plain):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
+    assert llm.engine.runner.layer_tokens == plain_llm.engine.runner.layer_tokens
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_graphed_shared_layer_verify_accepts_perfect_drafts(tiny):
+    """Draft tokens replaced by full depth's own must all be accepted from the exit-query cache by
+    the graphed verify pass: the drafts' layer-E states and K/V come from the graphed draft passes."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = greedy(12)
+    expected = {tuple(p): o.token_ids for p, o in zip(prompts, _llm(path, static=False).generate(prompts, params))}
+    llm = _llm(path, static=False, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=3, layer=eecore.LayerDrafts(1, guard=None)))
+    drafts, verify = _graph_shared_layer_passes(llm)
+    _draft_full_depths_tokens(llm.engine.strategy, expected)
+    outs = llm.generate(prompts, params)
+    assert drafts.graphs and verify.graphs
+    assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    drafted = sum(o.metrics["num_drafted_tokens"] for o in outs)
+    assert drafted > 0
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) == drafted
+
+
+def _draft_full_depths_tokens(decoder, expected: dict) -> None:
+    """Replace each layer draft's token by full depth's next one (`expected`: prompt -> greedy
+    output), after the draft passes have run."""
     chain: dict[int, int] = {}  # drafts proposed so far this round, by sequence
     propose_round, propose_token = decoder.proposer.propose, decoder.picker.propose
 
@@ -388,9 +465,3 @@ def test_graphed_verify_accepts_perfect_drafts(tiny):
         return proposal
 
     decoder.proposer.propose, decoder.picker.propose = round_drafts, perfect_token
-    outs = llm.generate(prompts, params)
-    assert runner.static_verify.graphs, "the verify pass was never replayed"
-    assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
-    drafted = sum(o.metrics["num_drafted_tokens"] for o in outs)
-    assert drafted > 0
-    assert sum(o.metrics["num_accepted_tokens"] for o in outs) == drafted

@@ -15,6 +15,7 @@ how the CPU tests check it: same tokens as the plain step, buffers reused, nothi
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Optional
 
 import torch
@@ -167,20 +168,55 @@ class StaticVerify(StaticPass):
 
 
 class StaticLayers(StaticPass):
-    """Every layer of the runner's model over one token a sequence, on static buffers: a draft copy's
-    pass (its E layers). `run(rows)`: the residual stream after the last layer `[B, d]` (a view of
-    the runner's workspace); the draft head reads it eagerly."""
+    """The first `num_layers` layers of the runner's model (default: all) over one token a sequence,
+    on static buffers: a draft copy's pass (its E layers), or LayerSkip's draft pass through layers
+    0..E-1 of the model itself (writing the shared KV cache). `run(rows)`: the residual stream after
+    the last of them `[B, d]` (a view of the runner's workspace); the draft head reads it eagerly."""
+
+    def __init__(self, runner, max_batch: int, capture: bool, num_layers: Optional[int] = None):
+        super().__init__(runner, max_batch, capture)
+        self.layers = range(runner.num_layers if num_layers is None else num_layers)
 
     def takes(self, rows: list[Row]) -> bool:
         return 0 < len(rows) <= self.max_batch and all(len(r.tokens) == 1 and r.parents is None for r in rows)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
         _, hidden = self._run_padded(rows, 1)
-        self._count(rows, 1)
+        self._count(rows, 1, self.layers)
         return hidden[: len(rows)]
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
-        return self._all_layers(inputs)
+        runner = self.runner
+        hidden = runner.embed(inputs)
+        for i in self.layers:
+            runner.model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
+        return hidden
+
+
+class StaticExitVerify(StaticVerify):
+    """LayerSkip's verify pass from the exit-query cache on static buffers: the layer-E states the
+    draft passes stored (`exit_states [rows, W, d]`, a buffer at a fixed address) continue through
+    layers E..L-1 over every sequence's W positions; positions past a sequence's drafts compute
+    what is left there and are dropped, as StaticVerify's padded tokens are. `run(rows)`: the
+    logits of every real token, in the rows' order."""
+
+    def __init__(self, runner, max_batch: int, capture: bool, width: int, exit_layer: int,
+                 exit_states: torch.Tensor):
+        super().__init__(runner, max_batch, capture, width)
+        self.exit_layer = exit_layer
+        self.exit_states = exit_states
+
+    def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
+        super()._count(rows, tokens_per_row, range(self.exit_layer, self.runner.num_layers))
+
+    def _step(self, inputs: StepInputs) -> torch.Tensor:
+        runner = self.runner
+        n = inputs.num_tokens  # padded batch x W
+        hidden = runner.ws.hidden[:n]
+        hidden.copy_(self.exit_states[: n // self.width].view(n, -1))
+        for i in range(self.exit_layer, runner.num_layers):
+            runner.model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
+        return runner.logits(hidden)
 
 
 def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional[StaticDecode]:
@@ -189,6 +225,23 @@ def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional
     if enforce_eager or runner.model.device.type != "cuda":
         return None
     return StaticDecode(runner, max_batch, capture=True)
+
+
+# LayerSkip's graphed passes have run only under emulated graph semantics on the CPU
+# (tests/test_static_decode.py); until tests/test_engine_cuda.py has passed on a GPU they are opt-in.
+LAYERSKIP_GRAPHS_ENV = "EECORE_LAYERSKIP_GRAPHS"
+
+
+def maybe_static_layerskip(runner, max_batch: int, exit_layer: int, width: int, exit_states: torch.Tensor
+                           ) -> tuple[Optional[StaticLayers], Optional[StaticExitVerify]]:
+    """LayerSkip's draft passes (layers 0..E-1, one token a sequence) and its verify pass from the
+    exit-query cache `exit_states` as CUDA graphs, wherever the decode steps are graphs (and
+    EECORE_LAYERSKIP_GRAPHS=1, for now); (None, None) otherwise."""
+    static = runner.static_decode
+    if static is None or os.environ.get(LAYERSKIP_GRAPHS_ENV) != "1":
+        return None, None
+    return (StaticLayers(runner, max_batch, capture=static.capture, num_layers=exit_layer),
+            StaticExitVerify(runner, max_batch, static.capture, width, exit_layer, exit_states))
 
 
 def maybe_static_verify(runner, max_batch: int, width: int, enforce_eager: bool) -> Optional[StaticVerify]:

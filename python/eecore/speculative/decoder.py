@@ -38,6 +38,7 @@ from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
+from eecore.engine.static_decode import maybe_static_layerskip
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.speculative.acceptance import Acceptor
 from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
@@ -74,13 +75,14 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.exit_layer = config.exit_layer
         self.draft_head = self.guard = self._exit_states = self.draft_stack = self.draft_length = None
         self.measure = None
+        self._static_drafts = self._static_exit_verify = None  # LayerSkip's passes as CUDA graphs
         self.picker = self.proposer = None
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
         # config.adaptive: each sequence's draft lengths from the measured pass costs
         self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if self.lookup is not None else 0) \
             if config.adaptive else None
-        self.verifier = Verifier(runner, self.exit_layer, self._exit_states)
+        self.verifier = Verifier(runner, self.exit_layer, self._exit_states, self._static_exit_verify)
         self.acceptor = Acceptor(runner, sampler, self.num_layers, self.exit_layer, self.draft_stack)
         self.recorder = RoundRecorder(self.guard, self.draft_length, lookup=self.lookup is not None,
                                       layers=self.draft_head is not None, trees=self.top_k > 1)
@@ -96,9 +98,12 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self.draft_stack = DraftStack(draft_model, runner, adapters, self.exit_layer)
             self.draft_head = self.draft_stack.head
         else:
-            # the exit-query cache: layer-E hidden state of each drafted position, per sequence
-            self._exit_states = torch.empty(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
+            # the exit-query cache: layer-E hidden state of each drafted position, per sequence (zeros:
+            # a static verify pass also runs the positions past a sequence's drafts)
+            self._exit_states = torch.zeros(rows, self.lookahead, model.config.hidden_size, dtype=model.dtype,
                                             device=model.device)
+            self._static_drafts, self._static_exit_verify = maybe_static_layerskip(
+                runner, rows, self.exit_layer, self.lookahead, self._exit_states)
             # reads draft tokens off layer E: the exit adapter and draft vocabulary when there are any
             self.draft_head = DraftHead(model, self.exit_layer, adapters, rows)
         floor = None if layer.guard is None else layer.guard.min_acceptance
@@ -118,7 +123,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self.proposer = CopyProposer(self.draft_stack, self.picker)
         else:
             self.proposer = SharedLayerProposer(runner, self.picker, self.exit_layer, self.num_drafts,
-                                                self._exit_states)
+                                                self._exit_states, self._static_drafts)
 
     # ---- one round: propose, verify, accept, record ------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:

@@ -27,12 +27,14 @@ class SharedLayerProposer:
 
     verifies_from_exit_states = True
 
-    def __init__(self, runner, picker: DraftPicker, exit_layer: int, num_drafts: int, exit_states: torch.Tensor):
+    def __init__(self, runner, picker: DraftPicker, exit_layer: int, num_drafts: int, exit_states: torch.Tensor,
+                 static=None):
         self.runner = runner
         self.picker = picker
         self.exit_layer = exit_layer
         self.num_drafts = num_drafts
         self.exit_states = exit_states  # [rows, verify width, d]: layer-E state of each drafted position
+        self.static = static  # engine.static_decode.StaticLayers over layers 0..E-1: one-token passes as graphs
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
         E, states = self.exit_layer, self.exit_states
@@ -47,10 +49,8 @@ class SharedLayerProposer:
                 rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, lookup)]
             else:
                 rows = [Row(seqs[b], seqs[b].num_computed_tokens + k, [newest[b]]) for b in live]
-            inputs = self.runner.prepare(rows)
-            hidden = self.runner.embed(inputs)
-            self.runner.run_layers(hidden, inputs.attn, 0, E)
-            if k == 0 and inputs.num_tokens > len(seqs):  # lookup rows hold several positions
+            hidden = self._layers_to_exit(rows)
+            if k == 0 and hidden.shape[0] > len(seqs):  # lookup rows hold several positions
                 index = [b * width + j for b, d in enumerate(lookup) for j in range(len(d) + 1)]
                 states[: len(seqs)].view(len(seqs) * width, -1).index_copy_(
                     0, torch.tensor(index, device=hidden.device), hidden)
@@ -66,7 +66,7 @@ class SharedLayerProposer:
             drafting = [j for j, b in enumerate(live) if len(drafts[b]) < budgets[b]]
             if not drafting:
                 break
-            picked = hidden if len(drafting) == len(live) == inputs.num_tokens else \
+            picked = hidden if len(drafting) == len(live) == hidden.shape[0] else \
                 hidden.index_select(0, torch.tensor([starts[j] for j in drafting], device=hidden.device))
             rows = [live[j] for j in drafting]
             kept, ended = self.picker.take(self.picker.head.columns(picked), rows, seqs, drafts,
@@ -76,6 +76,14 @@ class SharedLayerProposer:
                 if b in ended:
                     budgets[b] = len(drafts[b])  # its last pass writes the draft's layer-E state only
             live = kept
+
+    def _layers_to_exit(self, rows: list[Row]) -> torch.Tensor:
+        """Layers 0..E-1 over `rows`, writing the shared KV cache: their layer-E states `[T, d]`."""
+        if self.static is not None and self.static.takes(rows):
+            return self.static.run(rows)  # a CUDA graph replay on a GPU
+        inputs = self.runner.prepare(rows)
+        hidden = self.runner.embed(inputs)
+        return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
 
 
 class CopyProposer:

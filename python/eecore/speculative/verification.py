@@ -31,11 +31,19 @@ def logit_rows(widths: list[int], drafts: list[Draft]) -> Optional[list[int]]:
     return rows
 
 
+def _rows_of(logits: torch.Tensor, rows: Optional[list[int]]) -> torch.Tensor:
+    """The logits of `rows` (None: all)."""
+    if rows is not None and len(rows) < logits.shape[0]:
+        return logits.index_select(0, torch.tensor(rows, device=logits.device))
+    return logits
+
+
 class Verifier:
-    def __init__(self, runner, exit_layer, exit_states: Optional[torch.Tensor] = None):
+    def __init__(self, runner, exit_layer, exit_states: Optional[torch.Tensor] = None, static_from_exit_states=None):
         self.runner = runner
         self.exit_layer = exit_layer
         self.exit_states = exit_states  # [rows, verify width, d] (shared layer drafts), else None
+        self.static_from_exit_states = static_from_exit_states  # engine.static_decode.StaticExitVerify
         self.num_layers = runner.num_layers
 
     def from_exit_states(self, seqs: list[Sequence], drafts: list[Draft],
@@ -43,6 +51,9 @@ class Verifier:
         """Layers E..L-1 over every drafted position at once, from the exit-query cache; the logits of
         `rows_read` (None: of every row)."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d.tokens) for s, d in zip(seqs, drafts)]
+        static = self.static_from_exit_states
+        if static is not None and static.takes(rows):
+            return _rows_of(static.run(rows), rows_read)  # a CUDA graph replay on a GPU
         inputs = self.runner.prepare(rows)
         B, width = len(seqs), self.exit_states.shape[1]
         flat = self.exit_states[:B].view(B * width, -1)
@@ -60,10 +71,7 @@ class Verifier:
         exit-query cache row on the way (the guard's shadow check); the logits of `rows_read`."""
         static = self.runner.static_verify
         if not shadowed and static is not None and static.takes(rows):
-            logits = static.run(rows)  # a CUDA graph replay on a GPU
-            if rows_read is not None and len(rows_read) < logits.shape[0]:
-                logits = logits.index_select(0, torch.tensor(rows_read, device=logits.device))
-            return logits
+            return _rows_of(static.run(rows), rows_read)  # a CUDA graph replay on a GPU
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         if shadowed:
