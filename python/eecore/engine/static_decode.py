@@ -77,11 +77,14 @@ class StaticPass:
 
     def _all_layers(self, inputs: StepInputs) -> torch.Tensor:
         """Embedding and every layer over the padded rows: the final residual stream."""
+        return self._layers(self.runner.embed(inputs), inputs, range(self.runner.num_layers))
+
+    def _layers(self, hidden: torch.Tensor, inputs: StepInputs, layers: range) -> torch.Tensor:
+        """`layers` over the padded rows of `hidden`, in place (their work is counted by `_count`,
+        on the real rows only)."""
         runner = self.runner
-        model = runner.model
-        hidden = runner.embed(inputs)
-        for i in range(runner.num_layers):
-            model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
+        for i in layers:
+            runner.model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
         return hidden
 
     def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
@@ -186,11 +189,7 @@ class StaticLayers(StaticPass):
         return hidden[: len(rows)]
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
-        runner = self.runner
-        hidden = runner.embed(inputs)
-        for i in self.layers:
-            runner.model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
-        return hidden
+        return self._layers(self.runner.embed(inputs), inputs, self.layers)
 
 
 class StaticExitVerify(StaticVerify):
@@ -214,9 +213,7 @@ class StaticExitVerify(StaticVerify):
         n = inputs.num_tokens  # padded batch x W
         hidden = runner.ws.hidden[:n]
         hidden.copy_(self.exit_states[: n // self.width].view(n, -1))
-        for i in range(self.exit_layer, runner.num_layers):
-            runner.model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
-        return runner.logits(hidden)
+        return runner.logits(self._layers(hidden, inputs, range(self.exit_layer, runner.num_layers)))
 
 
 def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional[StaticDecode]:

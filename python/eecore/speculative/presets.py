@@ -55,18 +55,18 @@ def exit_ready_preset(config_cls, preset: str, device=None):
     if preset not in PRESETS:
         raise ValueError(f"SelfSpeculativeConfig.exit_ready: 'preset' must be one of {', '.join(PRESETS)}, "
                          f"got {preset!r}")
-    if preset_device(device) == "cuda":
-        copy = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy())
-        if preset == "layer":
-            return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **copy), adaptive=True)
-        return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, max_length=3, **copy),
-                          lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", adaptive=True)
-    stops = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy(dtype="int8"))
+    gpu = preset_device(device) == "cuda"
+    stops = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy(dtype=None if gpu else "int8"))
     if preset == "layer":
-        limit = LAYER_PRESET_AMX_MAX_BATCH if amx_available(torch.int8) else 2
+        limit = None if gpu else LAYER_PRESET_AMX_MAX_BATCH if amx_available(torch.int8) else 2
         return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **stops),
                           disable_by_batch_size=limit, adaptive=True)
-    lookup_limit, layer_limit = (HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH, 4) if amx_available(torch.bfloat16) else (4, None)
+    if gpu:
+        lookup_limit, layer_limit = None, None
+    elif amx_available(torch.bfloat16):
+        lookup_limit, layer_limit = HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH, 4
+    else:
+        lookup_limit, layer_limit = 4, None
     return config_cls(
         num_speculations=4, layer=LayerDrafts(exit_layer=8, max_length=3, disable_by_batch_size=layer_limit, **stops),
         lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", disable_by_batch_size=lookup_limit,
