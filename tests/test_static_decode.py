@@ -213,10 +213,16 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
     if stack is not None:
         assert stack.static.outputs, "no static copy pass ran"
         assert stack.runner.layer_tokens == plain_llm.engine.strategy.draft_stack.runner.layer_tokens
-    assert [o.token_ids for o in static] == [o.token_ids for o in plain]
-    assert [o.metrics["num_accepted_tokens"] for o in static] == [o.metrics["num_accepted_tokens"] for o in plain]
-    assert [o.exit_layers for o in static] == [o.exit_layers for o in plain]
-    for a, b in zip(static, plain):
+    _assert_same_rounds(llm, static, plain_llm, plain)
+
+
+def _assert_same_rounds(llm, outs, plain_llm, plain) -> None:
+    """Static (or graphed) self-speculation against the varlen passes: the same tokens, accepted
+    drafts, exits and logprobs, the same work per layer, and every block freed."""
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.metrics["num_accepted_tokens"] for o in outs] == [o.metrics["num_accepted_tokens"] for o in plain]
+    assert [o.exit_layers for o in outs] == [o.exit_layers for o in plain]
+    for a, b in zip(outs, plain):
         for step_a, step_b in zip(a.logprobs, b.logprobs):
             assert step_a.keys() == step_b.keys()
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
@@ -415,15 +421,7 @@ def test_shared_layer_passes_replayed_as_graphs_give_the_varlen_passes(tiny, nam
     drafts, verify = _graph_shared_layer_passes(llm)
     graphed = llm.generate(prompts, params)
     assert drafts.graphs and verify.graphs, "a shared-layer pass never ran static"
-    assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
-    assert [o.exit_layers for o in graphed] == [o.exit_layers for o in plain]
-    assert [o.metrics["num_accepted_tokens"] for o in graphed] == [o.metrics["num_accepted_tokens"] for o in plain]
-    for a, b in zip(graphed, plain):
-        for step_a, step_b in zip(a.logprobs, b.logprobs):
-            assert step_a.keys() == step_b.keys()
-            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
-    assert llm.engine.runner.layer_tokens == plain_llm.engine.runner.layer_tokens
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    _assert_same_rounds(llm, graphed, plain_llm, plain)
 
 
 def test_graphed_shared_layer_verify_accepts_perfect_drafts(tiny):
