@@ -94,7 +94,7 @@ if want build; then
 fi
 "$PY" -c "import eecore._C as c; print(c.build_info())" 2>&1 | tee -a "$LOGS/summary.txt"
 if want build && command -v "$CUDA_HOME/bin/cuobjdump" > /dev/null; then
-  # Instructions per decode_mma instantiation, by opcode: the next CPU session reads the mix.
+  # Instructions per decode_mma instantiation, by opcode: what a kernel change did, readable without a GPU.
   "$CUDA_HOME/bin/cuobjdump" -sass python/eecore/_C*.so 2>/dev/null | "$PY" tools/sass_mix.py decode_mma \
     > "$WORK/sass-decode-mma.txt" 2>&1
   head -12 "$WORK/sass-decode-mma.txt" | tee -a "$LOGS/summary.txt"

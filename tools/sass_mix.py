@@ -3,8 +3,8 @@
     cuobjdump -sass python/eecore/_C*.so | python tools/sass_mix.py decode_mma [--ops HMMA LDSM ...]
 
 Prints one line per kernel whose mangled name contains the pattern: its instruction count and the
-count of each opcode asked for (the opcode without its modifiers: LDS.U16 counts as LDS). A CPU
-session reads from it what a change did to a kernel's instruction stream: how many shared-memory
+count of each opcode asked for (the opcode without its modifiers: LDS.U16 counts as LDS). Without a
+GPU it tells what a change did to a kernel's instruction stream: how many shared-memory
 loads feed each tensor-core instruction, whether ldmatrix replaced scalar loads, whether anything
 went to local memory (LDL/STL).
 """
