@@ -83,8 +83,9 @@ class LLM:
         a draft copy (`LayerDrafts(copy=DraftCopy())`), into the copy of the draft layers alone (full
         depth then stays the original model).
     The keyword-only arguments size the engine (see eecore.engine.llm_engine.EngineConfig);
-    `enforce_eager=True` turns off the CUDA graphs that a GPU runs its decode steps, verify passes,
-    draft-copy passes and early-exit segments as (vLLM's switch of the same name).
+    `enforce_eager=True` launches every kernel from Python on a GPU instead of replaying CUDA graphs
+    of the decode steps, verify passes, draft-copy passes and early-exit segments (vLLM's switch of
+    the same name).
     """
 
     def __init__(self, model: Optional[str] = None, dtype="auto", device=None,
