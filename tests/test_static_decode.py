@@ -463,3 +463,22 @@ def _draft_full_depths_tokens(decoder, expected: dict) -> None:
         return proposal
 
     decoder.proposer.propose, decoder.picker.propose = round_drafts, perfect_token
+
+
+def test_graphed_shared_layer_passes_with_preemption(tiny):
+    """Sequences preempted and recomputed between replays of LayerSkip's graphed passes: the same
+    tokens and accepted drafts as the varlen passes, every block freed."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [9, 3, 14, 7, 11, 5], seed=3)
+    prompts = [p + p[: len(p) // 2] for p in prompts]
+    spec = SHARED_LAYER_CONFIGS["layer"]
+    plain_llm = _llm(path, static=False, num_blocks=16, speculative=spec())
+    plain = plain_llm.generate(prompts, greedy(10))
+    llm = _llm(path, static=False, num_blocks=16, speculative=spec())
+    drafts, verify = _graph_shared_layer_passes(llm)
+    outs = llm.generate(prompts, greedy(10))
+    assert drafts.graphs and verify.graphs
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no sequence was preempted"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.metrics["num_accepted_tokens"] for o in outs] == [o.metrics["num_accepted_tokens"] for o in plain]
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
