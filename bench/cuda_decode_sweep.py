@@ -9,8 +9,8 @@ The sweep crosses batch B (1..256), context (256..32k), GQA (1, 4, 8 query heads
 whose KV exceeds --max-kv-gib (SDPA needs a second, gathered copy). Each kernel is forced in turn
 through EECORE_PAGED_ATTENTION_KERNEL ("auto" is the planner's own choice), with options after
 colons: `decode_mma:2` (EECORE_DECODE_MMA_STAGES=2: 2-stage pipelines, 3 CTAs per SM) and
-`decode_mma:v1` / `decode_mma:v2` (EECORE_DECODE_MMA_LDMATRIX=0 / 1: the kernel before ldmatrix
-fragments, look-ahead block-table reads and lazy rescaling, or with them), combinable as
+`decode_mma:v1` / `decode_mma:v2` (EECORE_DECODE_MMA_LDMATRIX=0 / 1: the first version, or v2:
+ldmatrix fragments, whole-tile copies and masks, lazy rescaling), combinable as
 `decode_mma:2:v2`; without v1 or v2 the build's default; `f<N>` sets EECORE_DECODE_MMA_V2_FLAGS=N
 (which of v2's changes run, e.g. `decode_mma:v2:f0` for ldmatrix alone). SDPA gets its KV
 pre-gathered and contiguous, for free. Every timing is the median per call over CUDA-graph replays

@@ -30,8 +30,8 @@ def attention_kernel(request, monkeypatch):
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
     every kernel is held to the same oracle on the same shapes, whichever the planner prefers.
     "decode_mma-2stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2, "decode_mma-v1" / "-v2" with
-    EECORE_DECODE_MMA_LDMATRIX=0 / 1 (its first version, or ldmatrix fragments, look-ahead
-    block-table reads and lazy rescaling)."""
+    EECORE_DECODE_MMA_LDMATRIX=0 / 1 (its first version, or v2: ldmatrix fragments,
+    whole-tile copies and masks, lazy rescaling)."""
     kernel, _, variant = request.param.partition("-")
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
     if variant == "2stages":

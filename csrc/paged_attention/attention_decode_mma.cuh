@@ -33,7 +33,7 @@ constexpr int kWarpKeys = 16;  // keys per warp tile: one k-slice of P V, two n-
 constexpr int kDefaultStages = 3;
 // LDMATRIX = true ("v2"): fragments come from shared memory by ldmatrix (K and Q as they lie, V
 // transposed): 4 + 2 instructions per 16 dims of a tile instead of 16 32-bit and 32 16-bit loads;
-// and, as `v2_flags` (EECORE_DECODE_MMA_V2_FLAGS, default all) selects, so that each can be timed
+// and, as `v2_flags` (EECORE_DECODE_MMA_V2_FLAGS, default kDefaultV2Flags) selects, so that each can be timed
 // alone:
 //   kWholeTileCopy  a tile whose 16 keys lie in one block (block sizes that are multiples of 16)
 //                   is copied from one table lookup and one base address, instead of a lookup and

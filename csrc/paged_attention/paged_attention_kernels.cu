@@ -176,8 +176,8 @@ inline bool decode_mma_two_stages(const PagedAttentionParams& p) {
          decode_mma_head_dim(p.head_dim) <= 128;
 }
 
-// EECORE_DECODE_MMA_LDMATRIX=1 / 0: decode_mma with ldmatrix fragments, look-ahead block-table
-// reads and lazy rescaling, or its first version (unset: attention::decode_mma::kDefaultLdmatrix).
+// EECORE_DECODE_MMA_LDMATRIX=1 / 0: decode_mma v2 (ldmatrix fragments and the changes
+// EECORE_DECODE_MMA_V2_FLAGS selects) or its first version (unset: attention::decode_mma::kDefaultLdmatrix).
 inline bool decode_mma_ldmatrix() {
   const char* v = std::getenv("EECORE_DECODE_MMA_LDMATRIX");
   if (v == nullptr || *v == '\0') return attention::decode_mma::kDefaultLdmatrix;
