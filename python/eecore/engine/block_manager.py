@@ -94,6 +94,13 @@ class BlockManager:
         cross = 0 if seq.encoder_token_ids is None else self.blocks_for(len(seq.encoder_token_ids))
         return self.blocks_for(num_tokens) + cross
 
+    def covers(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` holds the blocks for `num_tokens` tokens (and its encoder output) already:
+        a decode step's usual case, checked first because the scheduler asks it of every sequence
+        every step."""
+        return len(seq.block_table) * self.block_size >= num_tokens and \
+            (seq.encoder_token_ids is None or not self._cross_blocks_missing(seq))
+
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.extra_blocks_needed(seq, num_tokens) <= self.num_free_blocks
 

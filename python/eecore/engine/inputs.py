@@ -21,6 +21,7 @@ pinned buffer under a pending copy would hand the earlier step the later step's 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,99 +89,97 @@ class InputBuilder:
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks_per_seq
         pin = device.type == "cuda"
-
-        def host(n, dtype):
-            return torch.empty(n, dtype=dtype, pin_memory=pin)
-
-        self._h_tokens = host(max_tokens, torch.int64)
-        self._h_positions = host(max_tokens, torch.int64)
-        self._h_slots = host(max_tokens, torch.int64)
-        self._h_seq_lens = host(max_seqs, torch.int32)
-        self._h_qsl = host(max_seqs + 1, torch.int32)
-        self._h_last = host(max_seqs, torch.int64)
-        self._h_tree = host(max_tokens, torch.int64)
-        self._h_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
-        # encoder-decoder models: each row's cross-attention blocks and encoder length
-        self._h_cross_tables = host(max_seqs * max_blocks_per_seq, torch.int32)
-        self._h_cross_lens = host(max_seqs, torch.int32)
+        sizes = dict(tokens=(max_tokens, torch.int64), positions=(max_tokens, torch.int64),
+                     slots=(max_tokens, torch.int64), seq_lens=(max_seqs, torch.int32),
+                     qsl=(max_seqs + 1, torch.int32), last=(max_seqs, torch.int64), tree=(max_tokens, torch.int64),
+                     tables=(max_seqs * max_blocks_per_seq, torch.int32),
+                     # encoder-decoder models: each row's cross-attention blocks and encoder length
+                     cross_tables=(max_seqs * max_blocks_per_seq, torch.int32), cross_lens=(max_seqs, torch.int32))
+        self._host = {name: torch.empty(n, dtype=dtype, pin_memory=pin) for name, (n, dtype) in sizes.items()}
+        self._np = {name: t.numpy() for name, t in self._host.items()}  # the same memory, for numpy
         self.device = device
         if device.type == "cpu":
-            self._d = self._copied = None
+            self._device = self._copied = None
         else:
-            self._d = {name: torch.empty_like(t, device=device) for name, t in self._host_buffers().items()}
+            self._device = {name: torch.empty_like(t, device=device) for name, t in self._host.items()}
             self._copied = torch.cuda.Event()  # recorded after each step's copies (module doc)
-
-    def _host_buffers(self) -> dict[str, torch.Tensor]:
-        return dict(tokens=self._h_tokens, positions=self._h_positions, slots=self._h_slots,
-                    seq_lens=self._h_seq_lens, qsl=self._h_qsl, last=self._h_last, tables=self._h_tables,
-                    tree=self._h_tree,
-                    cross_tables=self._h_cross_tables, cross_lens=self._h_cross_lens)
+        # a step's tensors by shape (tokens, sequences, table width, token trees): host views, and
+        # the device views they are copied into; made once per shape (slicing costs microseconds
+        # the host pays on every step)
+        self._views: dict[tuple, tuple[dict, Optional[dict]]] = {}
 
     def build(self, rows: list[Row], pad_to: Optional[int] = None, width: int = 1) -> StepInputs:
         """`pad_to`: append rows in the pad block up to that many rows, and give the block tables their
         full width; every row then holds `width` tokens, a shorter one padded after its last token
-        (a static step: see the module doc)."""
+        (a static step: see the module doc).
+
+        The host arrays are filled with whole-array numpy operations: on a GPU whose step is one
+        graph replay, this is most of the host's share of the step, which the GPU waits out
+        (bench/host_overhead.py)."""
+        n = len(rows)
         real = [len(r.tokens) for r in rows]
         if pad_to is not None:
             self._check_padding(rows, pad_to, width)
-            rows = [r if len(r.tokens) == width else Row(r.seq, r.start, r.tokens + [r.tokens[-1]] * (width - len(r.tokens)))
-                    for r in rows]
-        B = len(rows) if pad_to is None else pad_to
-        lens = [len(r.tokens) for r in rows]
-        T = sum(lens) + (B - len(rows)) * width
+        B = n if pad_to is None else pad_to
+        lens = real if pad_to is None else [width] * n
+        T = sum(lens) + (B - n) * width
         if B > self.max_seqs or T > self.max_tokens:
             raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
                                f"{self.max_seqs} / {self.max_tokens}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
-        tokens = self._h_tokens.numpy()
-        positions = self._h_positions.numpy()
-        slots = self._h_slots.numpy()
-        qsl = self._h_qsl.numpy()
-        seq_lens = self._h_seq_lens.numpy()
-        table_width = self.max_blocks if pad_to is not None else \
-            max((len(r.seq.block_table) for r in rows), default=1) or 1
-        tables = self._h_tables.numpy()[: B * table_width].reshape(B, table_width)
+        h, bs = self._np, self.block_size
+        table_lens = [len(r.seq.block_table) for r in rows]
+        table_width = self.max_blocks if pad_to is not None else max(table_lens, default=1) or 1
+        tables = h["tables"][: B * table_width].reshape(B, table_width)
         tables.fill(-1)
+        starts = np.fromiter((r.start for r in rows), np.int64, n)
+        qsl = h["qsl"]
         qsl[0] = 0
-        bs = self.block_size
+        if T == B:  # one token a row (decode steps): no token runs to spread over
+            used, row_of, slot_pos = n, np.arange(n), starts
+            qsl[1: n + 1] = row_of + 1
+            h["tokens"][:n] = np.fromiter((r.tokens[0] for r in rows), np.int64, n)
+            h["positions"][:n] = starts
+        else:
+            qsl[1: n + 1] = np.cumsum(lens)
+            used = int(qsl[n])
+            # each token's row and offset in it; a padded row's extra tokens repeat its last token
+            # and write K/V after its own (slots the round reserved), but take its last position for
+            # RoPE, which stays within the model's positions
+            row_of = np.repeat(np.arange(n), lens)
+            offset = np.arange(used) - qsl[row_of]
+            h["tokens"][:used] = np.fromiter(itertools.chain.from_iterable(
+                r.tokens + [r.tokens[-1]] * (width - len(r.tokens)) if pad_to is not None else r.tokens
+                for r in rows), np.int64, used)
+            h["positions"][:used] = starts[row_of] + np.minimum(offset, np.array(real)[row_of] - 1)
+            slot_pos = starts[row_of] + offset
+        if n:
+            table_rows = np.repeat(np.arange(n), table_lens)
+            table_cols = np.arange(len(table_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
+            tables[table_rows, table_cols] = np.fromiter(
+                itertools.chain.from_iterable(r.seq.block_table for r in rows), np.int32, len(table_rows))
+        block_index = slot_pos // bs
+        outside = block_index >= np.array(table_lens, dtype=np.int64)[row_of]
+        if outside.any():
+            first = outside.argmax()
+            b = int(row_of[first])
+            raise RuntimeError(f"InputBuilder: row {b} writes position {int(slot_pos[first])}, "
+                               f"past the {table_lens[b]} blocks of its sequence's block table")
+        h["slots"][:used] = tables[row_of, block_index] * bs + slot_pos % bs
+        h["seq_lens"][:n] = starts + np.array(lens, dtype=np.int64)
         has_tree = any(r.parents is not None for r in rows)
-        tree = self._h_tree.numpy()
-        for b, row in enumerate(rows):
-            lo, n = int(qsl[b]), lens[b]
-            qsl[b + 1] = lo + n
-            table = np.asarray(row.seq.block_table, dtype=np.int64)
-            tables[b, : len(table)] = table
-            pos = np.arange(row.start, row.start + n, dtype=np.int64)
-            slots[lo: lo + n] = table[pos // bs] * bs + pos % bs
-            tokens[lo: lo + n] = row.tokens
-            if row.parents is not None:
-                if len(row.parents) != n:
-                    raise ValueError(f"Row.parents: {len(row.parents)} parents for {n} tokens")
-                depths, tree[lo: lo + n] = tree_depths_and_masks(row.parents)
-                pos = row.start + depths
-            elif has_tree:  # a plain row of a step with trees: a chain
-                if n > MAX_TREE_TOKENS:
-                    raise ValueError(f"a step with token trees takes rows of at most {MAX_TREE_TOKENS} tokens, "
-                                     f"got {n}")
-                tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
-            positions[lo: lo + n] = pos
-            # a padded row's extra tokens write K/V after its own (slots the round reserved) but take
-            # its last position for RoPE, which stays within the model's positions
-            positions[lo + real[b]: lo + n] = row.start + real[b] - 1
-            seq_lens[b] = row.start + n
-        self._pad(len(rows), B, width, tables)
-        last = self._h_last.numpy()
-        last[:B] = qsl[1: B + 1] - 1
-        views = dict(tokens=self._h_tokens[:T], positions=self._h_positions[:T], slots=self._h_slots[:T],
-                     seq_lens=self._h_seq_lens[:B], qsl=self._h_qsl[: B + 1], last=self._h_last[:B],
-                     tables=self._h_tables[: B * table_width].view(B, table_width))
         if has_tree:
-            views["tree"] = self._h_tree[:T]
+            self._trees(rows)
+        self._pad(n, B, width, tables)
+        h["last"][:B] = qsl[1: B + 1] - 1
+        host, device = self._shaped_views(T, B, table_width, has_tree)
+        views = host
         if rows and rows[0].seq.encoder_token_ids is not None:
-            views.update(self._cross_views(rows))
-        if self._d is not None:
-            views = {k: self._d[k][: v.numel()].view(v.shape).copy_(v, non_blocking=True) for k, v in views.items()}
+            views = dict(host, **self._cross_views(rows))
+        if device is not None:
+            views = {k: (device[k] if k in device else self._device[k][: v.numel()].view(v.shape)).copy_(
+                v, non_blocking=True) for k, v in views.items()}
             self._copied.record(torch.cuda.current_stream(self.device))
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
                                seq_lens=views["seq_lens"], query_start_loc=views["qsl"],
@@ -188,7 +187,39 @@ class InputBuilder:
                                cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"),
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
-                          row_lens=lens + [width] * (B - len(rows)))
+                          row_lens=lens + [width] * (B - n))
+
+    def _shaped_views(self, T: int, B: int, table_width: int, has_tree: bool) -> tuple[dict, Optional[dict]]:
+        key = (T, B, table_width, has_tree)
+        views = self._views.get(key)
+        if views is None:
+            def shaped(buffers):
+                out = dict(tokens=buffers["tokens"][:T], positions=buffers["positions"][:T],
+                           slots=buffers["slots"][:T], seq_lens=buffers["seq_lens"][:B], qsl=buffers["qsl"][: B + 1],
+                           last=buffers["last"][:B], tables=buffers["tables"][: B * table_width].view(B, table_width))
+                if has_tree:
+                    out["tree"] = buffers["tree"][:T]
+                return out
+
+            views = self._views[key] = (shaped(self._host), None if self._device is None else shaped(self._device))
+        return views
+
+    def _trees(self, rows: list[Row]) -> None:
+        """Token trees' masks and their tokens' positions (depths); every other row of the step
+        is a chain (each token sees the ones before it)."""
+        qsl, tree, positions = self._np["qsl"], self._np["tree"], self._np["positions"]
+        for b, row in enumerate(rows):
+            lo, n = int(qsl[b]), int(qsl[b + 1] - qsl[b])
+            if row.parents is not None:
+                if len(row.parents) != n:
+                    raise ValueError(f"Row.parents: {len(row.parents)} parents for {n} tokens")
+                depths, tree[lo: lo + n] = tree_depths_and_masks(row.parents)
+                positions[lo: lo + n] = row.start + depths
+            else:
+                if n > MAX_TREE_TOKENS:
+                    raise ValueError(f"a step with token trees takes rows of at most {MAX_TREE_TOKENS} tokens, "
+                                     f"got {n}")
+                tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
 
     def _check_padding(self, rows: list[Row], pad_to: int, width: int) -> None:
         if self.pad_block < 0:
@@ -200,16 +231,19 @@ class InputBuilder:
     def _pad(self, first: int, end: int, width: int, tables: np.ndarray) -> None:
         """Rows first..end-1 of the host buffers as padding: each a `width`-token sequence in the pad
         block (wrapping around it), whose K/V lands there and whose attention sees only itself."""
-        qsl, bs = self._h_qsl.numpy(), self.block_size
+        count = end - first
+        if count <= 0:
+            return
+        h, bs = self._np, self.block_size
+        lo = int(h["qsl"][first])
+        hi = lo + count * width
+        h["qsl"][first + 1: end + 1] = np.arange(lo + width, hi + 1, width)
+        tables[first:end, : -(-width // bs)] = self.pad_block
         j = np.arange(width)
-        for b in range(first, end):
-            lo = int(qsl[b])
-            qsl[b + 1] = lo + width
-            tables[b, : -(-width // bs)] = self.pad_block
-            self._h_slots.numpy()[lo: lo + width] = self.pad_block * bs + j % bs
-            self._h_tokens.numpy()[lo: lo + width] = 0
-            self._h_positions.numpy()[lo: lo + width] = j
-            self._h_seq_lens.numpy()[b] = width
+        h["slots"][lo:hi] = np.tile(self.pad_block * bs + j % bs, count)
+        h["tokens"][lo:hi] = 0
+        h["positions"][lo:hi] = np.tile(j, count)
+        h["seq_lens"][first:end] = width
 
     def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models)."""
@@ -218,10 +252,11 @@ class InputBuilder:
         if width > self.max_blocks:
             raise RuntimeError(f"an encoder input needs {width} cross-attention blocks; the engine allows "
                                f"{self.max_blocks} per sequence")
-        tables = self._h_cross_tables.numpy()[: B * width].reshape(B, width)
+        tables = self._np["cross_tables"][: B * width].reshape(B, width)
         tables.fill(-1)
-        lens = self._h_cross_lens.numpy()
+        lens = self._np["cross_lens"]
         for b, row in enumerate(rows):
             tables[b, : len(row.seq.cross_block_table)] = row.seq.cross_block_table
             lens[b] = len(row.seq.encoder_token_ids)
-        return dict(cross_tables=self._h_cross_tables[: B * width].view(B, width), cross_lens=self._h_cross_lens[:B])
+        return dict(cross_tables=self._host["cross_tables"][: B * width].view(B, width),
+                    cross_lens=self._host["cross_lens"][:B])

@@ -98,8 +98,9 @@ class Scheduler:
             for seq in self.running:
                 self.blocks.cache_computed(seq)
         decode, prefill = True, True
-        num_decodes = sum(1 for s in self.running if not s.in_prefill)
-        has_prefill = any(s.in_prefill for s in self.running) or self._can_admit()
+        prefilling = sum(1 for s in self.running if s.in_prefill)
+        num_decodes = len(self.running) - prefilling
+        has_prefill = prefilling > 0 or self._can_admit()
         plain = self.plain_above is not None and num_decodes > self.plain_above
         # a lookahead strategy whose rounds cannot carry prompt chunks runs plain mixed steps while
         # prompts wait, instead of alternating rounds with prefill steps (see the module doc)
@@ -126,17 +127,17 @@ class Scheduler:
     def _plan(self, decode: bool, prefill: bool, lookahead: int) -> ScheduledStep:
         step = ScheduledStep(decode_cost=lookahead)
         # Decodes are charged first; in a split prefill step the whole budget is the prefill's.
-        num_decodes = sum(1 for s in self.running if not s.in_prefill) if decode else 0
+        prefilling = sum(1 for s in self.running if s.in_prefill)
+        num_decodes = len(self.running) - prefilling if decode else 0
         budget = max(self.max_num_batched_tokens - num_decodes * lookahead, 0)
         # Fairness: while another prompt runs or waits, no prompt's chunk takes more than half the
         # budget, so a short request starts within a step or two beside however long a prompt (the
         # oldest-first order alone let a long prefill take every step's budget to its end); what the
         # others leave goes back to the capped chunks at the end.
-        prefilling = sum(1 for s in self.running if s.in_prefill)
         cap = max(budget // 2, 1) if prefill and (prefilling > 1 or self._can_admit()) else budget
-        queue = list(self.running)  # oldest first; victims of preemption come off the tail
+        queue = deque(self.running)  # oldest first; victims of preemption come off the tail
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             if not seq.in_prefill:
                 if decode and self._reserve(seq, seq.num_tokens + lookahead - 1, queue, step):
                     step.decodes.append(seq)
@@ -168,9 +169,11 @@ class Scheduler:
             step.prefill_tokens[i] += extra
             budget -= extra
 
-    def _reserve(self, seq: Sequence, num_tokens: int, queue: list[Sequence], step: ScheduledStep) -> bool:
+    def _reserve(self, seq: Sequence, num_tokens: int, queue: deque[Sequence], step: ScheduledStep) -> bool:
         """Grows `seq` to `num_tokens` slots, preempting the newest sequences not yet planned
         (`queue`'s tail), and `seq` itself as the last resort (then False)."""
+        if self.blocks.covers(seq, num_tokens):
+            return True
         while not self.blocks.can_grow(seq, num_tokens):
             victim = queue.pop() if queue else seq
             self._preempt(victim)
@@ -180,7 +183,7 @@ class Scheduler:
         self.blocks.grow(seq, num_tokens)
         return True
 
-    def _chunk(self, seq: Sequence, budget: int, queue: list[Sequence], step: ScheduledStep) -> int:
+    def _chunk(self, seq: Sequence, budget: int, queue: deque[Sequence], step: ScheduledStep) -> int:
         """Tokens of a running prefill that fit the budget and the free blocks (at least one, by
         preemption if need be; 0 if `seq` itself had to go); grows its table."""
         start = seq.num_computed_tokens

@@ -1,0 +1,128 @@
+"""The host's share of a decode step: everything a step costs besides the model's kernels.
+
+    PYTHONPATH=python python bench/host_overhead.py [--batch-sizes 1 8 64 256] [--steps 128]
+        [--context 64] [--out-name NAME]
+
+On a GPU a full-depth decode step is one CUDA graph replay, and the host's work around it
+(scheduling, filling the step's input buffers, reading the sampled tokens back, appending them,
+stop checks) runs while the GPU waits: it adds to every step's time. This measures that work on
+any machine: the engine runs its static decode path (the code a graph captures, eagerly) with the
+pass itself replaced by a preallocated logits buffer, so each step is host work only. The
+vocabulary is small (256) so that the argmax, a kernel on a GPU, costs nothing here either.
+
+Prints, per batch size, the median time of a decode step and its parts (schedule, input build,
+sample, append and stop checks); writes bench/results/<machine>/<name>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import tempfile
+import time
+
+import torch
+
+import eecore
+from common import cpu_model, save_results
+from eecore.engine.static_decode import StaticDecode
+
+VOCAB = 256
+
+
+def tiny_checkpoint(folder: str, context: int) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=max(4096, 2 * context))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+
+
+class PartTimer:
+    """Wraps named methods of objects and adds up the time spent in each between `reset`s."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(self, owner, method: str, label: str) -> None:
+        inner = getattr(owner, method)
+
+        @functools.wraps(inner)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+
+        setattr(owner, method, timed)
+
+    def reset(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out
+
+
+def host_only_engine(folder: str, max_batch: int):
+    llm = eecore.LLM(folder, dtype="float32", device="cpu", max_num_seqs=max_batch,
+                     max_num_batched_tokens=max(1024, max_batch * 128))
+    runner = llm.engine.runner
+    static = StaticDecode(runner, max_batch, capture=False)
+    logits = torch.randn(max_batch, VOCAB)
+    static._step = lambda inputs: logits  # a graph replay that costs the host nothing
+    runner.static_decode = static
+    return llm
+
+
+def measure(llm, batch: int, steps: int, context: int) -> dict:
+    engine = llm.engine
+    timer = PartTimer()
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.runner.builder, "build", "build")
+    timer.wrap(engine.sampler, "sample", "sample")
+    timer.wrap(engine, "_append", "append")
+    params = eecore.SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % VOCAB for j in range(context)], params, i)
+    totals, parts = [], collections.defaultdict(list)
+    while engine.has_unfinished():
+        timer.reset()
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if engine.last_step.prefills or len(engine.last_step.decodes) != batch:
+            continue
+        totals.append(elapsed)
+        for label, seconds in timer.reset().items():
+            parts[label].append(seconds)
+    us = lambda values: round(statistics.median(values) * 1e6, 1)  # noqa: E731
+    return dict(batch=batch, steps=len(totals), step_us=us(totals), per_sequence_us=round(us(totals) / batch, 2),
+                parts_us={label: us(values) for label, values in parts.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens of each sequence")
+    ap.add_argument("--out-name", default="host-overhead")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_checkpoint(folder, args.context)
+        for batch in args.batch_sizes:
+            row = measure(host_only_engine(folder, batch), batch, args.steps, args.context)
+            rows.append(row)
+            parts = ", ".join(f"{k} {v}" for k, v in row["parts_us"].items())
+            print(f"batch {batch:4d}: {row['step_us']:8.1f} us a decode step ({row['per_sequence_us']} a sequence); "
+                  f"{parts}")
+    path = save_results(args.out_name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, rows=rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

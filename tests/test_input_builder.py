@@ -1,0 +1,99 @@
+"""InputBuilder's whole-array build against a row-by-row reference, on random steps: plain rows of
+several tokens (prefill chunks, verify passes), token trees beside chains, rows padded to a width
+and to a batch size, block tables of every length."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import eecore
+from eecore.engine.inputs import InputBuilder, Row, tree_depths_and_masks
+from eecore.engine.sequence import Sequence
+
+BLOCK, PAD_BLOCK, MAX_BLOCKS = 4, 63, 6
+
+
+def reference(rows: list[Row], pad_to, width: int) -> dict[str, list]:
+    """What each tensor of the step must hold, written one row and one token at a time."""
+    out = dict(tokens=[], positions=[], slots=[], seq_lens=[], qsl=[0], tables=[], tree=[])
+    has_tree = any(r.parents is not None for r in rows)
+    table_width = MAX_BLOCKS if pad_to is not None else max(len(r.seq.block_table) for r in rows)
+    for row in rows:
+        n = width if pad_to is not None else len(row.tokens)
+        table = row.seq.block_table
+        depths = tree_depths_and_masks(row.parents)[0] if row.parents else None
+        for j in range(n):
+            real = j < len(row.tokens)
+            out["tokens"].append(row.tokens[j] if real else row.tokens[-1])
+            slot_pos = row.start + j
+            out["slots"].append(table[slot_pos // BLOCK] * BLOCK + slot_pos % BLOCK)
+            if depths is not None:
+                out["positions"].append(row.start + int(depths[j]))
+            else:
+                out["positions"].append(row.start + min(j, len(row.tokens) - 1))
+            if has_tree:
+                out["tree"].append(int(tree_depths_and_masks(row.parents)[1][j]) if row.parents
+                                   else (1 << (j + 1)) - 1)
+        out["seq_lens"].append(row.start + n)
+        out["qsl"].append(out["qsl"][-1] + n)
+        out["tables"].append(table + [-1] * (table_width - len(table)))
+    for _ in range(len(rows), pad_to or 0):
+        for j in range(width):
+            out["tokens"].append(0)
+            out["positions"].append(j)
+            out["slots"].append(PAD_BLOCK * BLOCK + j % BLOCK)
+        out["seq_lens"].append(width)
+        out["qsl"].append(out["qsl"][-1] + width)
+        blocks = -(-width // BLOCK)
+        out["tables"].append([PAD_BLOCK] * blocks + [-1] * (table_width - blocks))
+    out["last"] = [q - 1 for q in out["qsl"][1:]]
+    return out
+
+
+def random_tree(rng: random.Random, n: int) -> list[int]:
+    return [-1] + [rng.randrange(j) for j in range(1, n)]
+
+
+def random_step(rng: random.Random, padded: bool):
+    width = rng.randint(1, 5) if padded else 1
+    num_rows = rng.randint(1, 6)
+    trees = not padded and rng.random() < 0.5
+    rows = []
+    for _ in range(num_rows):
+        n = rng.randint(1, width) if padded else rng.randint(1, 7)
+        start = rng.randint(0, MAX_BLOCKS * BLOCK - n - (width - n if padded else 0))
+        seq = Sequence([1], eecore.SamplingParams(max_tokens=4))
+        needed = -(-(start + max(n, width)) // BLOCK)
+        seq.block_table = rng.sample(range(PAD_BLOCK), rng.randint(needed, MAX_BLOCKS))
+        parents = random_tree(rng, n) if trees and rng.random() < 0.5 else None
+        rows.append(Row(seq, start, [rng.randrange(1000) for _ in range(n)], parents))
+    pad_to = rng.randint(num_rows, 8) if padded else None
+    return rows, pad_to, width
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["varlen", "padded"])
+def test_build_matches_the_row_by_row_reference(padded):
+    rng = random.Random(11 + padded)
+    builder = InputBuilder(max_tokens=64, max_seqs=8, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK,
+                           device=torch.device("cpu"), pad_block=PAD_BLOCK)
+    for _ in range(200):
+        rows, pad_to, width = random_step(rng, padded)
+        inputs = builder.build(rows, pad_to=pad_to, width=width)
+        want = reference(rows, pad_to, width)
+        attn = inputs.attn
+        got = dict(tokens=inputs.token_ids, positions=attn.positions, slots=attn.slot_mapping,
+                   seq_lens=attn.seq_lens, qsl=attn.query_start_loc, tables=attn.block_table,
+                   last=inputs.last_rows, tree=attn.tree_mask if attn.tree_mask is not None else torch.empty(0))
+        for name, tensor in got.items():
+            assert tensor.tolist() == want[name], (name, rows, pad_to, width)
+        assert attn.max_query_len == max(b - a for a, b in zip(want["qsl"], want["qsl"][1:]))
+
+
+def test_a_row_past_its_block_table_is_refused():
+    builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, block_size=4, device=torch.device("cpu"))
+    seq = Sequence([1, 2, 3], eecore.SamplingParams(max_tokens=4))
+    seq.block_table = [5]
+    with pytest.raises(RuntimeError, match="row 0 writes position 4, past the 1 blocks of its sequence's block table"):
+        builder.build([Row(seq, 3, [7, 8])])
