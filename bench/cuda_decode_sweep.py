@@ -18,7 +18,8 @@ of 10 calls, so launch gaps do not hide the kernels of small cells. Outputs are 
 SDPA's before any timing.
 
 Writes bench/results/<gpu>/<device>-decode-sweep-<date>.json and .md (bench_cuda.py names both). --headline-only runs only
-B=64, context 4096, 32/8 heads, D=128 (the cell the issue's goal names), e.g. under ncu.
+B=64, context 4096, 32/8 heads, D=128 (the cell the issue's goal names), e.g. under ncu; --cell
+B,CTX,HQ,HKV,D runs another one cell (neither writes results).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +68,12 @@ def select_variant(kernel: str) -> None:
 HEADLINE = (64, 4096, 32, 8, 128)
 
 
-def cells(headline_only: bool):
-    """(B, context, Hq, Hkv, D, query rows per sequence): the decode sweep, then verification."""
+def cells(headline_only: bool, only: Optional[tuple] = None):
+    """(B, context, Hq, Hkv, D, query rows per sequence): the decode sweep, then verification; or
+    only the headline cell, or only the cell `only`."""
+    if only is not None:
+        yield only
+        return
     if headline_only:
         yield HEADLINE + (1,)
         return
@@ -158,11 +164,22 @@ def main() -> None:
                                                      "decode", "mma"],
                     help="kernels to time (EECORE_PAGED_ATTENTION_KERNEL values, options after colons: see above)")
     ap.add_argument("--headline-only", action="store_true")
+    ap.add_argument("--cell", default=None, metavar="B,CTX,HQ,HKV,D[,ROWS]",
+                    help="time this one cell only (Nsight Compute of a small cell: --cell 1,256,32,8,128)")
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
     ap.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results/<gpu>)")
     args = ap.parse_args()
     for kernel in args.kernels:
         variant_env(kernel)  # unknown options fail before any GPU work
+    only = None
+    if args.cell is not None:
+        try:
+            only = tuple(int(v) for v in args.cell.split(","))
+        except ValueError:
+            only = ()
+        if len(only) not in (5, 6):
+            raise SystemExit(f"--cell: expected B,CTX,HQ,HKV,D[,ROWS] as integers, got {args.cell!r}")
+        only = only + (1,) * (6 - len(only))
     if not torch.cuda.is_available():
         raise SystemExit("cuda_decode_sweep.py needs a CUDA device")
     from eecore import ops
@@ -172,7 +189,7 @@ def main() -> None:
     copy = copy_bandwidth(20)["GBps"]
     print(f"{device}: D2D copy {copy:.0f} GB/s (read + write)", flush=True)
     rows = []
-    for B, ctx, Hq, Hkv, D, q_len in cells(args.headline_only):
+    for B, ctx, Hq, Hkv, D, q_len in cells(args.headline_only, only):
         kv_gib = 2 * B * ctx * Hkv * D * 2 / 2 ** 30
         if kv_gib > args.max_kv_gib:
             continue
@@ -195,7 +212,7 @@ def main() -> None:
                 None)
     payload = {"device": device, "date": dt.date.today().isoformat(), "torch": torch.__version__,
                "copy_GBps": copy, "kernels": args.kernels, "rows": rows, "summary": summary, "headline": head}
-    if not args.headline_only:
+    if not args.headline_only and only is None:
         out = args.out or Path(RESULTS_DIR) / device_folder(device)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"{device_slug(device)}-decode-sweep-{payload['date']}"

@@ -3,7 +3,7 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
 
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
-        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-ready-model GGUF]
+        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-ready-model GGUF] [--piecewise]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
 medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
@@ -30,8 +30,10 @@ bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
+import time
 
 import torch
 
@@ -127,6 +129,55 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompts, para
     return rows
 
 
+def run_arrivals(llm, prompts, params, every: int) -> tuple[float, list]:
+    """Requests added one every `every` steps while the others decode (a server's steady state:
+    most steps carry a prompt chunk beside the decodes). Returns the wall time and the outputs."""
+    engine, seqs, pending, steps = llm.engine, [], list(prompts), 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        if pending and steps % every == 0:
+            seqs.append(engine.add_request(pending.pop(0), params, len(seqs)))
+        engine.step()
+        steps += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, [engine.output(s) for s in seqs]
+
+
+def piecewise_rows(name: str, folder: str, prompts, params, args) -> list[dict]:
+    """Steps that carry prompt chunks with everything but attention as CUDA graphs
+    (EECORE_PIECEWISE_GRAPHS=1, eecore.engine.piecewise) against the same steps launched op by op
+    (decode steps are graphs in both): a batch's prefill alone, and requests arriving every 2 steps."""
+    from eecore.engine.piecewise import PIECEWISE_GRAPHS_ENV
+
+    engines = {}
+    for on in (False, True):
+        os.environ[PIECEWISE_GRAPHS_ENV] = "1" if on else "0"
+        engines[on] = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
+    os.environ.pop(PIECEWISE_GRAPHS_ENV)
+    batch = max(args.batch_sizes)
+    first = eecore.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    workloads = {f"prefill of {batch} prompts": lambda llm: timed(llm.generate, prompts[:batch], first)[::-1],
+                 f"{batch} requests arriving every 2 steps": lambda llm: run_arrivals(llm, prompts[:batch], params, 2)}
+    rows = []
+    for label, run in workloads.items():
+        for llm in engines.values():  # warm-up: the captures
+            run(llm)
+        times, outputs = {False: [], True: []}, {}
+        for _ in range(args.repeats):
+            for on, llm in engines.items():
+                t, outputs[on] = run(llm)
+                times[on].append(t)
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
+        count = len(outputs[True])
+        t_eager, t_piecewise = statistics.median(times[False]), statistics.median(times[True])
+        rows.append(dict(model=name, workload=label, eager_s=t_eager, piecewise_s=t_piecewise,
+                         piecewise_vs_eager=t_eager / t_piecewise, identical=f"{same}/{count}"))
+        print(f"{name} {label}: piecewise graphs {t_piecewise * 1e3:8.1f} ms, op by op {t_eager * 1e3:8.1f} ms, "
+              f"{t_eager / t_piecewise:4.2f}x   identical outputs {same}/{count}", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
@@ -141,13 +192,15 @@ def main():
                     help="also run the exit-ready presets (SelfSpeculativeConfig.exit_ready(device='cuda'), the "
                          "shipped draft layers) on this SmolLM2-135M-Instruct file against its full depth, on "
                          "held-out code prompts")
+    ap.add_argument("--piecewise", action="store_true",
+                    help="also time steps that carry prompt chunks with piecewise graphs against op by op")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("e2e_cuda.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
 
-    rows, exit_rows = [], []
+    rows, exit_rows, piecewise = [], [], []
     for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             hf = random_checkpoint(name, folder, dtype, args.device)
@@ -181,6 +234,8 @@ def main():
                       f"graphs {t_eager / t_ee:4.2f}x)   HF {tokens / t_hf:8.1f} tok/s   speed-up {t_hf / t_ee:5.2f}x   "
                       f"identical greedy outputs {same}/{batch} (to eager {same_eager}/{batch})", flush=True)
             del eager, hf
+            if args.piecewise:
+                piecewise += piecewise_rows(name, folder, prompts, params, args)
             if name in args.exit_models:
                 configs = exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations)
                 exit_rows += against_full_depth(name, folder, configs, llm, prompts, params, args)
@@ -200,7 +255,7 @@ def main():
     path = save_results(f"{device_slug(device_name)}-e2e", dict(device=device_name, dtype=args.dtype,
                                                              max_tokens=args.max_tokens, prompt_len=args.prompt_len,
                                                              repeats=args.repeats, weights="random", rows=rows,
-                                                             exits=exit_rows),
+                                                             exits=exit_rows, piecewise=piecewise),
                         folder=device_folder(device_name) if args.device == "cuda" else None)
     print(f"results: {path}")
 

@@ -26,6 +26,19 @@ def greedy(max_tokens: int, **kw) -> eecore.SamplingParams:
     return eecore.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
+def generate_arriving(llm, prompts, params, every: int = 2):
+    """Requests added one every `every` steps while the others decode, so that steps mix decodes
+    with prompt chunks. Returns the outputs in request order."""
+    engine, seqs, pending, steps = llm.engine, [], list(zip(prompts, params)), 0
+    while pending or engine.has_unfinished():
+        if pending and steps % every == 0:
+            prompt, p = pending.pop(0)
+            seqs.append(engine.add_request(prompt, p, len(seqs)))
+        engine.step()
+        steps += 1
+    return [engine.output(s) for s in seqs]
+
+
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]

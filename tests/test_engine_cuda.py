@@ -11,7 +11,7 @@ import torch
 
 import eecore
 from eecore import _C
-from engine_utils import greedy, hf_greedy, random_prompts
+from engine_utils import generate_arriving, greedy, hf_greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and _C.build_info().get("cuda")),
@@ -230,3 +230,27 @@ def test_graphs_of_early_exit_segments_give_eager_tokens(tiny, early_exit):
     for a, b in zip(graphed, eager):
         for step_a, step_b in zip(a.logprobs, b.logprobs):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_piecewise_graphs_give_eager_tokens(tiny, dtype, monkeypatch):
+    """Prefill chunks and mixed steps with everything but attention captured per token bucket
+    (eecore.engine.piecewise), against enforce_eager=True: same tokens and logprobs in fp32, close
+    logprobs in bf16; prompts arrive while others decode, long ones are chunked."""
+    monkeypatch.setenv("EECORE_PIECEWISE_GRAPHS", "1")  # opt-in until this test has passed on a GPU
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 29, 7, 61, 1, 16, 40, 90], seed=13)
+    params = [greedy(5 + 3 * i, logprobs=3) for i in range(len(prompts))]
+    eager = generate_arriving(_llm(path, dtype=dtype, max_num_batched_tokens=48, enforce_eager=True), prompts, params)
+    llm = _llm(path, dtype=dtype, max_num_batched_tokens=48)
+    graphed = generate_arriving(llm, prompts, params)
+    assert len(llm.engine.runner.piecewise.graphs) >= 3 * (NUM_LAYERS + 1), "too few buckets were captured"
+    if dtype == "float32":
+        assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    tolerance = 1e-4 if dtype == "float32" else 0.05
+    for a, b in zip(graphed, eager):
+        first_a, first_b = a.logprobs[0], b.logprobs[0]  # the first token's: a prefill's logits
+        assert all(abs(first_a[t] - first_b[t]) < tolerance for t in first_a.keys() & first_b.keys())
+        if dtype == "float32":
+            for step_a, step_b in zip(a.logprobs, b.logprobs):
+                assert all(abs(step_a[t] - step_b[t]) < tolerance for t in step_a.keys() & step_b.keys())

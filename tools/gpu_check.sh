@@ -23,6 +23,7 @@
 #   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
 #                             "decode_mma or auto" for the kernels a change touched (default: all)
 #   EECORE_NCU_KERNELS        kernels Nsight Compute profiles, as the sweep names them (default: decode_mma)
+#   EECORE_NCU_CELLS          cells it profiles besides the headline, "B,CTX,HQ,HKV,D" each (default: none)
 #   EECORE_SANITIZE_KERNEL    the kernel the sanitizers check (default: decode_mma)
 # Each step's timeout is cut to what is left of the budget, so the logs always come back. Measured
 # on an H200 (2026-11-26): build 70 s, sweep 60 s, ncu 10 s, sanitizers 55 s, engine tests 20 s;
@@ -136,12 +137,16 @@ if want profile; then
 fi
 
 if want ncu; then
-  step "Nsight Compute at B=64, ctx 4096, 32/8 heads, D=128"
+  step "Nsight Compute at the headline cell (B=64, ctx 4096, 32/8 heads, D=128) and the cells in EECORE_NCU_CELLS"
   for kernel in ${EECORE_NCU_KERNELS:-decode_mma}; do  # "decode_mma:v1": the sweep sets the variant
-    limited 60 "$NCU" --clock-control none --target-processes all -k "regex:paged_attention_${kernel%%:*}_kernel" \
-      --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis --section SchedulerStats \
-      "$PY" bench/cuda_decode_sweep.py --headline-only --kernels "$kernel" > "$WORK/ncu-${kernel//:/-}.txt" 2>&1 || status=1
+    for cell in headline ${EECORE_NCU_CELLS:-}; do  # "1,256,32,8,128": a small cell, B=1 at a short context
+      if [ "$cell" = headline ]; then which=(--headline-only); name="${kernel//:/-}"
+      else which=(--cell "$cell"); name="${kernel//:/-}-${cell//,/-}"; fi
+      limited 60 "$NCU" --clock-control none --target-processes all -k "regex:paged_attention_${kernel%%:*}_kernel" \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        "$PY" bench/cuda_decode_sweep.py "${which[@]}" --kernels "$kernel" > "$WORK/ncu-$name.txt" 2>&1 || status=1
+    done
   done
   for f in "$WORK"/ncu-*.txt; do
     grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|ERR" "$f" \

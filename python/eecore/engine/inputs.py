@@ -108,10 +108,13 @@ class InputBuilder:
         # the host pays on every step)
         self._views: dict[tuple, tuple[dict, Optional[dict]]] = {}
 
-    def build(self, rows: list[Row], pad_to: Optional[int] = None, width: int = 1) -> StepInputs:
+    def build(self, rows: list[Row], pad_to: Optional[int] = None, width: int = 1,
+              pad_tokens_to: Optional[int] = None) -> StepInputs:
         """`pad_to`: append rows in the pad block up to that many rows, and give the block tables their
         full width; every row then holds `width` tokens, a shorter one padded after its last token
-        (a static step: see the module doc).
+        (a static step: see the module doc). `pad_tokens_to`: append tokens of no sequence up to
+        that many, at position 0, writing their K/V into the pad block (the token-wise parts of a
+        piecewise pass run over them; its attention over the rows' own tokens).
 
         The host arrays are filled with whole-array numpy operations: on a GPU whose step is one
         graph replay, this is most of the host's share of the step, which the GPU waits out
@@ -123,7 +126,10 @@ class InputBuilder:
         B = n if pad_to is None else pad_to
         lens = real if pad_to is None else [width] * n
         T = sum(lens) + (B - n) * width
-        if B > self.max_seqs or T > self.max_tokens:
+        if pad_tokens_to is not None:
+            self._check_token_padding(rows, pad_to, pad_tokens_to, T)
+        padded_T = T if pad_tokens_to is None else pad_tokens_to
+        if B > self.max_seqs or padded_T > self.max_tokens:
             raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
                                f"{self.max_seqs} / {self.max_tokens}")
         if self._copied is not None:
@@ -172,8 +178,12 @@ class InputBuilder:
         if has_tree:
             self._trees(rows)
         self._pad(n, B, width, tables)
+        if padded_T > T:
+            h["tokens"][T:padded_T] = 0
+            h["positions"][T:padded_T] = 0
+            h["slots"][T:padded_T] = self.pad_block * bs + np.arange(padded_T - T) % bs
         h["last"][:B] = qsl[1: B + 1] - 1
-        host, device = self._shaped_views(T, B, table_width, has_tree)
+        host, device = self._shaped_views(padded_T, B, table_width, has_tree)
         views = host
         if rows and rows[0].seq.encoder_token_ids is not None:
             views = dict(host, **self._cross_views(rows))
@@ -227,6 +237,13 @@ class InputBuilder:
         if pad_to < len(rows) or any(not 1 <= len(r.tokens) <= width or r.parents is not None for r in rows):
             raise ValueError(f"InputBuilder: padding to {pad_to} rows of {width} tokens takes at most that many "
                              f"rows of 1 to {width} tokens each (no token trees), got {len(rows)} rows")
+
+    def _check_token_padding(self, rows: list[Row], pad_to: Optional[int], pad_tokens_to: int, T: int) -> None:
+        if self.pad_block < 0:
+            raise RuntimeError("InputBuilder: padding needs the KV cache's pad block")
+        if pad_to is not None or pad_tokens_to < T or any(r.parents is not None for r in rows):
+            raise ValueError(f"InputBuilder: 'pad_tokens_to' pads the {T} tokens of unpadded rows without token "
+                             f"trees to at least that many, got {pad_tokens_to} (pad_to={pad_to})")
 
     def _pad(self, first: int, end: int, width: int, tables: np.ndarray) -> None:
         """Rows first..end-1 of the host buffers as padding: each a `width`-token sequence in the pad

@@ -16,6 +16,7 @@ from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.encoder_decoder import check_request_fits, encoder_decoder_sequence
 from eecore.engine.inputs import Row
 from eecore.engine.kv_cache import KVCache
+from eecore.engine.piecewise import maybe_piecewise
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler
 from eecore.engine.scheduler import Scheduler
@@ -90,6 +91,7 @@ class LLMEngine:
         self.runner.static_decode = maybe_static_decode(self.runner, config.max_num_seqs, config.enforce_eager)
         self.runner.static_verify = maybe_static_verify(self.runner, config.max_num_seqs, lookahead,
                                                         config.enforce_eager)
+        self.runner.piecewise = maybe_piecewise(self.runner, config.enforce_eager)
         self.sampler = Sampler(model.device, config.seed)
         self.strategy = strategy(self.runner, self.sampler)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead,

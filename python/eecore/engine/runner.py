@@ -13,6 +13,7 @@ import torch
 
 from eecore.engine.inputs import InputBuilder, Row, StepInputs
 from eecore.engine.kv_cache import KVCache
+from eecore.engine.piecewise import PiecewiseForward
 from eecore.engine.static_decode import StaticDecode, StaticVerify
 from eecore.models.llama import AttentionInputs, LlamaModel
 
@@ -38,6 +39,8 @@ class ModelRunner:
         # where enabled
         self.static_decode: Optional[StaticDecode] = None
         self.static_verify: Optional[StaticVerify] = None
+        # every other pass through all layers with all but attention graphed (engine.piecewise)
+        self.piecewise: Optional[PiecewiseForward] = None
 
     def prepare(self, rows: list[Row]) -> StepInputs:
         inputs = self.builder.build(rows)
@@ -84,6 +87,8 @@ class ModelRunner:
     def forward(self, rows: list[Row], tap: Optional[tuple[int, torch.Tensor]] = None) -> tuple[StepInputs, torch.Tensor]:
         """All layers over `rows`; returns the inputs and the final residual stream `[T, d]`.
         `tap=(E, out)` also copies the residual stream after layer E-1 into `out` `[T, d]`."""
+        if tap is None and self.piecewise is not None and self.piecewise.takes(rows):
+            return self.piecewise.run(rows)
         inputs = self.prepare(rows)
         hidden = self.embed(inputs)
         split = self.num_layers if tap is None else tap[0]
@@ -91,6 +96,11 @@ class ModelRunner:
         if tap is not None:
             tap[1].copy_(hidden)
             self.run_layers(hidden, inputs.attn, split, self.num_layers)
+        self.mark_computed(rows)
+        return inputs, hidden
+
+    @staticmethod
+    def mark_computed(rows: list[Row]) -> None:
+        """The rows' tokens have their K/V in the cache now."""
         for row in rows:
             row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + len(row.tokens))
-        return inputs, hidden

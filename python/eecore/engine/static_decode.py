@@ -139,8 +139,7 @@ class StaticDecode(StaticPass):
     def run(self, rows: list[Row]) -> tuple[StepInputs, torch.Tensor]:
         inputs, logits = self._run_padded(rows, 1)
         self._count(rows, 1)
-        for row in rows:
-            row.seq.num_computed_tokens = max(row.seq.num_computed_tokens, row.start + 1)
+        self.runner.mark_computed(rows)
         return inputs, logits[: len(rows)]
 
 

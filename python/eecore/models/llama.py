@@ -176,15 +176,34 @@ class LlamaModel:
     def layer(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
               v_cache: torch.Tensor, ws: Workspace) -> torch.Tensor:
         """Run decoder layer `i` on `hidden [T, d]` in place, writing this step's K/V."""
-        w, v = self.layers[i], ws.views(hidden.shape[0])
+        self.layer_qkv(i, hidden, attn, k_cache, v_cache, ws)
+        self.layer_attention(attn, k_cache, v_cache, ws, hidden.shape[0])
+        return self.layer_output(i, hidden, ws)
 
+    # A layer in its three parts: what comes before attention, attention, what comes after. A
+    # pass that captures everything but attention as CUDA graphs (engine.piecewise) runs the first
+    # and the last over padded rows and attention over the real ones.
+    def layer_qkv(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, ws: Workspace) -> None:
+        """Layer `i`'s input norm, Q/K/V projection and RoPE over `hidden [T, d]`, into the
+        workspace; this step's K/V into the cache."""
+        w, v = self.layers[i], ws.views(hidden.shape[0])
         x = ops.rms_norm(v.normed, hidden, w.input_norm, self.eps)
         project(v.qkv, x, w.qkv, w.qkv_bias)
         ops.rotary_embedding(attn.positions, v.q, v.k, self.cos_sin, True)
         ops.reshape_and_cache(v.k, v.v, k_cache, v_cache, attn.slot_mapping)
+
+    def layer_attention(self, attn: AttentionInputs, k_cache: torch.Tensor, v_cache: torch.Tensor, ws: Workspace,
+                        num_tokens: int) -> None:
+        """Attention of the first `num_tokens` query rows of the workspace (`layer_qkv`'s)."""
+        v = ws.views(num_tokens)
         ops.paged_attention(v.attn, v.q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
                             attn.max_query_len, self.scale, True, None, attn.tree_mask)
 
+    def layer_output(self, i: int, hidden: torch.Tensor, ws: Workspace) -> torch.Tensor:
+        """Layer `i` after attention: output projection and residual, post norm, MLP and residual,
+        in place on `hidden [T, d]`."""
+        w, v = self.layers[i], ws.views(hidden.shape[0])
         o = project(v.o, v.attn_flat, w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
         project(v.gate_up, o, w.gate_up)
