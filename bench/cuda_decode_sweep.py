@@ -19,7 +19,8 @@ SDPA's before any timing.
 
 Writes bench/results/<gpu>/<device>-decode-sweep-<date>.json and .md (bench_cuda.py names both). --headline-only runs only
 B=64, context 4096, 32/8 heads, D=128 (the cell the issue's goal names), e.g. under ncu; --cell
-B,CTX,HQ,HKV,D runs another one cell (neither writes results).
+B,CTX,HQ,HKV,D runs another one cell (neither writes results). --sequential-blocks gives each
+sequence its blocks in order instead of a random permutation: what scattered blocks cost.
 """
 from __future__ import annotations
 
@@ -112,12 +113,15 @@ def time_graph(fn, calls: int = 10, replays: int = 10) -> float:
     return statistics.median(times)
 
 
-def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16):
+def run_cell(ops, B, ctx, Hq, Hkv, D, q_len, kernels, copy_gbps, block_size=16, sequential=False):
     dtype = torch.bfloat16
     blocks = ctx // block_size
     k_cache = torch.randn(B * blocks, block_size, Hkv, D, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(B * blocks, device="cuda").view(B, blocks).to(torch.int32)
+    # a served cache's blocks are scattered; sequential ones show what that scattering costs (a
+    # block holds every KV head's rows of its 16 tokens: one head's part is 16 runs of D values)
+    order = torch.arange(B * blocks, device="cuda") if sequential else torch.randperm(B * blocks, device="cuda")
+    table = order.view(B, blocks).to(torch.int32)
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     starts = torch.arange(B + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(B * q_len, Hq, D, dtype=dtype, device="cuda")
@@ -164,6 +168,8 @@ def main() -> None:
                                                      "decode", "mma"],
                     help="kernels to time (EECORE_PAGED_ATTENTION_KERNEL values, options after colons: see above)")
     ap.add_argument("--headline-only", action="store_true")
+    ap.add_argument("--sequential-blocks", action="store_true",
+                    help="each sequence's blocks in order, one after another (default: a random permutation)")
     ap.add_argument("--cell", default=None, metavar="B,CTX,HQ,HKV,D[,ROWS]",
                     help="time this one cell only (Nsight Compute of a small cell: --cell 1,256,32,8,128)")
     ap.add_argument("--max-kv-gib", type=float, default=16.0)
@@ -193,7 +199,7 @@ def main() -> None:
         kv_gib = 2 * B * ctx * Hkv * D * 2 / 2 ** 30
         if kv_gib > args.max_kv_gib:
             continue
-        row = run_cell(ops, B, ctx, Hq, Hkv, D, q_len, args.kernels, copy)
+        row = run_cell(ops, B, ctx, Hq, Hkv, D, q_len, args.kernels, copy, sequential=args.sequential_blocks)
         rows.append(row)
         cols = " | ".join(f"{k} {row[f'{k}_us']:.0f} us {row[f'{k}_of_copy']:.0%} {row[f'{k}_vs_sdpa']:.2f}x"
                           for k in args.kernels)
@@ -212,7 +218,7 @@ def main() -> None:
                 None)
     payload = {"device": device, "date": dt.date.today().isoformat(), "torch": torch.__version__,
                "copy_GBps": copy, "kernels": args.kernels, "rows": rows, "summary": summary, "headline": head}
-    if not args.headline_only and only is None:
+    if not args.headline_only and only is None and not args.sequential_blocks:
         out = args.out or Path(RESULTS_DIR) / device_folder(device)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"{device_slug(device)}-decode-sweep-{payload['date']}"

@@ -122,6 +122,11 @@ if want sweep; then
   step "decode sweep: every kernel against SDPA"
   limited 150 "$PY" bench/cuda_decode_sweep.py ${EECORE_SWEEP_ARGS:-} > "$WORK/decode-sweep.txt" 2>&1 || status=1
   grep -E "copy|worst|headline|Error|error" "$WORK/decode-sweep.txt" | tail -8 | tee -a "$LOGS/summary.txt"
+  # the headline cell again with each sequence's blocks in order: what scattered blocks cost
+  limited 40 "$PY" bench/cuda_decode_sweep.py --headline-only --sequential-blocks --kernels auto \
+    > "$WORK/decode-sequential-blocks.txt" 2>&1 || status=1
+  grep -E "headline|Error|error" "$WORK/decode-sequential-blocks.txt" | sed 's/^/sequential blocks: /' \
+    | tee -a "$LOGS/summary.txt"
 fi
 
 if want e2e; then
