@@ -12,7 +12,9 @@ enforce_eager=True, so each row also says what the graphs gain.
 For each of --exit-models, early exit and self-speculation at E = L/4 and L/2 against full depth,
 at every batch size, each alternating with full depth (both graphed where eecore captures them):
 static exits at E (`EarlyExitConfig(measure="static")`, the seed's batched iteration with KV fill
-of the skipped layers), LayerSkip's self-speculation with the first E layers as the drafter
+of the skipped layers), the same iteration with a softmax check at E whose threshold lets every
+row exit there or none (on random weights the confidence means nothing: the two bound what the
+check costs and what exiting gains with it), LayerSkip's self-speculation with the first E layers as the drafter
 (`LayerDrafts(E)`, shared KV cache and exit-query cache) and with a draft copy of them
 (`LayerDrafts(E, copy=DraftCopy())`). Random weights measure speed only: their drafts' acceptance
 is printed beside it, since a round's speed depends on it; the draft copy also runs with perfect
@@ -67,6 +69,13 @@ def exit_configs(num_layers: int, d: int) -> dict:
     configs = {}
     for E in sorted({num_layers // 4, num_layers // 2}):
         configs[f"static exit E={E}"] = dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=E))
+        # the seed's batched iteration with one softmax check at E (rule "all", KV fill of the skipped
+        # layers): random weights give no meaningful confidence, so the threshold makes every row
+        # exit there (0: a top-2 gap is > 0) or none (1: it never is), the gain with the check's cost
+        # and the check's cost alone
+        for label, threshold in (("all exit", 0.0), ("none exit", 1.0)):
+            configs[f"softmax check at E={E}, {label}"] = dict(early_exit=eecore.EarlyExitConfig(
+                measure="softmax", threshold=threshold, min_exit_layer=E, check_every=num_layers))
         configs[f"layer drafts E={E} d={d}"] = dict(
             speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=eecore.LayerDrafts(E)))
         for perfect in (False, True):
@@ -118,11 +127,13 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompts, para
             accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
             same = sum(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
             tok_s = batch * args.max_tokens / statistics.median(t_exit)
+            layers = statistics.mean(o.metrics.get("mean_layers_per_token", 0.0) for o in outs)
             rows.append(dict(model=name, config=label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
-                             drafted=drafted, accepted=accepted, identical_to_full_depth=f"{same}/{batch}"))
+                             drafted=drafted, accepted=accepted, mean_layers_per_token=layers,
+                             identical_to_full_depth=f"{same}/{batch}"))
             acceptance = f"   acceptance {accepted / drafted:.2f}" if drafted else ""
             print(f"{name} {label} batch {batch}: {tok_s:8.1f} tok/s   {speedup:4.2f}x full depth{acceptance}   "
-                  f"identical to full depth {same}/{batch}", flush=True)
+                  f"{layers:.1f} layers a token   identical to full depth {same}/{batch}", flush=True)
         del llm
         if args.device == "cuda":
             torch.cuda.empty_cache()

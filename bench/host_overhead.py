@@ -1,7 +1,7 @@
 """The host's share of a decode step: everything a step costs besides the model's kernels.
 
     PYTHONPATH=python python bench/host_overhead.py [--batch-sizes 1 8 64 256] [--steps 128]
-        [--context 64] [--out-name NAME]
+        [--context 64] [--text] [--out-name NAME]
 
 On a GPU a full-depth decode step is one CUDA graph replay, and the host's work around it
 (scheduling, filling the step's input buffers, reading the sampled tokens back, appending them,
@@ -10,8 +10,12 @@ any machine: the engine runs its static decode path (the code a graph captures, 
 pass itself replaced by a preallocated logits buffer, so each step is host work only. The
 vocabulary is small (256) so that the argmax, a kernel on a GPU, costs nothing here either.
 
+With --text the output is detokenized as a server does it: SmolLM2's tokenizer, a stop string
+watched, and every sequence's text streamed after every step (the median step then comes from
+outputs half as long as --steps).
+
 Prints, per batch size, the median time of a decode step and its parts (schedule, input build,
-sample, append and stop checks); writes bench/results/<machine>/<name>-<date>.json.
+sample, append and stop checks, streaming); writes bench/results/<machine>/<name>-<date>.json.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 import eecore
 from common import cpu_model, save_results
 from eecore.engine.static_decode import StaticDecode
+from eecore.engine.streaming import DeltaTracker
 
 VOCAB = 256
 
@@ -66,32 +71,51 @@ class PartTimer:
         return out
 
 
+def smollm2_tokenizer():
+    from eecore.models import default_model_path
+    from eecore.models.gguf_file import GGUFFile
+    from eecore.models.gguf_tokenizer import tokenizer_from_gguf
+
+    path = default_model_path()
+    return tokenizer_from_gguf(GGUFFile(path).metadata, path)
+
+
 def host_only_engine(folder: str, max_batch: int):
     llm = eecore.LLM(folder, dtype="float32", device="cpu", max_num_seqs=max_batch,
                      max_num_batched_tokens=max(1024, max_batch * 128))
     runner = llm.engine.runner
     static = StaticDecode(runner, max_batch, capture=False)
     logits = torch.randn(max_batch, VOCAB)
+    # each sequence repeats one letter: ids 81..106 are "a".."z" in SmolLM2's vocabulary (--text)
+    logits[torch.arange(max_batch), 81 + torch.arange(max_batch) % 26] = 100.0
     static._step = lambda inputs: logits  # a graph replay that costs the host nothing
     runner.static_decode = static
     return llm
 
 
-def measure(llm, batch: int, steps: int, context: int) -> dict:
+def measure(llm, batch: int, steps: int, context: int, text: bool = False) -> dict:
     engine = llm.engine
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.builder, "build", "build")
     timer.wrap(engine.sampler, "sample", "sample")
     timer.wrap(engine, "_append", "append")
-    params = eecore.SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    params = eecore.SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True,
+                                   stop=["never in the output"] if text else None)
+    tracker = None
+    if text:  # SmolLM2's tokenizer, a stop string watched, every sequence streamed as the server does
+        engine.stopper.tokenizer = smollm2_tokenizer()
+        tracker = DeltaTracker(engine)
+        timer.wrap(tracker, "delta", "stream")
     for i in range(batch):
         engine.add_request([(7 * i + j) % VOCAB for j in range(context)], params, i)
     totals, parts = [], collections.defaultdict(list)
     while engine.has_unfinished():
         timer.reset()
         start = time.perf_counter()
-        engine.step()
+        for seq in engine.step():
+            if tracker is not None:
+                tracker.delta(seq)
         elapsed = time.perf_counter() - start
         if engine.last_step.prefills or len(engine.last_step.decodes) != batch:
             continue
@@ -108,6 +132,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each sequence")
+    ap.add_argument("--text", action="store_true",
+                    help="also detokenize: SmolLM2's tokenizer, a stop string, every sequence streamed")
     ap.add_argument("--out-name", default="host-overhead")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -115,12 +141,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         tiny_checkpoint(folder, args.context)
         for batch in args.batch_sizes:
-            row = measure(host_only_engine(folder, batch), batch, args.steps, args.context)
+            row = measure(host_only_engine(folder, batch), batch, args.steps, args.context, args.text)
             rows.append(row)
             parts = ", ".join(f"{k} {v}" for k, v in row["parts_us"].items())
             print(f"batch {batch:4d}: {row['step_us']:8.1f} us a decode step ({row['per_sequence_us']} a sequence); "
                   f"{parts}")
-    path = save_results(args.out_name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, rows=rows))
+    path = save_results(args.out_name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
+                                            rows=rows))
     print(f"wrote {path}")
 
 

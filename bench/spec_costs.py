@@ -256,8 +256,8 @@ def verify_rows(args) -> None:
 def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
     """Make `llm`'s layer drafts the tokens of `continuations` (prompt ids -> full depth's greedy
     output) after the copy has run: each round's k-th draft of a sequence whose output holds m
-    tokens is continuation[m + k]. The copy's passes, the draft head and the proposal's ops all
-    still run; only the tokens they chose are replaced."""
+    tokens is continuation[m + k] (a prompt without one keeps the copy's drafts). The copy's passes,
+    the draft head and the proposal's ops all still run; only the tokens they chose are replaced."""
     decoder = llm.engine.strategy
     chain: dict[int, int] = {}  # seq_id -> drafts proposed so far this round
     copy_drafts, propose = decoder.proposer.propose, decoder.picker.propose
@@ -271,7 +271,7 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
         for i, seq in enumerate(seqs):
             k = chain.get(seq.seq_id, 0)
             chain[seq.seq_id] = k + 1
-            wanted = continuations[tuple(seq.prompt_token_ids)]
+            wanted = continuations.get(tuple(seq.prompt_token_ids), ())  # none: a warm-up's prompt
             position = len(seq.output_token_ids) + k
             if position < len(wanted):
                 proposal.tokens[i] = wanted[position]

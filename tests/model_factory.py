@@ -282,3 +282,39 @@ def random_lora(hf, seed: int) -> LoraDeltas:
             out, inp = modules[path].weight.shape
             pairs[path] = (0.3 * torch.randn(2, inp, generator=g), 0.3 * torch.randn(out, 2, generator=g))
     return LoraDeltas(pairs, scale=0.5)
+
+
+_SPM_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello world! Hello there, how are you today?",
+    "def add(a, b):\n    return a + b", "Numbers like 12 and 345 and 6789 appear here.",
+    "café naïve résumé über straße", "Early exit lets easy tokens leave after a few layers.",
+] * 20
+
+
+def write_sentencepiece_gguf(folder):
+    """A SentencePiece BPE tokenizer with byte fallback (a Llama 2 kind of vocabulary) trained on a
+    small corpus, in the GGUF file of a one-layer model: (the sentencepiece processor, the path)."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_SPM_CORPUS), model_writer=proto, model_type="bpe", vocab_size=400,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else
+             5 if sp.is_unused(i) else 1 for i in range(n)]
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": types,
+                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                "tokenizer.ggml.unknown_token_id": 0}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=n, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    path = write_gguf(model, Path(folder) / "spm.gguf", extra_metadata=metadata)
+    return sp, path

@@ -2,14 +2,13 @@
 kind against the sentencepiece library itself, and the chat template against HF's rendering."""
 from __future__ import annotations
 
-import io
 import json
 import os
 
 import pytest
 
 from eecore.models import ChatTemplateError, CorruptCheckpointError, Tokenizer, default_model_path, load_model
-from model_factory import make_tiny_hf_model, write_gguf
+from model_factory import make_tiny_hf_model, write_gguf, write_sentencepiece_gguf
 
 TEXTS = [
     "Hello world",
@@ -199,38 +198,10 @@ def test_gguf_byte_level_equals_transformers(tmp_path, tiny_dir, pre):
 
 # ---- GGUF SentencePiece ("llama") tokenizers, against sentencepiece itself ---------------------------
 
-_SPM_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.", "Hello world! Hello there, how are you today?",
-    "def add(a, b):\n    return a + b", "Numbers like 12 and 345 and 6789 appear here.",
-    "café naïve résumé über straße", "Early exit lets easy tokens leave after a few layers.",
-] * 20
-
-
 @pytest.fixture(scope="module")
 def sentencepiece_gguf(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_SPM_CORPUS), model_writer=proto, model_type="bpe", vocab_size=400,
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
-    n = sp.get_piece_size()
-    tokens = [sp.id_to_piece(i) for i in range(n)]
-    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else
-             5 if sp.is_unused(i) else 1 for i in range(n)]
-    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-                "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": types,
-                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-                "tokenizer.ggml.unknown_token_id": 0}
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=n, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
-    folder = tmp_path_factory.mktemp("spm")
-    path = write_gguf(model, folder / "spm.gguf", extra_metadata=metadata)
-    return sp, path
+    pytest.importorskip("sentencepiece")
+    return write_sentencepiece_gguf(tmp_path_factory.mktemp("spm"))
 
 
 def test_gguf_sentencepiece_equals_sentencepiece(sentencepiece_gguf):

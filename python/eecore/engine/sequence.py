@@ -61,6 +61,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
         self.output_text = ""
+        self.detokenizer = None  # engine.detokenizer.IncrementalDetokenizer, made by the StopChecker
         self.times = SequenceTimes()
         self.num_preemptions = 0
         self.stats: dict[str, float] = {}  # strategy counters (e.g. drafted / accepted tokens)

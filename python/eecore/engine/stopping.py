@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from eecore.engine.detokenizer import IncrementalDetokenizer
 from eecore.engine.sequence import Sequence
 
 
@@ -13,9 +14,19 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def detokenize(self, seq: Sequence) -> str:
+        """The output's whole text, decoded at once."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    def current_text(self, seq: Sequence) -> str:
+        """The output's text so far, decoding only the tokens since the last call
+        (engine.detokenizer): what stop strings and streaming read after every step."""
+        if self.tokenizer is None:
+            return ""
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer()
+        return seq.detokenizer.update(self.tokenizer, seq.output_token_ids)
 
     def check(self, seq: Sequence) -> Optional[str]:
         """The finish reason after the last appended token, or None to go on. Updates the text
@@ -23,8 +34,10 @@ class StopChecker:
         p = seq.params
         token = seq.output_token_ids[-1]
         if p.stop:
-            seq.output_text = self.detokenize(seq)
-            hits = [(i, s) for s in p.stop if (i := seq.output_text.find(s)) >= 0]
+            # the text up to there was searched at the last check, and later tokens cannot change it
+            searched = seq.detokenizer.committed_length if seq.detokenizer is not None else 0
+            seq.output_text = self.current_text(seq)
+            hits = [(i, s) for s in p.stop if (i := seq.output_text.find(s, max(0, searched - len(s) + 1))) >= 0]
             if hits:
                 at, string = min(hits)
                 seq.output_text = seq.output_text[:at]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def stable_text(stopper: StopChecker, seq: Sequence) -> str:
     """Text that later tokens cannot change: no half-decoded character, no possible stop-string start."""
-    text = stopper.detokenize(seq).rstrip("\ufffd")
+    text = stopper.current_text(seq).rstrip("\ufffd")
     hold = max((len(s) for s in seq.params.stop), default=1) - 1
     return text[: len(text) - hold] if hold > 0 else text
 

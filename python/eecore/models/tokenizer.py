@@ -24,6 +24,9 @@ from tokenizers import processors
 from eecore.models.errors import CorruptCheckpointError, ModelLoadError
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
 class ChatTemplateError(ModelLoadError):
     """The model has no chat template, or its template failed to render."""
 
@@ -58,6 +61,14 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of byte-fallback tokens (`<0xE6>`, SentencePiece vocabularies): the decoder reads a run
+        of them together, and turns all of it into U+FFFD while it is not valid UTF-8, so text
+        decoded before the run ends can still change (engine.detokenizer)."""
+        return frozenset(i for token, i in self.backend.get_vocab(with_added_tokens=False).items()
+                         if _BYTE_TOKEN.fullmatch(token))
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
