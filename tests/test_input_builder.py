@@ -62,12 +62,13 @@ def random_step(rng: random.Random, padded: bool):
     trees = not padded and rng.random() < 0.5
     rows = []
     for _ in range(num_rows):
-        n = rng.randint(1, width) if padded else rng.randint(1, 7)
-        start = rng.randint(0, MAX_BLOCKS * BLOCK - n - (width - n if padded else 0))
+        n = rng.randint(1, width) if padded else rng.randint(0, 7)  # varlen steps may hold empty rows
+        span = max(n, width, 1)  # slots the row writes (a padded row: its width)
+        start = rng.randint(0, MAX_BLOCKS * BLOCK - span)
         seq = Sequence([1], eecore.SamplingParams(max_tokens=4))
-        needed = -(-(start + max(n, width)) // BLOCK)
+        needed = -(-(start + span) // BLOCK)
         seq.block_table = rng.sample(range(PAD_BLOCK), rng.randint(needed, MAX_BLOCKS))
-        parents = random_tree(rng, n) if trees and rng.random() < 0.5 else None
+        parents = random_tree(rng, n) if trees and n and rng.random() < 0.5 else None
         rows.append(Row(seq, start, [rng.randrange(1000) for _ in range(n)], parents))
     pad_to = rng.randint(num_rows, 8) if padded else None
     return rows, pad_to, width

@@ -142,7 +142,7 @@ class InputBuilder:
         starts = np.fromiter((r.start for r in rows), np.int64, n)
         qsl = h["qsl"]
         qsl[0] = 0
-        if T == B:  # one token a row (decode steps): no token runs to spread over
+        if T == B and max(lens, default=1) == 1:  # one token a row (decode steps): no runs to spread over
             used, row_of, slot_pos = n, np.arange(n), starts
             qsl[1: n + 1] = row_of + 1
             h["tokens"][:n] = np.fromiter((r.tokens[0] for r in rows), np.int64, n)
