@@ -4,6 +4,7 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
         [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-ready-model GGUF] [--piecewise]
+        [--no-hf]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
 medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
@@ -40,7 +41,7 @@ import time
 import torch
 
 import eecore
-from common import (alternate_with_hf, bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
+from common import (bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
                     timed)
 
 MODELS = {  # HF LlamaConfig fields of the real checkpoints
@@ -51,6 +52,23 @@ MODELS = {  # HF LlamaConfig fields of the real checkpoints
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                          tie_word_embeddings=True),
 }
+
+
+class Results:
+    """The run's rows by kind, written out after every row: a GPU call's step that runs out of
+    time keeps what it measured."""
+
+    def __init__(self, args):
+        self.device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        self.payload = dict(device=self.device, dtype=args.dtype, max_tokens=args.max_tokens,
+                            prompt_len=args.prompt_len, repeats=args.repeats, weights="random", rows=[], exits=[],
+                            piecewise=[])
+        self.path = None
+
+    def add(self, kind: str, row: dict) -> None:
+        self.payload[kind].append(row)
+        self.path = save_results(f"{device_slug(self.device)}-e2e", self.payload,
+                                 folder=device_folder(self.device) if self.device != "cpu" else None)
 
 
 def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
@@ -96,12 +114,11 @@ def exit_ready_configs(device: str) -> dict:
             for preset in ("layer", "hybrid")}
 
 
-def against_full_depth(name: str, model: str, configs: dict, full, prompts, params, args) -> list[dict]:
+def against_full_depth(name: str, model: str, configs: dict, full, prompts, params, args, results: Results) -> None:
     """Each of `configs` (label -> LLM keywords, "perfect": replace the drafts by full depth's
     tokens) on `model` against the full-depth engine `full`, alternating run by run."""
     from spec_costs import install_oracle
 
-    rows = []
     continuations: dict[tuple, list[int]] = {}
     for label, config in configs.items():
         config = dict(config)
@@ -128,16 +145,15 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompts, para
             same = sum(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
             tok_s = batch * args.max_tokens / statistics.median(t_exit)
             layers = statistics.mean(o.metrics.get("mean_layers_per_token", 0.0) for o in outs)
-            rows.append(dict(model=name, config=label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
-                             drafted=drafted, accepted=accepted, mean_layers_per_token=layers,
-                             identical_to_full_depth=f"{same}/{batch}"))
+            results.add("exits", dict(model=name, config=label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
+                                      drafted=drafted, accepted=accepted, mean_layers_per_token=layers,
+                                      identical_to_full_depth=f"{same}/{batch}"))
             acceptance = f"   acceptance {accepted / drafted:.2f}" if drafted else ""
             print(f"{name} {label} batch {batch}: {tok_s:8.1f} tok/s   {speedup:4.2f}x full depth{acceptance}   "
                   f"{layers:.1f} layers a token   identical to full depth {same}/{batch}", flush=True)
         del llm
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    return rows
 
 
 def run_arrivals(llm, prompts, params, every: int) -> tuple[float, list]:
@@ -155,7 +171,7 @@ def run_arrivals(llm, prompts, params, every: int) -> tuple[float, list]:
     return time.perf_counter() - start, [engine.output(s) for s in seqs]
 
 
-def piecewise_rows(name: str, folder: str, prompts, params, args) -> list[dict]:
+def piecewise_rows(name: str, folder: str, prompts, params, args, results: Results) -> None:
     """Steps that carry prompt chunks with everything but attention as CUDA graphs
     (EECORE_PIECEWISE_GRAPHS=1, eecore.engine.piecewise) against the same steps launched op by op
     (decode steps are graphs in both): a batch's prefill alone, and requests arriving every 2 steps."""
@@ -170,7 +186,6 @@ def piecewise_rows(name: str, folder: str, prompts, params, args) -> list[dict]:
     first = eecore.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     workloads = {f"prefill of {batch} prompts": lambda llm: timed(llm.generate, prompts[:batch], first)[::-1],
                  f"{batch} requests arriving every 2 steps": lambda llm: run_arrivals(llm, prompts[:batch], params, 2)}
-    rows = []
     for label, run in workloads.items():
         for llm in engines.values():  # warm-up: the captures
             run(llm)
@@ -182,11 +197,10 @@ def piecewise_rows(name: str, folder: str, prompts, params, args) -> list[dict]:
         same = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
         count = len(outputs[True])
         t_eager, t_piecewise = statistics.median(times[False]), statistics.median(times[True])
-        rows.append(dict(model=name, workload=label, eager_s=t_eager, piecewise_s=t_piecewise,
-                         piecewise_vs_eager=t_eager / t_piecewise, identical=f"{same}/{count}"))
+        results.add("piecewise", dict(model=name, workload=label, eager_s=t_eager, piecewise_s=t_piecewise,
+                                      piecewise_vs_eager=t_eager / t_piecewise, identical=f"{same}/{count}"))
         print(f"{name} {label}: piecewise graphs {t_piecewise * 1e3:8.1f} ms, op by op {t_eager * 1e3:8.1f} ms, "
               f"{t_eager / t_piecewise:4.2f}x   identical outputs {same}/{count}", flush=True)
-    return rows
 
 
 def main():
@@ -205,16 +219,19 @@ def main():
                          "held-out code prompts")
     ap.add_argument("--piecewise", action="store_true",
                     help="also time steps that carry prompt chunks with piecewise graphs against op by op")
+    ap.add_argument("--no-hf", action="store_true", help="leave out HF generate (its figures change little)")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("e2e_cuda.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
 
-    rows, exit_rows, piecewise = [], [], []
+    results = Results(args)
     for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             hf = random_checkpoint(name, folder, dtype, args.device)
+            if args.no_hf:
+                hf = None
             llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
             # the same engine launching op by op: what the CUDA graphs of the decode step gain
             eager = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
@@ -225,31 +242,40 @@ def main():
             params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
             for engine in (llm, eager):  # warm-up (and, with graphs, the capture of batch 1)
                 engine.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))
-            hf_generate_greedy(hf, prompts[:1], 8)
+            if hf is not None:
+                hf_generate_greedy(hf, prompts[:1], 8)
             for batch in args.batch_sizes:
-                t_ee, t_hf, outs, hf_outs = alternate_with_hf(llm, hf, prompts[:batch], params, args.max_tokens,
-                                                              args.repeats)
-                eager_times = []
+                # the engines alternate run by run, so a burst of load hits them alike
+                times: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": []}
                 for _ in range(args.repeats):
+                    outs, t = timed(llm.generate, prompts[:batch], params)
+                    times["graphs"].append(t)
                     eager_outs, t = timed(eager.generate, prompts[:batch], params)
-                    eager_times.append(t)
-                t_eager = statistics.median(eager_times)
+                    times["eager"].append(t)
+                    if hf is not None:
+                        hf_outs, t = timed(hf_generate_greedy, hf, prompts[:batch], args.max_tokens)
+                        times["hf"].append(t)
+                t_ee, t_eager = statistics.median(times["graphs"]), statistics.median(times["eager"])
                 tokens = batch * args.max_tokens
-                same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
                 same_eager = sum(o.token_ids == e.token_ids for o, e in zip(outs, eager_outs))
-                rows.append(dict(model=name, batch=batch, eecore_tok_s=tokens / t_ee, eager_tok_s=tokens / t_eager,
-                                 graphs_vs_eager=t_eager / t_ee, hf_tok_s=tokens / t_hf, speedup=t_hf / t_ee,
-                                 identical_greedy_outputs=f"{same}/{batch}",
-                                 identical_to_eager=f"{same_eager}/{batch}"))
-                print(f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s (eager {tokens / t_eager:8.1f}, "
-                      f"graphs {t_eager / t_ee:4.2f}x)   HF {tokens / t_hf:8.1f} tok/s   speed-up {t_hf / t_ee:5.2f}x   "
-                      f"identical greedy outputs {same}/{batch} (to eager {same_eager}/{batch})", flush=True)
+                row = dict(model=name, batch=batch, eecore_tok_s=tokens / t_ee, eager_tok_s=tokens / t_eager,
+                           graphs_vs_eager=t_eager / t_ee, identical_to_eager=f"{same_eager}/{batch}")
+                line = (f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s (eager {tokens / t_eager:8.1f}, "
+                        f"graphs {t_eager / t_ee:4.2f}x, identical to eager {same_eager}/{batch})")
+                if hf is not None:
+                    t_hf = statistics.median(times["hf"])
+                    same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
+                    row.update(hf_tok_s=tokens / t_hf, speedup=t_hf / t_ee, identical_greedy_outputs=f"{same}/{batch}")
+                    line += (f"   HF {tokens / t_hf:8.1f} tok/s   speed-up {t_hf / t_ee:5.2f}x   identical greedy "
+                             f"outputs {same}/{batch}")
+                results.add("rows", row)
+                print(line, flush=True)
             del eager, hf
             if args.piecewise:
-                piecewise += piecewise_rows(name, folder, prompts, params, args)
+                piecewise_rows(name, folder, prompts, params, args, results)
             if name in args.exit_models:
                 configs = exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations)
-                exit_rows += against_full_depth(name, folder, configs, llm, prompts, params, args)
+                against_full_depth(name, folder, configs, llm, prompts, params, args, results)
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
@@ -259,16 +285,10 @@ def main():
         prompts = bench_prompt_ids(full.tokenizer, "code", max(args.batch_sizes))
         params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         full.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        exit_rows += against_full_depth("smollm2-135m-instruct", args.exit_ready_model, exit_ready_configs(args.device), full,
-                                        prompts, params, args)
+        against_full_depth("smollm2-135m-instruct", args.exit_ready_model, exit_ready_configs(args.device), full,
+                           prompts, params, args, results)
         del full
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    path = save_results(f"{device_slug(device_name)}-e2e", dict(device=device_name, dtype=args.dtype,
-                                                             max_tokens=args.max_tokens, prompt_len=args.prompt_len,
-                                                             repeats=args.repeats, weights="random", rows=rows,
-                                                             exits=exit_rows, piecewise=piecewise),
-                        folder=device_folder(device_name) if args.device == "cuda" else None)
-    print(f"results: {path}")
+    print(f"results: {results.path}")
 
 
 if __name__ == "__main__":
