@@ -130,13 +130,13 @@ class InputBuilder:
             self._check_token_padding(rows, pad_to, pad_tokens_to, T)
         padded_T = T if pad_tokens_to is None else pad_tokens_to
         if B > self.max_seqs or padded_T > self.max_tokens:
-            raise RuntimeError(f"step of {B} sequences / {T} tokens exceeds the engine's "
+            raise RuntimeError(f"step of {B} sequences / {padded_T} tokens exceeds the engine's "
                                f"{self.max_seqs} / {self.max_tokens}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
         h, bs = self._np, self.block_size
-        table_lens = [len(r.seq.block_table) for r in rows]
-        table_width = self.max_blocks if pad_to is not None else max(table_lens, default=1) or 1
+        table_lens = np.fromiter((len(r.seq.block_table) for r in rows), np.int64, n)
+        table_width = self.max_blocks if pad_to is not None else int(table_lens.max(initial=1))
         tables = h["tables"][: B * table_width].reshape(B, table_width)
         tables.fill(-1)
         starts = np.fromiter((r.start for r in rows), np.int64, n)
@@ -166,12 +166,12 @@ class InputBuilder:
             tables[table_rows, table_cols] = np.fromiter(
                 itertools.chain.from_iterable(r.seq.block_table for r in rows), np.int32, len(table_rows))
         block_index = slot_pos // bs
-        outside = block_index >= np.array(table_lens, dtype=np.int64)[row_of]
+        outside = block_index >= table_lens[row_of]
         if outside.any():
             first = outside.argmax()
             b = int(row_of[first])
             raise RuntimeError(f"InputBuilder: row {b} writes position {int(slot_pos[first])}, "
-                               f"past the {table_lens[b]} blocks of its sequence's block table")
+                               f"past the {int(table_lens[b])} blocks of its sequence's block table")
         h["slots"][:used] = tables[row_of, block_index] * bs + slot_pos % bs
         h["seq_lens"][:n] = starts + np.array(lens, dtype=np.int64)
         has_tree = any(r.parents is not None for r in rows)

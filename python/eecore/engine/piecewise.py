@@ -42,8 +42,7 @@ class PiecewiseForward(StaticPass):
     real tokens."""
 
     def __init__(self, runner, max_tokens: int, capture: bool):
-        super().__init__(runner, max_batch=1, capture=capture)
-        self.sizes = token_buckets(max_tokens)
+        super().__init__(runner, max_tokens, capture, sizes=token_buckets(max_tokens))  # padded token counts
 
     def takes(self, rows: list[Row]) -> bool:
         return (bool(rows) and not self.runner.model.is_encoder_decoder and self.runner.builder.pad_block >= 0

@@ -37,11 +37,12 @@ class StaticPass:
     on. Subclasses say what the pass computes (`_step`: only kernels on preallocated buffers,
     nothing that allocates, synchronizes or branches on data)."""
 
-    def __init__(self, runner, max_batch: int, capture: bool):
+    def __init__(self, runner, max_batch: int, capture: bool, sizes: Optional[list[int]] = None):
+        """`sizes`: the padded sizes, ascending (default: capture_sizes(max_batch), batch sizes)."""
         if capture and runner.model.device.type != "cuda":
             raise ValueError(f"{type(self).__name__}: CUDA graphs need a CUDA device")
         self.runner = runner
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = capture_sizes(max_batch) if sizes is None else sizes
         self.capture = capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
