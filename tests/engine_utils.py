@@ -39,6 +39,15 @@ def generate_arriving(llm, prompts, params, every: int = 2):
     return [engine.output(s) for s in seqs]
 
 
+def assert_same_outputs(outs_a, outs_b, tolerance: float = 1e-4) -> None:
+    """The same tokens, and at every step the same logprob keys with values within `tolerance`."""
+    assert [o.token_ids for o in outs_a] == [o.token_ids for o in outs_b]
+    for a, b in zip(outs_a, outs_b):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < tolerance for t in step_a)
+
+
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]

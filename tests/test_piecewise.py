@@ -13,7 +13,7 @@ from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.piecewise import PiecewiseForward, maybe_piecewise, token_buckets
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode
-from engine_utils import generate_arriving, greedy, random_prompts
+from engine_utils import assert_same_outputs, generate_arriving, greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
 
@@ -34,14 +34,6 @@ def _llm(path, piecewise: bool, static: bool = False, **kw):
     return llm
 
 
-def _same(outs_a, outs_b):
-    assert [o.token_ids for o in outs_a] == [o.token_ids for o in outs_b]
-    for a, b in zip(outs_a, outs_b):
-        for step_a, step_b in zip(a.logprobs, b.logprobs):
-            assert step_a.keys() == step_b.keys()
-            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
-
-
 def test_token_buckets():
     assert token_buckets(8) == [8]
     assert token_buckets(48) == [8, 16, 24, 32, 48]
@@ -58,7 +50,7 @@ def test_same_tokens_and_logprobs_as_the_plain_pass(tiny, static):
     params = [greedy(5 + 3 * i, logprobs=3) for i in range(len(prompts))]
     plain = generate_arriving(_llm(path, piecewise=False), prompts, params)
     llm = _llm(path, piecewise=True, static=static)
-    _same(generate_arriving(llm, prompts, params), plain)
+    assert_same_outputs(generate_arriving(llm, prompts, params), plain)
     sizes = {key[0] for key in llm.engine.runner.piecewise.outputs}
     assert len(sizes) >= 3, f"the workload passed through too few buckets: {sorted(sizes)}"
 
@@ -70,7 +62,7 @@ def test_batch_generate_and_preemption(tiny):
     prompts = random_prompts(hf.config.vocab_size, [9, 3, 14, 7, 11, 5], seed=3)
     plain = _llm(path, piecewise=False, num_blocks=14).generate(prompts, greedy(10, logprobs=2))
     llm = _llm(path, piecewise=True, num_blocks=14)
-    _same(llm.generate(prompts, greedy(10, logprobs=2)), plain)
+    assert_same_outputs(llm.generate(prompts, greedy(10, logprobs=2)), plain)
     assert sum(o.metrics["num_preemptions"] for o in plain) > 0
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
@@ -174,5 +166,5 @@ def test_other_strategies_prefill_through_it(tiny, strategy):
     params = [greedy(8 + 2 * i, logprobs=2) for i in range(len(prompts))]
     plain = generate_arriving(_llm(path, piecewise=False, **strategy), prompts, params)
     llm = _llm(path, piecewise=True, **strategy)
-    _same(generate_arriving(llm, prompts, params), plain)
+    assert_same_outputs(generate_arriving(llm, prompts, params), plain)
     assert llm.engine.runner.piecewise.outputs, "no prefill went through the pieces"

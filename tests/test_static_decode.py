@@ -13,7 +13,7 @@ from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
 from eecore.exits.static_segments import StaticExitSegments
-from engine_utils import greedy, random_prompts
+from engine_utils import assert_same_outputs, greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
 
@@ -48,13 +48,7 @@ def test_same_tokens_and_logprobs_as_the_plain_step(tiny, num_prompts):
     params = [greedy(4 + 2 * i, logprobs=3) for i in range(num_prompts)]
     plain = _llm(path, static=False).generate(prompts, params)
     llm = _llm(path, static=True)
-    static = llm.generate(prompts, params)
-    assert [o.token_ids for o in static] == [o.token_ids for o in plain]
-    for a, b in zip(static, plain):
-        for step_a, step_b in zip(a.logprobs, b.logprobs):
-            assert step_a.keys() == step_b.keys()
-            for token in step_a:
-                assert abs(step_a[token] - step_b[token]) < 1e-4
+    assert_same_outputs(llm.generate(prompts, params), plain)
     assert llm.engine.runner.static_decode.outputs, "the static step never ran"
 
 
