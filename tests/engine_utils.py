@@ -146,3 +146,36 @@ def law_p_value(counts: torch.Tensor, law: torch.Tensor) -> float:
         exp = torch.cat([exp, expected[~keep].sum()[None]])
     exp = exp * (obs.sum() / exp.sum())
     return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+class EmulatedGraph:
+    """A CUDA graph's semantics on the CPU: recording runs nothing that lasts (here the pass runs
+    once, to learn its output tensors, and its in-place state is put back), and each replay runs
+    the pass again, writing into those same output tensors."""
+
+    def __init__(self, static_pass, key, step, inputs):
+        saved = [t.clone() for t in static_pass._state(key)]
+        self.output = step(inputs)
+        for tensor, before in zip(static_pass._state(key), saved):
+            tensor.copy_(before)
+        self.step, self.inputs = step, inputs
+
+    def replay(self):
+        new = self.step(self.inputs)
+        pairs = zip(self.output, new) if isinstance(new, tuple) else [(self.output, new)]
+        for recorded, fresh in pairs:
+            if recorded is not None:
+                recorded.copy_(fresh)
+
+
+def emulate_graphs(static_pass):
+    """Turn capture on with emulated graphs: a pass whose warm-up run before the recording left its
+    state changed would replay from the wrong state here, as it would on a GPU."""
+    static_pass.capture = True
+
+    def record(key, step, inputs):
+        graph = EmulatedGraph(static_pass, key, step, inputs)
+        return graph, graph.output
+
+    static_pass._record = record
+    return static_pass

@@ -13,7 +13,7 @@ from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.piecewise import PiecewiseForward, maybe_piecewise, token_buckets
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode
-from engine_utils import assert_same_outputs, generate_arriving, greedy, random_prompts
+from engine_utils import assert_same_outputs, emulate_graphs, generate_arriving, greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
 
@@ -53,6 +53,21 @@ def test_same_tokens_and_logprobs_as_the_plain_pass(tiny, static):
     assert_same_outputs(generate_arriving(llm, prompts, params), plain)
     sizes = {key[0] for key in llm.engine.runner.piecewise.outputs}
     assert len(sizes) >= 3, f"the workload passed through too few buckets: {sorted(sizes)}"
+
+
+def test_pieces_replayed_as_graphs_give_the_plain_pass(tiny):
+    """Capture (a warm-up run, its change to the residual stream undone, then a recording) and replay,
+    emulated: each piece adds its layer's output to the residual stream in place, so a warm-up left
+    in place would add it twice."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 29, 7, 61, 1, 16], seed=12)
+    params = [greedy(6 + 2 * i, logprobs=2) for i in range(len(prompts))]
+    plain = generate_arriving(_llm(path, piecewise=False), prompts, params)
+    llm = _llm(path, piecewise=True, static=True)
+    emulate_graphs(llm.engine.runner.piecewise)
+    emulate_graphs(llm.engine.runner.static_decode)
+    assert_same_outputs(generate_arriving(llm, prompts, params), plain)
+    assert len(llm.engine.runner.piecewise.graphs) >= 3 * 4, "too few buckets were captured"
 
 
 def test_batch_generate_and_preemption(tiny):

@@ -13,7 +13,7 @@ from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
 from eecore.exits.static_segments import StaticExitSegments
-from engine_utils import assert_same_outputs, greedy, random_prompts
+from engine_utils import assert_same_outputs, emulate_graphs, greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
 
@@ -284,39 +284,6 @@ def test_compact_rule_stays_eager(tiny):
     assert llm.engine.strategy.static is None
 
 
-class _EmulatedGraph:
-    """A CUDA graph's semantics on the CPU: recording runs nothing that lasts (here the pass runs
-    once, to learn its output tensors, and its in-place state is put back), and each replay runs
-    the pass again, writing into those same output tensors."""
-
-    def __init__(self, static_pass, key, step, inputs):
-        saved = [t.clone() for t in static_pass._state(key)]
-        self.output = step(inputs)
-        for tensor, before in zip(static_pass._state(key), saved):
-            tensor.copy_(before)
-        self.step, self.inputs = step, inputs
-
-    def replay(self):
-        new = self.step(self.inputs)
-        pairs = zip(self.output, new) if isinstance(new, tuple) else [(self.output, new)]
-        for recorded, fresh in pairs:
-            if recorded is not None:
-                recorded.copy_(fresh)
-
-
-def _emulate_graphs(static_pass):
-    """Turn capture on with emulated graphs: a pass whose warm-up run before the recording left its
-    state changed would replay from the wrong state here, as it would on a GPU."""
-    static_pass.capture = True
-
-    def record(key, step, inputs):
-        graph = _EmulatedGraph(static_pass, key, step, inputs)
-        return graph, graph.output
-
-    static_pass._record = record
-    return static_pass
-
-
 @pytest.mark.parametrize("name", ["softmax", "cosine-decay", "static"])
 def test_early_exit_segments_replayed_as_graphs_give_the_eager_iteration(tiny, name):
     """Capture (a warm-up run, then a recording) and replay, emulated: a later segment continues
@@ -327,7 +294,7 @@ def test_early_exit_segments_replayed_as_graphs_give_the_eager_iteration(tiny, n
     eager = _llm(path, static=False, early_exit=EARLY_EXIT_CONFIGS[name]()).generate(prompts, params)
     llm = _llm(path, static=False, early_exit=EARLY_EXIT_CONFIGS[name]())
     strategy = llm.engine.strategy
-    strategy.static = _emulate_graphs(StaticExitSegments(strategy, llm.engine.config.max_num_seqs, capture=False))
+    strategy.static = emulate_graphs(StaticExitSegments(strategy, llm.engine.config.max_num_seqs, capture=False))
     graphed = llm.generate(prompts, params)
     assert strategy.static.graphs
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
@@ -345,12 +312,12 @@ def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny):
         eager = _llm(path, static=False, speculative=config).generate(prompts, params)
         llm = _llm(path, static=True, speculative=config)
         runner = llm.engine.runner
-        _emulate_graphs(runner.static_decode)
+        emulate_graphs(runner.static_decode)
         if config is not None:
-            runner.static_verify = _emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
+            runner.static_verify = emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                                 width=llm.engine.strategy.lookahead))
             stack = llm.engine.strategy.draft_stack
-            stack.static = _emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False))
+            stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False))
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
         assert runner.static_decode.graphs or config is not None
 
@@ -367,9 +334,9 @@ def test_graphed_verify_accepts_perfect_drafts(tiny):
     llm = _llm(path, static=True, speculative=eecore.SelfSpeculativeConfig(
         num_speculations=3, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
     runner, decoder = llm.engine.runner, llm.engine.strategy
-    runner.static_verify = _emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
+    runner.static_verify = emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                         width=decoder.lookahead))
-    decoder.draft_stack.static = _emulate_graphs(StaticLayers(decoder.draft_stack.runner,
+    decoder.draft_stack.static = emulate_graphs(StaticLayers(decoder.draft_stack.runner,
                                                               llm.engine.config.max_num_seqs, capture=False))
     _draft_full_depths_tokens(decoder, expected)
     outs = llm.generate(prompts, params)
@@ -394,8 +361,8 @@ def _graph_shared_layer_passes(llm):
     as emulated graphs (what a GPU engine builds wherever its decode steps are graphs)."""
     runner, decoder = llm.engine.runner, llm.engine.strategy
     rows = llm.engine.config.max_num_seqs
-    decoder.proposer.static = _emulate_graphs(StaticLayers(runner, rows, capture=False, num_layers=decoder.exit_layer))
-    decoder.verifier.static_from_exit_states = _emulate_graphs(StaticExitVerify(
+    decoder.proposer.static = emulate_graphs(StaticLayers(runner, rows, capture=False, num_layers=decoder.exit_layer))
+    decoder.verifier.static_from_exit_states = emulate_graphs(StaticExitVerify(
         runner, rows, False, decoder.lookahead, decoder.exit_layer, decoder.verifier.exit_states))
     return decoder.proposer.static, decoder.verifier.static_from_exit_states
 
@@ -476,3 +443,46 @@ def test_graphed_shared_layer_passes_with_preemption(tiny):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert [o.metrics["num_accepted_tokens"] for o in outs] == [o.metrics["num_accepted_tokens"] for o in plain]
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_table_width_buckets():
+    builder = InputBuilder(max_tokens=64, max_seqs=4, max_blocks_per_seq=40, block_size=4,
+                           device=torch.device("cpu"), pad_block=99)
+
+    def rows_with(*table_lens):
+        out = []
+        for n in table_lens:
+            seq = Sequence([1], eecore.SamplingParams(max_tokens=4))
+            seq.block_table = list(range(n))
+            out.append(Row(seq, 0, [1]))
+        return out
+
+    assert builder.table_width_bucket(rows_with(1, 3)) == 8  # at least 8 blocks
+    assert builder.table_width_bucket(rows_with(9)) == 16
+    assert builder.table_width_bucket(rows_with(16, 2)) == 16
+    assert builder.table_width_bucket(rows_with(17)) == 32
+    assert builder.table_width_bucket(rows_with(33)) == 40  # never past the full width
+    assert builder.table_width_bucket(rows_with(1), width=40) == 16  # a padding row of 40 tokens
+    inputs = builder.build(rows_with(9), pad_to=2, table_width=16)
+    assert inputs.attn.block_table.shape == (2, 16)
+    with pytest.raises(ValueError, match="'table_width' must hold every row's block table"):
+        builder.build(rows_with(9), pad_to=2, table_width=8)
+    with pytest.raises(ValueError, match="'table_width' must hold"):
+        builder.build(rows_with(1), pad_to=2, table_width=41)
+
+
+def test_graphs_per_table_width_as_sequences_grow(tiny):
+    """A graphed step plans attention for its tables' width, so the static passes key their graphs
+    by a width bucket too: the batch moves between graphs as its longest sequence finishes or grows,
+    replayed (emulated) with the plain step's tokens and logprobs."""
+    path, hf = tiny
+    # 11 blocks (width 16) while the 40-token prompt decodes, 8 once it has finished, then 16 and
+    # 32 as the second sequence grows to 75 tokens
+    prompts = random_prompts(hf.config.vocab_size, [3, 5, 40], seed=9)
+    params = [greedy(20, logprobs=2), greedy(70, logprobs=2), greedy(4, logprobs=2)]
+    plain = _llm(path, static=False).generate(prompts, params)
+    llm = _llm(path, static=True)
+    emulate_graphs(llm.engine.runner.static_decode)
+    assert_same_outputs(llm.generate(prompts, params), plain)
+    widths = {key[1] for key in llm.engine.runner.static_decode.graphs}
+    assert {8, 16, 32} <= widths, widths

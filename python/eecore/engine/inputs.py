@@ -108,11 +108,19 @@ class InputBuilder:
         # the host pays on every step)
         self._views: dict[tuple, tuple[dict, Optional[dict]]] = {}
 
+    def table_width_bucket(self, rows: list[Row], width: int = 1) -> int:
+        """The block-table width a static step over `rows` (padded to `width` tokens) takes: the
+        next power of two of blocks (at least 8) that holds every row's table and a padding row,
+        at most the full width. A captured step plans its attention for its tables' width (the
+        context splits a CUDA graph keeps), so a step of short sequences gets a narrow table."""
+        need = max(max((len(r.seq.block_table) for r in rows), default=1), -(-width // self.block_size), 8)
+        return min(1 << (need - 1).bit_length(), self.max_blocks)
+
     def build(self, rows: list[Row], pad_to: Optional[int] = None, width: int = 1,
-              pad_tokens_to: Optional[int] = None) -> StepInputs:
-        """`pad_to`: append rows in the pad block up to that many rows, and give the block tables their
-        full width; every row then holds `width` tokens, a shorter one padded after its last token
-        (a static step: see the module doc). `pad_tokens_to`: append tokens of no sequence up to
+              pad_tokens_to: Optional[int] = None, table_width: Optional[int] = None) -> StepInputs:
+        """`pad_to`: append rows in the pad block up to that many rows, and give the block tables
+        `table_width` columns (default: the full width); every row then holds `width` tokens, a
+        shorter one padded after its last token (a static step: see the module doc). `pad_tokens_to`: append tokens of no sequence up to
         that many, at position 0, writing their K/V into the pad block (the token-wise parts of a
         piecewise pass run over them; its attention over the rows' own tokens).
 
@@ -136,7 +144,14 @@ class InputBuilder:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
         h, bs = self._np, self.block_size
         table_lens = np.fromiter((len(r.seq.block_table) for r in rows), np.int64, n)
-        table_width = self.max_blocks if pad_to is not None else int(table_lens.max(initial=1))
+        if pad_to is None:
+            table_width = int(table_lens.max(initial=1))
+        elif table_width is None:
+            table_width = self.max_blocks
+        elif not (int(table_lens.max(initial=0)) <= table_width <= self.max_blocks
+                  and table_width * self.block_size >= width):
+            raise ValueError(f"InputBuilder: 'table_width' must hold every row's block table and a padding row "
+                             f"of {width} tokens, within {self.max_blocks} blocks, got {table_width}")
         tables = h["tables"][: B * table_width].reshape(B, table_width)
         tables.fill(-1)
         starts = np.fromiter((r.start for r in rows), np.int64, n)

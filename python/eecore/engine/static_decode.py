@@ -4,7 +4,8 @@ step, and self-speculation's verify pass.
 A decode step launches a few hundred small kernels (SmolLM2: 30 layers of ~10 ops); launched one by
 one from Python, the GPU waits on the host. As in vLLM, the step for a batch of B sequences runs
 padded to the next capture size P >= B, with every input in a preallocated buffer at a fixed
-address (engine.inputs pads the rows and widens the block tables), so one CUDA graph per P holds
+address (engine.inputs pads the rows and widens the block tables to a width bucket: the attention
+kernel plans its context splits by the tables' width), so one CUDA graph per (P, width) holds
 the whole step (embedding, every layer, final norm, LM head, fp32 logits) and each later step of
 that size replays it after copying its inputs in. The sampler then reads the first B rows of the
 static logits.
@@ -46,7 +47,8 @@ class StaticPass:
         self.capture = capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.outputs: dict[tuple, object] = {}  # (P, width or segment) -> the pass's static output
+        # (P, table width, then the pass's own: verify width or segment) -> the pass's static output
+        self.outputs: dict[tuple, object] = {}
 
     @property
     def max_batch(self) -> int:
@@ -56,9 +58,15 @@ class StaticPass:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def _run_padded(self, rows: list[Row], width: int) -> tuple[StepInputs, torch.Tensor]:
-        key = (self.padded_size(len(rows)), width)
-        inputs = self.runner.builder.build(rows, pad_to=key[0], width=width)
-        return inputs, self._launch(key, inputs, self._step)
+        inputs, key = self._build(rows, width)
+        return inputs, self._launch(key + (width,), inputs, self._step)
+
+    def _build(self, rows: list[Row], width: int = 1) -> tuple[StepInputs, tuple[int, int]]:
+        """The rows' inputs padded to a capture size and a table-width bucket, and (P, table width):
+        the start of the pass's graph key."""
+        builder = self.runner.builder
+        P, table_width = self.padded_size(len(rows)), builder.table_width_bucket(rows, width)
+        return builder.build(rows, pad_to=P, width=width, table_width=table_width), (P, table_width)
 
     def _launch(self, key, inputs: StepInputs, step):
         """`step(inputs)`'s output: its graph replayed (captured the first time), or run eagerly."""

@@ -43,14 +43,14 @@ class StaticExitSegments(StaticPass):
         exiting check where the measure gives them."""
         dec, B = self.decoder, len(rows)
         P = self.padded_size(B)
-        inputs = self.runner.builder.build(rows, pad_to=P)
+        inputs, key = self._build(rows)
         dec._status[:P].zero_()
         dec._wasted[:P].zero_()
         dec._active[:P].fill_(True)
         dec._active[B:P].fill_(False)
         dec.thresholds.start_iteration(seqs, num_rows=P)
         for j, (start, end, checked) in enumerate(self.segments):
-            remaining, top1 = self._launch((P, j), inputs, lambda inp, j=j: self._segment(j, inp))
+            remaining, top1 = self._launch(key + (j,), inputs, lambda inp, j=j: self._segment(j, inp))
             self._count(rows, 1, range(start, end))
             if checked and int(remaining) == 0:  # the one host sync of a check
                 return inputs, self.runner.ws.hidden[:B], end, top1
