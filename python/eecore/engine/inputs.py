@@ -10,9 +10,9 @@ token's position (RoPE) is its depth in the tree, and it attends only to the con
 row and to its own ancestors (paged_attention's `tree_mask`).
 
 A static decode step (engine.static_decode) asks for the batch padded to a fixed size and the
-block tables at their full width, so that every tensor of the step has the same shape and address
-from one step to the next (what a captured CUDA graph reads). A padded row is a one-token sequence
-that lives in the KV cache's pad block.
+block tables widened to a width bucket, so that every tensor of the step has the same shape and
+address from one step of that size to the next (what a captured CUDA graph reads). A padded row is
+a one-token sequence that lives in the KV cache's pad block.
 
 On a GPU the host arrays are pinned and copied asynchronously. A step's copy may still be queued
 when the host builds the next step (self-speculation's last draft pass reads nothing back before
