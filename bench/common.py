@@ -16,7 +16,8 @@ import torch
 
 from eecore.cli import BENCH_PROMPTS
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# EECORE_RESULTS_DIR redirects every script's results (the scripts' own tests write to a temporary folder)
+RESULTS_DIR = os.environ.get("EECORE_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # the same prompts as `eecore bench`, so the scripts and the CLI measure the same work
 PROMPTS = BENCH_PROMPTS

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import eecore
 from common import device_folder, device_slug, save_results
-from e2e_cuda import MODELS, random_checkpoint
+from e2e_cuda import MODELS, SHAPES, random_checkpoint
 
 
 def kernel_times(prof, device: str) -> dict[str, tuple[int, float]]:
@@ -67,7 +67,7 @@ def profile_steps(llm, prompts, steps: int, device: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(SHAPES))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -86,7 +86,7 @@ def main() -> None:
             llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
                              enforce_eager=args.enforce_eager)
             g = torch.Generator().manual_seed(1)
-            prompts = [torch.randint(0, MODELS[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
+            prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
             for batch in args.batch_sizes:
                 row = dict(model=name, batch=batch, **profile_steps(llm, prompts[:batch], args.steps, args.device))

@@ -52,6 +52,10 @@ MODELS = {  # HF LlamaConfig fields of the real checkpoints
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                          tie_word_embeddings=True),
 }
+# a shape of the same kind small enough to run these scripts end to end on a CPU (tests/test_gpu_scripts.py)
+SMOKE_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, tie_word_embeddings=True)
+SHAPES = dict(MODELS, tiny=SMOKE_MODEL)  # what --models accepts; MODELS, the real ones, are the default
 
 
 class Results:
@@ -75,7 +79,7 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
     """Save a random-weight model of `name`'s shape to `folder`; return it as an HF model on `device`."""
     import transformers
 
-    config = transformers.LlamaConfig(max_position_embeddings=4096, **MODELS[name])
+    config = transformers.LlamaConfig(max_position_embeddings=4096, **SHAPES[name])
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(folder, safe_serialization=True)
@@ -205,13 +209,13 @@ def piecewise_rows(name: str, folder: str, prompts, params, args, results: Resul
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(SHAPES))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--exit-models", nargs="*", default=["llama-3.2-1b"], choices=list(MODELS))
+    ap.add_argument("--exit-models", nargs="*", default=["llama-3.2-1b"], choices=list(SHAPES))
     ap.add_argument("--num-speculations", type=int, default=3)
     ap.add_argument("--exit-ready-model", default=None, metavar="GGUF",
                     help="also run the exit-ready presets (SelfSpeculativeConfig.exit_ready(device='cuda'), the "
@@ -237,7 +241,7 @@ def main():
             eager = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
                                enforce_eager=True)
             g = torch.Generator().manual_seed(1)
-            prompts = [torch.randint(0, MODELS[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
+            prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
             params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
             for engine in (llm, eager):  # warm-up (and, with graphs, the capture of batch 1)
@@ -274,7 +278,7 @@ def main():
             if args.piecewise:
                 piecewise_rows(name, folder, prompts, params, args, results)
             if name in args.exit_models:
-                configs = exit_configs(MODELS[name]["num_hidden_layers"], args.num_speculations)
+                configs = exit_configs(SHAPES[name]["num_hidden_layers"], args.num_speculations)
                 against_full_depth(name, folder, configs, llm, prompts, params, args, results)
             del llm
             if args.device == "cuda":

@@ -1,0 +1,68 @@
+"""The scripts a lent GPU runs (tools/gpu_check.sh and the bench scripts it calls), run here on the
+CPU with a tiny model: a GPU session has minutes, and a script that fails there loses them. Each
+must finish and write what it measured (to a temporary results folder)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(script: str, *args: str, results: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), EECORE_RESULTS_DIR=results)
+    return subprocess.run([sys.executable, script, *args], cwd=os.path.join(REPO, "bench"), env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def written(results: str, pattern: str) -> dict:
+    files = glob.glob(os.path.join(results, "*", pattern))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        return json.load(f)
+
+
+def test_gpu_check_is_valid_bash():
+    subprocess.run(["bash", "-n", os.path.join(REPO, "tools", "gpu_check.sh")], check=True)
+
+
+def test_e2e_with_every_section(tmp_path):
+    """Decode against eager, piecewise graphs, and the exit section (static exits, softmax checks,
+    LayerSkip drafts, a draft copy with and without perfect drafts) on a 4-layer shape."""
+    done = run_bench("e2e_cuda.py", "--device", "cpu", "--models", "tiny", "--exit-models", "tiny",
+                     "--batch-sizes", "1", "2", "--max-tokens", "3", "--repeats", "1", "--piecewise", "--no-hf",
+                     "--dtype", "float32", results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = written(str(tmp_path), "cpu-e2e-*.json")
+    assert len(out["rows"]) == 2 and len(out["piecewise"]) == 2
+    configs = {row["config"] for row in out["exits"]}
+    assert {"static exit E=1", "softmax check at E=2, all exit", "draft copy E=1 d=3, perfect drafts"} <= configs
+    assert len(out["exits"]) == 2 * len(configs)
+
+
+def test_step_profile(tmp_path):
+    done = run_bench("cuda_step_profile.py", "--device", "cpu", "--models", "tiny", "--batch-sizes", "1", "2",
+                     "--steps", "2", "--dtype", "float32", results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = written(str(tmp_path), "cpu-step-profile-*.json")["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["kernels_per_step"] > 0 for r in rows)
+
+
+def test_host_overhead(tmp_path):
+    done = run_bench("host_overhead.py", "--batch-sizes", "1", "3", "--steps", "4", "--out-name", "smoke",
+                     results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = written(str(tmp_path), "smoke-*.json")["rows"]
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["steps"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("cell, message", [("1,2", "--cell: expected B,CTX,HQ,HKV,D"),
+                                           ("1,256,32,8,128", "needs a CUDA device")])
+def test_decode_sweep_arguments(tmp_path, cell, message):
+    done = run_bench("cuda_decode_sweep.py", "--cell", cell, results=str(tmp_path))
+    assert done.returncode != 0 and message in done.stderr
