@@ -98,3 +98,21 @@ def test_a_row_past_its_block_table_is_refused():
     seq.block_table = [5]
     with pytest.raises(RuntimeError, match="row 0 writes position 4, past the 1 blocks of its sequence's block table"):
         builder.build([Row(seq, 3, [7, 8])])
+
+
+def test_step_buffers_pack_a_step_for_one_copy():
+    """A step's arrays lie one after another in one buffer, so one copy of its bytes fills the
+    device's tensors (a CPU tensor stands in for the device buffer here); no two arrays overlap."""
+    from eecore.engine.inputs import StepBuffers
+
+    nbytes = StepBuffers.nbytes_of(max_tokens=64, max_seqs=8, max_blocks=10, has_tree=True)
+    host, device = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    buffers = StepBuffers(host, device, T=20, B=4, table_width=7, has_tree=True)
+    for i, array in enumerate(buffers.arrays.values()):
+        array[...] = 1000 * i + torch.arange(array.size).view(array.shape).numpy()
+    buffers.device_bytes.copy_(buffers.host_bytes)
+    for i, (name, array) in enumerate(buffers.arrays.items()):
+        assert torch.equal(buffers.device[name], buffers.host[name]), name
+        assert (buffers.device[name].flatten() - 1000 * i).tolist() == list(range(array.size)), name
+    assert buffers.device["tables"].shape == (4, 7) and buffers.device["qsl"].dtype == torch.int32
+    assert buffers.host_bytes.numel() <= nbytes

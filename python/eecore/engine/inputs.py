@@ -80,6 +80,51 @@ class StepInputs:
         return self.token_ids.shape[0]
 
 
+class StepBuffers:
+    """One step shape's arrays, packed one after another at the start of the builder's buffer
+    (int64 arrays first, so that each starts aligned): `arrays` (numpy, filled by the host),
+    `host` (the same memory as torch tensors), and on a GPU `device` (the same layout in the device
+    buffer), which one copy of `host_bytes` into `device_bytes` fills. A shape's tensors keep their
+    addresses from one step to the next, as a captured CUDA graph needs."""
+
+    LAYOUT = (("tokens", np.int64), ("positions", np.int64), ("slots", np.int64), ("last", np.int64),
+              ("tree", np.int64), ("seq_lens", np.int32), ("qsl", np.int32), ("tables", np.int32))
+
+    def __init__(self, host: torch.Tensor, device: Optional[torch.Tensor], T: int, B: int, table_width: int,
+                 has_tree: bool):
+        shapes = self.shapes(T, B, table_width, has_tree)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.host: dict[str, torch.Tensor] = {}
+        self.device: Optional[dict[str, torch.Tensor]] = None if device is None else {}
+        host_np, offset = host.numpy(), 0
+        for name, dtype in self.LAYOUT:
+            shape = shapes[name]
+            if shape is None:
+                continue
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            self.arrays[name] = host_np[offset: offset + nbytes].view(dtype).reshape(shape)
+            self.host[name] = torch.from_numpy(self.arrays[name])
+            if device is not None:
+                self.device[name] = device[offset: offset + nbytes].view(_TORCH_DTYPES[dtype]).view(shape)
+            offset += nbytes
+        self.host_bytes = host[:offset]
+        self.device_bytes = None if device is None else device[:offset]
+
+    @staticmethod
+    def shapes(T: int, B: int, table_width: int, has_tree: bool) -> dict[str, Optional[tuple]]:
+        return dict(tokens=(T,), positions=(T,), slots=(T,), last=(B,), tree=(T,) if has_tree else None,
+                    seq_lens=(B,), qsl=(B + 1,), tables=(B, table_width))
+
+    @classmethod
+    def nbytes_of(cls, max_tokens: int, max_seqs: int, max_blocks: int, has_tree: bool) -> int:
+        shapes = cls.shapes(max_tokens, max_seqs, max_blocks, has_tree)
+        return sum(int(np.prod(shapes[name])) * np.dtype(dtype).itemsize
+                   for name, dtype in cls.LAYOUT if shapes[name] is not None)
+
+
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
 class InputBuilder:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, pad_block: int = -1):
@@ -89,24 +134,24 @@ class InputBuilder:
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks_per_seq
         pin = device.type == "cuda"
-        sizes = dict(tokens=(max_tokens, torch.int64), positions=(max_tokens, torch.int64),
-                     slots=(max_tokens, torch.int64), seq_lens=(max_seqs, torch.int32),
-                     qsl=(max_seqs + 1, torch.int32), last=(max_seqs, torch.int64), tree=(max_tokens, torch.int64),
-                     tables=(max_seqs * max_blocks_per_seq, torch.int32),
-                     # encoder-decoder models: each row's cross-attention blocks and encoder length
-                     cross_tables=(max_seqs * max_blocks_per_seq, torch.int32), cross_lens=(max_seqs, torch.int32))
-        self._host = {name: torch.empty(n, dtype=dtype, pin_memory=pin) for name, (n, dtype) in sizes.items()}
-        self._np = {name: t.numpy() for name, t in self._host.items()}  # the same memory, for numpy
+        # One buffer holds a step's arrays, packed in the step's own shapes, so that a GPU step takes
+        # one host-to-device copy (StepBuffers); its size is the largest step's.
+        most = StepBuffers.nbytes_of(max_tokens, max_seqs, max_blocks_per_seq, has_tree=True)
+        self._host = torch.empty(most, dtype=torch.uint8, pin_memory=pin)
         self.device = device
         if device.type == "cpu":
             self._device = self._copied = None
         else:
-            self._device = {name: torch.empty_like(t, device=device) for name, t in self._host.items()}
-            self._copied = torch.cuda.Event()  # recorded after each step's copies (module doc)
-        # a step's tensors by shape (tokens, sequences, table width, token trees): host views, and
-        # the device views they are copied into; made once per shape (slicing costs microseconds
-        # the host pays on every step)
-        self._views: dict[tuple, tuple[dict, Optional[dict]]] = {}
+            self._device = torch.empty(most, dtype=torch.uint8, device=device)
+            self._copied = torch.cuda.Event()  # recorded after each step's copy (module doc)
+        # encoder-decoder models: each row's cross-attention blocks and encoder length, copied apart
+        self._cross_host = {name: torch.empty(n, dtype=torch.int32, pin_memory=pin)
+                            for name, n in (("tables", max_seqs * max_blocks_per_seq), ("lens", max_seqs))}
+        self._cross_device = None if self._device is None else \
+            {name: torch.empty_like(t, device=device) for name, t in self._cross_host.items()}
+        # a step's arrays by shape (tokens, sequences, table width, token trees), made once per
+        # shape (slicing costs microseconds the host pays on every step)
+        self._buffers: dict[tuple, StepBuffers] = {}
 
     def table_width_bucket(self, rows: list[Row], width: int = 1) -> int:
         """The block-table width a static step over `rows` (padded to `width` tokens) takes: the
@@ -120,13 +165,14 @@ class InputBuilder:
               pad_tokens_to: Optional[int] = None, table_width: Optional[int] = None) -> StepInputs:
         """`pad_to`: append rows in the pad block up to that many rows, and give the block tables
         `table_width` columns (default: the full width); every row then holds `width` tokens, a
-        shorter one padded after its last token (a static step: see the module doc). `pad_tokens_to`: append tokens of no sequence up to
-        that many, at position 0, writing their K/V into the pad block (the token-wise parts of a
-        piecewise pass run over them; its attention over the rows' own tokens).
+        shorter one padded after its last token (a static step: see the module doc).
+        `pad_tokens_to`: append tokens of no sequence up to that many, at position 0, writing their
+        K/V into the pad block (the token-wise parts of a piecewise pass run over them; its
+        attention over the rows' own tokens).
 
         The host arrays are filled with whole-array numpy operations: on a GPU whose step is one
         graph replay, this is most of the host's share of the step, which the GPU waits out
-        (bench/host_overhead.py)."""
+        (bench/host_overhead.py). The tensors returned are valid until the next `build`."""
         n = len(rows)
         real = [len(r.tokens) for r in rows]
         if pad_to is not None:
@@ -142,7 +188,7 @@ class InputBuilder:
                                f"{self.max_seqs} / {self.max_tokens}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
-        h, bs = self._np, self.block_size
+        bs = self.block_size
         table_lens = np.fromiter((len(r.seq.block_table) for r in rows), np.int64, n)
         if pad_to is None:
             table_width = int(table_lens.max(initial=1))
@@ -152,7 +198,10 @@ class InputBuilder:
                   and table_width * self.block_size >= width):
             raise ValueError(f"InputBuilder: 'table_width' must hold every row's block table and a padding row "
                              f"of {width} tokens, within {self.max_blocks} blocks, got {table_width}")
-        tables = h["tables"][: B * table_width].reshape(B, table_width)
+        has_tree = any(r.parents is not None for r in rows)
+        buffers = self._step_buffers(padded_T, B, table_width, has_tree)
+        h = buffers.arrays
+        tables = h["tables"]
         tables.fill(-1)
         starts = np.fromiter((r.start for r in rows), np.int64, n)
         qsl = h["qsl"]
@@ -189,22 +238,20 @@ class InputBuilder:
                                f"past the {int(table_lens[b])} blocks of its sequence's block table")
         h["slots"][:used] = tables[row_of, block_index] * bs + slot_pos % bs
         h["seq_lens"][:n] = starts + np.array(lens, dtype=np.int64)
-        has_tree = any(r.parents is not None for r in rows)
         if has_tree:
-            self._trees(rows)
-        self._pad(n, B, width, tables)
+            self._trees(rows, h)
+        self._pad(n, B, width, h)
         if padded_T > T:
             h["tokens"][T:padded_T] = 0
             h["positions"][T:padded_T] = 0
             h["slots"][T:padded_T] = self.pad_block * bs + np.arange(padded_T - T) % bs
         h["last"][:B] = qsl[1: B + 1] - 1
-        host, device = self._shaped_views(padded_T, B, table_width, has_tree)
-        views = host
+        views = buffers.host if self._device is None else buffers.device
+        if self._device is not None:
+            buffers.device_bytes.copy_(buffers.host_bytes, non_blocking=True)
         if rows and rows[0].seq.encoder_token_ids is not None:
-            views = dict(host, **self._cross_views(rows))
-        if device is not None:
-            views = {k: (device[k] if k in device else self._device[k][: v.numel()].view(v.shape)).copy_(
-                v, non_blocking=True) for k, v in views.items()}
+            views = dict(views, **self._cross_views(rows))
+        if self._device is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
         attn = AttentionInputs(positions=views["positions"], slot_mapping=views["slots"], block_table=views["tables"],
                                seq_lens=views["seq_lens"], query_start_loc=views["qsl"],
@@ -214,25 +261,18 @@ class InputBuilder:
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
                           row_lens=lens + [width] * (B - n))
 
-    def _shaped_views(self, T: int, B: int, table_width: int, has_tree: bool) -> tuple[dict, Optional[dict]]:
+    def _step_buffers(self, T: int, B: int, table_width: int, has_tree: bool) -> "StepBuffers":
         key = (T, B, table_width, has_tree)
-        views = self._views.get(key)
-        if views is None:
-            def shaped(buffers):
-                out = dict(tokens=buffers["tokens"][:T], positions=buffers["positions"][:T],
-                           slots=buffers["slots"][:T], seq_lens=buffers["seq_lens"][:B], qsl=buffers["qsl"][: B + 1],
-                           last=buffers["last"][:B], tables=buffers["tables"][: B * table_width].view(B, table_width))
-                if has_tree:
-                    out["tree"] = buffers["tree"][:T]
-                return out
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            buffers = self._buffers[key] = StepBuffers(self._host, self._device, T, B, table_width, has_tree)
+        return buffers
 
-            views = self._views[key] = (shaped(self._host), None if self._device is None else shaped(self._device))
-        return views
-
-    def _trees(self, rows: list[Row]) -> None:
-        """Token trees' masks and their tokens' positions (depths); every other row of the step
-        is a chain (each token sees the ones before it)."""
-        qsl, tree, positions = self._np["qsl"], self._np["tree"], self._np["positions"]
+    @staticmethod
+    def _trees(rows: list[Row], h: dict[str, np.ndarray]) -> None:
+        """Token trees' masks and their tokens' positions (depths) into the step's arrays `h`; every
+        other row of the step is a chain (each token sees the ones before it)."""
+        qsl, tree, positions = h["qsl"], h["tree"], h["positions"]
         for b, row in enumerate(rows):
             lo, n = int(qsl[b]), int(qsl[b + 1] - qsl[b])
             if row.parents is not None:
@@ -260,17 +300,17 @@ class InputBuilder:
             raise ValueError(f"InputBuilder: 'pad_tokens_to' pads the {T} tokens of unpadded rows without token "
                              f"trees to at least that many, got {pad_tokens_to} (pad_to={pad_to})")
 
-    def _pad(self, first: int, end: int, width: int, tables: np.ndarray) -> None:
-        """Rows first..end-1 of the host buffers as padding: each a `width`-token sequence in the pad
-        block (wrapping around it), whose K/V lands there and whose attention sees only itself."""
+    def _pad(self, first: int, end: int, width: int, h: dict[str, np.ndarray]) -> None:
+        """Rows first..end-1 of the step's arrays `h` as padding: each a `width`-token sequence in the
+        pad block (wrapping around it), whose K/V lands there and whose attention sees only itself."""
         count = end - first
         if count <= 0:
             return
-        h, bs = self._np, self.block_size
+        bs = self.block_size
         lo = int(h["qsl"][first])
         hi = lo + count * width
         h["qsl"][first + 1: end + 1] = np.arange(lo + width, hi + 1, width)
-        tables[first:end, : -(-width // bs)] = self.pad_block
+        h["tables"][first:end, : -(-width // bs)] = self.pad_block
         j = np.arange(width)
         h["slots"][lo:hi] = np.tile(self.pad_block * bs + j % bs, count)
         h["tokens"][lo:hi] = 0
@@ -278,17 +318,21 @@ class InputBuilder:
         h["seq_lens"][first:end] = width
 
     def _cross_views(self, rows: list[Row]) -> dict[str, torch.Tensor]:
-        """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models)."""
+        """Cross-attention block tables and encoder lengths of the rows (encoder-decoder models), on
+        the device where there is one."""
         B = len(rows)
         width = max(len(r.seq.cross_block_table) for r in rows) or 1
         if width > self.max_blocks:
             raise RuntimeError(f"an encoder input needs {width} cross-attention blocks; the engine allows "
                                f"{self.max_blocks} per sequence")
-        tables = self._np["cross_tables"][: B * width].reshape(B, width)
-        tables.fill(-1)
-        lens = self._np["cross_lens"]
+        tables = self._cross_host["tables"][: B * width].view(B, width)
+        lens = self._cross_host["lens"][:B]
+        tables_np, lens_np = tables.numpy(), lens.numpy()
+        tables_np.fill(-1)
         for b, row in enumerate(rows):
-            tables[b, : len(row.seq.cross_block_table)] = row.seq.cross_block_table
-            lens[b] = len(row.seq.encoder_token_ids)
-        return dict(cross_tables=self._host["cross_tables"][: B * width].view(B, width),
-                    cross_lens=self._host["cross_lens"][:B])
+            tables_np[b, : len(row.seq.cross_block_table)] = row.seq.cross_block_table
+            lens_np[b] = len(row.seq.encoder_token_ids)
+        if self._cross_device is not None:
+            tables = self._cross_device["tables"][: B * width].view(B, width).copy_(tables, non_blocking=True)
+            lens = self._cross_device["lens"][:B].copy_(lens, non_blocking=True)
+        return dict(cross_tables=tables, cross_lens=lens)
