@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a session lent a GPU runs, in one command, from the repo root. Steps (EECORE_GPU_STEPS,
-# default all of them; they run in this order, most wanted first, so a run out of time loses the last):
+# default all of them in this order; build runs first, the others in the order EECORE_GPU_STEPS names
+# them: put first what the session needs most, since a run out of time loses the last):
 #   build      the extension for the visible GPU (skipped with EECORE_SKIP_BUILD=1: carried .so), and
 #              the SASS instruction mix of the decode_mma kernels (sass-decode-mma.txt)
 #   attn       paged-attention tests on CUDA, every kernel forced in turn (test_cuda_vs_cpu.py's
@@ -13,7 +14,7 @@
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
 #   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
-# Usage: EECORE_GPU_STEPS="build attn sweep" tools/gpu_check.sh
+# Usage: EECORE_GPU_STEPS="build engine profile sweep" tools/gpu_check.sh
 # Environment:
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
@@ -101,7 +102,7 @@ if want build && command -v "$CUDA_HOME/bin/cuobjdump" > /dev/null; then
   head -12 "$WORK/sass-decode-mma.txt" | tee -a "$LOGS/summary.txt"
 fi
 
-if want attn; then
+run_attn() {
   step "paged-attention tests on CUDA, every kernel forced in turn"
   OMP_NUM_THREADS=1 limited 240 "$PY" -m pytest -q "${PARALLEL[@]}" "${TEST_GUARD[@]}" -p no:cacheprovider "${ATTN_TESTS[@]}" ${EECORE_TEST_ARGS:-} \
     > "$WORK/pytest-attn.txt" 2>&1 || status=1
@@ -109,16 +110,16 @@ if want attn; then
   OMP_NUM_THREADS=1 limited 90 "$PY" -m pytest -q "${PARALLEL[@]}" "${TEST_GUARD[@]}" -p no:cacheprovider tests/test_op_paged_attention.py \
     -k "cuda${EECORE_ATTN_FILTER:+ and ($EECORE_ATTN_FILTER)}" > "$WORK/pytest-attn-op.txt" 2>&1 || status=1
   report "$WORK/pytest-attn-op.txt"
-fi
+}
 
-if want engine; then
+run_engine() {
   step "the engine on CUDA"
   limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py ${EECORE_TEST_ARGS:-} \
     > "$WORK/pytest-engine.txt" 2>&1 || status=1
   report "$WORK/pytest-engine.txt"
-fi
+}
 
-if want sweep; then
+run_sweep() {
   step "decode sweep: every kernel against SDPA"
   limited 150 "$PY" bench/cuda_decode_sweep.py ${EECORE_SWEEP_ARGS:-} > "$WORK/decode-sweep.txt" 2>&1 || status=1
   grep -E "copy|worst|headline|Error|error" "$WORK/decode-sweep.txt" | tail -8 | tee -a "$LOGS/summary.txt"
@@ -127,21 +128,21 @@ if want sweep; then
     > "$WORK/decode-sequential-blocks.txt" 2>&1 || status=1
   grep -E "headline|Error|error" "$WORK/decode-sequential-blocks.txt" | sed 's/^/sequential blocks: /' \
     | tee -a "$LOGS/summary.txt"
-fi
+}
 
-if want e2e; then
+run_e2e() {
   step "end-to-end decode against HF"
   (cd bench && limited 200 "$PY" e2e_cuda.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
   grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
-fi
-if want profile; then
+}
+run_profile() {
   step "a decode step's kernels (graphed, then eager)"
   (cd bench && limited 90 "$PY" cuda_step_profile.py ${EECORE_PROFILE_ARGS:-} \
     && limited 60 "$PY" cuda_step_profile.py --enforce-eager ${EECORE_PROFILE_ARGS:-}) > "$WORK/step-profile.txt" 2>&1 || status=1
   grep -E "a step|Error" "$WORK/step-profile.txt" | tail -8 | tee -a "$LOGS/summary.txt"
-fi
+}
 
-if want ncu; then
+run_ncu() {
   step "Nsight Compute at the headline cell (B=64, ctx 4096, 32/8 heads, D=128) and the cells in EECORE_NCU_CELLS"
   for kernel in ${EECORE_NCU_KERNELS:-decode_mma}; do  # "decode_mma:v1": the sweep sets the variant
     for cell in headline ${EECORE_NCU_CELLS:-}; do  # "1,256,32,8,128": a small cell, B=1 at a short context
@@ -157,9 +158,9 @@ if want ncu; then
     grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Theoretical Occ|ERR" "$f" \
       | head -8 | tee -a "$LOGS/summary.txt"
   done
-fi
+}
 
-if want sanitize; then
+run_sanitize() {
   SAN_KERNEL="${EECORE_SANITIZE_KERNEL:-decode_mma}"
   step "compute-sanitizer memcheck and racecheck, forced $SAN_KERNEL kernel"
   # Test ids put the forced kernel first: "test_decode[decode_mma-16-heads1-dtype1]"; its variants
@@ -178,19 +179,29 @@ if want sanitize; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard" "$WORK/$f.txt" | head -4 | tee -a "$LOGS/summary.txt"
     tail -1 "$WORK/$f.txt" | tee -a "$LOGS/summary.txt"
   done
-fi
+}
 
-if want ops; then
+run_ops() {
   step "the other CUDA op tests"
   OMP_NUM_THREADS=1 limited 200 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_cuda_vs_cpu.py \
     tests/test_op_*.py -k "cuda and not paged_attention and not (${ATTN_TESTS[2]})" ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
   report "$WORK/pytest-ops.txt"
-fi
+}
 
-if want bench; then
+run_bench() {
   step "op benchmarks"
   limited 60 "$PY" bench/bench_cuda.py --quick > "$WORK/bench.txt" 2>&1 || status=1
   tail -14 "$WORK/bench.txt" | tee -a "$LOGS/summary.txt"
-fi
+}
+
+# The steps after the build, in the order EECORE_GPU_STEPS names them: a session puts first what it
+# needs most, and a run out of time loses the last.
+for name in $STEPS; do
+  case "$name" in
+    build) ;;
+    attn|engine|sweep|e2e|profile|ncu|sanitize|ops|bench) "run_$name" ;;
+    *) echo "unknown step: $name" | tee -a "$LOGS/summary.txt"; status=1 ;;
+  esac
+done
 
 finish
