@@ -66,3 +66,24 @@ def test_host_overhead(tmp_path):
 def test_decode_sweep_arguments(tmp_path, cell, message):
     done = run_bench("cuda_decode_sweep.py", "--cell", cell, results=str(tmp_path))
     assert done.returncode != 0 and message in done.stderr
+
+
+def test_gpu_check_runs_its_steps_in_the_order_named(tmp_path):
+    """A dry run: `echo` stands in for Python and for the profilers, so every step runs its
+    commands' shape and nothing else."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool in ("ncu", "compute-sanitizer"):
+        (fake / tool).write_text("#!/bin/sh\necho \"$0 $*\"\n")
+        (fake / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", PYTHON="echo", OUT=str(tmp_path / "out"),
+               EECORE_GPU_STEPS="build profile engine ncu bogus sweep")
+    done = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    steps = [line for line in summary.splitlines() if line.startswith("== ")]
+    order = [next(word for word in ("build", "kernels", "engine", "Nsight", "sweep") if word in line)
+             for line in steps[1:]]
+    assert order == ["build", "kernels", "engine", "Nsight", "sweep"], steps
+    assert "unknown step: bogus" in summary and done.returncode == 1
+    assert (tmp_path / "out" / "logs.tar.gz").exists()
