@@ -87,6 +87,8 @@ class StepBuffers:
     buffer), which one copy of `host_bytes` into `device_bytes` fills. A shape's tensors keep their
     addresses from one step to the next, as a captured CUDA graph needs."""
 
+    # The token arrays come first: their addresses then depend on the token count alone, which
+    # piecewise graphs (keyed by tokens, not sequences) rely on.
     LAYOUT = (("tokens", np.int64), ("positions", np.int64), ("slots", np.int64), ("last", np.int64),
               ("tree", np.int64), ("seq_lens", np.int32), ("qsl", np.int32), ("tables", np.int32))
 
