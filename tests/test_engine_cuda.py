@@ -139,6 +139,23 @@ def test_graphs_give_eager_tokens_and_logprobs(tiny, num_prompts):
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
 
 
+def test_graphs_per_table_width_give_eager_tokens(tiny):
+    """Graphs keyed by a block-table width bucket too (the attention kernel plans its context splits
+    by the width): the batch moves from 16 blocks of 8 to 8 when its longest sequence finishes,
+    then to 16 and 32 as another grows; same tokens and logprobs as enforce_eager=True."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 40, 100], seed=17)
+    params = [greedy(20, logprobs=2), greedy(100, logprobs=2), greedy(6, logprobs=2)]
+    eager = _llm(path, enforce_eager=True).generate(prompts, params)
+    llm = _llm(path)
+    graphed = llm.generate(prompts, params)
+    assert {key[1] for key in llm.engine.runner.static_decode.graphs} >= {8, 16, 32}
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    for a, b in zip(graphed, eager):
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a.keys() & step_b.keys())
+
+
 def test_graphs_with_preemption_and_bf16(tiny):
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14, 7, 30, 2, 11], seed=3)
