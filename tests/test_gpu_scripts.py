@@ -11,11 +11,15 @@ import sys
 
 import pytest
 
+import eecore
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(script: str, *args: str, results: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), EECORE_RESULTS_DIR=results)
+    # the eecore these tests import (the source tree with its built library, or the installed package)
+    package_root = os.path.dirname(os.path.dirname(eecore.__file__))
+    env = dict(os.environ, PYTHONPATH=package_root, EECORE_RESULTS_DIR=results)
     return subprocess.run([sys.executable, script, *args], cwd=os.path.join(REPO, "bench"), env=env,
                           capture_output=True, text=True, timeout=600)
 
