@@ -94,3 +94,19 @@ def test_a_decoder_that_rewrites_across_the_boundary_still_gives_the_full_text()
     tokenizer, detok, ids = JoiningTokenizer(), IncrementalDetokenizer(), [2, 0, 1, 2, 0, 1, 1, 0]
     for n in range(1, len(ids) + 1):
         assert detok.update(tokenizer, ids[:n]) == tokenizer.decode(ids[:n])
+
+
+def test_a_stop_string_made_by_rewriting_text_already_searched_is_found():
+    """"a" was searched (no stop there); "b" turns it into "c", the stop string: the check must
+    look again where the rewrite happened, not only past the text it had searched."""
+    import eecore
+    from eecore.engine.sequence import Sequence
+    from eecore.engine.stopping import StopChecker
+
+    checker = StopChecker(JoiningTokenizer(), eos_token_ids=(), max_model_len=100)
+    seq = Sequence([2], eecore.SamplingParams(max_tokens=10, stop=["c"]))
+    reasons = []
+    for token in (2, 2, 0, 1):
+        seq.append_token(token, 1)
+        reasons.append(checker.check(seq))
+    assert reasons == [None, None, None, "stop"] and seq.output_text == "xx"

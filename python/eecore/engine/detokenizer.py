@@ -20,22 +20,21 @@ class IncrementalDetokenizer:
         self._prefix = 0       # where the decoded window starts (a token before read, for context)
         self._read = 0         # ids before it are in _committed
         self._text = ""
-
-    @property
-    def committed_length(self) -> int:
-        """Characters of the text that later tokens cannot change."""
-        return len(self._committed)
+        # characters at the start of the text that the last update left as they were
+        self.unchanged_length = 0
 
     def update(self, tokenizer, ids: list[int]) -> str:
         """The text of `ids` (the same list as before, with tokens appended) as
         `tokenizer.decode(ids, skip_special_tokens=True)` gives it (`tokenizer`: an
         eecore.models.Tokenizer, or anything with its `decode` and `byte_token_ids`)."""
         if len(ids) == self._read:
+            self.unchanged_length = len(self._text)
             return self._text
+        self.unchanged_length = len(self._committed)
         before = tokenizer.decode(ids[self._prefix: self._read], skip_special_tokens=True)
         window = tokenizer.decode(ids[self._prefix:], skip_special_tokens=True)
         if not window.startswith(before):  # a decoder that rewrites across the boundary: start over
-            self._committed, self._prefix, self._read = "", 0, 0
+            self._committed, self._prefix, self._read, self.unchanged_length = "", 0, 0, 0
             before, window = "", tokenizer.decode(ids, skip_special_tokens=True)
         tail = window[len(before):]
         self._text = self._committed + tail

@@ -30,6 +30,7 @@ import torch
 
 from eecore.engine.sequence import Sequence
 from eecore.models.llama import AttentionInputs
+from eecore.models.workspace import RowViewCache
 
 
 # paged_attention's tree_mask is one int64 per query row: a tree row holds at most this many tokens
@@ -152,8 +153,10 @@ class InputBuilder:
         self._cross_device = None if self._device is None else \
             {name: torch.empty_like(t, device=device) for name, t in self._cross_host.items()}
         # a step's arrays by shape (tokens, sequences, table width, token trees), made once per
-        # shape (slicing costs microseconds the host pays on every step)
-        self._buffers: dict[tuple, StepBuffers] = {}
+        # shape (slicing costs microseconds the host pays on every step); a shape's layout is fixed,
+        # so arrays made again after the bounded cache starts over sit at the same addresses
+        self._buffers: RowViewCache[StepBuffers] = RowViewCache(
+            lambda key: StepBuffers(self._host, self._device, *key))
 
     def table_width_bucket(self, rows: list[Row], width: int = 1) -> int:
         """The block-table width a static step over `rows` (padded to `width` tokens) takes: the
@@ -201,7 +204,7 @@ class InputBuilder:
             raise ValueError(f"InputBuilder: 'table_width' must hold every row's block table and a padding row "
                              f"of {width} tokens, within {self.max_blocks} blocks, got {table_width}")
         has_tree = any(r.parents is not None for r in rows)
-        buffers = self._step_buffers(padded_T, B, table_width, has_tree)
+        buffers = self._buffers((padded_T, B, table_width, has_tree))
         h = buffers.arrays
         tables = h["tables"]
         tables.fill(-1)
@@ -262,13 +265,6 @@ class InputBuilder:
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
                           row_lens=lens + [width] * (B - n))
-
-    def _step_buffers(self, T: int, B: int, table_width: int, has_tree: bool) -> "StepBuffers":
-        key = (T, B, table_width, has_tree)
-        buffers = self._buffers.get(key)
-        if buffers is None:
-            buffers = self._buffers[key] = StepBuffers(self._host, self._device, T, B, table_width, has_tree)
-        return buffers
 
     @staticmethod
     def _trees(rows: list[Row], h: dict[str, np.ndarray]) -> None:

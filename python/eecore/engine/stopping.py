@@ -34,9 +34,9 @@ class StopChecker:
         p = seq.params
         token = seq.output_token_ids[-1]
         if p.stop:
-            # the text up to there was searched at the last check, and later tokens cannot change it
-            searched = seq.detokenizer.committed_length if seq.detokenizer is not None else 0
             seq.output_text = self.current_text(seq)
+            # the text's start that this token left unchanged was searched at the last check
+            searched = seq.detokenizer.unchanged_length if seq.detokenizer is not None else 0
             hits = [(i, s) for s in p.stop if (i := seq.output_text.find(s, max(0, searched - len(s) + 1))) >= 0]
             if hits:
                 at, string = min(hits)

@@ -9,7 +9,7 @@ row count it has seen.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Hashable, TypeVar
 
 V = TypeVar("V")
 
@@ -18,13 +18,15 @@ MAX_CACHED_ROW_COUNTS = 64
 
 
 class RowViewCache(Generic[V]):
-    """`cache(T)`: the views `make(T)` builds for T rows, built once per T (a bounded cache)."""
+    """`cache(T)`: the views `make(T)` builds for T rows (or for any other shape key, e.g. a step's
+    (tokens, sequences, ...)), built once per key (a bounded cache: views made again are the same
+    views, so starting over costs only their making)."""
 
-    def __init__(self, make: Callable[[int], V]):
+    def __init__(self, make: Callable[..., V]):
         self._make = make
-        self._views: dict[int, V] = {}
+        self._views: dict[Hashable, V] = {}
 
-    def __call__(self, rows: int) -> V:
+    def __call__(self, rows: Hashable) -> V:
         views = self._views.get(rows)
         if views is None:
             if len(self._views) >= MAX_CACHED_ROW_COUNTS:
