@@ -42,6 +42,16 @@ inline void lane_sums(const gguf::Simd::V* v, int64_t count, float* sums) {
   for (; t < count; ++t) sums[t] = gguf::Simd::sum(v[t]);
 }
 
+// How far ahead a register tile prefetches the weight, in tiles. A tile reads its NR weight rows
+// side by side: NR short streams (a row of SmolLM2's projections is 360-960 bytes of Q4_1) that the
+// hardware prefetcher does not pick up before they end, so every tile waited on DRAM. Prefetching
+// the tile two on, spread over its groups (1-2 lines a group), ran SmolLM2's 120 projections at 2-5
+// input rows 1.26-1.35x faster in Q4_1, 1.20-1.24x in Q4_0 and 1.56-2.15x in Q8_0, and 8 rows
+// 1.05-1.24x (Zen 4, 2 threads, alternated builds); one tile on gained less, three or four tiles
+// less than two. At the end of a call it prefetches past the rows, which is harmless: prefetches
+// never fault.
+constexpr int64_t kPrefetchTiles = 2;
+
 // A register tile: MR input rows (fp32) x NR weight rows, every group of 32 weights decoded once
 // into registers and multiplied by the MR rows there. sums[i * NR + r] = input row i . weight row r.
 template <int MR, int NR, class F>
@@ -51,7 +61,11 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
   float prep[NR][gguf::decode::kPrepFloats];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = S::zero();
+  const int64_t span = NR * row_bytes;  // the tile's weight rows lie one after another
+  const uint8_t* ahead = w + kPrefetchTiles * span;
   for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = (g * span / groups) & ~int64_t{63}; p < (g + 1) * span / groups; p += 64)
+      cpu::prefetch_to_l2(ahead + p);
     if (g % F::kGroups == 0)
       for (int r = 0; r < NR; ++r) F::prepare(w + r * row_bytes, g / F::kGroups, prep[r]);
     S::V wv[NR][S::kPerGroup];
