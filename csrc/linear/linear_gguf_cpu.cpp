@@ -46,9 +46,8 @@ inline void lane_sums(const gguf::Simd::V* v, int64_t count, float* sums) {
 // side by side: NR short streams (a row of SmolLM2's projections is 360-960 bytes of Q4_1) that the
 // hardware prefetcher does not pick up before they end, so every tile waited on DRAM. Prefetching
 // the tile two on, spread over its groups (1-2 lines a group), ran SmolLM2's 120 projections at 2-5
-// input rows 1.26-1.35x faster in Q4_1, 1.20-1.24x in Q4_0 and 1.56-2.15x in Q8_0, and 8 rows
-// 1.05-1.24x (Zen 4, 2 threads, alternated builds); one tile on gained less, three or four tiles
-// less than two. At the end of a call it prefetches past the rows, which is harmless: prefetches
+// input rows 1.2-1.4x faster in Q4_1 and Q4_0 and 1.5-2.2x in Q8_0, and 8 rows 1.05-1.4x (Zen 4,
+// 2 threads, builds alternated; docs/gguf.md); one tile on gained less, three or four less than two. At the end of a call it prefetches past the rows, which is harmless: prefetches
 // never fault.
 constexpr int64_t kPrefetchTiles = 2;
 

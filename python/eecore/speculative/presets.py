@@ -11,9 +11,10 @@ Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pa
 
 Both are adaptive (eecore.speculative.draft_planner): those lengths are caps, and each round a
 sequence drafts as far as pays at the pass costs measured while decoding and its running
-acceptance. What a verify row costs depends on the weights: the shipped copy's drafts pay by the
-fixed rule over fp32 weights and lose over the Q4_1 file's exact kernel, where a second verify row
-costs 0.7 of a step, and on chat the planner drafts next to nothing.
+acceptance. What a verify row costs depends on the weights: over fp32 weights a second verify row
+is nearly free, over the Q4_1 file's exact kernel it costs 0.12 of a step (each further one about a
+fifth more), so there the copy's drafts pay only at short lengths, and on chat, where they are
+mostly wrong, the planner drafts next to nothing.
 
 On a CPU, verifying many sequences' drafts is bound by arithmetic, so each preset stops drafting
 above the batch where it stopped paying: 2 (layer) and 4 (hybrid) running sequences; where the int8
