@@ -53,3 +53,36 @@ def test_bench_linear_int8_streamed(benchmark, weights, shape, rows):
             project(out, inp, w)
 
     benchmark(run)
+
+
+# GGUF blocks (the embedded model's Q4_1, and Q8_0) against dense fp32 on the same number of
+# weights, at the row counts of a decode step (1) and of a verify pass of 1-4 drafts (2, 5): enough
+# copies that the smallest (Q4_1, 0.625 bytes a weight) totals 64 MB, so every format streams from
+# memory. Past one row the exact kernel's register tiles run, whose weight rows are short streams
+# that the tiles prefetch themselves.
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("shape", ["smollm2-gate-up", "smollm2-down"])
+@pytest.mark.parametrize("weights", ["fp32", "Q4_1", "Q8_0"])
+def test_bench_linear_gguf_streamed(benchmark, weights, shape, rows):
+    from eecore.models.gguf_quantize import quantize
+
+    k, n = SHAPES[shape]
+    dense = torch.randn(n, k) / k ** 0.5
+    copies = -(-STREAM_BYTES * 8 // (n * k * 5))  # Q4_1: 20 bytes a block of 32 weights
+    if weights == "fp32":
+        stack = [dense.clone() for _ in range(copies)]
+        call = lambda o, x, w: ops.linear(o, x, w)  # noqa: E731
+    else:
+        blocks = torch.from_numpy(quantize(dense.numpy(), weights))
+        stack = [blocks.clone() for _ in range(copies)]
+        qtype = ops.GGUF_QUANT_TYPES[weights]
+        call = lambda o, x, w: ops.linear_gguf(o, x, w, qtype)  # noqa: E731
+    inp = torch.randn(rows, k)
+    out = torch.empty(rows, n)
+    benchmark.group = f"linear gguf streamed {shape} M={rows} ({copies} weights a call)"
+
+    def run():
+        for w in stack:
+            call(out, inp, w)
+
+    benchmark(run)
