@@ -12,8 +12,8 @@ Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pa
 Both are adaptive (eecore.speculative.draft_planner): those lengths are caps, and each round a
 sequence drafts as far as pays at the pass costs measured while decoding and its running
 acceptance. What a verify row costs depends on the weights: over fp32 weights a second verify row
-is nearly free, over the Q4_1 file's exact kernel it costs 0.12 of a step (each further one about a
-fifth more), so there the copy's drafts pay only at short lengths, and on chat, where they are
+is nearly free, over the Q4_1 file's exact kernel a pass of 2 / 5 rows costs 1.12 / 1.78 one-row
+steps, so there the copy's drafts pay only at short lengths, and on chat, where they are
 mostly wrong, the planner drafts next to nothing.
 
 On a CPU, verifying many sequences' drafts is bound by arithmetic, so each preset stops drafting
