@@ -16,6 +16,9 @@ equal to full depth's token), and its precision at a coverage:
 - `MLP`: a 32-unit MLP on the same inputs;
 - `state + ...`: a logistic regression on the copy's layer-8 state as well (CALM's classifier reads
   the hidden state);
+- `+ history`: `logistic + lookup` with what a sequence's past says: how often the copy agreed with
+  full depth over the 8 positions before the last 4 (those full depth has checked by the time a
+  round of 4 drafts decides), the previous position's top-1 probability, and the position;
 - `perfect`: a decision that knows where the copy is right, whose coverage is the copy's agreement.
 
 The learned decisions are fit on code prompts of the training packages (the copy never saw the
@@ -31,9 +34,9 @@ eecore.speculative.exit_decision): the shipped one is
 python/eecore/data/smollm2-135m-instruct-exit-decision.json`.
 
     python bench/analysis/exit_decision_ceiling.py [--train-prompts 320] [--train-chat 0] [--eval-prompts 24]
-        [--eval-chat 0] [--max-tokens 96] [--write FILE]
+        [--eval-chat 0] [--max-tokens 96] [--write FILE] [--out-name exit-decision-ceiling]
 
-writes bench/results/<machine>/exit-decision-ceiling-<date>.json.
+writes bench/results/<machine>/<out-name>-<date>.json.
 """
 from __future__ import annotations
 
@@ -90,6 +93,25 @@ def features(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         states.append(rec["states"].float())
         right.append((copy == full).float())
     return torch.cat(scalars), torch.cat(states), torch.cat(right)
+
+
+def history(records: list[dict], lag: int = 4, window: int = 8) -> torch.Tensor:
+    """[n, 4] per position: the copy's agreement with full depth over positions [t - lag - window,
+    t - lag) (0.5 where there are none) and how many there are (/ window), the previous position's
+    top-1 probability, and the position / 96."""
+    rows = []
+    for rec in records:
+        right = (torch.tensor(rec["copy"]) == torch.tensor(rec["full"])).float()
+        p1 = torch.tensor(rec["copy_p"])
+        n = len(right)
+        seen = torch.cat([torch.zeros(1), right.cumsum(0)])  # seen[t] = agreements before t
+        hi = (torch.arange(n) - lag).clamp_min(0)
+        lo = (hi - window).clamp_min(0)
+        count = (hi - lo).float()
+        recent = torch.where(count > 0, (seen[hi] - seen[lo]) / count.clamp_min(1), torch.full((n,), 0.5))
+        previous = torch.cat([torch.tensor([0.5]), p1[:-1]])
+        rows.append(torch.stack([recent, count / window, previous, torch.arange(n).float() / 96], 1))
+    return torch.cat(rows)
 
 
 def fit(x: torch.Tensor, y: torch.Tensor, hidden: int = 0, epochs: int = 40, weight_decay: float = 1e-4,
@@ -163,6 +185,7 @@ def main() -> None:
     ap.add_argument("--eval-chat", type=int, default=0, help="held-out everyday requests")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--write", default=None, metavar="FILE", help="save the logistic + lookup decision here")
+    ap.add_argument("--out-name", default="exit-decision-ceiling")
     args = ap.parse_args()
 
     train = record(0, args.max_tokens, texts=training_prompts(args.train_prompts), features=True)
@@ -170,6 +193,7 @@ def main() -> None:
         chat = [r.text for r in general_instruction_records(args.train_chat, "train")]
         train += record(0, args.max_tokens, kind="everyday", texts=chat, features=True)
     x, h, y = features(train)
+    past = history(train)
     kept: dict = {}
     scorers = {
         "logistic": (lambda z, zh, f=fit(x[:, :3], y): f(z[:, :3])),
@@ -177,6 +201,8 @@ def main() -> None:
         "MLP + lookup": (lambda z, zh, f=fit(x, y, hidden=32): f(z)),
         "state + logistic + lookup": (lambda z, zh, f=fit(torch.cat([h, x], 1), y, epochs=30, weight_decay=1e-3):
                                       f(torch.cat([zh, z], 1))),
+        "logistic + lookup + history": (lambda z, zh, zp, f=fit(torch.cat([x, past], 1), y):
+                                        f(torch.cat([z, zp], 1))),
     }
     print(f"CPU: {cpu_model()}; {len(train)} training prompts ({len(y)} positions, copy agreement {y.mean():.3f})")
     evals = {"held-out code": record(args.eval_prompts, args.max_tokens, features=True)}
@@ -186,9 +212,11 @@ def main() -> None:
                    train_prompts=len(train), train_positions=len(y), train_agreement=y.mean().item(), evals={})
     for name, held_out in evals.items():
         xe, he, ye = features(held_out)
+        pe = history(held_out)
         agreement = ye.mean().item()
         decisions = {"top-1 probability": xe[:, 0], "top-2 gap": xe[:, 1], "negative entropy": -xe[:, 2],
-                     **{k: f(xe, he) for k, f in scorers.items()}, "perfect": ye}
+                     **{k: (f(xe, he, pe) if k.endswith("history") else f(xe, he)) for k, f in scorers.items()},
+                     "perfect": ye}
         rows = table(f"\n{name}: {len(held_out)} prompts, {len(ye)} positions, copy agreement {agreement:.3f}",
                      decisions, ye)
         print(f"perfect decision: {agreement:.1%} of tokens exit, {agreement * SKIPPED_PER_EXIT:.1%} of the layers skipped")
@@ -204,7 +232,7 @@ def main() -> None:
             f"the training packages and {args.train_chat} everyday requests of the training topics, the "
             f"draft copy teacher-forced along them")).save(args.write)
         print(f"exit decision: {args.write}")
-    path = save_results("exit-decision-ceiling", results)
+    path = save_results(args.out_name, results)
     print(f"results: {path}")
 
 
