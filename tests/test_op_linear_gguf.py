@@ -63,9 +63,12 @@ def test_dequantize_is_the_gguf_packages_values_exactly(name, extreme):
 
 
 @pytest.mark.parametrize("name", list(TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 24, 47, 48, 49, 130])
-def test_linear_matches_dequantized_matmul(name, rows):
-    n, k = 70, features(name, 2)  # 70 output rows: whole register tiles and an edge
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 10, 11, 13, 24, 47, 48, 49, 96, 97, 130])
+@pytest.mark.parametrize("groups_of_256", [2, 16])
+def test_linear_matches_dequantized_matmul(name, rows, groups_of_256):
+    # 70 output rows: whole register tiles and an edge; past the streamed sizes (10 rows on AVX2,
+    # 96 on AVX-512), 4,096 features make GEMM slices of 16 weight rows, so 4 whole and an edge
+    n, k = 70, features(name, groups_of_256)
     weight = random_blocks(name, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = torch.empty(rows, n)
@@ -105,9 +108,10 @@ def test_extreme_scales(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 6, 60])
-def test_bias_accumulate_and_strided_rows_against_the_reference(dtype, rows):
-    name, n, k = "Q4_1", 33, 128
+@pytest.mark.parametrize("rows", [1, 6, 60, 100])
+@pytest.mark.parametrize("k", [128, 4096])
+def test_bias_accumulate_and_strided_rows_against_the_reference(dtype, rows, k):
+    name, n = "Q4_1", 33  # 4,096 features past the streamed sizes: GEMM slices of 16, 16 and 1 rows
     weight = random_blocks(name, n, k, seed=5)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # rows strided, last dim contiguous

@@ -47,6 +47,7 @@ struct Simd {
   static constexpr int kLanes = 16, kPerGroup = 2;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   // out[0..3] = the lane sums of a[0..3], in one order for every vector whichever the other three
   // are: within each 128-bit lane (x0 + x2) + (x1 + x3), then lanes (l0 + l2) + (l1 + l3). Four at
@@ -124,6 +125,7 @@ struct Simd {
   static constexpr int kLanes = 8, kPerGroup = 4;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void sum4(const V* a, float* out) {
     for (int t = 0; t < 4; ++t) out[t] = sum(a[t]);

@@ -6,9 +6,11 @@
 // input rows multiply it (gguf_simd.h); without AVX2 it dequantizes the rows into an fp32 buffer on
 // its stack (about 32 KiB, so it stays in L1/L2) for the few-rows dot kernel of fp32 `linear`. A decode step
 // so reads the file's bytes (Q4_1: 0.625 bytes a weight, a sixth of fp32's) and pays one
-// conversion per weight, in registers and cache. Larger inputs (prompts) dequantize the whole
-// weight once per call, in the input's dtype, for one BLAS GEMM, where the arithmetic dominates.
+// conversion per weight, in registers and cache. Larger inputs (prompt chunks, large batches)
+// decode the weight a slice at a time into a buffer each thread keeps, for one BLAS GEMM a slice,
+// where the arithmetic dominates.
 #include <atomic>
+#include <vector>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -25,8 +27,21 @@
 namespace eecore {
 namespace {
 
-// Past this many rows the GEMM on a dequantized weight wins (as kBlockedMaxRows of fp32 linear).
+// Past this many rows a GEMM per decoded slice of the weight (linear_gguf_sliced) wins. With the
+// tiles prefetching, SmolLM2's 120 Q4_1 projections ran 49 / 64 / 80 rows in 67-73 / 87-89 /
+// 109-115 ms through AVX-512's tiles against 82-85 / 97-98 / 116-124 sliced, 100 rows alike
+// (137-142 and 141-146) and 128 rows 174-179 against 171-173 (Zen 4, 2 threads). AVX2's smaller
+// tiles decode each group for at most 3 rows, so there slices win sooner: an AVX2 build on the same
+// machine ran 8 / 10 / 12 / 16 rows in 25 / 30 / 37 / 47 ms through the tiles, 28 / 31 / 32 / 36
+// sliced. Without SIMD (unmeasured) the bound stays where whole-weight dequantization put it.
+#if EECORE_GGUF_SIMD
+constexpr int64_t kStreamMaxRows = gguf::Simd::kLanes == 16 ? 96 : 10;
+#else
 constexpr int64_t kStreamMaxRows = 48;
+#endif
+// Weights a thread decodes at once for a slice's GEMM (256 KiB of fp32: in L2 beside the GEMM's
+// own blocks).
+constexpr int64_t kSliceFloats = 64 * 1024;
 // fp32 weights a thread dequantizes at once: its buffer's size (32 KiB).
 constexpr int64_t kDecodedFloats = 8192;
 // The dot products of a chunk (M x output rows) a thread holds before writing them out.
@@ -214,6 +229,77 @@ void gguf_dot(int64_t quant_type, const float* x, int64_t ldx, int64_t M, const 
 }
 #endif
 
+// `rows` weight rows from w decoded to fp32 into dst ([rows, K], row-major).
+void decode_rows(int64_t quant_type, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t rows, float* dst) {
+#if EECORE_GGUF_SIMD
+  auto decode = [&](auto format) {
+    using F = decltype(format);
+    using S = gguf::Simd;
+    float prep[gguf::decode::kPrepFloats];
+    const int64_t groups = K / gguf::kGroupWeights;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = w + r * row_bytes;
+      float* d = dst + r * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        if (g % F::kGroups == 0) F::prepare(row, g / F::kGroups, prep);
+        S::V wv[S::kPerGroup];
+        F::decode(row, g, prep, wv);
+        for (int p = 0; p < S::kPerGroup; ++p) S::store(d + g * gguf::kGroupWeights + p * S::kLanes, wv[p]);
+      }
+    }
+  };
+  namespace D = gguf::decode;
+  switch (static_cast<gguf::QuantType>(quant_type)) {
+    case gguf::QuantType::Q4_0: return decode(D::Q4_0{});
+    case gguf::QuantType::Q4_1: return decode(D::Q4_1{});
+    case gguf::QuantType::Q5_0: return decode(D::Q5_0{});
+    case gguf::QuantType::Q5_1: return decode(D::Q5_1{});
+    case gguf::QuantType::Q8_0: return decode(D::Q8_0{});
+    case gguf::QuantType::Q4_K: return decode(D::Q4_K{});
+    case gguf::QuantType::Q5_K: return decode(D::Q5_K{});
+    case gguf::QuantType::Q6_K: return decode(D::Q6_K{});
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r) gguf::dequantize_row(quant_type, w + r * row_bytes, K, dst + r * K);
+#endif
+}
+
+// Rows [0, M) of `input` into `out` past kStreamMaxRows rows (a prompt's chunk, a large batch): the
+// weight decoded a slice of output rows at a time into a buffer each thread keeps (in its L2), and
+// each slice one BLAS GEMM against all the input rows. Dequantizing the whole weight first (an
+// fp32 copy of it on every call, 6.4x the bytes of Q4_1) ran SmolLM2's 120 Q4_1 projections at
+// 100 / 128 rows in 153-158 / 185-190 ms, sliced 133-137 / 166-168 (Zen 4, 2 threads).
+void linear_gguf_sliced(at::Tensor& out, const at::Tensor& input, const uint8_t* w, int64_t quant_type,
+                        const std::optional<at::Tensor>& bias, bool accumulate, const GgufDims& dims) {
+  const int64_t K = dims.in, N = dims.out;
+  const int64_t slice = std::max<int64_t>(16, kSliceFloats / K / 16 * 16);
+  const int64_t slices = (N + slice - 1) / slice;
+  const bool has_bias = bias.has_value() && bias->defined();
+  // The file's values and fp32 sums whatever the activations' dtype, as the tiles compute: a GEMM
+  // in bf16 would round the weights too.
+  const bool fp32 = input.scalar_type() == at::kFloat;
+  const at::Tensor x = fp32 ? input : input.to(at::kFloat);
+  at::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
+    thread_local std::vector<float> buffer;  // kept between calls: no allocation once warm
+    buffer.resize(static_cast<size_t>(slice * K));
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t j0 = s * slice, nj = std::min(slice, N - j0);
+      decode_rows(quant_type, w + j0 * dims.row_bytes, dims.row_bytes, K, nj, buffer.data());
+      const at::Tensor dense = at::from_blob(buffer.data(), {nj, K}, at::TensorOptions().dtype(at::kFloat));
+      at::Tensor part = out.narrow(1, j0, nj);
+      if (fp32) {
+        linear_with_gemm(part, x, dense, has_bias ? std::optional<at::Tensor>(bias->narrow(0, j0, nj)) : std::nullopt,
+                         accumulate, std::nullopt);
+        continue;
+      }
+      at::Tensor y = at::mm(x, dense.t());
+      if (has_bias) y.add_(bias->narrow(0, j0, nj).to(at::kFloat));
+      if (accumulate) y.add_(part.to(at::kFloat));
+      part.copy_(y);
+    }
+  });
+}
+
 // Rows [0, M) of `input` into `out`, streaming the quantized weight.
 template <typename scalar_t>
 void linear_gguf_streaming(at::Tensor& out, const at::Tensor& input, const uint8_t* w, int64_t quant_type,
@@ -276,10 +362,12 @@ void linear_gguf_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
                      const std::optional<at::Tensor>& bias, bool accumulate) {
   const GgufDims dims = check_linear_gguf_args(out, input, weight, quant_type, bias);
   if (dims.rows == 0 || dims.out == 0) return;
-  if (dims.rows > kStreamMaxRows || dims.in == 0) {
+  if (dims.in == 0) {
     const at::Tensor dense = dequantize_weight(weight, quant_type, dims.in, input.scalar_type());
     return linear_with_gemm(out, input, dense, bias, accumulate, std::nullopt);
   }
+  if (dims.rows > kStreamMaxRows)
+    return linear_gguf_sliced(out, input, weight.const_data_ptr<uint8_t>(), quant_type, bias, accumulate, dims);
   const bool has_bias = bias.has_value() && bias->defined();
   EECORE_DISPATCH_FLOAT(input.scalar_type(), "eecore::linear_gguf", [&] {
     linear_gguf_streaming<scalar_t>(out, input, weight.const_data_ptr<uint8_t>(), quant_type,
