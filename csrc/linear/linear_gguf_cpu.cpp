@@ -64,8 +64,8 @@ inline void lane_sums(const gguf::Simd::V* v, int64_t count, float* sums) {
 // input rows 1.2-1.4x faster in Q4_1 and Q4_0 and 1.5-2.2x in Q8_0, and 8 rows 1.05-1.4x (Zen 4,
 // 2 threads, builds alternated; docs/gguf.md); one tile on gained less, three or four less than two.
 // An AVX2 build (-march=znver3) on the same machine gained 1.03-1.07x at 2-5 rows: its 8-lane
-// tiles are bound by their arithmetic, and the prefetches cost it nothing. At the end of a call it prefetches past the rows, which is harmless: prefetches
-// never fault.
+// tiles are bound by their arithmetic, and the prefetches cost it nothing. At the end of a call
+// the prefetches run past the weight's rows, which is harmless: prefetches never fault.
 constexpr int64_t kPrefetchTiles = 2;
 
 // A register tile: MR input rows (fp32) x NR weight rows, every group of 32 weights decoded once
@@ -229,7 +229,9 @@ void gguf_dot(int64_t quant_type, const float* x, int64_t ldx, int64_t M, const 
 }
 #endif
 
-// `rows` weight rows from w decoded to fp32 into dst ([rows, K], row-major).
+// `rows` weight rows from w decoded to fp32 into dst ([rows, K], row-major): dequantize_row's values
+// (the decoders' one product per weight is exact in fp32, so a fused multiply-add rounds as the
+// separate one does).
 void decode_rows(int64_t quant_type, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t rows, float* dst) {
 #if EECORE_GGUF_SIMD
   auto decode = [&](auto format) {
