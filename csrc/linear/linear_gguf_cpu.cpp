@@ -212,20 +212,27 @@ void gguf_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t
   }
 }
 
+// f(F{}) for the decoder F of quant_type's format.
+template <class Fn>
+void with_decoder(int64_t quant_type, Fn&& f) {
+  namespace D = gguf::decode;
+  switch (static_cast<gguf::QuantType>(quant_type)) {
+    case gguf::QuantType::Q4_0: return f(D::Q4_0{});
+    case gguf::QuantType::Q4_1: return f(D::Q4_1{});
+    case gguf::QuantType::Q5_0: return f(D::Q5_0{});
+    case gguf::QuantType::Q5_1: return f(D::Q5_1{});
+    case gguf::QuantType::Q8_0: return f(D::Q8_0{});
+    case gguf::QuantType::Q4_K: return f(D::Q4_K{});
+    case gguf::QuantType::Q5_K: return f(D::Q5_K{});
+    case gguf::QuantType::Q6_K: return f(D::Q6_K{});
+  }
+}
+
 void gguf_dot(int64_t quant_type, const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes,
               int64_t K, int64_t n, float* out) {
-  namespace D = gguf::decode;
-  const int64_t groups = K / gguf::kGroupWeights;
-  switch (static_cast<gguf::QuantType>(quant_type)) {
-    case gguf::QuantType::Q4_0: return gguf_rows<D::Q4_0>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q4_1: return gguf_rows<D::Q4_1>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q5_0: return gguf_rows<D::Q5_0>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q5_1: return gguf_rows<D::Q5_1>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q8_0: return gguf_rows<D::Q8_0>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q4_K: return gguf_rows<D::Q4_K>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q5_K: return gguf_rows<D::Q5_K>(x, ldx, M, w, row_bytes, groups, n, out);
-    case gguf::QuantType::Q6_K: return gguf_rows<D::Q6_K>(x, ldx, M, w, row_bytes, groups, n, out);
-  }
+  with_decoder(quant_type, [&](auto format) {
+    gguf_rows<decltype(format)>(x, ldx, M, w, row_bytes, K / gguf::kGroupWeights, n, out);
+  });
 }
 #endif
 
@@ -234,7 +241,7 @@ void gguf_dot(int64_t quant_type, const float* x, int64_t ldx, int64_t M, const 
 // separate one does).
 void decode_rows(int64_t quant_type, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t rows, float* dst) {
 #if EECORE_GGUF_SIMD
-  auto decode = [&](auto format) {
+  with_decoder(quant_type, [&](auto format) {
     using F = decltype(format);
     using S = gguf::Simd;
     float prep[gguf::decode::kPrepFloats];
@@ -249,18 +256,7 @@ void decode_rows(int64_t quant_type, const uint8_t* w, int64_t row_bytes, int64_
         for (int p = 0; p < S::kPerGroup; ++p) S::store(d + g * gguf::kGroupWeights + p * S::kLanes, wv[p]);
       }
     }
-  };
-  namespace D = gguf::decode;
-  switch (static_cast<gguf::QuantType>(quant_type)) {
-    case gguf::QuantType::Q4_0: return decode(D::Q4_0{});
-    case gguf::QuantType::Q4_1: return decode(D::Q4_1{});
-    case gguf::QuantType::Q5_0: return decode(D::Q5_0{});
-    case gguf::QuantType::Q5_1: return decode(D::Q5_1{});
-    case gguf::QuantType::Q8_0: return decode(D::Q8_0{});
-    case gguf::QuantType::Q4_K: return decode(D::Q4_K{});
-    case gguf::QuantType::Q5_K: return decode(D::Q5_K{});
-    case gguf::QuantType::Q6_K: return decode(D::Q6_K{});
-  }
+  });
 #else
   for (int64_t r = 0; r < rows; ++r) gguf::dequantize_row(quant_type, w + r * row_bytes, K, dst + r * K);
 #endif
