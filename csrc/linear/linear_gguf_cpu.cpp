@@ -77,11 +77,12 @@ void gguf_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
   float prep[NR][gguf::decode::kPrepFloats];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = S::zero();
-  const int64_t span = NR * row_bytes;  // the tile's weight rows lie one after another
+  // the tile's weight rows lie one after another: each group prefetches its share of the tile
+  // ahead's bytes (rounded up, so the last groups may reach past it), with no division per group
+  const int64_t span = NR * row_bytes, share = (span + groups - 1) / groups;
   const uint8_t* ahead = w + kPrefetchTiles * span;
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t p = (g * span / groups) & ~int64_t{63}; p < (g + 1) * span / groups; p += 64)
-      cpu::prefetch_to_l2(ahead + p);
+  for (int64_t g = 0, from = 0; g < groups; ++g, from += share) {
+    for (int64_t p = from & ~int64_t{63}; p < from + share; p += 64) cpu::prefetch_to_l2(ahead + p);
     if (g % F::kGroups == 0)
       for (int r = 0; r < NR; ++r) F::prepare(w + r * row_bytes, g / F::kGroups, prep[r]);
     S::V wv[NR][S::kPerGroup];
