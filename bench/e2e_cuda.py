@@ -3,7 +3,7 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
 
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
-        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-ready-model GGUF] [--piecewise]
+        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-configs TEXT ...] [--exit-ready-model GGUF] [--piecewise]
         [--no-hf]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
@@ -201,10 +201,37 @@ def piecewise_rows(name: str, folder: str, prompts, params, args, results: Resul
         same = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
         count = len(outputs[True])
         t_eager, t_piecewise = statistics.median(times[False]), statistics.median(times[True])
+        gaps = divergence_gaps(folder, prompts, outputs[True], outputs[False], args.device)
         results.add("piecewise", dict(model=name, workload=label, eager_s=t_eager, piecewise_s=t_piecewise,
-                                      piecewise_vs_eager=t_eager / t_piecewise, identical=f"{same}/{count}"))
+                                      piecewise_vs_eager=t_eager / t_piecewise, identical=f"{same}/{count}",
+                                      divergence_gaps=gaps))
+        where = (f"   where they differ, fp32 logit gap between the two choices: max {max(gaps):.3f}, "
+                 f"median {statistics.median(gaps):.3f}" if gaps else "")
         print(f"{name} {label}: piecewise graphs {t_piecewise * 1e3:8.1f} ms, op by op {t_eager * 1e3:8.1f} ms, "
-              f"{t_eager / t_piecewise:4.2f}x   identical outputs {same}/{count}", flush=True)
+              f"{t_eager / t_piecewise:4.2f}x   identical outputs {same}/{count}{where}", flush=True)
+
+
+def divergence_gaps(folder: str, prompts, outputs_a, outputs_b, device: str) -> list[float]:
+    """For each pair of outputs that differ, the fp32 model's logit gap between the two tokens
+    chosen at the first position where they part. bf16 rounds differently for another GEMM shape
+    (a padded graph's rows); a gap of the size of bf16's rounding noise is a near-tie that such
+    rounding flips, a large one is a wrong token."""
+    import transformers
+
+    pairs = [(p, a.token_ids, b.token_ids) for p, a, b in zip(prompts, outputs_a, outputs_b)
+             if a.token_ids != b.token_ids]
+    if not pairs:
+        return []
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).to(device).eval()
+    gaps = []
+    with torch.no_grad():
+        for prompt, a, b in pairs:
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            ids = torch.tensor([list(prompt) + a[:k]], device=device)
+            logits = model(ids).logits[0, -1].float()
+            gaps.append(abs(logits[a[k]] - logits[b[k]]).item())
+    del model
+    return gaps
 
 
 def main():
@@ -217,6 +244,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--exit-models", nargs="*", default=["llama-3.2-1b"], choices=list(SHAPES))
     ap.add_argument("--num-speculations", type=int, default=3)
+    ap.add_argument("--exit-configs", nargs="*", default=None, metavar="TEXT",
+                    help="only the exit rows whose name contains one of these (default: all)")
     ap.add_argument("--exit-ready-model", default=None, metavar="GGUF",
                     help="also run the exit-ready presets (SelfSpeculativeConfig.exit_ready(device='cuda'), the "
                          "shipped draft layers) on this SmolLM2-135M-Instruct file against its full depth, on "
@@ -279,6 +308,8 @@ def main():
                 piecewise_rows(name, folder, prompts, params, args, results)
             if name in args.exit_models:
                 configs = exit_configs(SHAPES[name]["num_hidden_layers"], args.num_speculations)
+                if args.exit_configs is not None:
+                    configs = {k: v for k, v in configs.items() if any(t in k for t in args.exit_configs)}
                 against_full_depth(name, folder, configs, llm, prompts, params, args, results)
             del llm
             if args.device == "cuda":

@@ -207,7 +207,7 @@ def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft):
 def test_graphs_of_layerskip_passes_give_eager_tokens(tiny, spec, monkeypatch):
     """LayerSkip's draft passes through layers 0..E-1 and its verify pass from the exit-query cache,
     captured per padded batch, against enforce_eager=True: same tokens, accepted drafts and logprobs."""
-    monkeypatch.setenv("EECORE_LAYERSKIP_GRAPHS", "1")  # opt-in until this test has passed on a GPU
+    monkeypatch.delenv("EECORE_LAYERSKIP_GRAPHS", raising=False)  # the default: on
     path, hf = tiny
 
     def config():
@@ -254,7 +254,7 @@ def test_piecewise_graphs_give_eager_tokens(tiny, dtype, monkeypatch):
     """Prefill chunks and mixed steps with everything but attention captured per token bucket
     (eecore.engine.piecewise), against enforce_eager=True: same tokens and logprobs in fp32, close
     logprobs in bf16; prompts arrive while others decode, long ones are chunked."""
-    monkeypatch.setenv("EECORE_PIECEWISE_GRAPHS", "1")  # opt-in until this test has passed on a GPU
+    monkeypatch.delenv("EECORE_PIECEWISE_GRAPHS", raising=False)  # the default: on
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 29, 7, 61, 1, 16, 40, 90], seed=13)
     params = [greedy(5 + 3 * i, logprobs=3) for i in range(len(prompts))]

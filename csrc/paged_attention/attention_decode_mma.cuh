@@ -42,8 +42,9 @@ constexpr int kDefaultStages = 3;
 //                   skips the per-key masks;
 //   kLazyRescale    O is rescaled only when some row's running max moved (alpha == 1 otherwise:
 //                   skipping the multiply is exact);
-//   kQOverlap       the first tiles' copies are issued before the CTA waits for its Q tile (not in
-//                   the default set until it has run on a GPU).
+//   kQOverlap       the first tiles' copies are issued before the CTA waits for its Q tile (on an
+//                   H200 a wash with GQA, 1.007x over 47 cells; it was on in the G = 1 timings
+//                   that made this kernel the planner's choice there).
 // The first version's profile (docs/cuda.md) showed a latency-bound warp issuing few instructions
 // per cycle, most of them per-key addressing. On an H200 at B = 64, context 4096, 32/8 heads,
 // D = 128 (bench/results/nvidia-h200/nvidia-h200-decode-kernels-2026-11-27.md): the first version
@@ -52,8 +53,8 @@ constexpr int kDefaultStages = 3;
 // the first version for side-by-side timing.
 constexpr bool kDefaultLdmatrix = true;
 constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4, kQOverlap = 8;
-constexpr int32_t kDefaultV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale;
-constexpr int32_t kKnownV2Flags = kDefaultV2Flags | kQOverlap;
+constexpr int32_t kDefaultV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale | kQOverlap;
+constexpr int32_t kKnownV2Flags = kDefaultV2Flags;
 
 template <int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
 struct Shape {

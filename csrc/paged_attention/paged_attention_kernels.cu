@@ -284,15 +284,17 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   const bool mma_ok = vec_ok && mma_m_tiles(p) <= 65535;
   const bool decode_ok = vec_ok;
   const bool decode_mma_ok = vec_ok && decode_mma_row_blocks(p) <= 65535;
-  // Measured on an H200 (bench/results/nvidia-h200/nvidia-h200-decode-sweep-2026-11-26-b.md):
-  // decode without GQA streams fastest on the SIMT decode kernel (72-74% of copy bandwidth at large
-  // sizes against 66-69%); with GQA, and for short verification queries (up to 32 packed rows, 16
-  // at D = 256: one CTA's worth), the tensor-core decode kernel wins (up to 2.7x the SIMT one at
-  // G = 4 and 8, 2.5-3x the prefill tiles on 2-8 verify rows); longer queries take the prefill tiles.
+  // Measured on an H200: decode and short verification queries (up to 32 packed rows, 16 at
+  // D = 256: one CTA's worth) take the tensor-core decode kernel, with GQA (up to 2.7x the SIMT
+  // decode kernel at G = 4 and 8, 2.5-3x the prefill tiles on 2-8 verify rows;
+  // nvidia-h200-decode-sweep-2026-11-26-b.md) and without it since its v2 (G = 1: 1.27-2.0x the
+  // SIMT kernel over the sweep's 21 cells, 96% of copy bandwidth at B = 64, context 4096, D = 128
+  // against 71%; nvidia-h200-decode-sweep-2026-11-27-g1.md). The SIMT kernel stays for v1
+  // (EECORE_DECODE_MMA_LDMATRIX=0), which it beat without GQA. Longer queries take the prefill tiles.
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   const int64_t packed_rows = static_cast<int64_t>(p.max_query_len) * group;
   PagedAttentionKernel kernel = PagedAttentionKernel::kRows;
-  if (decode_ok && p.max_query_len == 1 && group == 1) kernel = PagedAttentionKernel::kDecode;
+  if (decode_ok && p.max_query_len == 1 && group == 1 && !decode_mma_ldmatrix()) kernel = PagedAttentionKernel::kDecode;
   else if (decode_mma_ok && packed_rows <= 16 * decode_mma_m_tiles(p)) kernel = PagedAttentionKernel::kDecodeMma;
   else if (mma_ok && p.max_query_len > 1) kernel = PagedAttentionKernel::kMma;
   const int forced = forced_kernel();

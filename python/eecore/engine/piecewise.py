@@ -80,15 +80,15 @@ class PiecewiseForward(StaticPass):
         return [self.runner.ws.hidden[: key[0]]]  # a piece adds its layer's output to the residual stream
 
 
-# Piecewise graphs have run only eagerly on the CPU (tests/test_piecewise.py); until
-# tests/test_engine_cuda.py has passed with them on a GPU they are opt-in.
+# EECORE_PIECEWISE_GRAPHS=0 launches steps with prompt chunks op by op, to time what the graphs
+# gain (tests/test_engine_cuda.py holds them to eager mode on a GPU).
 PIECEWISE_GRAPHS_ENV = "EECORE_PIECEWISE_GRAPHS"
 
 
 def maybe_piecewise(runner, enforce_eager: bool) -> Optional[PiecewiseForward]:
     """Piecewise graphs of the varlen passes on a CUDA device, for decoder-only models, unless
-    `enforce_eager` (and with EECORE_PIECEWISE_GRAPHS=1, for now); none on the CPU."""
+    `enforce_eager` or EECORE_PIECEWISE_GRAPHS=0; none on the CPU."""
     if (enforce_eager or runner.model.device.type != "cuda" or runner.model.is_encoder_decoder
-            or os.environ.get(PIECEWISE_GRAPHS_ENV) != "1"):
+            or os.environ.get(PIECEWISE_GRAPHS_ENV) == "0"):
         return None
     return PiecewiseForward(runner, runner.builder.max_tokens, capture=True)

@@ -232,18 +232,18 @@ def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional
     return StaticDecode(runner, max_batch, capture=True)
 
 
-# LayerSkip's graphed passes have run only under emulated graph semantics on the CPU
-# (tests/test_static_decode.py); until tests/test_engine_cuda.py has passed on a GPU they are opt-in.
+# EECORE_LAYERSKIP_GRAPHS=0 runs LayerSkip's passes eagerly beside graphed decode steps, to time
+# what their graphs gain (tests/test_engine_cuda.py holds the graphs to eager mode on a GPU).
 LAYERSKIP_GRAPHS_ENV = "EECORE_LAYERSKIP_GRAPHS"
 
 
 def maybe_static_layerskip(runner, max_batch: int, exit_layer: int, width: int, exit_states: torch.Tensor
                            ) -> tuple[Optional[StaticLayers], Optional[StaticExitVerify]]:
     """LayerSkip's draft passes (layers 0..E-1, one token a sequence) and its verify pass from the
-    exit-query cache `exit_states` as CUDA graphs, wherever the decode steps are graphs (and
-    EECORE_LAYERSKIP_GRAPHS=1, for now); (None, None) otherwise."""
+    exit-query cache `exit_states` as CUDA graphs, wherever the decode steps are graphs (unless
+    EECORE_LAYERSKIP_GRAPHS=0); (None, None) otherwise."""
     static = runner.static_decode
-    if static is None or os.environ.get(LAYERSKIP_GRAPHS_ENV) != "1":
+    if static is None or os.environ.get(LAYERSKIP_GRAPHS_ENV) == "0":
         return None, None
     return (StaticLayers(runner, max_batch, capture=static.capture, num_layers=exit_layer),
             StaticExitVerify(runner, max_batch, static.capture, width, exit_layer, exit_states))
