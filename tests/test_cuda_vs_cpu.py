@@ -297,15 +297,38 @@ def test_rms_norms(dtype, shape):
     torch.testing.assert_close(xg.cpu(), x, **tol(dtype))
 
 
+@pytest.mark.parametrize("kernel", ["aten", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 2 * 1536), (37, 2 * 576), (2, 3, 2 * 13)])
-def test_silu_and_mul(dtype, shape):
-    x = (torch.randn(shape) * 4).to(dtype)
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (37, 2 * 576), (2, 3, 2 * 13), (3, 2 * 8192), (2, 2 * 8)])
+def test_silu_and_mul(dtype, shape, kernel, monkeypatch):
+    """Both CUDA paths (EECORE_SILU_AND_MUL_KERNEL) against the CPU kernel, with the extremes
+    (a gate of +-inf, +-100, NaN) in the first row; the fused kernel bit for bit against ATen's."""
+    monkeypatch.setenv("EECORE_SILU_AND_MUL_KERNEL", kernel)
+    x = (torch.randn(shape) * 4)
+    x.view(-1, shape[-1])[0, :5] = torch.tensor([float("inf"), float("-inf"), 100.0, -100.0, float("nan")])
+    x = x.to(dtype)
     out = cuda(poison(torch.empty(shape[:-1] + (shape[-1] // 2,), dtype=dtype)))
     ops.silu_and_mul(out, cuda(x))
     expected = torch.empty(out.shape, dtype=dtype)
     ops.silu_and_mul(expected, x)
-    torch.testing.assert_close(out.cpu(), expected, **tol(dtype))
+    torch.testing.assert_close(out.cpu(), expected, equal_nan=True, **tol(dtype))
+    if kernel == "fused":
+        monkeypatch.setenv("EECORE_SILU_AND_MUL_KERNEL", "aten")
+        aten = torch.empty_like(out)
+        ops.silu_and_mul(aten, cuda(x))
+        assert torch.equal(out.view(-1).float().nan_to_num(7.0), aten.view(-1).float().nan_to_num(7.0))
+
+
+def test_silu_and_mul_fused_on_a_view_offset_by_one_element(monkeypatch):
+    """An input whose rows are not 16-byte aligned takes the scalar path, not a misaligned vector."""
+    monkeypatch.setenv("EECORE_SILU_AND_MUL_KERNEL", "fused")
+    base = cuda(torch.randn(4 * 2 * 64 + 1).to(torch.bfloat16))
+    x = base[1:].view(4, 2 * 64)
+    out = cuda(torch.empty(4, 64, dtype=torch.bfloat16))
+    ops.silu_and_mul(out, x)
+    expected = torch.empty(4, 64, dtype=torch.bfloat16)
+    ops.silu_and_mul(expected, x.cpu())
+    torch.testing.assert_close(out.cpu(), expected, **tol(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
