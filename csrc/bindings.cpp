@@ -50,6 +50,12 @@ TORCH_LIBRARY(eecore, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
         "bool is_neox) -> ()");
 
+  // rotary_embedding(positions, query, key, cos_sin_cache, is_neox), then
+  // reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) of the rotated key: the two ops a
+  // layer runs between its QKV projection and attention, in one launch on a GPU.
+  m.def("rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+        "Tensor cos_sin_cache, bool is_neox, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
+
   // logits [B, V >= 2] (any row stride, unit stride along V) -> (gap fp32 [B] = p1 - p2 of
   // softmax(logits), top1 int64 [B] = argmax). On a tie for the max, top1 is the first index and
   // the gap is 0. -inf entries take no probability; a row of only -inf gives gap NaN (top1 0), as

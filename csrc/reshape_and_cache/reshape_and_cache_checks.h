@@ -16,8 +16,8 @@ struct ReshapeAndCacheDims {
 
 inline ReshapeAndCacheDims check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
                                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                                        const at::Tensor& slot_mapping) {
-  const char* op = "reshape_and_cache";
+                                                        const at::Tensor& slot_mapping,
+                                                        const char* op = "reshape_and_cache") {
   // k_cache, v_cache [NB, BS, Hkv, D]: views kv_cache[l, 0] / kv_cache[l, 1], contiguous.
   check_dim(op, "k_cache", k_cache, 4);
   check_float_dtype(op, "k_cache", k_cache);
@@ -47,6 +47,18 @@ inline ReshapeAndCacheDims check_reshape_and_cache_args(const at::Tensor& key, c
   check_same_device(op, "slot_mapping", slot_mapping, "k_cache", k_cache);
 
   return {key.size(0), k_cache.size(2), k_cache.size(3), k_cache.size(0) * k_cache.size(1)};
+}
+
+// Reads the data (host memory only): every slot is -1 (skip) or a slot of the cache. Run before
+// anything is written, so a bad slot_mapping leaves the caches untouched.
+inline void check_slots_in_range(const char* op, const at::Tensor& slot_mapping, int64_t num_slots) {
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t stride = slot_mapping.stride(0);
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
+    const int64_t s = slots[t * stride];
+    EECORE_CHECK_ARG(op, "slot_mapping", s >= -1 && s < num_slots, "entry ", t, " is ", s,
+                     ", expected -1 (skip) or a slot in [0, ", num_slots, ")");
+  }
 }
 
 }  // namespace eecore

@@ -14,15 +14,6 @@ namespace {
 
 constexpr const char* kOp = "reshape_and_cache";
 
-// Every slot must be -1 (skip) or a valid slot; checked before anything is written, so a bad
-// slot_mapping leaves the caches untouched.
-void check_slots(const int64_t* slots, int64_t num_tokens, int64_t num_slots) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    EECORE_CHECK_ARG(kOp, "slot_mapping", slots[t] >= -1 && slots[t] < num_slots, "entry ", t, " is ", slots[t],
-                     ", expected -1 (skip) or a slot in [0, ", num_slots, ")");
-  }
-}
-
 // Copies one token's [Hkv, D] rows (head stride `src_head_stride`) to a contiguous cache slot.
 template <typename scalar_t>
 inline void copy_token(scalar_t* dst, const scalar_t* src, int64_t src_head_stride, int64_t num_heads, int64_t dim) {
@@ -36,9 +27,9 @@ inline void copy_token(scalar_t* dst, const scalar_t* src, int64_t src_head_stri
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping) {
   const ReshapeAndCacheDims dims = check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping);
+  check_slots_in_range(kOp, slot_mapping, dims.num_slots);
   const at::Tensor slots_tensor = slot_mapping.contiguous();
   const int64_t* slots = slots_tensor.const_data_ptr<int64_t>();
-  check_slots(slots, dims.num_tokens, dims.num_slots);
   const int64_t row = dims.num_kv_heads * dims.head_dim;  // elements of one slot
 
   EECORE_DISPATCH_FLOAT(key.scalar_type(), "eecore::reshape_and_cache", [&] {

@@ -82,8 +82,8 @@ struct RotaryShape {
 };
 
 inline RotaryShape check_rotary_embedding_args(const at::Tensor& positions, const at::Tensor& query,
-                                               const at::Tensor& key, const at::Tensor& cos_sin_cache) {
-  const char* op = "rotary_embedding";
+                                               const at::Tensor& key, const at::Tensor& cos_sin_cache,
+                                               const char* op = "rotary_embedding") {
   check_rotary_operand(op, "query", query);
   check_rotary_operand(op, "key", key);
   check_same_dtype(op, "key", key, "query", query);

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "eecore/cuda/common.cuh"
+#include "eecore/cuda/kv_write.cuh"
 #include "eecore/launch/rotary_embedding.h"
 #include "eecore/rotary.h"
 
@@ -41,9 +42,9 @@ __device__ __forceinline__ void rotate_pairs(T* x, const C* cos, const C* sin, i
   }
 }
 
+// Token t's query and key heads, rotated by a whole block of kThreads threads.
 template <typename T, typename C, bool kNeox, int P>
-__global__ void __launch_bounds__(kThreads) rotary_embedding_kernel(const RotaryEmbeddingParams p) {
-  const int64_t t = blockIdx.x;
+__device__ __forceinline__ void rotate_token(const RotaryEmbeddingParams& p, int64_t t) {
   const int64_t pos = p.positions[t * p.positions_stride];
   if (pos < 0 || pos >= p.max_pos) return;
   const int32_t half = p.rot_dim / 2;
@@ -61,22 +62,71 @@ __global__ void __launch_bounds__(kThreads) rotary_embedding_kernel(const Rotary
   }
 }
 
+template <typename T, typename C, bool kNeox, int P>
+__global__ void __launch_bounds__(kThreads) rotary_embedding_kernel(const RotaryEmbeddingParams p) {
+  rotate_token<T, C, kNeox, P>(p, blockIdx.x);
+}
+
+// rotary_embedding, then reshape_and_cache of the rotated keys, in one launch: the block's
+// threads write back the rotated keys, wait for each other, then copy the token's K and V rows
+// to its slot (the threads that rotate a key pair are not the ones that copy it).
+template <typename T, typename C, bool kNeox, int P>
+__global__ void __launch_bounds__(kThreads)
+    rotary_embedding_and_cache_kernel(const RotaryEmbeddingParams rot, const ReshapeAndCacheParams cache) {
+  rotate_token<T, C, kNeox, P>(rot, blockIdx.x);
+  __syncthreads();
+  write_token_kv<T, kVec16<T>, kThreads>(cache, blockIdx.x);
+}
+
+// Pairs per thread: 4, except GPT-J on fp32, whose 2P adjacent elements must fit 16 bytes.
+template <typename T, bool kNeox>
+constexpr int kPairs = (!kNeox && sizeof(T) == 4) ? 2 : 4;
+
+// Whether p's heads can be rotated kPairs pairs a thread with vector loads.
+template <typename T, typename C, bool kNeox>
+bool rotary_vectorizable(const RotaryEmbeddingParams& p) {
+  constexpr int P = kPairs<T, kNeox>;
+  constexpr int64_t kXVec = kNeox ? P : 2 * P;  // elements per x load
+  return (p.rot_dim / 2) % P == 0 && is_aligned(p.query, kXVec * sizeof(T)) && is_aligned(p.key, kXVec * sizeof(T)) &&
+         p.query_stride_token % kXVec == 0 && p.query_stride_head % kXVec == 0 && p.key_stride_token % kXVec == 0 &&
+         p.key_stride_head % kXVec == 0 && is_aligned(p.cos_sin_cache, P * sizeof(C));
+}
+
 template <typename T, typename C, bool kNeox>
 cudaError_t launch_typed(const RotaryEmbeddingParams& p, cudaStream_t stream) {
-  // Pairs per thread: 4, except GPT-J on fp32, whose 2P adjacent elements must fit 16 bytes.
-  constexpr int P = (!kNeox && sizeof(T) == 4) ? 2 : 4;
-  constexpr int64_t kXVec = kNeox ? P : 2 * P;  // elements per x load
-  const int32_t half = p.rot_dim / 2;
-  const bool vec = half % P == 0 && is_aligned(p.query, kXVec * sizeof(T)) && is_aligned(p.key, kXVec * sizeof(T)) &&
-                   p.query_stride_token % kXVec == 0 && p.query_stride_head % kXVec == 0 &&
-                   p.key_stride_token % kXVec == 0 && p.key_stride_head % kXVec == 0 &&
-                   is_aligned(p.cos_sin_cache, P * sizeof(C));
   const dim3 grid(static_cast<unsigned>(p.num_tokens));
-  if (vec)
-    rotary_embedding_kernel<T, C, kNeox, P><<<grid, kThreads, 0, stream>>>(p);
+  if (rotary_vectorizable<T, C, kNeox>(p))
+    rotary_embedding_kernel<T, C, kNeox, kPairs<T, kNeox>><<<grid, kThreads, 0, stream>>>(p);
   else
     rotary_embedding_kernel<T, C, kNeox, 1><<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The fused kernel where both halves take their vector paths; two launches otherwise.
+template <typename T, typename C, bool kNeox>
+cudaError_t launch_fused_typed(const RotaryEmbeddingParams& rot, const ReshapeAndCacheParams& cache,
+                               cudaStream_t stream) {
+  if (!rotary_vectorizable<T, C, kNeox>(rot) || !kv_rows_vectorizable<T>(cache) || cache.num_kv_heads == 0 ||
+      cache.head_dim == 0) {
+    if (cudaError_t err = launch_typed<T, C, kNeox>(rot, stream); err != cudaSuccess) return err;
+    return launch_reshape_and_cache(cache, stream);
+  }
+  const dim3 grid(static_cast<unsigned>(rot.num_tokens));
+  rotary_embedding_and_cache_kernel<T, C, kNeox, kPairs<T, kNeox>><<<grid, kThreads, 0, stream>>>(rot, cache);
+  return cudaGetLastError();
+}
+
+// Calls f(TypeTag<T>, TypeTag<C>, is_neox) for p's element, cos/sin and rotation types.
+template <typename F>
+cudaError_t dispatch_rotary(const RotaryEmbeddingParams& p, F&& f) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const bool cache_fp32 = p.cache_dtype == DType::kFloat32;
+    if (!cache_fp32 && p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
+    if (cache_fp32)
+      return p.is_neox ? f(tag, TypeTag<float>{}, std::true_type{}) : f(tag, TypeTag<float>{}, std::false_type{});
+    return p.is_neox ? f(tag, tag, std::true_type{}) : f(tag, tag, std::false_type{});
+  });
 }
 
 }  // namespace
@@ -84,13 +134,20 @@ cudaError_t launch_typed(const RotaryEmbeddingParams& p, cudaStream_t stream) {
 cudaError_t launch_rotary_embedding(const RotaryEmbeddingParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0 || p.rot_dim < 2) return cudaSuccess;
   if (p.num_tokens > INT32_MAX) return cudaErrorInvalidValue;
-  return dispatch_dtype(p.dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    const bool cache_fp32 = p.cache_dtype == DType::kFloat32;
-    if (!cache_fp32 && p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
-    if (cache_fp32)
-      return p.is_neox ? launch_typed<T, float, true>(p, stream) : launch_typed<T, float, false>(p, stream);
-    return p.is_neox ? launch_typed<T, T, true>(p, stream) : launch_typed<T, T, false>(p, stream);
+  return dispatch_rotary(p, [&](auto t, auto c, auto neox) {
+    return launch_typed<typename decltype(t)::type, typename decltype(c)::type, decltype(neox)::value>(p, stream);
+  });
+}
+
+cudaError_t launch_rotary_embedding_and_cache(const RotaryEmbeddingParams& rot, const ReshapeAndCacheParams& cache,
+                                              cudaStream_t stream) {
+  if (rot.num_tokens != cache.num_tokens || rot.dtype != cache.dtype) return cudaErrorInvalidValue;
+  if (rot.num_tokens == 0) return cudaSuccess;
+  if (rot.num_tokens > INT32_MAX) return cudaErrorInvalidValue;
+  if (rot.rot_dim < 2) return launch_reshape_and_cache(cache, stream);
+  return dispatch_rotary(rot, [&](auto t, auto c, auto neox) {
+    return launch_fused_typed<typename decltype(t)::type, typename decltype(c)::type, decltype(neox)::value>(
+        rot, cache, stream);
   });
 }
 

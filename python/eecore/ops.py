@@ -24,6 +24,7 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "softmax_top2_gap",
     "lm_head_top2_gap",
     "hidden_cosine",
@@ -76,6 +77,15 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      cos_sin_cache: torch.Tensor, is_neox: bool = True) -> None:
     """Rotate `query [T, Hq, D]` and `key [T, Hkv, D]` in place at `positions` (int64 `[T]`)."""
     _ops.rotary_embedding(positions, query, key, cos_sin_cache, bool(is_neox))
+
+
+def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`rotary_embedding(positions, query, key, ...)`, then `reshape_and_cache(key, value, ...)` of
+    the rotated keys (one launch on a GPU)."""
+    _ops.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, bool(is_neox), k_cache, v_cache,
+                                    slot_mapping)
 
 
 def softmax_top2_gap(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +233,6 @@ def _accept_update_fake(status, confidence, threshold, active):
 
 
 for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "kv_fill", "linear", "linear_gguf", "embedding_gguf", "linear_gguf_q8"):
+              "rotary_embedding_and_cache", "kv_fill", "linear", "linear_gguf", "embedding_gguf", "linear_gguf_q8"):
     torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
 del _name

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "eecore/dtype.h"
+#include "eecore/launch/reshape_and_cache.h"
 
 namespace eecore::cuda {
 
@@ -27,5 +28,11 @@ struct RotaryEmbeddingParams {
 
 // One block per token rotates every query and key head, several pairs per thread.
 cudaError_t launch_rotary_embedding(const RotaryEmbeddingParams& p, cudaStream_t stream);
+
+// launch_rotary_embedding(rot), then launch_reshape_and_cache(cache) of the rotated keys, in one
+// launch where both take 16-byte vectors (two launches otherwise). cache.key must be rot.key; both
+// describe the same tokens and dtype.
+cudaError_t launch_rotary_embedding_and_cache(const RotaryEmbeddingParams& rot, const ReshapeAndCacheParams& cache,
+                                              cudaStream_t stream);
 
 }  // namespace eecore::cuda

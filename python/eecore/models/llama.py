@@ -190,8 +190,8 @@ class LlamaModel:
         w, v = self.layers[i], ws.views(hidden.shape[0])
         x = ops.rms_norm(v.normed, hidden, w.input_norm, self.eps)
         project(v.qkv, x, w.qkv, w.qkv_bias)
-        ops.rotary_embedding(attn.positions, v.q, v.k, self.cos_sin, True)
-        ops.reshape_and_cache(v.k, v.v, k_cache, v_cache, attn.slot_mapping)
+        ops.rotary_embedding_and_cache(attn.positions, v.q, v.k, v.v, self.cos_sin, True, k_cache, v_cache,
+                                       attn.slot_mapping)
 
     def layer_attention(self, attn: AttentionInputs, k_cache: torch.Tensor, v_cache: torch.Tensor, ws: Workspace,
                         num_tokens: int) -> None:

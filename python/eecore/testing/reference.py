@@ -112,6 +112,12 @@ def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True) -> None
     key.copy_(_rotate(key, cos, sin, is_neox).to(key.dtype))
 
 
+def rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, is_neox, k_cache, v_cache,
+                               slot_mapping) -> None:
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
 def _top2_gap_of_logits(logits: torch.Tensor):
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
