@@ -357,6 +357,45 @@ def test_rotary_embedding_skips_positions_outside_the_cache():
     assert torch.equal(query[1:], q0[1:]) and torch.equal(key[1:], k0[1:])
 
 
+# ---- linear: cuBLAS, and the few-row kernel (EECORE_LINEAR_KERNEL=gemv) -------------------------------
+
+@pytest.mark.parametrize("kernel", ["cublas", "gemv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+# (576, 960): SmolLM2's QKV; (8192, 64): a long row; (40, 7): few features; (36, 5): K not a whole
+# number of 16-byte vectors in bf16 (the cuBLAS path)
+@pytest.mark.parametrize("k, n", [(576, 960), (8192, 64), (40, 7), (36, 5)])
+def test_linear(dtype, rows, k, n, kernel, monkeypatch):
+    """Every bias / accumulate combination against the CPU kernel, with strided input and out rows."""
+    monkeypatch.setenv("EECORE_LINEAR_KERNEL", kernel)
+    inp = torch.randn(rows, k + 8, dtype=dtype)[:, :k]
+    weight = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    bias = torch.randn(n, dtype=dtype)
+    start = torch.randn(rows, n + 3, dtype=dtype)
+    for with_bias in (False, True):
+        for accumulate in (False, True):
+            b = bias if with_bias else None
+            out = cuda(start.clone())
+            ops.linear(out[:, :n], *cuda(inp, weight), cuda(b), accumulate=accumulate)
+            expected = start.clone()
+            ops.linear(expected[:, :n], inp, weight, b, accumulate=accumulate)
+            torch.testing.assert_close(out.cpu(), expected, **tol(dtype, scale=4))
+            assert torch.equal(out[:, n:].cpu(), start[:, n:])  # the columns past N are untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, monkeypatch):
+    """The few-row kernel sums each row in one order whatever the row count, so a verify pass of
+    up to 8 rows gives each row a one-row step's bits."""
+    monkeypatch.setenv("EECORE_LINEAR_KERNEL", "gemv")
+    inp, weight = cuda(torch.randn(8, 2048, dtype=dtype), torch.randn(512, 2048, dtype=dtype) / 45)
+    alone = torch.cat([ops.linear(torch.empty(1, 512, dtype=dtype, device="cuda"), inp[i:i + 1], weight)
+                       for i in range(8)])
+    for rows in range(2, 9):
+        together = ops.linear(torch.empty(rows, 512, dtype=dtype, device="cuda"), inp[:rows], weight)
+        assert torch.equal(together, alone[:rows]), rows
+
+
 # ---- confidence ops ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
