@@ -9,6 +9,9 @@ the time the GPU was busy (the sum of kernel durations), how many kernels ran, a
 that took the most time, with their count per step and mean duration. Wall time far above busy
 time says the host is the limit (scheduling, input building, sampling, the sync that reads the
 tokens); busy time spread over hundreds of few-microsecond kernels says the kernel count is.
+Then the same steps run once more without the profiler, with the host's parts of a step timed
+(schedule, input build, sample: the argmax, and the wait for the GPU when it is the slower, append
+and stop checks): unprofiled wall time, and where the host's share of it goes.
 Writes bench/results/<gpu>/<device>-step-profile-<date>.json. `--device cpu` checks the script.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 import eecore
 from common import device_folder, device_slug, save_results
 from e2e_cuda import MODELS, SHAPES, random_checkpoint
+from host_overhead import PartTimer
 
 
 def kernel_times(prof, device: str) -> dict[str, tuple[int, float]]:
@@ -61,8 +65,31 @@ def profile_steps(llm, prompts, steps: int, device: str) -> dict:
     launches = sum(count for count, _ in kernels.values()) / per_step
     top = sorted(kernels.items(), key=lambda item: -item[1][1])
     return dict(wall_us_per_step=wall / per_step * 1e6, busy_us_per_step=busy, kernels_per_step=launches,
+                **host_parts(llm, prompts, params, per_step, device),
                 kernels=[dict(name=name, per_step=count / per_step, us_per_step=us / per_step,
                               mean_us=us / max(count, 1)) for name, (count, us) in top])
+
+
+def host_parts(llm, prompts, params, per_step: int, device: str) -> dict:
+    """The same generate unprofiled, with the host's parts of each step timed (instance
+    attributes wrap the engine's methods for this run only)."""
+    engine = llm.engine
+    timer = PartTimer()
+    wrapped = [(engine.scheduler, "schedule"), (engine.runner.builder, "build"), (engine.sampler, "sample"),
+               (engine, "_append")]
+    for owner, method in wrapped:
+        timer.wrap(owner, method, method.strip("_"))
+    try:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        for owner, method in wrapped:
+            delattr(owner, method)
+    return dict(unprofiled_wall_us_per_step=wall / per_step * 1e6,
+                host_us_per_step={label: seconds / per_step * 1e6 for label, seconds in timer.reset().items()})
 
 
 def main() -> None:
@@ -91,8 +118,10 @@ def main() -> None:
             for batch in args.batch_sizes:
                 row = dict(model=name, batch=batch, **profile_steps(llm, prompts[:batch], args.steps, args.device))
                 rows.append(row)
+                host = ", ".join(f"{k} {v:.0f}" for k, v in row["host_us_per_step"].items())
                 print(f"{name} batch {batch}: {row['wall_us_per_step']:.0f} us a step, GPU busy "
-                      f"{row['busy_us_per_step']:.0f} us in {row['kernels_per_step']:.0f} kernels", flush=True)
+                      f"{row['busy_us_per_step']:.0f} us in {row['kernels_per_step']:.0f} kernels; unprofiled "
+                      f"{row['unprofiled_wall_us_per_step']:.0f} us a step, host parts (us): {host}", flush=True)
                 for k in row["kernels"][: args.top]:
                     print(f"    {k['us_per_step']:8.1f} us  {k['per_step']:6.1f} x {k['mean_us']:7.2f} us  {k['name'][:110]}")
             del llm

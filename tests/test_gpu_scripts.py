@@ -56,6 +56,7 @@ def test_step_profile(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = written(str(tmp_path), "cpu-step-profile-*.json")["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["kernels_per_step"] > 0 for r in rows)
+    assert all(set(r["host_us_per_step"]) == {"schedule", "build", "sample", "append"} for r in rows)
 
 
 def test_host_overhead(tmp_path):
