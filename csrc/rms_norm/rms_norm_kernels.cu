@@ -73,11 +73,6 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ input, T* __restrict__
   }
 }
 
-// Enough threads for one vector each up to 1024, in whole warps.
-inline int threads_for(int64_t num_vecs) {
-  return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(kWarpSize, round_up(num_vecs, kWarpSize))));
-}
-
 }  // namespace
 
 cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
@@ -88,10 +83,10 @@ cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
     const bool vec = p.d % V == 0 && rows_aligned16({p.out, p.input, p.weight}, {}, sizeof(T));
     const dim3 grid(static_cast<unsigned>(p.rows));
     if (vec) {
-      rms_norm_kernel<T, V><<<grid, threads_for(p.d / V), 0, stream>>>(
+      rms_norm_kernel<T, V><<<grid, threads_for_row(p.d / V), 0, stream>>>(
           static_cast<T*>(p.out), static_cast<const T*>(p.input), static_cast<const T*>(p.weight), p.d, p.eps);
     } else {
-      rms_norm_kernel<T, 1><<<grid, threads_for(p.d), 0, stream>>>(
+      rms_norm_kernel<T, 1><<<grid, threads_for_row(p.d), 0, stream>>>(
           static_cast<T*>(p.out), static_cast<const T*>(p.input), static_cast<const T*>(p.weight), p.d, p.eps);
     }
     return cudaGetLastError();
@@ -106,10 +101,10 @@ cudaError_t launch_fused_add_rms_norm(const FusedAddRmsNormParams& p, cudaStream
     const bool vec = p.d % V == 0 && rows_aligned16({p.input, p.residual, p.weight}, {}, sizeof(T));
     const dim3 grid(static_cast<unsigned>(p.rows));
     if (vec) {
-      fused_add_rms_norm_kernel<T, V><<<grid, threads_for(p.d / V), 0, stream>>>(
+      fused_add_rms_norm_kernel<T, V><<<grid, threads_for_row(p.d / V), 0, stream>>>(
           static_cast<T*>(p.input), static_cast<T*>(p.residual), static_cast<const T*>(p.weight), p.d, p.eps);
     } else {
-      fused_add_rms_norm_kernel<T, 1><<<grid, threads_for(p.d), 0, stream>>>(
+      fused_add_rms_norm_kernel<T, 1><<<grid, threads_for_row(p.d), 0, stream>>>(
           static_cast<T*>(p.input), static_cast<T*>(p.residual), static_cast<const T*>(p.weight), p.d, p.eps);
     }
     return cudaGetLastError();

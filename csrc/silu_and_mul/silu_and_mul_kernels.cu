@@ -25,10 +25,6 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ i
   }
 }
 
-inline int threads_for(int64_t num_vecs) {
-  return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(kWarpSize, round_up(num_vecs, kWarpSize))));
-}
-
 }  // namespace
 
 cudaError_t launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
@@ -40,10 +36,10 @@ cudaError_t launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) 
     const bool vec = p.d % V == 0 && rows_aligned16({p.out, p.input}, {}, sizeof(T));
     const dim3 grid(static_cast<unsigned>(p.rows));
     if (vec) {
-      silu_and_mul_kernel<T, V><<<grid, threads_for(p.d / V), 0, stream>>>(
+      silu_and_mul_kernel<T, V><<<grid, threads_for_row(p.d / V), 0, stream>>>(
           static_cast<T*>(p.out), static_cast<const T*>(p.input), p.d);
     } else {
-      silu_and_mul_kernel<T, 1><<<grid, threads_for(p.d), 0, stream>>>(
+      silu_and_mul_kernel<T, 1><<<grid, threads_for_row(p.d), 0, stream>>>(
           static_cast<T*>(p.out), static_cast<const T*>(p.input), p.d);
     }
     return cudaGetLastError();

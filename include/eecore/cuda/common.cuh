@@ -127,6 +127,12 @@ inline bool rows_aligned16(std::initializer_list<const void*> ptrs, std::initial
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+// Threads of a block that walks one row of `num_vecs` vectors: one a vector up to 1024, in whole
+// warps (rms_norm, silu_and_mul).
+inline int threads_for_row(int64_t num_vecs) {
+  return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(kWarpSize, round_up(num_vecs, kWarpSize))));
+}
+
 // Streaming multiprocessors of the current device, cached per device (an attribute query, not a
 // synchronization). Launchers size split-K grids with it.
 inline int num_sms_of_current_device() {
