@@ -184,7 +184,7 @@ run_sanitize() {
 run_ops() {
   step "the other CUDA op tests"
   OMP_NUM_THREADS=1 limited 200 "$PY" -m pytest -q "${PARALLEL[@]}" -p no:cacheprovider tests/test_cuda_vs_cpu.py \
-    tests/test_op_*.py -k "cuda and not paged_attention and not (${ATTN_TESTS[2]})" ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
+    tests/test_op_*.py -k "cuda and not paged_attention and not ($ATTN_CASES)" ${EECORE_TEST_ARGS:-} > "$WORK/pytest-ops.txt" 2>&1 || status=1
   report "$WORK/pytest-ops.txt"
 }
 
