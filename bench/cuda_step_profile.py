@@ -1,7 +1,7 @@
 """Where a decode step's time goes on a GPU: every kernel of the step, by name, from the profiler.
 
     PYTHONPATH=python python bench/cuda_step_profile.py [--models smollm2-135m llama-3.2-1b]
-        [--batch-sizes 1 64] [--steps 32] [--top 12] [--enforce-eager]
+        [--batch-sizes 1 64] [--steps 32] [--top 12] [--enforce-eager] [--exit-configs TEXT ...]
 
 For each model shape (random weights, bf16) and batch size, a warm-up generate captures the CUDA
 graphs, then `--steps` decode steps run under torch.profiler. Per step it prints the wall time,
@@ -9,6 +9,10 @@ the time the GPU was busy (the sum of kernel durations), how many kernels ran, a
 that took the most time, with their count per step and mean duration. Wall time far above busy
 time says the host is the limit (scheduling, input building, sampling, the sync that reads the
 tokens); busy time spread over hundreds of few-microsecond kernels says the kernel count is.
+With --exit-configs, the early-exit and self-speculation configurations of bench/e2e_cuda.py whose
+names contain one of the words (e.g. `none static` for a softmax check that no row passes and a
+static exit) are profiled the same way after full depth, each a row of its own (figures per
+generated token: a step, except for self-speculation, whose round yields several).
 Then the same steps run once more without the profiler, with the host's parts of a step timed
 (schedule, input build, sample: the argmax, and the wait for the GPU when it is the slower, append
 and stop checks): unprofiled wall time, and where the host's share of it goes.
@@ -26,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import eecore
 from common import device_folder, device_slug, save_results
-from e2e_cuda import MODELS, SHAPES, random_checkpoint
+from e2e_cuda import MODELS, SHAPES, exit_configs, random_checkpoint
 from host_overhead import PartTimer
 
 
@@ -92,6 +96,23 @@ def host_parts(llm, prompts, params, per_step: int, device: str) -> dict:
                 host_us_per_step={label: seconds / per_step * 1e6 for label, seconds in timer.reset().items()})
 
 
+def report(row: dict, top: int) -> None:
+    host = ", ".join(f"{k} {v:.0f}" for k, v in row["host_us_per_step"].items())
+    print(f"{row['model']} {row['config']} batch {row['batch']}: {row['wall_us_per_step']:.0f} us a step, GPU busy "
+          f"{row['busy_us_per_step']:.0f} us in {row['kernels_per_step']:.0f} kernels; unprofiled "
+          f"{row['unprofiled_wall_us_per_step']:.0f} us a step, host parts (us): {host}", flush=True)
+    for k in row["kernels"][:top]:
+        print(f"    {k['us_per_step']:8.1f} us  {k['per_step']:6.1f} x {k['mean_us']:7.2f} us  {k['name'][:110]}")
+
+
+def save(args, rows: list[dict]) -> str:
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return save_results(f"{device_slug(device_name)}-step-profile" + ("-eager" if args.enforce_eager else ""),
+                        dict(device=device_name, dtype=args.dtype, steps=args.steps, prompt_len=args.prompt_len,
+                             enforce_eager=args.enforce_eager, weights="random", rows=rows),
+                        folder=device_folder(device_name) if args.device == "cuda" else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(SHAPES))
@@ -101,6 +122,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--enforce-eager", action="store_true", help="launch op by op (no CUDA graphs)")
+    ap.add_argument("--exit-configs", nargs="*", default=[], metavar="TEXT",
+                    help="also profile bench/e2e_cuda.py's exit configurations whose names contain one of these")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -110,28 +133,25 @@ def main() -> None:
     for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             random_checkpoint(name, folder, getattr(torch, args.dtype), "cpu")
-            llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
-                             enforce_eager=args.enforce_eager)
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
-            for batch in args.batch_sizes:
-                row = dict(model=name, batch=batch, **profile_steps(llm, prompts[:batch], args.steps, args.device))
-                rows.append(row)
-                host = ", ".join(f"{k} {v:.0f}" for k, v in row["host_us_per_step"].items())
-                print(f"{name} batch {batch}: {row['wall_us_per_step']:.0f} us a step, GPU busy "
-                      f"{row['busy_us_per_step']:.0f} us in {row['kernels_per_step']:.0f} kernels; unprofiled "
-                      f"{row['unprofiled_wall_us_per_step']:.0f} us a step, host parts (us): {host}", flush=True)
-                for k in row["kernels"][: args.top]:
-                    print(f"    {k['us_per_step']:8.1f} us  {k['per_step']:6.1f} x {k['mean_us']:7.2f} us  {k['name'][:110]}")
-            del llm
+            configs = {"full depth": {}}
+            configs.update({label: {k: v for k, v in kw.items() if k != "perfect"}
+                            for label, kw in exit_configs(SHAPES[name]["num_hidden_layers"], 3).items()
+                            if not kw.get("perfect") and any(t in label for t in args.exit_configs)})
+            for label, config in configs.items():
+                llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
+                                 enforce_eager=args.enforce_eager, **config)
+                for batch in args.batch_sizes:
+                    row = dict(model=name, config=label, batch=batch,
+                               **profile_steps(llm, prompts[:batch], args.steps, args.device))
+                    rows.append(row)
+                    report(row, args.top)
+                    path = save(args, rows)  # after every row: a run stopped by its time limit keeps them
+                del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    path = save_results(f"{device_slug(device_name)}-step-profile" + ("-eager" if args.enforce_eager else ""),
-                        dict(device=device_name, dtype=args.dtype, steps=args.steps, prompt_len=args.prompt_len,
-                             enforce_eager=args.enforce_eager, weights="random", rows=rows),
-                        folder=device_folder(device_name) if args.device == "cuda" else None)
     print(f"results: {path}")
 
 

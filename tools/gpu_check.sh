@@ -9,7 +9,8 @@
 #   engine     tests/test_engine_cuda.py (CUDA graphs against eager included)
 #   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/<gpu>/
 #   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
-#   profile    bench/cuda_step_profile.py: a decode step's kernels by time, graphed and eager
+#   profile    bench/cuda_step_profile.py: a decode step's kernels by time and the host's parts of a
+#              step, graphed (and eager with EECORE_PROFILE_EAGER=1)
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
@@ -19,7 +20,7 @@
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
 #   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
-#   EECORE_PROFILE_ARGS       arguments for bench/cuda_step_profile.py
+#   EECORE_PROFILE_ARGS       arguments for bench/cuda_step_profile.py (e.g. --exit-configs none static)
 #   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
 #   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
 #                             "decode_mma or auto" for the kernels a change touched (default: all)
@@ -136,10 +137,12 @@ run_e2e() {
   grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
 }
 run_profile() {
-  step "a decode step's kernels (graphed, then eager)"
-  (cd bench && limited 90 "$PY" cuda_step_profile.py ${EECORE_PROFILE_ARGS:-} \
-    && limited 60 "$PY" cuda_step_profile.py --enforce-eager ${EECORE_PROFILE_ARGS:-}) > "$WORK/step-profile.txt" 2>&1 || status=1
-  grep -E "a step|Error" "$WORK/step-profile.txt" | tail -8 | tee -a "$LOGS/summary.txt"
+  step "a decode step's kernels (graphed; eager too with EECORE_PROFILE_EAGER=1)"
+  (cd bench && limited 150 "$PY" cuda_step_profile.py ${EECORE_PROFILE_ARGS:-} \
+    && if [ "${EECORE_PROFILE_EAGER:-0}" = "1" ]; then
+         limited 60 "$PY" cuda_step_profile.py --enforce-eager ${EECORE_PROFILE_ARGS:-}; fi) \
+    > "$WORK/step-profile.txt" 2>&1 || status=1
+  grep -E "a step|Error" "$WORK/step-profile.txt" | tail -12 | tee -a "$LOGS/summary.txt"
 }
 
 run_ncu() {
