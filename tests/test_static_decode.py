@@ -263,11 +263,16 @@ def test_static_early_exit_segments_give_the_eager_iteration(tiny, name):
 
     eager_llm, eager = run(False)
     llm, static = run(True)
-    assert llm.engine.strategy.static.outputs, "no static segment ran"
+    segments = llm.engine.strategy.static
+    assert segments.outputs, "no static segment ran"
+    # the last segment, where an iteration reached it, computed its logits in the pass (the graph)
+    last = [out for key, out in segments.outputs.items() if key[-1] == len(segments.segments) - 1]
+    assert all(logits is not None for _, _, logits in last)
     assert [o.token_ids for o in static] == [o.token_ids for o in eager]
     assert [o.exit_layers for o in static] == [o.exit_layers for o in eager]
     exits = [e for o in static for e in o.exit_layers]
     assert min(exits) < 3, "nothing exited early: the test would not cover the exit path"
+    assert last or name != "static", "a static exit's one segment is its last"
     for a, b in zip(static, eager):
         assert a.metrics.get("layers_wasted_per_token") == b.metrics.get("layers_wasted_per_token")
         for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):

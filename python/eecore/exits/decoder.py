@@ -120,29 +120,34 @@ class EarlyExitDecoder(DecodeStrategy):
 
         return self._finish(seqs, inputs.attn, exit_hidden, exit_layer)
 
-    def _finish(self, seqs, attn: AttentionInputs, exit_hidden: torch.Tensor, exit_layer: torch.Tensor):
-        """The skipped layers' K/V, from each row's exit hidden state, then the tokens."""
+    def _finish(self, seqs, attn: AttentionInputs, exit_hidden: torch.Tensor, exit_layer: torch.Tensor,
+                exit_layers: Optional[list[int]] = None, logits: Optional[torch.Tensor] = None):
+        """The skipped layers' K/V, from each row's exit hidden state, then the tokens.
+        `exit_layers`: `exit_layer` as the host already knows it (else read from the device);
+        `logits`: every row's at its exit, where a graph computed them."""
         B = len(seqs)
-        exit_layers = exit_layer.tolist()
+        if exit_layers is None:
+            exit_layers = exit_layer.tolist()
         if min(exit_layers) < self.num_layers:
             self.runner.model.fill_kv(self.runner.kv.tensor, exit_hidden, attn.positions[:B],
                                       attn.slot_mapping[:B], exit_layer)
-        tokens, logprobs = self._tokens(seqs, exit_hidden, exit_layers)
+        tokens, logprobs = self._tokens(seqs, exit_hidden, exit_layers, logits)
         return [[Token(t, e, lp)] for t, e, lp in zip(tokens, exit_layers, logprobs)]
 
     def _decode_static(self, seqs, rows) -> list[list[Token]]:
         """The iteration as static segments (CUDA graphs on a GPU: eecore.exits.static_segments)."""
         B = len(seqs)
-        inputs, hidden, ran, top1 = self.static.run(seqs, rows)
+        inputs, hidden, ran, top1, logits = self.static.run(seqs, rows)
         for s in seqs:
             s.num_computed_tokens += 1
         exit_layer = self._exit_layer[:B].fill_(ran)
         self._top1_valid = top1 is not None and isinstance(self.measure, (SoftmaxGap, AdapterSoftmaxGap))
         if self._top1_valid:
             self._exit_top1[:B].copy_(top1[:B])
-        if self.measure is not None:
+        tokens = self._finish(seqs, inputs.attn, hidden, exit_layer, [ran] * B, logits)
+        if self.measure is not None:  # after sampling has waited for the GPU: no extra sync
             self._record_wasted(seqs, self._wasted[:B])
-        return self._finish(seqs, inputs.attn, hidden, exit_layer)
+        return tokens
 
     def _record_wasted(self, seqs, wasted: torch.Tensor) -> None:
         for seq, w in zip(seqs, wasted.tolist()):
@@ -282,8 +287,9 @@ class EarlyExitDecoder(DecodeStrategy):
             cross_block_table=attn.cross_block_table.index_select(0, keep) if cross else None,
             cross_seq_lens=attn.cross_seq_lens.index_select(0, keep) if cross else None)
 
-    def _tokens(self, seqs, exit_hidden, exit_layers):
-        """Greedy rows that exited at a softmax check reuse its top-1; the others need logits."""
+    def _tokens(self, seqs, exit_hidden, exit_layers, all_logits: Optional[torch.Tensor] = None):
+        """Greedy rows that exited at a softmax check reuse its top-1; the others need logits
+        (`all_logits`: every row's, already computed)."""
         L = self.num_layers
         reuse = [self._top1_valid and e < L and s.params.greedy and s.params.logprobs is None
                  for s, e in zip(seqs, exit_layers)] if self.measure is not None else [False] * len(seqs)
@@ -299,9 +305,13 @@ class EarlyExitDecoder(DecodeStrategy):
         heads = sorted({self._head_layer(exit_layers[i]) for i in need}, key=lambda e: -1 if e is None else e)
         for head in heads:
             group = [i for i in need if self._head_layer(exit_layers[i]) == head]
-            rows = exit_hidden if len(group) == len(seqs) else \
-                exit_hidden.index_select(0, torch.tensor(group, device=exit_hidden.device))
-            logits = self.runner.logits(rows) if head is None else self.draft_heads[head].logits(rows)
+            if head is None and all_logits is not None:
+                logits = all_logits if len(group) == len(seqs) else \
+                    all_logits.index_select(0, torch.tensor(group, device=all_logits.device))
+            else:
+                rows = exit_hidden if len(group) == len(seqs) else \
+                    exit_hidden.index_select(0, torch.tensor(group, device=exit_hidden.device))
+                logits = self.runner.logits(rows) if head is None else self.draft_heads[head].logits(rows)
             sampled, lps = self.sampler.sample(logits, [seqs[i] for i in group])
             for i, t, lp in zip(group, sampled, lps):
                 tokens[i], logprobs[i] = t, lp

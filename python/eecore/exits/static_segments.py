@@ -2,11 +2,13 @@
 layer), as CUDA graphs: one per padded batch size and *segment*, the layers between two checks
 together with the check that ends them (the confidence measure and `accept_update`). Between two
 segments only the check's count of unconfident rows reaches the host, which decides whether the
-next segment runs; with a static exit layer the iteration is one segment.
+next segment runs; with a static exit layer the iteration is one segment. The last segment also
+computes the logits at its end (where no exit adapter reads them instead), as the full-depth step's
+graph does: an iteration that runs to its end needs no eager launch before sampling.
 
 Padded rows are inactive: `accept_update` never counts them, so they cannot hold the batch back,
-and their K/V lands in the KV cache's pad block. The kv fill of the skipped layers and the tokens
-run eagerly after the last segment, over the real rows.
+and their K/V lands in the KV cache's pad block. The kv fill of the skipped layers, and the logits
+of an iteration that stopped at a check, run eagerly after the last segment, over the real rows.
 """
 from __future__ import annotations
 
@@ -32,15 +34,18 @@ class StaticExitSegments(StaticPass):
             ends, checked = checks + [L], [True] * len(checks) + [False]
         # (first layer, layer after the last, whether a check ends it)
         self.segments = [(start, end, c) for start, end, c in zip([0] + ends[:-1], ends, checked)]
+        self.final_logits = decoder._head_layer(ends[-1]) is None  # the last segment's graph holds them
 
     def takes(self, rows: list[Row]) -> bool:
         return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
                 and all(len(r.tokens) == 1 for r in rows))
 
-    def run(self, seqs: list[Sequence], rows: list[Row]) -> tuple[StepInputs, torch.Tensor, int, Optional[torch.Tensor]]:
+    def run(self, seqs: list[Sequence], rows: list[Row]
+            ) -> tuple[StepInputs, torch.Tensor, int, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The iteration over `rows` (one per sequence): its inputs, the residual stream of the real
-        rows where they exited `[B, d]`, the exit layer (L: none), and the top-1 tokens of the
-        exiting check where the measure gives them."""
+        rows where they exited `[B, d]`, the exit layer (L: none), the top-1 tokens of the exiting
+        check where the measure gives them, and the real rows' logits `[B, V]` where the last
+        segment ran and computed them."""
         dec, B = self.decoder, len(rows)
         P = self.padded_size(B)
         inputs, key = self._build(rows)
@@ -50,11 +55,11 @@ class StaticExitSegments(StaticPass):
         dec._active[B:P].fill_(False)
         dec.thresholds.start_iteration(seqs, num_rows=P)
         for j, (start, end, checked) in enumerate(self.segments):
-            remaining, top1 = self._launch(key + (j,), inputs, lambda inp, j=j: self._segment(j, inp))
+            remaining, top1, logits = self._launch(key + (j,), inputs, lambda inp, j=j: self._segment(j, inp))
             self._count(rows, 1, range(start, end))
             if checked and int(remaining) == 0:  # the one host sync of a check
-                return inputs, self.runner.ws.hidden[:B], end, top1
-        return inputs, self.runner.ws.hidden[:B], self.segments[-1][1], None
+                return inputs, self.runner.ws.hidden[:B], end, top1, None
+        return inputs, self.runner.ws.hidden[:B], self.segments[-1][1], None, None if logits is None else logits[:B]
 
     def _state(self, key) -> list[torch.Tensor]:
         P = key[0]
@@ -62,7 +67,8 @@ class StaticExitSegments(StaticPass):
 
     def _segment(self, j: int, inputs: StepInputs):
         """Layers start..end-1 and the check at `end` over the padded rows: kernels on static
-        buffers only. Returns the check's count of unconfident rows and the measure's top-1."""
+        buffers only. Returns the check's count of unconfident rows, the measure's top-1, and
+        (the last segment) the logits at its end."""
         start, end, checked = self.segments[j]
         dec, runner = self.decoder, self.runner
         P = inputs.attn.seq_lens.shape[0]
@@ -75,7 +81,8 @@ class StaticExitSegments(StaticPass):
                 previous = dec._remember(hidden, E)
             runner.model.layer(E - 1, hidden, inputs.attn, runner.kv.k(E - 1), runner.kv.v(E - 1), runner.ws)
         if not checked:
-            return None, None
+            last = j == len(self.segments) - 1
+            return None, None, runner.logits(hidden) if last and self.final_logits else None
         confidence = dec.measure(end, hidden, previous)
         remaining = ops.accept_update(status, confidence, dec.thresholds.at(end), dec._active[:P])
-        return remaining, getattr(dec.measure, "top1", None)
+        return remaining, getattr(dec.measure, "top1", None), None
