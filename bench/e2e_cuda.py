@@ -4,12 +4,12 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
         [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-configs TEXT ...] [--exit-ready-model GGUF] [--piecewise]
-        [--no-hf] [--ab-env EECORE_LINEAR_KERNEL=gemv,...]
+        [--no-hf] [--ab-env EECORE_LINEAR_KERNEL=gemv,... [--ab-env ...]]
 
 Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
 medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
-enforce_eager=True, so each row also says what the graphs gain. With --ab-env NAME=VALUE,..., a
-third engine runs with those variables set around each of its calls (the kernel selectors, such
+enforce_eager=True, so each row also says what the graphs gain. With --ab-env NAME=VALUE,... (once
+or more), another engine runs with those variables set around each of its calls (the kernel selectors, such
 as EECORE_LINEAR_KERNEL=gemv, are read at every launch and so at every capture): each row then
 also says what they gain over the default kernels, side by side, and whether the outputs match.
 
@@ -270,15 +270,15 @@ def main():
     ap.add_argument("--piecewise", action="store_true",
                     help="also time steps that carry prompt chunks with piecewise graphs against op by op")
     ap.add_argument("--no-hf", action="store_true", help="leave out HF generate (its figures change little)")
-    ap.add_argument("--ab-env", default="", metavar="NAME=VALUE,...",
+    ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE,...",
                     help="also run an engine with these environment variables set (comma-separated), against the "
-                         "default")
+                         "default; once per engine")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("e2e_cuda.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
-    ab_env = dict(item.split("=", 1) for item in args.ab_env.split(",") if item)
+    variants = {text: dict(item.split("=", 1) for item in text.split(",") if item) for text in args.ab_env}
 
     results = Results(args)
     for name in args.models:
@@ -294,24 +294,25 @@ def main():
             prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
             params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-            ab = eecore.LLM(folder, dtype=args.dtype, device=args.device,
-                            max_num_seqs=max(args.batch_sizes)) if ab_env else None
+            ab = {text: eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
+                  for text in variants}
             warm_up = eecore.SamplingParams(max_tokens=8, ignore_eos=True)
             for engine in (llm, eager):  # warm-up (and, with graphs, the capture of batch 1)
                 engine.generate(prompts[:1], warm_up)
-            if ab is not None:
-                with_env(ab_env, ab.generate, prompts[:1], warm_up)
+            for text, engine in ab.items():
+                with_env(variants[text], engine.generate, prompts[:1], warm_up)
             if hf is not None:
                 hf_generate_greedy(hf, prompts[:1], 8)
             for batch in args.batch_sizes:
                 # the engines alternate run by run, so a burst of load hits them alike
-                times: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": [], "ab": []}
+                times: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": [], **{t: [] for t in ab}}
+                ab_outs = {}
                 for _ in range(args.repeats):
                     outs, t = timed(llm.generate, prompts[:batch], params)
                     times["graphs"].append(t)
-                    if ab is not None:
-                        ab_outs, t = with_env(ab_env, timed, ab.generate, prompts[:batch], params)
-                        times["ab"].append(t)
+                    for text, engine in ab.items():
+                        ab_outs[text], t = with_env(variants[text], timed, engine.generate, prompts[:batch], params)
+                        times[text].append(t)
                     eager_outs, t = timed(eager.generate, prompts[:batch], params)
                     times["eager"].append(t)
                     if hf is not None:
@@ -324,12 +325,13 @@ def main():
                            graphs_vs_eager=t_eager / t_ee, identical_to_eager=f"{same_eager}/{batch}")
                 line = (f"{name} batch {batch}: eecore {tokens / t_ee:8.1f} tok/s (eager {tokens / t_eager:8.1f}, "
                         f"graphs {t_eager / t_ee:4.2f}x, identical to eager {same_eager}/{batch})")
-                if ab is not None:
-                    t_ab = statistics.median(times["ab"])
-                    same_ab = sum(o.token_ids == a.token_ids for o, a in zip(outs, ab_outs))
-                    row.update(ab_env=args.ab_env, ab_tok_s=tokens / t_ab, ab_vs_default=t_ee / t_ab,
-                               identical_ab=f"{same_ab}/{batch}")
-                    line += f"   with {args.ab_env}: {t_ee / t_ab:4.2f}x, identical {same_ab}/{batch}"
+                row["variants"] = []
+                for text in ab:
+                    t_ab = statistics.median(times[text])
+                    same_ab = sum(o.token_ids == a.token_ids for o, a in zip(outs, ab_outs[text]))
+                    row["variants"].append(dict(env=text, tok_s=tokens / t_ab, vs_default=t_ee / t_ab,
+                                                identical=f"{same_ab}/{batch}"))
+                    line += f"   | with {text}: {t_ee / t_ab:4.2f}x, identical {same_ab}/{batch}"
                 if hf is not None:
                     t_hf = statistics.median(times["hf"])
                     same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))

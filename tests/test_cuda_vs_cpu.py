@@ -396,6 +396,65 @@ def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, monkeypatch):
         assert torch.equal(together, alone[:rows]), rows
 
 
+# ---- programmatic dependent launch (EECORE_PDL=1) -----------------------------------------------
+
+def _layer_chain(rows: int, steps: int, graph: bool) -> torch.Tensor:
+    """A decoder layer's row kernels, `steps` times over, each reading what the one before wrote
+    (rms_norm, the few-row linear, fused RoPE and cache write, silu_and_mul, fused_add_rms_norm),
+    run eagerly or captured and replayed as a CUDA graph; returns the final residual stream."""
+    g = torch.Generator().manual_seed(3)
+    d, heads, head_dim, ff = 256, 4, 64, 512
+    w_qkv, w_up, w_down = (cuda((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16))
+                           for n, k in ((3 * heads * head_dim, d), (2 * ff, d), (d, ff)))
+    norm = cuda(torch.rand(d, generator=g).to(torch.bfloat16) + 0.5)
+    angles = torch.randn(64, head_dim // 2, generator=g)
+    cos_sin = cuda(torch.cat([angles.cos(), angles.sin()], dim=-1))
+    k_cache, v_cache = (torch.zeros(8, 16, heads, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    positions, slots = cuda(torch.arange(rows), torch.arange(rows) * 3)
+    hidden = cuda(torch.randn(rows, d, generator=g).to(torch.bfloat16))
+    start = hidden.clone()
+    x, qkv = torch.empty_like(hidden), torch.empty(rows, 3 * heads * head_dim, dtype=torch.bfloat16, device="cuda")
+    up, act = (torch.empty(rows, n, dtype=torch.bfloat16, device="cuda") for n in (2 * ff, ff))
+
+    def chain():
+        for _ in range(steps):
+            ops.rms_norm(x, hidden, norm, 1e-6)
+            ops.linear(qkv, x, w_qkv)
+            q, k, v = qkv.view(rows, 3 * heads, head_dim).split(heads, dim=1)
+            ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, True, k_cache, v_cache, slots)
+            ops.linear(up, qkv[:, :d], w_up)
+            ops.silu_and_mul(act, up)
+            ops.linear(x, act, w_down)
+            ops.fused_add_rms_norm(x, hidden, norm, 1e-6)
+
+    if graph:
+        chain()  # warm-up outside the capture
+        hidden.copy_(start)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            chain()
+        hidden.copy_(start)
+        captured.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    return torch.cat([hidden.float().flatten(), k_cache.float().flatten()])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_pdl_gives_the_same_bits(rows, graph, monkeypatch):
+    """With EECORE_PDL=1 each row kernel may be scheduled while the one before it runs, and waits
+    for it before touching memory: a chain of them gives the bits it gives without PDL."""
+    for name, value in (("EECORE_LINEAR_KERNEL", "gemv"), ("EECORE_SILU_AND_MUL_KERNEL", "fused"),
+                        ("EECORE_ROTARY_AND_CACHE_KERNEL", "fused")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("EECORE_PDL", "0")
+    plain = _layer_chain(rows, 24, graph)
+    monkeypatch.setenv("EECORE_PDL", "1")
+    assert torch.equal(_layer_chain(rows, 24, graph), plain)
+
+
 # ---- confidence ops ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

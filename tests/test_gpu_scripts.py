@@ -40,11 +40,13 @@ def test_e2e_with_every_section(tmp_path):
     LayerSkip drafts, a draft copy with and without perfect drafts) on a 4-layer shape."""
     done = run_bench("e2e_cuda.py", "--device", "cpu", "--models", "tiny", "--exit-models", "tiny",
                      "--batch-sizes", "1", "2", "--max-tokens", "3", "--repeats", "1", "--piecewise", "--no-hf",
-                     "--dtype", "float32", "--ab-env", "EECORE_LINEAR_KERNEL=gemv,EECORE_SILU_AND_MUL_KERNEL=fused", results=str(tmp_path))
+                     "--dtype", "float32", "--ab-env", "EECORE_LINEAR_KERNEL=gemv,EECORE_SILU_AND_MUL_KERNEL=fused",
+                     "--ab-env", "EECORE_PDL=1", results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     out = written(str(tmp_path), "cpu-e2e-*.json")
     assert len(out["rows"]) == 2 and len(out["piecewise"]) == 2
-    assert all(row["identical_ab"] == f"{row['batch']}/{row['batch']}" for row in out["rows"])
+    assert [len(row["variants"]) for row in out["rows"]] == [2, 2]
+    assert all(v["identical"] == f"{row['batch']}/{row['batch']}" for row in out["rows"] for v in row["variants"])
     configs = {row["config"] for row in out["exits"]}
     assert {"static exit E=1", "softmax check at E=2, all exit", "draft copy E=1 d=3, perfect drafts"} <= configs
     assert len(out["exits"]) == 2 * len(configs)

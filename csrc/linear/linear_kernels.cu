@@ -6,6 +6,7 @@
 // flight, multiply each by the matching slices of the input rows (small, read through the cache by
 // every warp), and reduce by shuffles.
 #include "eecore/cuda/common.cuh"
+#include "eecore/cuda/pdl.cuh"
 #include "eecore/cuda/reduce.cuh"
 #include "eecore/launch/linear_gemv.h"
 
@@ -17,6 +18,8 @@ constexpr int kThreads = kWarps * kWarpSize;
 
 template <typename T, int ROWS>
 __global__ void __launch_bounds__(kThreads) linear_gemv_kernel(const LinearGemvParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   constexpr int V = kVec16<T>;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
@@ -64,8 +67,7 @@ cudaError_t launch_rows(const LinearGemvParams& p, cudaStream_t stream) {
     if (p.rows < ROWS) return launch_rows<T, ROWS - 1>(p, stream);
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, kWarps)));
-  linear_gemv_kernel<T, ROWS><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(linear_gemv_kernel<T, ROWS>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace

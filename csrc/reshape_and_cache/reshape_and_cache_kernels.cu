@@ -3,6 +3,7 @@
 // anything outside the cache) skips the token, and nothing is ever written out of bounds.
 #include "eecore/cuda/common.cuh"
 #include "eecore/cuda/kv_write.cuh"
+#include "eecore/cuda/pdl.cuh"
 #include "eecore/launch/reshape_and_cache.h"
 
 namespace eecore::cuda {
@@ -12,6 +13,8 @@ constexpr int kThreads = 128;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) reshape_and_cache_kernel(const ReshapeAndCacheParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   write_token_kv<T, VEC, kThreads>(p, blockIdx.x);
 }
 
@@ -24,11 +27,8 @@ cudaError_t launch_reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_
     using T = typename decltype(tag)::type;
     constexpr int V = kVec16<T>;
     const dim3 grid(static_cast<unsigned>(p.num_tokens));
-    if (kv_rows_vectorizable<T>(p))
-      reshape_and_cache_kernel<T, V><<<grid, kThreads, 0, stream>>>(p);
-    else
-      reshape_and_cache_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_kernel(kv_rows_vectorizable<T>(p) ? reshape_and_cache_kernel<T, V> : reshape_and_cache_kernel<T, 1>,
+                         grid, kThreads, 0, stream, p);
   });
 }
 

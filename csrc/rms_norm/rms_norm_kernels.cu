@@ -2,6 +2,7 @@
 // them, fp32 accumulation. The row is read twice (sum of squares, then scale); the second read
 // hits L1/L2, which is cheaper than holding an arbitrary-length row in registers.
 #include "eecore/cuda/common.cuh"
+#include "eecore/cuda/pdl.cuh"
 #include "eecore/cuda/reduce.cuh"
 #include "eecore/launch/rms_norm.h"
 
@@ -11,6 +12,8 @@ namespace {
 template <typename T, int VEC>
 // out may alias input (rms_norm in place): each element is read before the same thread writes it.
 __global__ void rms_norm_kernel(T* out, const T* input, const T* __restrict__ weight, int64_t d, float eps) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ float scratch[32];
   const T* x = input + static_cast<int64_t>(blockIdx.x) * d;
   T* y = out + static_cast<int64_t>(blockIdx.x) * d;
@@ -42,6 +45,8 @@ __global__ void rms_norm_kernel(T* out, const T* input, const T* __restrict__ we
 template <typename T, int VEC>
 __global__ void fused_add_rms_norm_kernel(T* __restrict__ input, T* __restrict__ residual,
                                           const T* __restrict__ weight, int64_t d, float eps) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ float scratch[32];
   T* x = input + static_cast<int64_t>(blockIdx.x) * d;
   T* h = residual + static_cast<int64_t>(blockIdx.x) * d;
@@ -82,14 +87,9 @@ cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
     constexpr int V = kVec16<T>;
     const bool vec = p.d % V == 0 && rows_aligned16({p.out, p.input, p.weight}, {}, sizeof(T));
     const dim3 grid(static_cast<unsigned>(p.rows));
-    if (vec) {
-      rms_norm_kernel<T, V><<<grid, threads_for_row(p.d / V), 0, stream>>>(
-          static_cast<T*>(p.out), static_cast<const T*>(p.input), static_cast<const T*>(p.weight), p.d, p.eps);
-    } else {
-      rms_norm_kernel<T, 1><<<grid, threads_for_row(p.d), 0, stream>>>(
-          static_cast<T*>(p.out), static_cast<const T*>(p.input), static_cast<const T*>(p.weight), p.d, p.eps);
-    }
-    return cudaGetLastError();
+    return launch_kernel(vec ? rms_norm_kernel<T, V> : rms_norm_kernel<T, 1>, grid,
+                         threads_for_row(vec ? p.d / V : p.d), 0, stream, static_cast<T*>(p.out),
+                         static_cast<const T*>(p.input), static_cast<const T*>(p.weight), p.d, p.eps);
   });
 }
 
@@ -100,14 +100,9 @@ cudaError_t launch_fused_add_rms_norm(const FusedAddRmsNormParams& p, cudaStream
     constexpr int V = kVec16<T>;
     const bool vec = p.d % V == 0 && rows_aligned16({p.input, p.residual, p.weight}, {}, sizeof(T));
     const dim3 grid(static_cast<unsigned>(p.rows));
-    if (vec) {
-      fused_add_rms_norm_kernel<T, V><<<grid, threads_for_row(p.d / V), 0, stream>>>(
-          static_cast<T*>(p.input), static_cast<T*>(p.residual), static_cast<const T*>(p.weight), p.d, p.eps);
-    } else {
-      fused_add_rms_norm_kernel<T, 1><<<grid, threads_for_row(p.d), 0, stream>>>(
-          static_cast<T*>(p.input), static_cast<T*>(p.residual), static_cast<const T*>(p.weight), p.d, p.eps);
-    }
-    return cudaGetLastError();
+    return launch_kernel(vec ? fused_add_rms_norm_kernel<T, V> : fused_add_rms_norm_kernel<T, 1>, grid,
+                         threads_for_row(vec ? p.d / V : p.d), 0, stream, static_cast<T*>(p.input),
+                         static_cast<T*>(p.residual), static_cast<const T*>(p.weight), p.d, p.eps);
   });
 }
 

@@ -6,6 +6,7 @@
 
 #include "eecore/cuda/common.cuh"
 #include "eecore/cuda/kv_write.cuh"
+#include "eecore/cuda/pdl.cuh"
 #include "eecore/launch/rotary_embedding.h"
 #include "eecore/rotary.h"
 
@@ -64,6 +65,8 @@ __device__ __forceinline__ void rotate_token(const RotaryEmbeddingParams& p, int
 
 template <typename T, typename C, bool kNeox, int P>
 __global__ void __launch_bounds__(kThreads) rotary_embedding_kernel(const RotaryEmbeddingParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   rotate_token<T, C, kNeox, P>(p, blockIdx.x);
 }
 
@@ -73,6 +76,8 @@ __global__ void __launch_bounds__(kThreads) rotary_embedding_kernel(const Rotary
 template <typename T, typename C, bool kNeox, int P>
 __global__ void __launch_bounds__(kThreads)
     rotary_embedding_and_cache_kernel(const RotaryEmbeddingParams rot, const ReshapeAndCacheParams cache) {
+  pdl_wait();
+  pdl_launch_dependents();
   rotate_token<T, C, kNeox, P>(rot, blockIdx.x);
   __syncthreads();
   write_token_kv<T, kVec16<T>, kThreads>(cache, blockIdx.x);
@@ -95,11 +100,9 @@ bool rotary_vectorizable(const RotaryEmbeddingParams& p) {
 template <typename T, typename C, bool kNeox>
 cudaError_t launch_typed(const RotaryEmbeddingParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_tokens));
-  if (rotary_vectorizable<T, C, kNeox>(p))
-    rotary_embedding_kernel<T, C, kNeox, kPairs<T, kNeox>><<<grid, kThreads, 0, stream>>>(p);
-  else
-    rotary_embedding_kernel<T, C, kNeox, 1><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(rotary_vectorizable<T, C, kNeox>(p) ? rotary_embedding_kernel<T, C, kNeox, kPairs<T, kNeox>>
+                                                          : rotary_embedding_kernel<T, C, kNeox, 1>,
+                       grid, kThreads, 0, stream, p);
 }
 
 // The fused kernel where both halves take their vector paths; two launches otherwise.
@@ -112,8 +115,8 @@ cudaError_t launch_fused_typed(const RotaryEmbeddingParams& rot, const ReshapeAn
     return launch_reshape_and_cache(cache, stream);
   }
   const dim3 grid(static_cast<unsigned>(rot.num_tokens));
-  rotary_embedding_and_cache_kernel<T, C, kNeox, kPairs<T, kNeox>><<<grid, kThreads, 0, stream>>>(rot, cache);
-  return cudaGetLastError();
+  return launch_kernel(rotary_embedding_and_cache_kernel<T, C, kNeox, kPairs<T, kNeox>>, grid, kThreads, 0, stream,
+                       rot, cache);
 }
 
 // Calls f(TypeTag<T>, TypeTag<C>, is_neox) for p's element, cos/sin and rotation types.

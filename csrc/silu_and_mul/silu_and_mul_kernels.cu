@@ -2,6 +2,7 @@
 // half, computes silu(gate) * up in fp32 and rounds once, as the CPU kernel and the ATen
 // composition (fp32 silu, fp32 multiply, one cast) do. It replaces four ATen launches a layer.
 #include "eecore/cuda/common.cuh"
+#include "eecore/cuda/pdl.cuh"
 #include "eecore/launch/silu_and_mul.h"
 
 namespace eecore::cuda {
@@ -12,6 +13,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ input, int64_t d) {
+  pdl_wait();
+  pdl_launch_dependents();
   const T* gate = input + static_cast<int64_t>(blockIdx.x) * 2 * d;
   const T* up = gate + d;
   T* y = out + static_cast<int64_t>(blockIdx.x) * d;
@@ -35,14 +38,9 @@ cudaError_t launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) 
     // 16-byte vectors need d to be a multiple of V (the up half and every row then stay aligned)
     const bool vec = p.d % V == 0 && rows_aligned16({p.out, p.input}, {}, sizeof(T));
     const dim3 grid(static_cast<unsigned>(p.rows));
-    if (vec) {
-      silu_and_mul_kernel<T, V><<<grid, threads_for_row(p.d / V), 0, stream>>>(
-          static_cast<T*>(p.out), static_cast<const T*>(p.input), p.d);
-    } else {
-      silu_and_mul_kernel<T, 1><<<grid, threads_for_row(p.d), 0, stream>>>(
-          static_cast<T*>(p.out), static_cast<const T*>(p.input), p.d);
-    }
-    return cudaGetLastError();
+    return launch_kernel(vec ? silu_and_mul_kernel<T, V> : silu_and_mul_kernel<T, 1>, grid,
+                         threads_for_row(vec ? p.d / V : p.d), 0, stream, static_cast<T*>(p.out),
+                         static_cast<const T*>(p.input), p.d);
   });
 }
 
