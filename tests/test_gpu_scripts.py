@@ -64,6 +64,16 @@ def test_step_profile(tmp_path):
     assert all(set(r["host_us_per_step"]) == {"schedule", "build", "sample", "append"} for r in rows)
 
 
+def test_row_kernels(tmp_path):
+    done = run_bench("cuda_row_kernels.py", "--device", "cpu", "--models", "tiny", "--rows", "1", "3",
+                     results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = written(str(tmp_path), "cpu-row-kernels-*.json")["rows"]
+    assert [r["rows"] for r in rows] == [1, 3]
+    assert {"linear qkv", "linear lm_head", "silu_and_mul", "rotary_embedding_and_cache", "layer chain"} <= \
+        set(rows[0]["timings"])
+
+
 def test_host_overhead(tmp_path):
     done = run_bench("host_overhead.py", "--batch-sizes", "1", "3", "--steps", "4", "--out-name", "smoke",
                      results=str(tmp_path))

@@ -14,6 +14,8 @@
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
+#   rowk       bench/cuda_row_kernels.py: a layer's row kernels, default against the selectors' kernels
+#              and PDL, per call inside a CUDA graph -> bench/results/<gpu>/<device>-row-kernels-*
 #   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
 # Usage: EECORE_GPU_STEPS="build engine profile sweep" tools/gpu_check.sh
 # Environment:
@@ -21,6 +23,7 @@
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
 #   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
 #   EECORE_PROFILE_ARGS       arguments for bench/cuda_step_profile.py (e.g. --exit-configs none static)
+#   EECORE_ROWK_ARGS          arguments for bench/cuda_row_kernels.py
 #   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
 #   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
 #                             "decode_mma or auto" for the kernels a change touched (default: all)
@@ -38,7 +41,7 @@ cd "$(dirname "$0")/.."
 LOGS="${OUT:-${TMPDIR:-/tmp}/eecore-gpu-check}"
 WORK="$(mktemp -d)"
 mkdir -p "$LOGS"
-STEPS=" ${EECORE_GPU_STEPS:-build attn engine sweep e2e profile ncu sanitize ops bench} "
+STEPS=" ${EECORE_GPU_STEPS:-build attn engine sweep e2e profile ncu sanitize ops rowk bench} "
 [ "${EECORE_SKIP_BUILD:-0}" = "1" ] && STEPS="${STEPS/ build / }"
 DEADLINE=$(($(date +%s) + ${EECORE_GPU_CHECK_SECONDS:-470}))
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -191,6 +194,12 @@ run_ops() {
   report "$WORK/pytest-ops.txt"
 }
 
+run_rowk() {
+  step "a layer's row kernels: default launches against the selectors' kernels and PDL"
+  (cd bench && limited 90 "$PY" cuda_row_kernels.py ${EECORE_ROWK_ARGS:-}) > "$WORK/row-kernels.txt" 2>&1 || status=1
+  grep -E "rows|layer chain|linear qkv|silu|Error" "$WORK/row-kernels.txt" | tail -16 | tee -a "$LOGS/summary.txt"
+}
+
 run_bench() {
   step "op benchmarks"
   limited 60 "$PY" bench/bench_cuda.py --quick > "$WORK/bench.txt" 2>&1 || status=1
@@ -202,7 +211,7 @@ run_bench() {
 for name in $STEPS; do
   case "$name" in
     build) ;;
-    attn|engine|sweep|e2e|profile|ncu|sanitize|ops|bench) "run_$name" ;;
+    attn|engine|sweep|e2e|profile|ncu|sanitize|ops|rowk|bench) "run_$name" ;;
     *) echo "unknown step: $name" | tee -a "$LOGS/summary.txt"; status=1 ;;
   esac
 done
