@@ -193,9 +193,9 @@ def run_arrivals(llm, prompts, params, every: int) -> tuple[float, list]:
 
 
 def piecewise_rows(name: str, folder: str, prompts, params, args, results: Results) -> None:
-    """Steps that carry prompt chunks with everything but attention as CUDA graphs
-    (EECORE_PIECEWISE_GRAPHS=1, eecore.engine.piecewise) against the same steps launched op by op
-    (decode steps are graphs in both): a batch's prefill alone, and requests arriving every 2 steps."""
+    """Steps that carry prompt chunks with everything but attention as CUDA graphs (the default,
+    eecore.engine.piecewise) against the same steps launched op by op (EECORE_PIECEWISE_GRAPHS=0;
+    decode steps are graphs in both): a batch's prefill alone, and requests arriving every 2 steps."""
     from eecore.engine.piecewise import PIECEWISE_GRAPHS_ENV
 
     engines = {}

@@ -162,7 +162,7 @@ def test_token_padding_errors():
 
 def test_no_piecewise_pass_on_the_cpu_or_eager(tiny, monkeypatch):
     path, _ = tiny
-    monkeypatch.setenv("EECORE_PIECEWISE_GRAPHS", "1")
+    monkeypatch.delenv("EECORE_PIECEWISE_GRAPHS", raising=False)  # the default: on where it can be
     llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16)
     assert llm.engine.runner.piecewise is None
     assert maybe_piecewise(llm.engine.runner, enforce_eager=True) is None
