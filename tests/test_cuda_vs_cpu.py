@@ -362,9 +362,11 @@ def test_rotary_embedding_skips_positions_outside_the_cache():
 @pytest.mark.parametrize("kernel", ["cublas", "gemv"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
-# (576, 960): SmolLM2's QKV; (8192, 64): a long row; (40, 7): few features; (36, 5): K not a whole
-# number of 16-byte vectors in bf16 (the cuBLAS path)
-@pytest.mark.parametrize("k, n", [(576, 960), (8192, 64), (40, 7), (36, 5)])
+# (576, 960): SmolLM2's QKV; (2048, 4099): enough features that the few-row kernel gives a block 2
+# or 4 of them from 3 rows on, the last block's partly past the end; (8192, 64): a long row;
+# (40, 7): few features, a warp with no slice of the row; (36, 5): K not a whole number of 16-byte
+# vectors in bf16 (the cuBLAS path)
+@pytest.mark.parametrize("k, n", [(576, 960), (2048, 4099), (8192, 64), (40, 7), (36, 5)])
 def test_linear(dtype, rows, k, n, kernel, monkeypatch):
     """Every bias / accumulate combination against the CPU kernel, with strided input and out rows."""
     monkeypatch.setenv("EECORE_LINEAR_KERNEL", kernel)
@@ -384,15 +386,16 @@ def test_linear(dtype, rows, k, n, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, monkeypatch):
+@pytest.mark.parametrize("n", [512, 4096])  # 4096: 2 and 4 features a block from 3 rows on
+def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, n, monkeypatch):
     """The few-row kernel sums each row in one order whatever the row count, so a verify pass of
     up to 8 rows gives each row a one-row step's bits."""
     monkeypatch.setenv("EECORE_LINEAR_KERNEL", "gemv")
-    inp, weight = cuda(torch.randn(8, 2048, dtype=dtype), torch.randn(512, 2048, dtype=dtype) / 45)
-    alone = torch.cat([ops.linear(torch.empty(1, 512, dtype=dtype, device="cuda"), inp[i:i + 1], weight)
+    inp, weight = cuda(torch.randn(8, 2048, dtype=dtype), torch.randn(n, 2048, dtype=dtype) / 45)
+    alone = torch.cat([ops.linear(torch.empty(1, n, dtype=dtype, device="cuda"), inp[i:i + 1], weight)
                        for i in range(8)])
     for rows in range(2, 9):
-        together = ops.linear(torch.empty(rows, 512, dtype=dtype, device="cuda"), inp[:rows], weight)
+        together = ops.linear(torch.empty(rows, n, dtype=dtype, device="cuda"), inp[:rows], weight)
         assert torch.equal(together, alone[:rows]), rows
 
 

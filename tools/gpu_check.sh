@@ -15,6 +15,7 @@
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
 #   rowk       bench/cuda_row_kernels.py: a layer's row kernels, default against the selectors' kernels
+#   ncurow     Nsight Compute on linear's few-row kernel at Llama-1B's shapes -> ncu-linear-gemv-*-rows.txt
 #              and PDL, per call inside a CUDA graph -> bench/results/<gpu>/<device>-row-kernels-*
 #   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
 # Usage: EECORE_GPU_STEPS="build engine profile sweep" tools/gpu_check.sh
@@ -194,6 +195,17 @@ run_ops() {
   report "$WORK/pytest-ops.txt"
 }
 
+run_ncurow() {
+  step "Nsight Compute on linear's few-row kernel (Llama-1B's projections, 1, 4 and 8 rows; caches flushed)"
+  for rows in 1 4 8; do
+    (cd bench && EECORE_LINEAR_KERNEL=gemv limited 40 "$NCU" --clock-control none -k "regex:linear_gemv_kernel" \
+      --launch-count 4 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
+      "$PY" cuda_row_kernels.py --models llama-3.2-1b --rows "$rows" --repeats 1) > "$WORK/ncu-linear-gemv-$rows-rows.txt" 2>&1 || status=1
+    grep -E "linear_gemv_kernel|Memory Throughput|DRAM Throughput|Duration|Registers Per|ERR" \
+      "$WORK/ncu-linear-gemv-$rows-rows.txt" | head -10 | sed "s/^/$rows rows: /" | tee -a "$LOGS/summary.txt"
+  done
+}
+
 run_rowk() {
   step "a layer's row kernels: default launches against the selectors' kernels and PDL"
   (cd bench && limited 90 "$PY" cuda_row_kernels.py ${EECORE_ROWK_ARGS:-}) > "$WORK/row-kernels.txt" 2>&1 || status=1
@@ -211,7 +223,7 @@ run_bench() {
 for name in $STEPS; do
   case "$name" in
     build) ;;
-    attn|engine|sweep|e2e|profile|ncu|sanitize|ops|rowk|bench) "run_$name" ;;
+    attn|engine|sweep|e2e|profile|ncu|ncurow|sanitize|ops|rowk|bench) "run_$name" ;;
     *) echo "unknown step: $name" | tee -a "$LOGS/summary.txt"; status=1 ;;
   esac
 done

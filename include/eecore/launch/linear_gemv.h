@@ -27,9 +27,9 @@ struct LinearGemvParams {
 // read in 16-byte vectors.
 bool linear_gemv_supported(const LinearGemvParams& p);
 
-// out = input weight^T (+ bias), or out += ..., with one warp per output feature streaming its
-// weight row once for every input row; each row's sum is taken in the same order whatever the
-// number of rows, so a row's result does not depend on the rows beside it.
+// out = input weight^T (+ bias), or out += ..., with a block of four warps for 1-4 output features
+// streaming their weight rows once for every input row; each row's sum is taken in the same order
+// whatever the number of rows, so a row's result does not depend on the rows beside it.
 cudaError_t launch_linear_gemv(const LinearGemvParams& p, cudaStream_t stream);
 
 }  // namespace eecore::cuda
