@@ -1,15 +1,18 @@
-"""A decoder layer's row kernels on CUDA, the default launches against the kernels waiting behind
-selectors, at SmolLM2-135M's and Llama-3.2-1B's shapes (bf16):
+"""A decoder layer's row kernels on CUDA, each against its alternative behind a selector, at
+SmolLM2-135M's and Llama-3.2-1B's shapes (bf16):
 
     PYTHONPATH=python python bench/cuda_row_kernels.py [--models smollm2-135m llama-3.2-1b]
         [--rows 1 4 8] [--repeats 20]
 
-  * linear, each projection of a layer and the LM head: cuBLAS against the few-row kernel
-    (EECORE_LINEAR_KERNEL=gemv), with the share of the copy bandwidth its weight read reaches;
-  * silu_and_mul: ATen's four launches against the fused kernel (EECORE_SILU_AND_MUL_KERNEL=fused);
-  * rotary_embedding_and_cache: two launches against one (EECORE_ROTARY_AND_CACHE_KERNEL=fused);
+  * linear, each projection of a layer and the LM head: cuBLAS against the few-row kernels
+    (EECORE_LINEAR_KERNEL=gemv, and gemv_mma on tensor cores), beside the weight's read time at
+    the copy bandwidth;
+  * silu_and_mul: ATen's four launches (EECORE_SILU_AND_MUL_KERNEL=aten) against the fused kernel,
+    the default;
+  * rotary_embedding_and_cache: two launches (EECORE_ROTARY_AND_CACHE_KERNEL=separate) against
+    one, the default;
   * a layer's chain of them (norm, QKV, RoPE and cache, output projection, norm, gate/up,
-    activation, down): default, the three kernels, and the three kernels with programmatic
+    activation, down): default, with the tensor-core few-row linear, and with it and programmatic
     dependent launch (EECORE_PDL=1).
 
 Each figure is one call's share of a CUDA graph that repeats the call `--repeats` times back to
@@ -27,8 +30,7 @@ import torch
 from common import device_folder, device_slug, save_results
 from e2e_cuda import MODELS, SHAPES, with_env
 
-FUSED = {"EECORE_LINEAR_KERNEL": "gemv", "EECORE_SILU_AND_MUL_KERNEL": "fused",
-         "EECORE_ROTARY_AND_CACHE_KERNEL": "fused"}
+FLAGGED = {"EECORE_LINEAR_KERNEL": "gemv_mma"}
 
 
 def per_call_us(fn, repeats: int, device: str) -> float:
@@ -119,6 +121,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
+    ap.add_argument("--no-save", action="store_true", help="print only (a run under a profiler)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("cuda_row_kernels.py needs a CUDA device")
@@ -137,27 +140,37 @@ def main() -> None:
                 base = per_call_us(layer.linear(which), args.repeats, args.device)
                 gemv = with_env({"EECORE_LINEAR_KERNEL": "gemv"}, per_call_us, layer.linear(which), args.repeats,
                                 args.device)
-                read_us = weight.numel() * weight.element_size() / (copy_gbps / 2) / 1e3 if copy_gbps else None
-                timings[f"linear {which}"] = dict(default_us=base, selected_us=gemv, weight_read_us=read_us)
+                mma = with_env({"EECORE_LINEAR_KERNEL": "gemv_mma"}, per_call_us, layer.linear(which),
+                               args.repeats, args.device)
+                # A stream that only reads can use all the bandwidth a copy splits between reading and
+                # writing (the decode sweep's convention). Weights under the L2's size (50 MB on an
+                # H200) stay in it across a graph's replays and can beat this.
+                read_us = weight.numel() * weight.element_size() / copy_gbps / 1e3 if copy_gbps else None
+                timings[f"linear {which}"] = dict(default_us=base, selected_us=gemv, mma_us=mma,
+                                                  weight_read_us=read_us)
             timings["silu_and_mul"] = dict(
-                default_us=per_call_us(layer.silu(), args.repeats, args.device),
-                selected_us=with_env({"EECORE_SILU_AND_MUL_KERNEL": "fused"}, per_call_us, layer.silu(),
-                                     args.repeats, args.device))
+                default_us=with_env({"EECORE_SILU_AND_MUL_KERNEL": "aten"}, per_call_us, layer.silu(),
+                                    args.repeats, args.device),
+                selected_us=per_call_us(layer.silu(), args.repeats, args.device))
             timings["rotary_embedding_and_cache"] = dict(
-                default_us=per_call_us(layer.rotary_and_cache(), args.repeats, args.device),
-                selected_us=with_env({"EECORE_ROTARY_AND_CACHE_KERNEL": "fused"}, per_call_us,
-                                     layer.rotary_and_cache(), args.repeats, args.device))
+                default_us=with_env({"EECORE_ROTARY_AND_CACHE_KERNEL": "separate"}, per_call_us,
+                                    layer.rotary_and_cache(), args.repeats, args.device),
+                selected_us=per_call_us(layer.rotary_and_cache(), args.repeats, args.device))
             chain = dict(default_us=per_call_us(layer.chain(), args.repeats, args.device),
-                         selected_us=with_env(FUSED, per_call_us, layer.chain(), args.repeats, args.device),
-                         selected_pdl_us=with_env(dict(FUSED, EECORE_PDL="1"), per_call_us, layer.chain(),
+                         selected_us=with_env(FLAGGED, per_call_us, layer.chain(), args.repeats, args.device),
+                         selected_pdl_us=with_env(dict(FLAGGED, EECORE_PDL="1"), per_call_us, layer.chain(),
                                                   args.repeats, args.device))
             timings["layer chain"] = chain
             rows_out.append(dict(model=name, rows=rows, timings=timings))
-            print(f"{name}, {rows} rows (us a call in a graph: default / selected):")
+            print(f"{name}, {rows} rows (us a call in a graph: cuBLAS / few-row / few-row on tensor cores, "
+                  "unfused / fused; the chain: default / with gemv_mma / and PDL):")
             for label, t in timings.items():
-                extra = f" / with PDL {t['selected_pdl_us']:.2f}" if "selected_pdl_us" in t else ""
+                extra = (f" / with PDL {t['selected_pdl_us']:.2f}" if "selected_pdl_us" in t
+                         else f" / mma {t['mma_us']:.2f}" if "mma_us" in t else "")
                 limit = f"   (weight read at copy bandwidth {t['weight_read_us']:.2f})" if t.get("weight_read_us") else ""
                 print(f"    {label:28s} {t['default_us']:8.2f} / {t['selected_us']:8.2f}{extra}{limit}", flush=True)
+    if args.no_save:
+        return
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     path = save_results(f"{device_slug(device_name)}-row-kernels",
                         dict(device=device_name, copy_GBps=copy_gbps, repeats=args.repeats, rows=rows_out),

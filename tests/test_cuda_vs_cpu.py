@@ -357,16 +357,17 @@ def test_rotary_embedding_skips_positions_outside_the_cache():
     assert torch.equal(query[1:], q0[1:]) and torch.equal(key[1:], k0[1:])
 
 
-# ---- linear: cuBLAS, and the few-row kernel (EECORE_LINEAR_KERNEL=gemv) -------------------------------
+# ---- linear: cuBLAS, and the few-row kernels (EECORE_LINEAR_KERNEL=gemv, gemv_mma) -----------------
 
-@pytest.mark.parametrize("kernel", ["cublas", "gemv"])
+@pytest.mark.parametrize("kernel", ["cublas", "gemv", "gemv_mma"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
 # (576, 960): SmolLM2's QKV; (2048, 4099): enough features that the few-row kernel gives a block 2
 # or 4 of them from 3 rows on, the last block's partly past the end; (8192, 64): a long row;
-# (40, 7): few features, a warp with no slice of the row; (36, 5): K not a whole number of 16-byte
-# vectors in bf16 (the cuBLAS path)
-@pytest.mark.parametrize("k, n", [(576, 960), (2048, 4099), (8192, 64), (40, 7), (36, 5)])
+# (64, 7): one tensor-core tile, mostly past the last feature; (40, 7): few features, K not a
+# multiple of 32 (gemv_mma falls back to cuBLAS); (36, 5): K not a whole number of 16-byte vectors in
+# bf16 (both few-row kernels fall back to cuBLAS)
+@pytest.mark.parametrize("k, n", [(576, 960), (2048, 4099), (8192, 64), (64, 7), (40, 7), (36, 5)])
 def test_linear(dtype, rows, k, n, kernel, monkeypatch):
     """Every bias / accumulate combination against the CPU kernel, with strided input and out rows."""
     monkeypatch.setenv("EECORE_LINEAR_KERNEL", kernel)
@@ -386,11 +387,12 @@ def test_linear(dtype, rows, k, n, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [512, 4096])  # 4096: 2 and 4 features a block from 3 rows on
-def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, n, monkeypatch):
-    """The few-row kernel sums each row in one order whatever the row count, so a verify pass of
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma"])
+@pytest.mark.parametrize("n", [512, 4096])
+def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, n, kernel, monkeypatch):
+    """Each few-row kernel sums each row in one order whatever the row count, so a verify pass of
     up to 8 rows gives each row a one-row step's bits."""
-    monkeypatch.setenv("EECORE_LINEAR_KERNEL", "gemv")
+    monkeypatch.setenv("EECORE_LINEAR_KERNEL", kernel)
     inp, weight = cuda(torch.randn(8, 2048, dtype=dtype), torch.randn(n, 2048, dtype=dtype) / 45)
     alone = torch.cat([ops.linear(torch.empty(1, n, dtype=dtype, device="cuda"), inp[i:i + 1], weight)
                        for i in range(8)])
@@ -444,14 +446,13 @@ def _layer_chain(rows: int, steps: int, graph: bool) -> torch.Tensor:
     return torch.cat([hidden.float().flatten(), k_cache.float().flatten()])
 
 
+@pytest.mark.parametrize("linear", ["gemv", "gemv_mma"])
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_pdl_gives_the_same_bits(rows, graph, monkeypatch):
+def test_pdl_gives_the_same_bits(rows, graph, linear, monkeypatch):
     """With EECORE_PDL=1 each row kernel may be scheduled while the one before it runs, and waits
     for it before touching memory: a chain of them gives the bits it gives without PDL."""
-    for name, value in (("EECORE_LINEAR_KERNEL", "gemv"), ("EECORE_SILU_AND_MUL_KERNEL", "fused"),
-                        ("EECORE_ROTARY_AND_CACHE_KERNEL", "fused")):
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("EECORE_LINEAR_KERNEL", linear)
     monkeypatch.setenv("EECORE_PDL", "0")
     plain = _layer_chain(rows, 24, graph)
     monkeypatch.setenv("EECORE_PDL", "1")

@@ -1,7 +1,7 @@
 """rotary_embedding_and_cache against eecore.testing.reference (rotary_embedding, then
 reshape_and_cache of the rotated keys) and against the two ops it fuses: strided slices of one
 QKV buffer as a layer passes them, NeoX and GPT-J, partial rotary, skipped slots, every dtype; on
-CUDA under both kernels (EECORE_ROTARY_AND_CACHE_KERNEL: the two launches, or the fused one);
+CUDA under both kernels (EECORE_ROTARY_AND_CACHE_KERNEL: separate launches, or the fused one);
 and bad input, which changes nothing."""
 import pytest
 import torch
@@ -36,8 +36,7 @@ def split(qkv, hq, hkv):
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("shape", [(1, 9, 3, 64, 64), (7, 32, 8, 128, 128), (13, 4, 4, 80, 32), (33, 8, 2, 64, 16)])
 def test_matches_reference_and_the_two_ops(device, dtype, is_neox, shape, kernel, monkeypatch):
-    if kernel == "fused":
-        monkeypatch.setenv(KERNEL_ENV, "fused")  # the CUDA kernel's selector; no effect on the CPU
+    monkeypatch.setenv(KERNEL_ENV, kernel)  # the CUDA kernel's selector; no effect on the CPU
     num_tokens, hq, hkv, head_dim, rot_dim = shape
     x = layer_inputs(device, dtype, num_tokens, hq, hkv, head_dim, rot_dim)
     runs = {}
@@ -67,7 +66,7 @@ def test_matches_reference_and_the_two_ops(device, dtype, is_neox, shape, kernel
 
 @pytest.mark.parametrize("kernel", ["separate", "fused"])
 def test_empty_batch_is_a_no_op(device, kernel, monkeypatch):
-    monkeypatch.setenv(KERNEL_ENV, "fused" if kernel == "fused" else "")
+    monkeypatch.setenv(KERNEL_ENV, kernel)
     x = layer_inputs(device, torch.bfloat16, 0, 4, 2, 64, 64)
     q, k, v = split(x["qkv"], 4, 2)
     k_cache, v_cache = x["caches"]

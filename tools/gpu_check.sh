@@ -14,11 +14,14 @@
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
 #   sanitize   compute-sanitizer memcheck and racecheck over the forced-decode attention tests
 #   ops        the other CUDA op tests (test_cuda_vs_cpu.py and the cuda cases of test_op_*.py)
-#   rowk       bench/cuda_row_kernels.py: a layer's row kernels, default against the selectors' kernels
-#   ncurow     Nsight Compute on linear's few-row kernel at Llama-1B's shapes -> ncu-linear-gemv-*-rows.txt
-#              and PDL, per call inside a CUDA graph -> bench/results/<gpu>/<device>-row-kernels-*
+#   rowk       bench/cuda_row_kernels.py: a layer's row kernels against their alternatives behind
+#              selectors, and PDL, per call inside a CUDA graph -> bench/results/<gpu>/<device>-row-kernels-*
+#   ncurow     Nsight Compute on linear's few-row kernels at Llama-1B's QKV -> ncu-linear-*-rows.txt
 #   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
 # Usage: EECORE_GPU_STEPS="build engine profile sweep" tools/gpu_check.sh
+#        tools/gpu_check.sh pack-site   (here, before the call) copies the `gguf` package, which the
+#        device image lacks and the GGUF ops' tests import, to .gpu_payload/site (1.4 MB, git-ignored);
+#        a call that carries ".gpu_payload/site" runs those tests in the ops step.
 # Environment:
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
@@ -39,6 +42,11 @@
 # comes back is summary.txt, logs.tar.gz (every log and today's results) and the built _C*.so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = pack-site ]; then
+  mkdir -p .gpu_payload/site
+  cp -r "$(python -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" .gpu_payload/site/
+  echo "carry [\".gpu_payload/site\"]"; exit 0
+fi
 LOGS="${OUT:-${TMPDIR:-/tmp}/eecore-gpu-check}"
 WORK="$(mktemp -d)"
 mkdir -p "$LOGS"
@@ -47,6 +55,7 @@ STEPS=" ${EECORE_GPU_STEPS:-build attn engine sweep e2e profile ncu sanitize ops
 DEADLINE=$(($(date +%s) + ${EECORE_GPU_CHECK_SECONDS:-470}))
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export PYTHONPATH="$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+[ -d .gpu_payload/site ] && export PYTHONPATH="$PYTHONPATH:$PWD/.gpu_payload/site"  # see pack-site
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export PYTHONUNBUFFERED=1
 # The device image's default g++ (/opt/gcc) links libstdc++ statically, which setup.py refuses (see
@@ -196,18 +205,21 @@ run_ops() {
 }
 
 run_ncurow() {
-  step "Nsight Compute on linear's few-row kernel (Llama-1B's projections, 1, 4 and 8 rows; caches flushed)"
-  for rows in 1 4 8; do
-    (cd bench && EECORE_LINEAR_KERNEL=gemv limited 40 "$NCU" --clock-control none -k "regex:linear_gemv_kernel" \
-      --launch-count 4 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
-      "$PY" cuda_row_kernels.py --models llama-3.2-1b --rows "$rows" --repeats 1) > "$WORK/ncu-linear-gemv-$rows-rows.txt" 2>&1 || status=1
-    grep -E "linear_gemv_kernel|Memory Throughput|DRAM Throughput|Duration|Registers Per|ERR" \
-      "$WORK/ncu-linear-gemv-$rows-rows.txt" | head -10 | sed "s/^/$rows rows: /" | tee -a "$LOGS/summary.txt"
+  step "Nsight Compute on linear's few-row kernels (Llama-1B's QKV projection, 1 and 8 rows; caches flushed)"
+  for kernel in gemv gemv_mma; do
+    for rows in 1 8; do
+      (cd bench && EECORE_LINEAR_KERNEL=$kernel limited 40 "$NCU" --clock-control none -k "regex:linear_${kernel}_kernel" \
+        --launch-count 2 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
+        "$PY" cuda_row_kernels.py --models llama-3.2-1b --rows "$rows" --repeats 1 --no-save) \
+        > "$WORK/ncu-linear-$kernel-$rows-rows.txt" 2>&1 || status=1
+      grep -E "linear_gemv|DRAM Throughput|Duration|Registers Per|Achieved Occupancy|ERR" \
+        "$WORK/ncu-linear-$kernel-$rows-rows.txt" | head -6 | sed "s/^/$kernel, $rows rows: /" | tee -a "$LOGS/summary.txt"
+    done
   done
 }
 
 run_rowk() {
-  step "a layer's row kernels: default launches against the selectors' kernels and PDL"
+  step "a layer's row kernels against their alternatives behind selectors, and PDL"
   (cd bench && limited 90 "$PY" cuda_row_kernels.py ${EECORE_ROWK_ARGS:-}) > "$WORK/row-kernels.txt" 2>&1 || status=1
   grep -E "rows|layer chain|linear qkv|silu|Error" "$WORK/row-kernels.txt" | tail -16 | tee -a "$LOGS/summary.txt"
 }

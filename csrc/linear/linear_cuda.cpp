@@ -1,9 +1,13 @@
 // linear on CUDA: cuBLAS through ATen, which is what a GEMM on the GPU should be; with
 // EECORE_LINEAR_KERNEL=gemv, up to 8 rows of a float weight take the few-row kernel instead
 // (linear_kernels.cu: a decode step's projections, where cuBLAS pays a fixed cost a call that is
-// most of their time). The few-row kernel becomes the default once tests/test_op_linear.py has
-// passed with it on a GPU. A weight-only int8 weight is widened for cuBLAS on every call (correct,
-// not tuned: int8 draft copies are a CPU feature so far).
+// most of their time). It passes its tests on an H200 and wins at one row, but loses to cuBLAS
+// from 2-4 rows (at 8 rows, 8 input loads for each weight load), so it waits for a version that
+// wins at every row count (bench/results/nvidia-h200/nvidia-h200-2026-11-27-row-kernels.md). A
+// weight-only int8 weight is widened for cuBLAS on every call (correct, not tuned: int8 draft
+// copies are a CPU feature so far). EECORE_LINEAR_KERNEL=gemv_mma takes bf16 and fp16 weights
+// whose rows are a multiple of 32 long to the same product on tensor cores instead, built to win
+// at every row count up to 8; it has not yet run on a GPU.
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -17,10 +21,15 @@
 namespace eecore {
 namespace {
 
+enum class LinearKernel { kCublas, kGemv, kGemvMma };
+
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
-bool gemv_kernel_selected() {
+LinearKernel selected_kernel() {
   const char* v = std::getenv("EECORE_LINEAR_KERNEL");
-  return v != nullptr && std::strcmp(v, "gemv") == 0;
+  if (v == nullptr) return LinearKernel::kCublas;
+  if (std::strcmp(v, "gemv") == 0) return LinearKernel::kGemv;
+  if (std::strcmp(v, "gemv_mma") == 0) return LinearKernel::kGemvMma;
+  return LinearKernel::kCublas;
 }
 
 // The few-row kernel's parameters, or rows = 0 where it does not apply.
@@ -50,10 +59,16 @@ void linear_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& wei
                    "CPU format; pass the [N, K] weight on CUDA");
   if (dims.rows == 0 || dims.out == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
-  if (gemv_kernel_selected()) {
+  const LinearKernel kernel = selected_kernel();
+  if (kernel != LinearKernel::kCublas) {
     const cuda::LinearGemvParams p = gemv_params(out, input, weight, bias, accumulate, dims);
-    if (p.rows > 0) {
-      check_launch("linear", cuda::launch_linear_gemv(p, current_stream(input.device())));
+    const cudaStream_t stream = current_stream(input.device());
+    if (kernel == LinearKernel::kGemvMma && p.rows > 0 && cuda::linear_gemv_mma_supported(p)) {
+      check_launch("linear", cuda::launch_linear_gemv_mma(p, stream));
+      return;
+    }
+    if (kernel == LinearKernel::kGemv && p.rows > 0) {
+      check_launch("linear", cuda::launch_linear_gemv(p, stream));
       return;
     }
   }

@@ -1,8 +1,9 @@
-// silu_and_mul on CUDA. EECORE_SILU_AND_MUL_KERNEL=fused runs the one-launch kernel
-// (silu_and_mul_kernels.cu); otherwise ATen's silu and multiply on the two halves in fp32, rounded
-// once: four launches (a widening copy, silu, multiply, a narrowing copy) that cost SmolLM2 18%
-// of a decode step's GPU time on an H200. Both give the CPU kernel's result; the fused kernel
-// becomes the default once tests/test_cuda_vs_cpu.py has passed with it on a GPU.
+// silu_and_mul on CUDA: the one-launch kernel (silu_and_mul_kernels.cu), or with
+// EECORE_SILU_AND_MUL_KERNEL=aten, ATen's silu and multiply on the two halves in fp32, rounded
+// once: four launches (a widening copy, silu, multiply, a narrowing copy) that cost SmolLM2 18% of
+// a decode step's GPU time on an H200. Both give the CPU kernel's bits. The fused kernel made
+// whole decode steps 1.08-1.32x faster on an H200 with fused RoPE and cache write (bench/results/
+// nvidia-h200/nvidia-h200-2026-11-27-row-kernels.md); ATen's path stays as the reference.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -17,16 +18,16 @@ namespace eecore {
 namespace {
 
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
-bool fused_kernel_selected() {
+bool aten_selected() {
   const char* v = std::getenv("EECORE_SILU_AND_MUL_KERNEL");
-  return v != nullptr && std::strcmp(v, "fused") == 0;
+  return v != nullptr && std::strcmp(v, "aten") == 0;
 }
 
 void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
   const int64_t rows = check_silu_and_mul_args(out, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t d = out.size(-1);
-  if (!fused_kernel_selected()) {
+  if (aten_selected()) {
     const at::Tensor x = input.to(at::kFloat);
     out.copy_(at::silu(x.narrow(-1, 0, d)).mul_(x.narrow(-1, d, d)));
     return;

@@ -27,9 +27,18 @@ struct LinearGemvParams {
 // read in 16-byte vectors.
 bool linear_gemv_supported(const LinearGemvParams& p);
 
-// out = input weight^T (+ bias), or out += ..., with a block of four warps for 1-4 output features
-// streaming their weight rows once for every input row; each row's sum is taken in the same order
-// whatever the number of rows, so a row's result does not depend on the rows beside it.
+// out = input weight^T (+ bias), or out += ..., with one warp per output feature streaming its
+// weight row once for every input row; each row's sum is taken in the same order whatever the
+// number of rows, so a row's result does not depend on the rows beside it.
 cudaError_t launch_linear_gemv(const LinearGemvParams& p, cudaStream_t stream);
+
+// Whether p fits the tensor-core few-row kernel: linear_gemv_supported, bf16 or fp16, and
+// in_features a multiple of 32.
+bool linear_gemv_mma_supported(const LinearGemvParams& p);
+
+// The same product on tensor cores: mma.m16n8k16 over 16 output features and the input rows
+// zero-padded to 8, a block's 8 warps splitting the row length; one input load a lane for every
+// two weight loads at any row count. A row's result does not depend on the rows beside it.
+cudaError_t launch_linear_gemv_mma(const LinearGemvParams& p, cudaStream_t stream);
 
 }  // namespace eecore::cuda
