@@ -79,8 +79,8 @@ def host_parts(llm, prompts, params, per_step: int, device: str) -> dict:
     attributes wrap the engine's methods for this run only)."""
     engine = llm.engine
     timer = PartTimer()
-    wrapped = [(engine.scheduler, "schedule"), (engine.runner.builder, "build"), (engine.sampler, "sample"),
-               (engine, "_append")]
+    wrapped = [(engine.scheduler, "schedule"), (engine.runner.builder, "build"),
+               (engine.runner.builder, "prepare_decode"), (engine.sampler, "sample"), (engine, "_append")]
     for owner, method in wrapped:
         timer.wrap(owner, method, method.strip("_"))
     try:

@@ -4,6 +4,8 @@ step's tokens and logprobs, count only the real rows' work, and allocate nothing
 tests/test_engine_cuda.py checks the captured graphs against eager mode on a GPU."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -22,12 +24,12 @@ def tiny(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("static"), num_layers=3)
 
 
-def _llm(path, static: bool, **kw):
+def _llm(path, static: bool, prepare: Optional[bool] = None, **kw):
     llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=kw.pop("num_blocks", 96), block_size=4,
                      max_num_seqs=kw.pop("max_num_seqs", 12), **kw)
     if static:
         runner = llm.engine.runner
-        runner.static_decode = StaticDecode(runner, llm.engine.config.max_num_seqs, capture=False)
+        runner.static_decode = StaticDecode(runner, llm.engine.config.max_num_seqs, capture=False, prepare=prepare)
     return llm
 
 
@@ -50,6 +52,93 @@ def test_same_tokens_and_logprobs_as_the_plain_step(tiny, num_prompts):
     llm = _llm(path, static=True)
     assert_same_outputs(llm.generate(prompts, params), plain)
     assert llm.engine.runner.static_decode.outputs, "the static step never ran"
+
+
+@pytest.mark.parametrize("num_blocks", [96, 12])  # 12: sequences are preempted and recomputed
+def test_steps_prepared_ahead_give_the_same_outputs(tiny, num_blocks):
+    """EECORE_PREPARE_NEXT_STEP: each decode step's inputs filled in during the step before. With
+    blocks of 4 tokens a row gains a block every fourth step, requests finish on different steps
+    and (12 blocks) are preempted, so prepared steps are used, patched and thrown away."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3 + (5 * i) % 11 for i in range(6)], seed=5)
+    params = [greedy(6 + 3 * i, logprobs=2) for i in range(6)]
+    plain = _llm(path, static=False, num_blocks=num_blocks).generate(prompts, params)
+    llm = _llm(path, static=True, prepare=True, num_blocks=num_blocks)
+    assert_same_outputs(llm.generate(prompts, params), plain)
+    builder = llm.engine.runner.builder
+    assert builder.prepared_steps > 0, "no step used its prepared inputs"
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_environment_switch_turns_preparing_on(tiny, switch, monkeypatch):
+    monkeypatch.setenv("EECORE_PREPARE_NEXT_STEP", switch)
+    path, hf = tiny
+    llm = _llm(path, static=True)
+    llm.generate(random_prompts(hf.config.vocab_size, [5, 7], seed=6), greedy(6))
+    assert (llm.engine.runner.builder.prepared_steps > 0) == (switch == "1")
+
+
+def _two_decode_rows():
+    seqs = [Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=9)),
+            Sequence([6, 7, 8], eecore.SamplingParams(max_tokens=9))]
+    seqs[0].block_table, seqs[1].block_table = [2, 5], [7]
+    return seqs, [Row(seqs[0], 5, [11]), Row(seqs[1], 3, [12])]
+
+
+def _fields(inputs):
+    a = inputs.attn
+    return [t.tolist() for t in (inputs.token_ids, a.positions, a.slot_mapping, a.block_table, a.seq_lens,
+                                 a.query_start_loc, inputs.last_rows)] + [inputs.row_lens, a.max_query_len]
+
+
+def test_a_prepared_step_is_the_step_built_anew():
+    """prepare_decode, then the rows it predicted (one position further, new tokens, the second
+    row given the block its next token needs): build's inputs are those of a fresh build."""
+    def builder():
+        return InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4,
+                            device=torch.device("cpu"), pad_block=9)
+    ahead, fresh = builder(), builder()
+    seqs, rows = _two_decode_rows()
+    ahead.build(rows, pad_to=2, table_width=ahead.table_width_bucket(rows))
+    ahead.prepare_decode(rows, pad_to=2)
+    seqs[1].block_table.append(3)  # position 4 of the second sequence starts block 1
+    following = [Row(seqs[0], 6, [21]), Row(seqs[1], 4, [22])]
+    width = fresh.table_width_bucket(following)
+    got = ahead.build(following, pad_to=2, table_width=width)
+    assert ahead.prepared_steps == 1
+    assert _fields(got) == _fields(fresh.build(following, pad_to=2, table_width=width))
+    assert got.attn.slot_mapping.tolist() == [5 * 4 + 2, 3 * 4 + 0]
+
+
+@pytest.mark.parametrize("change", ["other sequence", "other start", "freed table", "two tokens", "other size"])
+def test_a_prepared_step_that_did_not_come_is_built_anew(change):
+    builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4,
+                           device=torch.device("cpu"), pad_block=9)
+    fresh = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4,
+                         device=torch.device("cpu"), pad_block=9)
+    seqs, rows = _two_decode_rows()
+    builder.prepare_decode(rows, pad_to=2)
+    seqs[1].block_table.append(3)
+    following = [Row(seqs[0], 6, [21]), Row(seqs[1], 4, [22])]
+    pad_to = 2
+    if change == "other sequence":
+        other = Sequence([1, 2, 3, 4, 5, 6], eecore.SamplingParams(max_tokens=9))
+        other.block_table = [4, 6]
+        following[0] = Row(other, 6, [21])
+    elif change == "other start":
+        following[0] = Row(seqs[0], 5, [21])
+    elif change == "freed table":
+        seqs[0].block_table = [2, 5]  # the same blocks, a new list: the sequence was freed and refilled
+    elif change == "two tokens":
+        following[0] = Row(seqs[0], 6, [21, 23])
+        pad_to = None
+    else:
+        pad_to = 4
+    width = None if pad_to is None else fresh.table_width_bucket(following)
+    got = builder.build(following, pad_to=pad_to, table_width=width)
+    assert builder.prepared_steps == 0
+    assert _fields(got) == _fields(fresh.build(following, pad_to=pad_to, table_width=width))
 
 
 def test_counts_only_real_rows_and_frees_every_block(tiny):

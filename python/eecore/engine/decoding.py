@@ -100,6 +100,7 @@ class FullDepthDecoder(DecodeStrategy):
         static = self.runner.static_decode
         if tap is None and static is not None and static.takes(rows):
             _, logits = static.run(rows)
+            static.prepare_next(rows)  # on a GPU, while the step's graph runs
         else:
             _, hidden = self.runner.forward(rows, tap)
             logits = self.runner.logits(hidden)

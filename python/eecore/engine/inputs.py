@@ -18,6 +18,12 @@ On a GPU the host arrays are pinned and copied asynchronously. A step's copy may
 when the host builds the next step (self-speculation's last draft pass reads nothing back before
 the verify pass is built), so `build` first waits for the previous step's copy: overwriting a
 pinned buffer under a pending copy would hand the earlier step the later step's inputs.
+
+A decode step's successor is predictable: the same sequences, each one position further, in the
+same blocks unless one crosses into a new block. `prepare_decode` fills the next step's arrays
+(all but the tokens, which the GPU has not sampled yet) while the GPU runs the current one;
+`build` then checks that the rows are the predicted ones and only writes the tokens and the rows
+that gained a block, instead of building the step from scratch while the GPU waits.
 """
 from __future__ import annotations
 
@@ -79,6 +85,20 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
+
+
+@dataclass
+class PreparedDecode:
+    """A decode step filled in ahead (InputBuilder.prepare_decode): valid for the next `build` of
+    the same sequences in the same order, each at `starts`, with block tables that still begin with
+    the blocks it read."""
+    key: tuple                # the step's buffers: (tokens, rows, table width, trees)
+    seqs: list[Sequence]
+    tables: list[list[int]]   # each sequence's block_table list (a freed sequence gets a new one)
+    table_lens: list[int]     # the blocks each table held
+    last_blocks: list[int]    # each table's last block then (a table shrinks and grows at its end)
+    starts: list[int]
+    buffers: "StepBuffers"
 
 
 class StepBuffers:
@@ -157,13 +177,18 @@ class InputBuilder:
         # so arrays made again after the bounded cache starts over sit at the same addresses
         self._buffers: RowViewCache[StepBuffers] = RowViewCache(
             lambda key: StepBuffers(self._host, self._device, *key))
+        self._prepared: Optional[PreparedDecode] = None
+        self.prepared_steps = 0  # builds that found their step prepared (tests and benchmarks read it)
 
     def table_width_bucket(self, rows: list[Row], width: int = 1) -> int:
         """The block-table width a static step over `rows` (padded to `width` tokens) takes: the
         next power of two of blocks (at least 8) that holds every row's table and a padding row,
         at most the full width. A captured step plans its attention for its tables' width (the
         context splits a CUDA graph keeps), so a step of short sequences gets a narrow table."""
-        need = max(max((len(r.seq.block_table) for r in rows), default=1), -(-width // self.block_size), 8)
+        return self._width_bucket(max((len(r.seq.block_table) for r in rows), default=1), width)
+
+    def _width_bucket(self, most_blocks: int, width: int) -> int:
+        need = max(most_blocks, -(-width // self.block_size), 8)
         return min(1 << (need - 1).bit_length(), self.max_blocks)
 
     def build(self, rows: list[Row], pad_to: Optional[int] = None, width: int = 1,
@@ -178,6 +203,11 @@ class InputBuilder:
         The host arrays are filled with whole-array numpy operations: on a GPU whose step is one
         graph replay, this is most of the host's share of the step, which the GPU waits out
         (bench/host_overhead.py). The tensors returned are valid until the next `build`."""
+        prepared, self._prepared = self._prepared, None  # the next build uses it or no build does
+        if prepared is not None and width == 1 and pad_tokens_to is None:
+            inputs = self._build_prepared(prepared, rows, pad_to, table_width)
+            if inputs is not None:
+                return inputs
         n = len(rows)
         real = [len(r.tokens) for r in rows]
         if pad_to is not None:
@@ -251,6 +281,10 @@ class InputBuilder:
             h["positions"][T:padded_T] = 0
             h["slots"][T:padded_T] = self.pad_block * bs + np.arange(padded_T - T) % bs
         h["last"][:B] = qsl[1: B + 1] - 1
+        return self._finish(buffers, rows, lens, B, width)
+
+    def _finish(self, buffers: StepBuffers, rows: list[Row], lens: list[int], B: int, width: int) -> StepInputs:
+        """The filled arrays of a step as its tensors: copied to the device where there is one."""
         views = buffers.host if self._device is None else buffers.device
         if self._device is not None:
             buffers.device_bytes.copy_(buffers.host_bytes, non_blocking=True)
@@ -264,7 +298,79 @@ class InputBuilder:
                                cross_block_table=views.get("cross_tables"), cross_seq_lens=views.get("cross_lens"),
                                tree_mask=views.get("tree"))
         return StepInputs(token_ids=views["tokens"], attn=attn, last_rows=views["last"],
-                          row_lens=lens + [width] * (B - n))
+                          row_lens=lens + [width] * (B - len(rows)))
+
+    # ---- the next decode step, filled in while the GPU runs this one (module doc) ------------------
+    def prepare_decode(self, rows: list[Row], pad_to: int) -> None:
+        """Fills the arrays of the static decode step that would follow `rows` (a decode step just
+        launched, padded to `pad_to` rows): the same sequences, each one position further, in the
+        blocks their tables hold now. The tokens stay for `build`, and so does the slot of a row
+        whose next position lies past its table (the scheduler gives it the block first)."""
+        self._prepared = None
+        n = len(rows)
+        if not 0 < n <= pad_to or self.pad_block < 0 or pad_to > self.max_seqs or \
+                any(len(r.tokens) != 1 or r.parents is not None or not r.seq.block_table for r in rows):
+            return
+        bs = self.block_size
+        starts = np.fromiter((r.start + 1 for r in rows), np.int64, n)
+        table_lens = np.fromiter((len(r.seq.block_table) for r in rows), np.int64, n)
+        inside = starts // bs < table_lens
+        table_width = self._width_bucket(int(np.maximum(table_lens, starts // bs + 1).max()), 1)
+        if int(np.maximum(table_lens, starts // bs + 1).max()) > table_width:
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # this step's copy has read the host buffers
+        key = (pad_to, pad_to, table_width, False)
+        buffers = self._buffers(key)
+        h = buffers.arrays
+        tables = h["tables"]
+        tables.fill(-1)
+        table_rows = np.repeat(np.arange(n), table_lens)
+        table_cols = np.arange(len(table_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
+        tables[table_rows, table_cols] = np.fromiter(
+            itertools.chain.from_iterable(r.seq.block_table for r in rows), np.int32, len(table_rows))
+        h["qsl"][: n + 1] = np.arange(n + 1)
+        h["tokens"][:n] = 0
+        h["positions"][:n] = starts
+        block = tables[np.arange(n), np.minimum(starts // bs, table_lens - 1)]
+        h["slots"][:n] = np.where(inside, block.astype(np.int64) * bs + starts % bs, -1)
+        h["seq_lens"][:n] = starts + 1
+        self._pad(n, pad_to, 1, h)
+        h["last"][:pad_to] = h["qsl"][1: pad_to + 1] - 1
+        self._prepared = PreparedDecode(
+            key=key, seqs=[r.seq for r in rows], tables=[r.seq.block_table for r in rows],
+            table_lens=table_lens.tolist(), last_blocks=[r.seq.block_table[-1] for r in rows],
+            starts=starts.tolist(), buffers=buffers)
+
+    def _build_prepared(self, prepared: PreparedDecode, rows: list[Row], pad_to: Optional[int],
+                        table_width: Optional[int]) -> Optional[StepInputs]:
+        """The step from its prepared arrays if `rows` are the predicted ones (else None: build it
+        anew): their tokens written, and the rows whose tables grew since given their new blocks."""
+        n = len(rows)
+        if prepared.key != (pad_to, pad_to, table_width, False) or len(prepared.seqs) != n:
+            return None
+        bs = self.block_size
+        grown = []
+        for i, row in enumerate(rows):
+            table, held = row.seq.block_table, prepared.table_lens[i]
+            if (row.seq is not prepared.seqs[i] or row.start != prepared.starts[i] or len(row.tokens) != 1
+                    or row.parents is not None or table is not prepared.tables[i] or len(table) < held
+                    or table[held - 1] != prepared.last_blocks[i]):
+                return None
+            if len(table) != held:
+                grown.append(i)
+            elif row.start // bs >= held:
+                return None  # no block for the row's token: a fresh build names the error
+        h = prepared.buffers.arrays
+        for i in grown:
+            table, start = rows[i].seq.block_table, rows[i].start
+            if len(table) > table_width or start // bs >= len(table):
+                return None
+            h["tables"][i, : len(table)] = table
+            h["slots"][i] = table[start // bs] * bs + start % bs
+        h["tokens"][:n] = np.fromiter((r.tokens[0] for r in rows), np.int64, n)
+        self.prepared_steps += 1
+        return self._finish(prepared.buffers, rows, [1] * n, pad_to, 1)
 
     @staticmethod
     def _trees(rows: list[Row], h: dict[str, np.ndarray]) -> None:

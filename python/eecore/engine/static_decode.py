@@ -135,9 +135,21 @@ class StaticPass:
         return graph, output
 
 
+# EECORE_PREPARE_NEXT_STEP=1: while a decode step's graph runs, the host fills the next step's
+# inputs (InputBuilder.prepare_decode), so the next step only writes its tokens before its replay.
+# Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_PREPARE_NEXT_STEP=1).
+PREPARE_NEXT_STEP_ENV = "EECORE_PREPARE_NEXT_STEP"
+
+
 class StaticDecode(StaticPass):
     """`run(rows)`: the logits `[B, V]` (fp32, a view of a static buffer) of a full-depth decode step
-    over `rows` (one token each)."""
+    over `rows` (one token each). `prepare_next(rows)`, called once the step's inputs are no longer
+    read on the host, fills the next step's inputs ahead where `prepare` is on (None: where the
+    environment switch above is, read at each step as the kernel selectors are)."""
+
+    def __init__(self, runner, max_batch: int, capture: bool, prepare: Optional[bool] = None):
+        super().__init__(runner, max_batch, capture)
+        self.prepare = prepare
 
     def takes(self, rows: list[Row]) -> bool:
         """Whether the static step can run these rows: a decode step (one token each, no token
@@ -150,6 +162,13 @@ class StaticDecode(StaticPass):
         self._count(rows, 1)
         self.runner.mark_computed(rows)
         return inputs, logits[: len(rows)]
+
+    def prepare_next(self, rows: list[Row]) -> None:
+        """The inputs of the step after `rows`' (run just now) filled in ahead, if `prepare`. On the
+        CPU the step's inputs are those host arrays: call this once they are no longer read."""
+        on = os.environ.get(PREPARE_NEXT_STEP_ENV) == "1" if self.prepare is None else self.prepare
+        if on:
+            self.runner.builder.prepare_decode(rows, self.padded_size(len(rows)))
 
 
 class StaticVerify(StaticPass):
