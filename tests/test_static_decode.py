@@ -15,7 +15,7 @@ from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
 from eecore.exits.static_segments import StaticExitSegments
-from engine_utils import assert_same_outputs, emulate_graphs, greedy, random_prompts
+from engine_utils import assert_same_outputs, emulate_graphs, generate_arriving, greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
 
@@ -77,6 +77,70 @@ def test_the_environment_switch_turns_preparing_on(tiny, switch, monkeypatch):
     llm = _llm(path, static=True)
     llm.generate(random_prompts(hf.config.vocab_size, [5, 7], seed=6), greedy(6))
     assert (llm.engine.runner.builder.prepared_steps > 0) == (switch == "1")
+
+
+@pytest.mark.parametrize("num_blocks", [96, 12])  # 12: sequences are preempted and recomputed
+def test_steps_launched_ahead_give_the_same_outputs(tiny, num_blocks, monkeypatch):
+    """EECORE_DECODE_AHEAD: each greedy step launches the next before its tokens are read back.
+    Requests finish on different steps (the next step takes the ahead step's rows that remain),
+    rows cross into new blocks (no step ahead there) and, with 12 blocks, are preempted (the
+    ahead step is not taken); the layers' counted work stays the plain engine's."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3 + (5 * i) % 11 for i in range(6)], seed=9)
+    params = [greedy(6 + 3 * i) for i in range(6)]
+    plain_llm = _llm(path, static=False, num_blocks=num_blocks)
+    plain = plain_llm.generate(prompts, params)
+    llm = _llm(path, static=True, num_blocks=num_blocks)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.engine.runner.static_decode.ahead_taken > 0
+    assert llm.engine.runner.layer_tokens == plain_llm.engine.runner.layer_tokens
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_a_lone_sequence_launches_every_step_ahead(tiny, monkeypatch):
+    """Blocks of 4: every fourth step's successor needs a new block, which the step launching it
+    ahead takes from the spare ones; so every decode step after the first comes from a step
+    launched ahead."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    path, hf = tiny
+    prompt = random_prompts(hf.config.vocab_size, [6], seed=12)
+    plain = _llm(path, static=False).generate(prompt, greedy(20))
+    llm = _llm(path, static=True)
+    assert [o.token_ids for o in llm.generate(prompt, greedy(20))] == [o.token_ids for o in plain]
+    assert llm.engine.runner.static_decode.ahead_taken == 20 - 2  # 19 decode steps, the first not ahead
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_steps_launched_ahead_with_requests_arriving(tiny, every, monkeypatch):
+    """Requests added while others decode: steps that mix decodes with prompt chunks leave the
+    ahead step untaken, and the decodes after them launch ahead again."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [4 + (7 * i) % 13 for i in range(5)], seed=11)
+    params = [greedy(5 + 2 * i) for i in range(5)]
+    plain = generate_arriving(_llm(path, static=False), prompts, params, every)
+    llm = _llm(path, static=True)
+    assert [o.token_ids for o in generate_arriving(llm, prompts, params, every)] == [o.token_ids for o in plain]
+    assert llm.engine.runner.static_decode.ahead_taken > 0
+
+
+@pytest.mark.parametrize("other", ["logprobs", "sampled"])
+def test_steps_with_logprobs_or_sampling_are_not_launched_ahead(tiny, other, monkeypatch):
+    """A row that needs the host before the next step (its logprobs, a draw from its generator)
+    keeps the whole step from launching its successor ahead."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [5, 8], seed=10)
+    second = greedy(6, logprobs=2) if other == "logprobs" else \
+        eecore.SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    params = [greedy(6), second]
+    plain = _llm(path, static=False).generate(prompts, params)
+    llm = _llm(path, static=True)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.runner.static_decode.ahead_taken == 0
 
 
 def _two_decode_rows():

@@ -1,6 +1,7 @@
 """What a decode step returns, and the full-depth decode step every other strategy builds on."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -8,8 +9,9 @@ import torch
 
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
-from eecore.engine.sampler import Sampler
+from eecore.engine.sampler import Sampler, argmax_rows
 from eecore.engine.sequence import Sequence
+from eecore.engine.static_decode import DECODE_AHEAD_ENV, AheadStep
 
 
 @dataclass
@@ -68,10 +70,56 @@ class DecodeStrategy:
 
 
 class FullDepthDecoder(DecodeStrategy):
+    """Every layer for every token. With EECORE_DECODE_AHEAD=1 (and `allow_ahead`), a greedy decode
+    step on static buffers launches the next step before reading its own tokens back (see
+    `_decode_ahead`)."""
+
     supports_mixed_steps = True
 
+    def __init__(self, runner: ModelRunner, sampler: Sampler):
+        super().__init__(runner, sampler)
+        self.allow_ahead = True  # a strategy that runs plain steps between its own passes turns it off
+        # the engine's BlockManager (LLMEngine sets it): a step launched ahead may give a row the
+        # block its next position needs a step before the scheduler would
+        self.blocks = None
+        self._ahead: Optional[AheadStep] = None
+        self._readback: Optional[TokenReadback] = None
+
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
+        if self.allow_ahead and os.environ.get(DECODE_AHEAD_ENV) == "1":
+            tokens = self._decode_ahead(seqs)
+            if tokens is not None:
+                return tokens
+        self._ahead = None
         return self.step(seqs)[0]
+
+    def _decode_ahead(self, seqs: list[Sequence]) -> Optional[list[list[Token]]]:
+        """A greedy step on static buffers whose successor is launched before its tokens are read
+        back: the argmax writes the tokens on the device, the next step (the same sequences one
+        position further) copies them into its inputs and runs, and the host waits for this step's
+        tokens only. The engine's next step takes that step's logits if its rows are the ones it
+        ran (StaticDecode.take_ahead); otherwise it runs its own and the ahead step's work is lost.
+        None where the step does not qualify (sampled rows or logprobs need the host first)."""
+        rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
+        static = self.runner.static_decode
+        if static is None or not static.takes(rows) or \
+                not all(s.params.greedy and s.params.logprobs is None for s in seqs):
+            self._ahead = None
+            return None
+        ahead, self._ahead = self._ahead, None
+        logits = None if ahead is None else static.take_ahead(ahead, rows)
+        if logits is None:
+            _, logits = static.run(rows)
+        if self._readback is None:
+            self._readback = TokenReadback(static.max_batch, logits.device)
+        tokens = self._readback.argmax(logits)
+        self._readback.start()
+        self._reserve_next_blocks(rows)
+        self._ahead = static.launch_ahead(rows, tokens)
+        token_list = self._readback.wait(len(rows))
+        if self._ahead is not None:
+            self._ahead.tokens = token_list
+        return [[Token(t, self.num_layers)] for t in token_list]
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]
                      ) -> tuple[list[list[Token]], list[Optional[Token]]]:
@@ -93,6 +141,20 @@ class FullDepthDecoder(DecodeStrategy):
             firsts[i - B] = token
         return [[t] for t in out[:B]], firsts
 
+    def _reserve_next_blocks(self, rows: list[Row]) -> None:
+        """The blocks the rows' next positions start, taken now so that the step after can be
+        launched ahead (with blocks of 16, a batch of 64 has a row crossing into a new block nearly
+        every step). Only from spare blocks: the scheduler must still find a block for every
+        running sequence; a sequence that finishes or is preempted gives its block back with the
+        rest."""
+        if self.blocks is None:
+            return
+        bs = self.blocks.block_size
+        short = [r for r in rows if (r.start + 1) // bs >= len(r.seq.block_table)]
+        if short and self.blocks.num_free_blocks >= len(short) + len(rows):
+            for row in short:
+                self.blocks.grow(row.seq, row.start + 2)
+
     def step(self, seqs: list[Sequence], tap=None) -> tuple[list[list[Token]], torch.Tensor]:
         """The step's tokens and its fp32 logits `[B, V]`; `tap` as in ModelRunner.forward. Without
         a tap the step runs static (a CUDA graph replay on a GPU) where the runner has one."""
@@ -106,3 +168,42 @@ class FullDepthDecoder(DecodeStrategy):
             logits = self.runner.logits(hidden)
         tokens, logprobs = self.sampler.sample(logits, seqs)
         return [[Token(t, self.num_layers, lp)] for t, lp in zip(tokens, logprobs)], logits
+
+
+class TokenReadback:
+    """A decode step's greedy tokens: the argmax into a static device buffer, then copied to pinned
+    host memory behind it on the stream, so the host can wait for them alone while later work (a
+    step launched ahead) is queued behind. On the CPU, the argmax and a list."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.device = device
+        self._tokens: Optional[torch.Tensor] = None
+        if device.type == "cuda":
+            self._values = torch.empty(max_batch, dtype=torch.float32, device=device)
+            self._indices = torch.empty(max_batch, dtype=torch.int64, device=device)
+            self._host = torch.empty(max_batch, dtype=torch.int64, pin_memory=True)
+            self._copied = torch.cuda.Event()
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (sampler.argmax_rows' tie and NaN rules), `[B]` int64 on the device."""
+        B = logits.shape[0]
+        if self.device.type != "cuda":
+            self._tokens = argmax_rows(logits).reshape(B)
+        else:
+            torch.max(logits, dim=-1, out=(self._values[:B], self._indices[:B]))
+            self._tokens = self._indices[:B]
+        return self._tokens
+
+    def start(self) -> None:
+        """Queues the copy to the host (call before queueing work that should not be waited for)."""
+        if self.device.type == "cuda":
+            B = self._tokens.shape[0]
+            self._host[:B].copy_(self._tokens, non_blocking=True)
+            self._copied.record()
+
+    def wait(self, count: int) -> list[int]:
+        if self.device.type != "cuda":
+            return self._tokens[:count].tolist()
+        self._copied.synchronize()
+        return self._host[:count].tolist()
+

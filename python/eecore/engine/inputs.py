@@ -342,6 +342,20 @@ class InputBuilder:
             table_lens=table_lens.tolist(), last_blocks=[r.seq.block_table[-1] for r in rows],
             starts=starts.tolist(), buffers=buffers)
 
+    def build_prepared_ahead(self) -> Optional[tuple[StepInputs, int]]:
+        """The prepared step as it stands, before its tokens are known on the host (decode ahead:
+        the caller copies them in on the device): its inputs and table width, or None where a row's
+        next position lies past its block table. Consumes the prepared step."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        bs = self.block_size
+        if any(start // bs >= held for start, held in zip(prepared.starts, prepared.table_lens)):
+            return None
+        rows = [Row(seq, start, [0]) for seq, start in zip(prepared.seqs, prepared.starts)]
+        pad_to, table_width = prepared.key[1], prepared.key[2]
+        return self._finish(prepared.buffers, rows, [1] * len(rows), pad_to, 1), table_width
+
     def _build_prepared(self, prepared: PreparedDecode, rows: list[Row], pad_to: Optional[int],
                         table_width: Optional[int]) -> Optional[StepInputs]:
         """The step from its prepared arrays if `rows` are the predicted ones (else None: build it

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import bisect
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from eecore.engine.inputs import Row, StepInputs
+from eecore.engine.sequence import Sequence
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -135,6 +137,23 @@ class StaticPass:
         return graph, output
 
 
+# EECORE_DECODE_AHEAD=1: a greedy decode step launches the next one before the host reads its tokens
+# back (the tokens go from the argmax to the next step's inputs on the device), so the host's
+# share of a step (reading back, appending, scheduling) runs while the GPU computes the next
+# step. Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_DECODE_AHEAD=1).
+DECODE_AHEAD_ENV = "EECORE_DECODE_AHEAD"
+
+
+@dataclass
+class AheadStep:
+    """A decode step launched before the step it follows was read back: its sequences, their
+    positions, and its logits (a static buffer the step's graph writes)."""
+    seqs: list[Sequence]
+    starts: list[int]
+    logits: torch.Tensor
+    tokens: Optional[list[int]] = None  # the tokens it was given, once the host has read them
+
+
 # EECORE_PREPARE_NEXT_STEP=1: while a decode step's graph runs, the host fills the next step's
 # inputs (InputBuilder.prepare_decode), so the next step only writes its tokens before its replay.
 # Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_PREPARE_NEXT_STEP=1).
@@ -150,6 +169,7 @@ class StaticDecode(StaticPass):
     def __init__(self, runner, max_batch: int, capture: bool, prepare: Optional[bool] = None):
         super().__init__(runner, max_batch, capture)
         self.prepare = prepare
+        self.ahead_taken = 0  # steps whose logits came from a step launched ahead (tests read it)
 
     def takes(self, rows: list[Row]) -> bool:
         """Whether the static step can run these rows: a decode step (one token each, no token
@@ -169,6 +189,42 @@ class StaticDecode(StaticPass):
         on = os.environ.get(PREPARE_NEXT_STEP_ENV) == "1" if self.prepare is None else self.prepare
         if on:
             self.runner.builder.prepare_decode(rows, self.padded_size(len(rows)))
+
+    def launch_ahead(self, rows: list[Row], tokens: torch.Tensor) -> Optional[AheadStep]:
+        """Launches the step after `rows` (run just now) with `tokens` (`[B]` int64 on the device,
+        the rows' sampled tokens, not yet read back) as its inputs: the same sequences one position
+        further. None where it cannot run yet (a row's next position needs a new block). Its work
+        counts, and its rows' K/V counts as computed, only once `take_ahead` takes it."""
+        builder = self.runner.builder
+        builder.prepare_decode(rows, self.padded_size(len(rows)))
+        built = builder.build_prepared_ahead()
+        if built is None:
+            return None
+        inputs, table_width = built
+        inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])  # behind the inputs' copy, on the stream
+        logits = self._launch((self.padded_size(len(rows)), table_width, 1), inputs, self._step)
+        return AheadStep(seqs=[r.seq for r in rows], starts=[r.start + 1 for r in rows], logits=logits)
+
+    def take_ahead(self, ahead: AheadStep, rows: list[Row]) -> Optional[torch.Tensor]:
+        """The logits `[B, V]` of `rows` from a step launched ahead, if it computed each of them: the
+        rows' sequences in the same order (some may have finished since), at the positions it ran,
+        with the tokens it was given (the sampled ones: a greedy sequence appends nothing else).
+        None otherwise: the caller runs the step (its K/V writes repeat the ahead step's, or land
+        in blocks a later step writes before reading)."""
+        where = {id(seq): i for i, seq in enumerate(ahead.seqs)}
+        index = []
+        for row in rows:
+            i = where.get(id(row.seq))
+            if i is None or row.start != ahead.starts[i] or len(row.tokens) != 1 or row.parents is not None \
+                    or ahead.tokens is None or row.tokens[0] != ahead.tokens[i] or (index and i <= index[-1]):
+                return None
+            index.append(i)
+        self._count(rows, 1)
+        self.runner.mark_computed(rows)
+        self.ahead_taken += 1
+        if index == list(range(len(rows))):
+            return ahead.logits[: len(rows)]
+        return ahead.logits.index_select(0, torch.tensor(index, device=ahead.logits.device))
 
 
 class StaticVerify(StaticPass):

@@ -67,6 +67,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.lookahead = config.verify_width  # KV slots a round may write per sequence
         self.top_k = config.top_k
         self._plain = FullDepthDecoder(runner, sampler)
+        self._plain.allow_ahead = False  # its steps alternate with rounds: an ahead step would be lost
         self.plain_above = config.plain_above
         self.layers_above = config.layers_above  # more decoding: lookup drafts alone
         rows = runner.builder.max_seqs
