@@ -112,6 +112,26 @@ def test_a_lone_sequence_launches_every_step_ahead(tiny, monkeypatch):
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
+def test_an_ahead_step_is_not_taken_for_a_sequence_whose_blocks_changed(tiny, monkeypatch):
+    """A sequence preempted and recomputed since the ahead step ran holds new blocks (a new table
+    list): the ahead step's K/V went into the old ones, so its logits must not stand in for the
+    step, even at the same position with the same token."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    path, hf = tiny
+    llm = _llm(path, static=True)
+    engine = llm.engine
+    seq = engine.add_request(random_prompts(hf.config.vocab_size, [6], seed=13)[0], greedy(8))
+    while engine.strategy._ahead is None:
+        engine.step()
+    ahead, static = engine.strategy._ahead, engine.runner.static_decode
+    row = Row(seq, seq.num_computed_tokens, [seq.last_token_id])
+    table = seq.block_table
+    seq.block_table = list(table)  # what BlockManager.free then grow leaves: a new list
+    assert static.take_ahead(ahead, [row]) is None
+    seq.block_table = table
+    assert static.take_ahead(ahead, [row]) is not None
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_steps_launched_ahead_with_requests_arriving(tiny, every, monkeypatch):
     """Requests added while others decode: steps that mix decodes with prompt chunks leave the

@@ -150,6 +150,8 @@ class AheadStep:
     positions, and its logits (a static buffer the step's graph writes)."""
     seqs: list[Sequence]
     starts: list[int]
+    tables: list[list[int]]  # each sequence's block_table list then (a freed sequence gets a new one)
+    blocks: list[int]        # the block each row wrote its K/V into
     logits: torch.Tensor
     tokens: Optional[list[int]] = None  # the tokens it was given, once the host has read them
 
@@ -203,20 +205,28 @@ class StaticDecode(StaticPass):
         inputs, table_width = built
         inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])  # behind the inputs' copy, on the stream
         logits = self._launch((self.padded_size(len(rows)), table_width, 1), inputs, self._step)
-        return AheadStep(seqs=[r.seq for r in rows], starts=[r.start + 1 for r in rows], logits=logits)
+        bs = builder.block_size
+        return AheadStep(seqs=[r.seq for r in rows], starts=[r.start + 1 for r in rows],
+                         tables=[r.seq.block_table for r in rows],
+                         blocks=[r.seq.block_table[(r.start + 1) // bs] for r in rows], logits=logits)
 
     def take_ahead(self, ahead: AheadStep, rows: list[Row]) -> Optional[torch.Tensor]:
         """The logits `[B, V]` of `rows` from a step launched ahead, if it computed each of them: the
         rows' sequences in the same order (some may have finished since), at the positions it ran,
-        with the tokens it was given (the sampled ones: a greedy sequence appends nothing else).
+        with the tokens it was given (the sampled ones: a greedy sequence appends nothing else), in
+        the blocks it wrote their K/V into (a sequence preempted and recomputed since has new ones).
         None otherwise: the caller runs the step (its K/V writes repeat the ahead step's, or land
         in blocks a later step writes before reading)."""
         where = {id(seq): i for i, seq in enumerate(ahead.seqs)}
+        bs = self.runner.builder.block_size
         index = []
         for row in rows:
             i = where.get(id(row.seq))
             if i is None or row.start != ahead.starts[i] or len(row.tokens) != 1 or row.parents is not None \
                     or ahead.tokens is None or row.tokens[0] != ahead.tokens[i] or (index and i <= index[-1]):
+                return None
+            table, block = row.seq.block_table, row.start // bs
+            if table is not ahead.tables[i] or len(table) <= block or table[block] != ahead.blocks[i]:
                 return None
             index.append(i)
         self._count(rows, 1)
