@@ -315,8 +315,9 @@ class InputBuilder:
         starts = np.fromiter((r.start + 1 for r in rows), np.int64, n)
         table_lens = np.fromiter((len(r.seq.block_table) for r in rows), np.int64, n)
         inside = starts // bs < table_lens
-        table_width = self._width_bucket(int(np.maximum(table_lens, starts // bs + 1).max()), 1)
-        if int(np.maximum(table_lens, starts // bs + 1).max()) > table_width:
+        most_blocks = int(np.maximum(table_lens, starts // bs + 1).max())
+        table_width = self._width_bucket(most_blocks, 1)
+        if most_blocks > table_width:
             return
         if self._copied is not None:
             self._copied.synchronize()  # this step's copy has read the host buffers
