@@ -174,20 +174,22 @@ def test_sampled_exits_follow_the_exit_law(tmp_path, exit_threshold):
     """Threshold 0 and max_tokens 3: the first token comes from the prefill (full depth), the second
     exits at layer 1 (drawn from the exit's law, not the full model's), the third is full depth's.
     With exit_threshold 1.0 the second is a draft no exit is sure enough of: verified by rejection
-    sampling, so it follows the full model's law."""
+    sampling, so it follows the full model's law. Temperature 0.5 sharpens the two laws apart: at 1.0
+    and 3,000 requests the second check had only a 2 in 3 chance to tell them apart."""
     from model_factory import make_tiny_hf_model
 
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=L, vocab_size=12, with_tokenizer=False)
     prompt, n, V = [3, 7, 1], 3000, 12
-    params = [eecore.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    T = 0.5
+    params = [eecore.SamplingParams(max_tokens=3, temperature=T, seed=s, ignore_eos=True) for s in range(n)]
     outs = _llm(path, 1, 3, 0.0, exit_threshold=exit_threshold, max_num_seqs=64).generate([prompt] * n, params)
     assert all(o.exit_layers == ([L, 1, L] if exit_threshold is None else [L, L, L]) for o in outs)
     exit_model = truncated_merged(hf, None, 1)
     with torch.no_grad():
-        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p1 = (hf(torch.tensor([prompt])).logits[0, -1] / T).softmax(-1)
         ids = torch.tensor([prompt + [t] for t in range(V)])
-        exit_law = exit_model(ids).logits[:, -1].softmax(-1)
-        full_law = hf(ids).logits[:, -1].softmax(-1)
+        exit_law = (exit_model(ids).logits[:, -1] / T).softmax(-1)
+        full_law = (hf(ids).logits[:, -1] / T).softmax(-1)
     counts = first_two_token_counts(outs, V)
     law, other = (exit_law, full_law) if exit_threshold is None else (full_law, exit_law)
     assert law_p_value(counts, p1[:, None] * law) > 1e-3

@@ -163,16 +163,16 @@ def test_a_request_failing_in_the_step_fails_alone(tiny_path, oracle, monkeypatc
     """A request whose own code raises inside the engine step (here: its sampling, made to fail
     for temperature 0.77) ends with an error; the requests batched with it go on (recomputed) and
     finish with their text alone; the failure is counted."""
-    from eecore.engine.sampler import Sampler
+    from eecore.engine import sampler
 
-    probabilities = Sampler.probabilities
+    draw_rows = sampler.draw_rows
 
-    def failing(logits, params):
+    def failing(logits, params, u):
         if any(p.temperature == 0.77 for p in params):
             raise RuntimeError("boom")
-        return probabilities(logits, params)
+        return draw_rows(logits, params, u)
 
-    monkeypatch.setattr(Sampler, "probabilities", staticmethod(failing))
+    monkeypatch.setattr(sampler, "draw_rows", failing)
     prompts = random_prompts(VOCAB, [7, 4, 9], seed=3)
     expected = [o.text for o in oracle.generate(prompts, greedy_params(10))]
 

@@ -146,21 +146,43 @@ def test_steps_launched_ahead_with_requests_arriving(tiny, every, monkeypatch):
     assert llm.engine.runner.static_decode.ahead_taken > 0
 
 
-@pytest.mark.parametrize("other", ["logprobs", "sampled"])
-def test_steps_with_logprobs_or_sampling_are_not_launched_ahead(tiny, other, monkeypatch):
-    """A row that needs the host before the next step (its logprobs, a draw from its generator)
-    keeps the whole step from launching its successor ahead."""
+@pytest.mark.parametrize("other", ["logprobs", "top-p"])
+def test_steps_needing_the_host_are_not_launched_ahead(tiny, other, monkeypatch):
+    """A row that needs the host before the next step (its logprobs; top-p without top-k, whose
+    nucleus search reads the device) keeps the whole step from launching its successor ahead."""
     monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [5, 8], seed=10)
     second = greedy(6, logprobs=2) if other == "logprobs" else \
-        eecore.SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+        eecore.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     params = [greedy(6), second]
     plain = _llm(path, static=False).generate(prompts, params)
     llm = _llm(path, static=True)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.engine.runner.static_decode.ahead_taken == 0
+
+
+@pytest.mark.parametrize("num_blocks", [96, 12])
+def test_sampled_steps_launched_ahead_draw_what_plain_steps_draw(tiny, num_blocks, monkeypatch):
+    """Sampled rows (temperature, top-k; seeded and not) draw on the device and launch ahead: the
+    same tokens as plain steps, since each row takes the same numbers from its generator in the
+    same order; with 12 blocks, through preemptions. Every row samples, so the steps taken ahead
+    are sampled ones."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3 + (5 * i) % 11 for i in range(5)], seed=14)
+    params = [eecore.SamplingParams(max_tokens=6 + 2 * i, temperature=0.9, seed=20 + i, ignore_eos=True,
+                                    top_k=50 if i % 2 else 0) for i in range(4)]
+    params.append(eecore.SamplingParams(max_tokens=9, temperature=0.7, top_k=5, ignore_eos=True))  # unseeded
+    plain_llm = _llm(path, static=False, num_blocks=num_blocks, seed=5)
+    llm = _llm(path, static=True, num_blocks=num_blocks, seed=5)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [o.token_ids for o in plain_llm.generate(prompts, params)]
+    assert llm.engine.runner.static_decode.ahead_taken > 0
+    unseeded = [eecore.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)] * 3
+    assert [o.token_ids for o in llm.generate(prompts[:3], unseeded)] == \
+        [o.token_ids for o in plain_llm.generate(prompts[:3], unseeded)]
 
 
 def _two_decode_rows():

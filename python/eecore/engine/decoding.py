@@ -9,7 +9,7 @@ import torch
 
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
-from eecore.engine.sampler import Sampler, argmax_rows
+from eecore.engine.sampler import Sampler, argmax_rows, needs_host
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import DECODE_AHEAD_ENV, AheadStep
 
@@ -70,7 +70,7 @@ class DecodeStrategy:
 
 
 class FullDepthDecoder(DecodeStrategy):
-    """Every layer for every token. With EECORE_DECODE_AHEAD=1 (and `allow_ahead`), a greedy decode
+    """Every layer for every token. With EECORE_DECODE_AHEAD=1 (and `allow_ahead`), a decode
     step on static buffers launches the next step before reading its own tokens back (see
     `_decode_ahead`)."""
 
@@ -94,16 +94,18 @@ class FullDepthDecoder(DecodeStrategy):
         return self.step(seqs)[0]
 
     def _decode_ahead(self, seqs: list[Sequence]) -> Optional[list[list[Token]]]:
-        """A greedy step on static buffers whose successor is launched before its tokens are read
+        """A step on static buffers whose successor is launched before its tokens are read
         back: the argmax writes the tokens on the device, the next step (the same sequences one
         position further) copies them into its inputs and runs, and the host waits for this step's
         tokens only. The engine's next step takes that step's logits if its rows are the ones it
         ran (StaticDecode.take_ahead); otherwise it runs its own and the ahead step's work is lost.
-        None where the step does not qualify (sampled rows or logprobs need the host first)."""
+        Sampled rows draw on the device too (the same numbers from their generators as in a plain
+        step), except top-p without top-k, whose nucleus search reads the device. None where the
+        step does not qualify (such rows, or logprobs, need the host first)."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
         static = self.runner.static_decode
         if static is None or not static.takes(rows) or \
-                not all(s.params.greedy and s.params.logprobs is None for s in seqs):
+                not all(s.params.logprobs is None and not needs_host(s.params) for s in seqs):
             self._ahead = None
             return None
         ahead, self._ahead = self._ahead, None
@@ -113,6 +115,7 @@ class FullDepthDecoder(DecodeStrategy):
         if self._readback is None:
             self._readback = TokenReadback(static.max_batch, logits.device)
         tokens = self._readback.argmax(logits)
+        self.sampler.draw_sampled(logits, seqs, tokens)
         self._readback.start()
         self._reserve_next_blocks(rows)
         self._ahead = static.launch_ahead(rows, tokens)
@@ -171,9 +174,10 @@ class FullDepthDecoder(DecodeStrategy):
 
 
 class TokenReadback:
-    """A decode step's greedy tokens: the argmax into a static device buffer, then copied to pinned
-    host memory behind it on the stream, so the host can wait for them alone while later work (a
-    step launched ahead) is queued behind. On the CPU, the argmax and a list."""
+    """A decode step's tokens: the argmax into a static device buffer (sampled rows' draws written
+    over it), then copied to pinned host memory behind it on the stream, so the host can wait for
+    them alone while later work (a step launched ahead) is queued behind. On the CPU, the argmax and
+    a list."""
 
     def __init__(self, max_batch: int, device: torch.device):
         self.device = device

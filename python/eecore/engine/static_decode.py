@@ -137,8 +137,8 @@ class StaticPass:
         return graph, output
 
 
-# EECORE_DECODE_AHEAD=1: a greedy decode step launches the next one before the host reads its tokens
-# back (the tokens go from the argmax to the next step's inputs on the device), so the host's
+# EECORE_DECODE_AHEAD=1: a decode step launches the next one before the host reads its tokens back
+# (the tokens go from the argmax or the sampler's draw to the next step's inputs on the device), so the host's
 # share of a step (reading back, appending, scheduling) runs while the GPU computes the next
 # step. Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_DECODE_AHEAD=1).
 DECODE_AHEAD_ENV = "EECORE_DECODE_AHEAD"
@@ -213,7 +213,7 @@ class StaticDecode(StaticPass):
     def take_ahead(self, ahead: AheadStep, rows: list[Row]) -> Optional[torch.Tensor]:
         """The logits `[B, V]` of `rows` from a step launched ahead, if it computed each of them: the
         rows' sequences in the same order (some may have finished since), at the positions it ran,
-        with the tokens it was given (the sampled ones: a greedy sequence appends nothing else), in
+        with the tokens it was given (the ones the step drew: a sequence appends nothing else), in
         the blocks it wrote their K/V into (a sequence preempted and recomputed since has new ones).
         None otherwise: the caller runs the step (its K/V writes repeat the ahead step's, or land
         in blocks a later step writes before reading)."""

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from eecore.engine.sampler import Sampler, argmax_rows
+from eecore.engine.sampler import Sampler, argmax_rows, invert_cdf
 from eecore.engine.sequence import Sequence
 
 
@@ -83,8 +83,9 @@ class DraftPicker:
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             q = Sampler.probabilities(head.widen(logits[sampled]), [seqs[i].params for i in sampled])
+            drawn = invert_cdf(q, self.sampler.uniforms([seqs[i] for i in sampled])).tolist()
             for j, i in enumerate(sampled):
-                tokens[i] = Sampler.draw(q[j], self.sampler.generator_for(seqs[i]))
+                tokens[i] = drawn[j]
                 draws[i] = q[j]
         n = len(seqs)
         confidence = top1
