@@ -11,6 +11,8 @@ SmolLM2-135M's and Llama-3.2-1B's shapes (bf16):
     the default;
   * rotary_embedding_and_cache: two launches (EECORE_ROTARY_AND_CACHE_KERNEL=separate) against
     one, the default;
+  * argmax over a step's fp32 logits: ATen's max over the last dim (what the engine ran before)
+    against eecore's argmax op, the default;
   * a layer's chain of them (norm, QKV, RoPE and cache, output projection, norm, gate/up,
     activation, down): default, with the tensor-core few-row linear, and with it and programmatic
     dependent launch (EECORE_PDL=1).
@@ -81,6 +83,9 @@ class Layer:
         self.qkv, self.attn = randn(rows, qkv_out), randn(rows, hq * self.head_dim)
         self.gate_up, self.act = randn(rows, 2 * ff), randn(rows, ff)
         self.logits = randn(rows, vocab)
+        self.logits_f32 = self.logits.float()
+        self.top_values = torch.empty(rows, device=device)
+        self.top_ids = torch.empty(rows, dtype=torch.int64, device=device)
         angles = torch.randn(4096, self.head_dim // 2, generator=g)
         self.cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
         self.k_cache, self.v_cache = (torch.zeros(64, 16, hkv, self.head_dim, dtype=torch.bfloat16, device=device)
@@ -101,6 +106,11 @@ class Layer:
             [self.hq, self.hkv, self.hkv], dim=1)
         return lambda: self.ops.rotary_embedding_and_cache(self.positions, q, k, v, self.cos_sin, True, self.k_cache,
                                                            self.v_cache, self.slots)
+
+    def argmax(self, aten: bool):
+        if aten:
+            return lambda: torch.max(self.logits_f32, dim=-1, out=(self.top_values, self.top_ids))
+        return lambda: self.ops.argmax(self.logits_f32, out=self.top_ids)
 
     def chain(self):
         """A layer's row kernels in decode order (attention itself left out: it is no row kernel)."""
@@ -156,6 +166,8 @@ def main() -> None:
                 default_us=with_env({"EECORE_ROTARY_AND_CACHE_KERNEL": "separate"}, per_call_us,
                                     layer.rotary_and_cache(), args.repeats, args.device),
                 selected_us=per_call_us(layer.rotary_and_cache(), args.repeats, args.device))
+            timings["argmax"] = dict(default_us=per_call_us(layer.argmax(aten=True), args.repeats, args.device),
+                                     selected_us=per_call_us(layer.argmax(aten=False), args.repeats, args.device))
             chain = dict(default_us=per_call_us(layer.chain(), args.repeats, args.device),
                          selected_us=with_env(FLAGGED, per_call_us, layer.chain(), args.repeats, args.device),
                          selected_pdl_us=with_env(dict(FLAGGED, EECORE_PDL="1"), per_call_us, layer.chain(),
@@ -163,7 +175,7 @@ def main() -> None:
             timings["layer chain"] = chain
             rows_out.append(dict(model=name, rows=rows, timings=timings))
             print(f"{name}, {rows} rows (us a call in a graph: cuBLAS / few-row / few-row on tensor cores, "
-                  "unfused / fused; the chain: default / with gemv_mma / and PDL):")
+                  "unfused / fused, ATen / eecore; the chain: default / with gemv_mma / and PDL):")
             for label, t in timings.items():
                 extra = (f" / with PDL {t['selected_pdl_us']:.2f}" if "selected_pdl_us" in t
                          else f" / mma {t['mma_us']:.2f}" if "mma_us" in t else "")

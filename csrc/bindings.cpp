@@ -62,6 +62,11 @@ TORCH_LIBRARY(eecore, m) {
   // does any +inf or NaN in the row (top1 then skips NaN entries).
   m.def("softmax_top2_gap(Tensor logits) -> (Tensor, Tensor)");
 
+  // out int64 [B] (any stride) = argmax of each row of logits [B, V >= 1] (any row stride, unit
+  // stride along V), as torch.argmax: the first NaN of a row if it has one, else the first index
+  // of its maximum. Writes into out, so a decode loop allocates nothing.
+  m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");
+
   // hidden [B, d >= 1], weight [V >= 2, d] of hidden's dtype (any row strides) -> the same for
   // logits = hidden @ weight.T in fp32, never materialized
   m.def("lm_head_top2_gap(Tensor hidden, Tensor weight) -> (Tensor, Tensor)");

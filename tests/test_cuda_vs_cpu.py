@@ -485,6 +485,33 @@ def test_softmax_top2_gap_special_values():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (8, 32003), (1, 128256), (64, 128256), (5, 49152)])
+def test_argmax(dtype, shape):
+    logits = (torch.randn(shape) * 0.05).to(dtype)  # bf16 / fp16: many exact ties
+    logits[0, -1] = logits.float()[0].max()  # a tie at the very end
+    if shape[0] > 2:
+        logits[1, shape[1] // 2] = float("nan")
+        logits[2] = float("-inf")
+    assert torch.equal(ops.argmax(cuda(logits)).cpu(), ops.argmax(logits))
+    assert torch.equal(ops.argmax(logits), reference.argmax(logits))
+    unaligned = cuda(logits)[:, 1:] if shape[1] > 1 else cuda(logits)
+    assert torch.equal(ops.argmax(unaligned).cpu(), reference.argmax(unaligned.cpu()))
+
+
+def test_argmax_in_a_graph_writes_its_out_buffer():
+    logits = cuda(torch.randn(4, 50000))
+    out = torch.empty(4, dtype=torch.int64, device="cuda")
+    ops.argmax(logits, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.argmax(logits, out=out)
+    logits.copy_(cuda(torch.randn(4, 50000)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), reference.argmax(logits.cpu()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 17, 40, 70])
 @pytest.mark.parametrize("vocab, d", [(1000, 64), (32003, 576), (4099, 100), (128256, 2048)])
 def test_lm_head_top2_gap(dtype, rows, vocab, d):

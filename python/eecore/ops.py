@@ -26,6 +26,7 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "softmax_top2_gap",
+    "argmax",
     "lm_head_top2_gap",
     "hidden_cosine",
     "mlp_confidence",
@@ -91,6 +92,15 @@ def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key
 def softmax_top2_gap(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(gap, top1)`: fp32 `p1 - p2` of `softmax(logits [B, V])` and the int64 argmax, per row."""
     return _ops.softmax_top2_gap(logits)
+
+
+def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 `[B]`: each row's argmax of `logits [B, V]` (the first NaN, else the first maximal
+    index, as `torch.argmax`), into `out` if given; returns it."""
+    if out is None:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _ops.argmax(out, logits)
+    return out
 
 
 def lm_head_top2_gap(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,6 +129,10 @@ def softmax_top2_gap(logits):
     return _top2_gap_of_logits(logits)
 
 
+def argmax(logits):
+    return logits.float().argmax(dim=-1)
+
+
 def lm_head_top2_gap(hidden, weight):
     return _top2_gap_of_logits(hidden.float() @ weight.float().T)
 
