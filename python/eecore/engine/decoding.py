@@ -10,7 +10,7 @@ import torch
 from eecore import ops
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
-from eecore.engine.sampler import Sampler, argmax_rows, needs_host
+from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, needs_host
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import DECODE_AHEAD_ENV, AheadStep
 
@@ -184,6 +184,7 @@ class TokenReadback:
         self.device = device
         self._tokens: Optional[torch.Tensor] = None
         if device.type == "cuda":
+            self._values = torch.empty(max_batch, dtype=torch.float32, device=device)
             self._indices = torch.empty(max_batch, dtype=torch.int64, device=device)
             self._host = torch.empty(max_batch, dtype=torch.int64, pin_memory=True)
             self._copied = torch.cuda.Event()
@@ -194,7 +195,11 @@ class TokenReadback:
         if self.device.type != "cuda":
             self._tokens = argmax_rows(logits).reshape(B)
         else:
-            self._tokens = ops.argmax(logits, out=self._indices[:B])
+            if eecore_argmax_selected():
+                self._tokens = ops.argmax(logits, out=self._indices[:B])
+            else:
+                torch.max(logits, dim=-1, out=(self._values[:B], self._indices[:B]))
+                self._tokens = self._indices[:B]
         return self._tokens
 
     def start(self) -> None:

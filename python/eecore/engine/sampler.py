@@ -10,6 +10,7 @@ step of the model itself.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -27,17 +28,27 @@ FIRST_NUCLEUS_CANDIDATES = 64
 NUCLEUS_GROWTH = 16
 
 
+# EECORE_ARGMAX_KERNEL=eecore: rows on a GPU take eecore's argmax op instead of ATen's max over a
+# dim. Opt-in until a GPU has run it (its tests; bench/cuda_row_kernels.py times it against ATen).
+ARGMAX_KERNEL_ENV = "EECORE_ARGMAX_KERNEL"
+
+
+def eecore_argmax_selected() -> bool:
+    return os.environ.get(ARGMAX_KERNEL_ENV) == "eecore"
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first maximal index, NaN counting as maximal, as `argmax`): a share of
     every greedy step and verify pass. fp32 rows on the CPU go through numpy's vectorised argmax:
     one row of SmolLM2's 49,152 logits in 7 against 92 us for torch's `max` over the dim, 8 rows in
     34 against 339 (Zen 4; 2% of a decode step at 200 tok/s). Rows on a GPU take eecore's argmax
-    op (ATen's `max` over a dim took 27 us for one row of 128,256 on an H200). Elsewhere torch's
+    op where EECORE_ARGMAX_KERNEL=eecore selects it (ATen's `max` over a dim took 27 us for one row of
+    128,256 on an H200). Elsewhere torch's
     `max` over a dim, which finds it 2-4x faster than `argmax` (16 rows in 183 against 620 us in
     fp32, 318 against 1,403 in bf16, on an Intel Xeon, 2 threads)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))  # a row: a 0-d tensor
-    if logits.device.type == "cuda" and logits.dim() == 2 and logits.stride(-1) == 1:
+    if logits.device.type == "cuda" and logits.dim() == 2 and logits.stride(-1) == 1 and eecore_argmax_selected():
         return ops.argmax(logits)
     return logits.max(dim=-1).indices
 
