@@ -78,12 +78,12 @@ class Results:
                                  folder=device_folder(self.device) if self.device != "cpu" else None)
 
 
-def with_env(env: dict, fn, *args):
-    """fn(*args) with the variables of `env` set, restored afterwards."""
+def with_env(env: dict, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the variables of `env` set, restored afterwards."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -294,7 +294,9 @@ def main():
             prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
             params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-            ab = {text: eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
+            # built under their switches too: some are read when the model is built
+            ab = {text: with_env(variants[text], eecore.LLM, folder, dtype=args.dtype, device=args.device,
+                                 max_num_seqs=max(args.batch_sizes))
                   for text in variants}
             warm_up = eecore.SamplingParams(max_tokens=8, ignore_eos=True)
             for engine in (llm, eager):  # warm-up (and, with graphs, the capture of batch 1)

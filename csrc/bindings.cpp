@@ -67,6 +67,12 @@ TORCH_LIBRARY(eecore, m) {
   // of its maximum. Writes into out, so a decode loop allocates nothing.
   m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");
 
+  // weight: any contiguous tensor. On CUDA, asks the L2 cache to fetch the first
+  // min(max_bytes, its size) bytes of it (a hint; nothing waits for the data; issued on a side
+  // stream, it fills the memory bus while the main stream runs latency-bound kernels). On the CPU
+  // it only checks its arguments.
+  m.def("prefetch_l2(Tensor weight, int max_bytes) -> ()");
+
   // hidden [B, d >= 1], weight [V >= 2, d] of hidden's dtype (any row strides) -> the same for
   // logits = hidden @ weight.T in fp32, never materialized
   m.def("lm_head_top2_gap(Tensor hidden, Tensor weight) -> (Tensor, Tensor)");

@@ -194,6 +194,25 @@ def test_the_argmax_op_gives_atens_tokens(tiny, monkeypatch):
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
 
 
+@pytest.mark.parametrize("max_rows", ["16", "2"])  # 2: the batch's first steps fetch nothing
+def test_weight_prefetch_gives_eager_tokens(tiny, max_rows, monkeypatch):
+    """EECORE_PREFETCH_WEIGHTS=1: each layer forks a side stream that asks L2 for the projections
+    after attention; graphs capture the fork and join. Same tokens and logprobs as eager mode
+    without it."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14], seed=20)
+    params = [greedy(4 + 3 * i, logprobs=2) for i in range(len(prompts))]
+    eager = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4,
+                       enforce_eager=True).generate(prompts, params)
+    monkeypatch.setenv("EECORE_PREFETCH_WEIGHTS", "1")
+    monkeypatch.setenv("EECORE_PREFETCH_MAX_ROWS", max_rows)
+    llm = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in eager]
+    assert llm.engine.runner.model.prefetch.forks > 0
+
+
 def test_graphs_per_table_width_give_eager_tokens(tiny):
     """Graphs keyed by a block-table width bucket too (the attention kernel plans its context splits
     by the width): the batch moves from 16 blocks of 8 to 8 when its longest sequence finishes,

@@ -33,6 +33,7 @@ __all__ = [
     "accept_update",
     "kv_fill",
     "linear",
+    "prefetch_l2",
 ]
 
 
@@ -101,6 +102,12 @@ def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     _ops.argmax(out, logits)
     return out
+
+
+def prefetch_l2(weight: torch.Tensor, max_bytes: Optional[int] = None) -> None:
+    """On CUDA, asks the L2 cache to fetch the first `max_bytes` (default: all) of contiguous
+    `weight` on the current stream, and returns at once: a hint, which changes no value."""
+    _ops.prefetch_l2(weight, weight.numel() * weight.element_size() if max_bytes is None else int(max_bytes))
 
 
 def lm_head_top2_gap(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

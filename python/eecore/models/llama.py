@@ -22,6 +22,7 @@ from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.gguf_weights import q8_activations, stack_weights, with_q8_activations
 from eecore.models.int8_weights import Weight, dense, eight_bit, project, weight_rows
 from eecore.models.rope import cos_sin_cache
+from eecore.models.weight_prefetch import WeightPrefetch
 from eecore.models.weights import weight_taker
 from eecore.models.workspace import RowViewCache
 
@@ -164,6 +165,7 @@ class LlamaModel:
             place_in_huge_pages((self, ("embed", "final_norm", "lm_head", "lm_head_proj", "layers")))
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
+        self.prefetch = WeightPrefetch.for_device(self.device)  # EECORE_PREFETCH_WEIGHTS=1 on a GPU
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     def new_workspace(self, max_tokens: int) -> Workspace:
@@ -177,8 +179,15 @@ class LlamaModel:
               v_cache: torch.Tensor, ws: Workspace) -> torch.Tensor:
         """Run decoder layer `i` on `hidden [T, d]` in place, writing this step's K/V."""
         self.layer_qkv(i, hidden, attn, k_cache, v_cache, ws)
+        prefetch = self.prefetch is not None and self.prefetch.takes(hidden.shape[0])
+        if prefetch:  # the projections after attention, into L2 while attention runs
+            w = self.layers[i]
+            self.prefetch.fetch((w.o_proj, w.gate_up))
         self.layer_attention(attn, k_cache, v_cache, ws, hidden.shape[0])
-        return self.layer_output(i, hidden, ws)
+        out = self.layer_output(i, hidden, ws)
+        if prefetch:
+            self.prefetch.join()
+        return out
 
     # A layer in its three parts: what comes before attention, attention, what comes after. A
     # pass that captures everything but attention as CUDA graphs (engine.piecewise) runs the first
