@@ -8,8 +8,9 @@ attention starts and asks L2 for the output projection's weights and the first p
 gate/up weights (`ops.prefetch_l2`, up to half the L2); the projections then read them from L2.
 The fork joins the main stream at the end of the layer, so a CUDA graph captures both streams. A
 prefetch is a hint: no value changes, on or off. Steps of more than `EECORE_PREFETCH_MAX_ROWS` rows
-(default 16) fetch nothing: there attention itself streams the KV cache. Off by default until a
-GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_PREFETCH_WEIGHTS=1).
+(default: no limit) fetch nothing, for when attention over long contexts at large batches keeps
+HBM busy itself. Off by default until a GPU has timed it (bench/e2e_cuda.py --ab-env
+EECORE_PREFETCH_WEIGHTS=1, at batch 1, 8 and 64).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class WeightPrefetch:
         """A prefetcher where EECORE_PREFETCH_WEIGHTS=1 and the device is a GPU, else None."""
         if device.type != "cuda" or os.environ.get(PREFETCH_ENV) != "1":
             return None
-        max_rows = int(os.environ.get(MAX_ROWS_ENV, "16"))
+        max_rows = int(os.environ.get(MAX_ROWS_ENV, str(2 ** 31)))
         return cls(device, torch.cuda.get_device_properties(device).L2_cache_size // 2, max_rows)
 
     def takes(self, rows: int) -> bool:
