@@ -600,3 +600,62 @@ def test_kv_fill_skips_bad_index_data():
     torch.cuda.synchronize()
     written = kv_cache.abs().sum(dim=(0, 1, 4, 5)).flatten() > 0  # per slot
     assert written.tolist() == [True, False, False, False, False, False, False, False]
+
+
+# ---- batch invariance (EECORE_BATCH_INVARIANT=1) --------------------------------------------------
+
+@pytest.fixture
+def batch_invariant(monkeypatch):
+    from eecore.device import apply_batch_invariance
+
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    monkeypatch.setenv("EECORE_BATCH_INVARIANT", "1")
+    assert apply_batch_invariance(torch.device("cuda"))
+    yield
+    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("heads, head_dim", [((32, 8), 64), ((12, 3), 128), ((8, 8), 64), ((40, 5), 128)])
+def test_batch_invariant_attention_gives_verify_rows_a_decode_steps_bits(dtype, heads, head_dim, batch_invariant):
+    """Sequence b decoded alone, in a batch of 48, and verified with 5 query rows (its row at the
+    decoded position) in a batch of 48 with wider block tables: the same bits, at contexts inside
+    one split, across a split boundary and over several."""
+    hq, hkv = heads
+    block_size, width = 16, 5
+    lens = [7 + (131 * b) % 1500 for b in range(48)]
+    lens[0], lens[1], lens[2] = 512, 513, 1499
+    num_blocks = sum(math.ceil((s + width) / block_size) for s in lens) + 2
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, hkv, head_dim, dtype=dtype, device="cuda") for _ in "kv")
+    table = cuda(random_block_tables([s + width for s in lens], block_size, num_blocks, extra_cols=3))
+    queries = torch.randn(48, width, hq, head_dim, dtype=dtype, device="cuda")
+
+    def attend(batch, q_rows, table_cols):
+        seq_lens = torch.tensor([lens[b] + q_rows - 1 for b in batch], dtype=torch.int32, device="cuda")
+        query = queries[batch, :q_rows].reshape(-1, hq, head_dim).contiguous()
+        starts = torch.arange(0, len(batch) * q_rows + 1, q_rows, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(query)
+        ops.paged_attention(out, query, k_cache, v_cache, table[batch, :table_cols].contiguous(), seq_lens, starts,
+                            q_rows, head_dim ** -0.5, True)
+        return out.view(len(batch), q_rows, hq, head_dim)[:, 0]
+
+    everyone = list(range(48))
+    decoded = attend(everyone, 1, math.ceil(max(lens) / block_size))
+    verified = attend(everyone, width, table.shape[1])
+    for b in (0, 1, 2, 17):
+        alone = attend([b], 1, math.ceil(lens[b] / block_size))
+        assert torch.equal(alone[0], decoded[b]), b
+    assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("k, n", [(2048, 3072), (8192, 2048), (2048, 2048), (576, 49152)])
+def test_batch_invariant_linear_rows_keep_their_bits(dtype, k, n, batch_invariant):
+    """cuBLAS without split-K: a row's output is the same whether 1, 8, 64 or 320 rows share the
+    call (Llama-1B's projections, SmolLM2's LM head)."""
+    inp, weight = cuda(torch.randn(320, k, dtype=dtype), torch.randn(n, k, dtype=dtype) / k ** 0.5)
+    full = ops.linear(torch.empty(320, n, dtype=dtype, device="cuda"), inp, weight)
+    for rows in (1, 8, 64):
+        part = ops.linear(torch.empty(rows, n, dtype=dtype, device="cuda"), inp[:rows], weight)
+        assert torch.equal(part, full[:rows]), rows

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "common/cuda_glue.h"
+#include "eecore/batch_invariant.h"
 #include "eecore/launch/linear_gemv.h"
 #include "linear/linear_checks.h"
 #include "linear/linear_gemm.h"
@@ -25,6 +26,7 @@ enum class LinearKernel { kCublas, kGemv, kGemvMma };
 
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
 LinearKernel selected_kernel() {
+  if (batch_invariant_enabled()) return LinearKernel::kCublas;  // see eecore/batch_invariant.h
   const char* v = std::getenv("EECORE_LINEAR_KERNEL");
   if (v == nullptr) return LinearKernel::kCublas;
   if (std::strcmp(v, "gemv") == 0) return LinearKernel::kGemv;

@@ -11,6 +11,7 @@
 #include "attention_decode_mma.cuh"
 #include "attention_mma.cuh"
 #include "attention_rows.cuh"
+#include "eecore/batch_invariant.h"
 
 namespace eecore::cuda {
 namespace {
@@ -297,6 +298,11 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   if (decode_ok && p.max_query_len == 1 && group == 1 && !decode_mma_ldmatrix()) kernel = PagedAttentionKernel::kDecode;
   else if (decode_mma_ok && packed_rows <= 16 * decode_mma_m_tiles(p)) kernel = PagedAttentionKernel::kDecodeMma;
   else if (mma_ok && p.max_query_len > 1) kernel = PagedAttentionKernel::kMma;
+  // Batch invariance: one kernel for a sequence's decode step and its verify pass (its grid has a
+  // row block per 16 or 32 packed rows, each row computed alone).
+  const bool invariant = batch_invariant_enabled();
+  if (invariant && decode_mma_ok && p.max_query_len <= kBatchInvariantMaxQueryLen)
+    kernel = PagedAttentionKernel::kDecodeMma;
   const int forced = forced_kernel();
   if (forced == static_cast<int>(PagedAttentionKernel::kRows) ||
       (forced == static_cast<int>(PagedAttentionKernel::kMma) && mma_ok) ||
@@ -339,9 +345,19 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   if (kernel == PagedAttentionKernel::kMma || kernel == PagedAttentionKernel::kDecodeMma)
     splits = std::min<int64_t>(splits, INT32_MAX / std::max<int64_t>(p.num_seqs, 1));
   splits = std::min<int64_t>(splits, 65535);
-  const int64_t split_tokens =
+  int64_t split_tokens =
       std::max<int64_t>(round_up(ceil_div(std::max<int64_t>(max_context, 1), splits), tile), tile);
   splits = std::max<int64_t>(1, ceil_div(max_context, split_tokens));
+  const int64_t fixed_tokens = round_up(kBatchInvariantSplitTokens, tile);
+  const int64_t fixed_splits = std::max<int64_t>(2, ceil_div(max_context, fixed_tokens));
+  if (invariant && kernel != PagedAttentionKernel::kMma && fixed_splits <= 65535 &&
+      fixed_splits <= INT32_MAX / std::max<int64_t>(p.num_seqs, 1)) {
+    // Splits at the same key positions for every batch and table width, and at least two, so that
+    // every row goes through the combine (one split's row would be normalized in the kernel, with
+    // other rounding); an empty split's m = -inf is skipped exactly by the combine.
+    split_tokens = fixed_tokens;
+    splits = fixed_splits;
+  }
   plan.num_splits = static_cast<int32_t>(splits);
   plan.split_tokens = static_cast<int32_t>(std::min<int64_t>(split_tokens, INT32_MAX));
   plan.workspace_floats = splits > 1 ? split_workspace_floats(p, plan.num_splits) : 0;

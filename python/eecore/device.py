@@ -1,6 +1,8 @@
 """Which device an engine runs on: `LLM(device=...)`, and the presets tuned per kind of device."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -19,3 +21,22 @@ def resolve_device(device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"LLM: 'device' must be cpu or cuda, got {device!r}")
     return dev
+
+
+# EECORE_BATCH_INVARIANT=1: on a GPU, kernels whose result for a row does not depend on how many rows
+# share the call (include/eecore/batch_invariant.h says what the ops change), so self-speculation's
+# verify passes give each row a decode step's bits and its greedy outputs are exactly full depth's
+# at any batch size. cuBLAS must not split K for that: torch's switch for it is process-wide, so it
+# is set when an engine is built on a GPU with the variable set, and stays set.
+BATCH_INVARIANT_ENV = "EECORE_BATCH_INVARIANT"
+
+
+def apply_batch_invariance(device: torch.device) -> bool:
+    """Turns cuBLAS's split-K off for bf16 and fp16 where EECORE_BATCH_INVARIANT=1 on a GPU; whether
+    it did."""
+    if device.type != "cuda" or os.environ.get(BATCH_INVARIANT_ENV) != "1":
+        return False
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = (False, False)
+    matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    return True

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from eecore.device import apply_batch_invariance
 from eecore.engine.block_manager import BlockManager
 from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.encoder_decoder import check_request_fits, encoder_decoder_sequence
@@ -65,6 +66,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        apply_batch_invariance(model.device)
         mc = model.config
         max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = KVCache.plan_num_blocks(
