@@ -618,7 +618,7 @@ def batch_invariant(monkeypatch):
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("heads, head_dim", [((32, 8), 64), ((12, 3), 128), ((8, 8), 64), ((40, 5), 128)])
-def test_batch_invariant_attention_gives_verify_rows_a_decode_steps_bits(dtype, heads, head_dim, batch_invariant):
+def test_batch_invariant_attention_rows_keep_their_bits(dtype, heads, head_dim, batch_invariant):
     """Sequence b decoded alone, in a batch of 48, and verified with 5 query rows (its row at the
     decoded position) in a batch of 48 with wider block tables: the same bits, at contexts inside
     one split, across a split boundary and over several."""

@@ -35,7 +35,7 @@ def test_prefetch_l2_bad_arguments(device, make, message):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_prefetch_l2_on_a_side_stream_in_a_graph():
+def test_prefetch_l2_on_a_cuda_side_stream_in_a_graph():
     """The fork and join the model makes around attention: captured, replayed, values unchanged."""
     weight = torch.randn(4 << 20, device="cuda").to(torch.bfloat16)
     x = torch.randn(64, device="cuda")
