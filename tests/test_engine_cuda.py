@@ -166,17 +166,21 @@ def test_graphs_with_the_host_ahead_give_eager_tokens(tiny, switch, num_blocks, 
 
 
 def test_sampled_steps_launched_ahead_give_eager_tokens(tiny, monkeypatch):
-    """EECORE_DECODE_AHEAD=1 with sampled rows (temperature, top-k; seeded): the draws are made on
-    the device and feed the next step's inputs; same tokens as eager mode."""
+    """EECORE_DECODE_AHEAD=1 with sampled rows (temperature, top-k, top-p; seeded) and logprobs:
+    the draws are made on the device and feed the next step's inputs, the log-probabilities are
+    read back with the tokens; same tokens and logprobs as eager mode."""
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14, 7], seed=18)
-    params = [eecore.SamplingParams(max_tokens=6 + 2 * i, temperature=0.8, top_k=20 if i % 2 else 0, seed=i,
+    params = [eecore.SamplingParams(max_tokens=6 + 2 * i, temperature=0.8, top_k=20 if i % 2 else 0,
+                                    top_p=0.9 if i == 2 else 1.0, logprobs=2 if i < 2 else None, seed=i,
                                     ignore_eos=True) for i in range(len(prompts))]
     eager = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4,
                        enforce_eager=True).generate(prompts, params)
     monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
     llm = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in eager]
     assert llm.engine.runner.static_decode.ahead_taken > 0
 
 

@@ -146,21 +146,27 @@ def test_steps_launched_ahead_with_requests_arriving(tiny, every, monkeypatch):
     assert llm.engine.runner.static_decode.ahead_taken > 0
 
 
-@pytest.mark.parametrize("other", ["logprobs", "top-p"])
-def test_steps_needing_the_host_are_not_launched_ahead(tiny, other, monkeypatch):
-    """A row that needs the host before the next step (its logprobs; top-p without top-k, whose
-    nucleus search reads the device) keeps the whole step from launching its successor ahead."""
+@pytest.mark.parametrize("other", ["logprobs", "top-p", "both"])
+def test_steps_with_logprobs_or_top_p_launch_ahead_too(tiny, other, monkeypatch):
+    """A row's log-probabilities are computed on the device and read back with the tokens, and a
+    top-p row's nucleus search reads the device before the launch: such steps launch ahead too,
+    with the plain engine's tokens and log-probabilities (every row's, or some rows')."""
     monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
     path, hf = tiny
-    prompts = random_prompts(hf.config.vocab_size, [5, 8], seed=10)
-    second = greedy(6, logprobs=2) if other == "logprobs" else \
-        eecore.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
-    params = [greedy(6), second]
+    prompts = random_prompts(hf.config.vocab_size, [5, 8, 3], seed=10)
+    top_p = eecore.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True,
+                                  logprobs=3 if other == "both" else None)
+    second = greedy(6, logprobs=2) if other == "logprobs" else top_p
+    params = [greedy(6, logprobs=1 if other == "both" else None), second, greedy(6)]
     plain = _llm(path, static=False).generate(prompts, params)
     llm = _llm(path, static=True)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert llm.engine.runner.static_decode.ahead_taken == 0
+    assert [o.logprobs for o in outs] == [o.logprobs for o in plain]
+    assert llm.engine.runner.static_decode.ahead_taken > 0
+    every = [greedy(5, logprobs=4)] * 3  # every row with logprobs
+    assert [o.logprobs for o in llm.generate(prompts, every)] == \
+        [o.logprobs for o in _llm(path, static=False).generate(prompts, every)]
 
 
 @pytest.mark.parametrize("num_blocks", [96, 12])

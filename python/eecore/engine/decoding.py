@@ -10,7 +10,7 @@ import torch
 from eecore import ops
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
-from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, needs_host
+from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, logprob_dicts, logprob_tensors
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import DECODE_AHEAD_ENV, AheadStep
 
@@ -96,17 +96,17 @@ class FullDepthDecoder(DecodeStrategy):
 
     def _decode_ahead(self, seqs: list[Sequence]) -> Optional[list[list[Token]]]:
         """A step on static buffers whose successor is launched before its tokens are read
-        back: the argmax writes the tokens on the device, the next step (the same sequences one
-        position further) copies them into its inputs and runs, and the host waits for this step's
-        tokens only. The engine's next step takes that step's logits if its rows are the ones it
-        ran (StaticDecode.take_ahead); otherwise it runs its own and the ahead step's work is lost.
-        Sampled rows draw on the device too (the same numbers from their generators as in a plain
-        step), except top-p without top-k, whose nucleus search reads the device. None where the
-        step does not qualify (such rows, or logprobs, need the host first)."""
+        back: the argmax (sampled rows' draws written over it) puts the tokens on the device, the
+        next step (the same sequences one position further) copies them into its inputs and runs,
+        and the host waits for this step's tokens and log-probabilities only (queued for the host
+        before the next step). The engine's next step takes that step's logits if its rows are the
+        ones it ran (StaticDecode.take_ahead); otherwise it runs its own and the ahead step's work
+        is lost. Sampled rows draw the same numbers from their generators as in a plain step; a
+        top-p row's nucleus search reads the device before the launch, which then waits for it.
+        None where the step is not one static decode step."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
         static = self.runner.static_decode
-        if static is None or not static.takes(rows) or \
-                not all(s.params.logprobs is None and not needs_host(s.params) for s in seqs):
+        if static is None or not static.takes(rows):
             self._ahead = None
             return None
         ahead, self._ahead = self._ahead, None
@@ -117,13 +117,24 @@ class FullDepthDecoder(DecodeStrategy):
             self._readback = TokenReadback(static.max_batch, logits.device)
         tokens = self._readback.argmax(logits)
         self.sampler.draw_sampled(logits, seqs, tokens)
-        self._readback.start()
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        ks = [seqs[i].params.logprobs for i in wanted]
+        if wanted and len(wanted) < len(seqs):
+            index = torch.tensor(wanted, device=logits.device)
+            self._readback.start(*logprob_tensors(logits.index_select(0, index), tokens.index_select(0, index), ks))
+        else:
+            self._readback.start(*(logprob_tensors(logits, tokens, ks) if wanted else ()))
         self._reserve_next_blocks(rows)
         self._ahead = static.launch_ahead(rows, tokens)
         token_list = self._readback.wait(len(rows))
         if self._ahead is not None:
             self._ahead.tokens = token_list
-        return [[Token(t, self.num_layers)] for t in token_list]
+        logprobs: list[Optional[dict[int, float]]] = [None] * len(seqs)
+        if wanted:
+            values, ids, chosen = (t.tolist() for t in self._readback.extra)
+            for i, d in zip(wanted, logprob_dicts(values, ids, chosen, [token_list[i] for i in wanted], ks)):
+                logprobs[i] = d
+        return [[Token(t, self.num_layers, lp)] for t, lp in zip(token_list, logprobs)]
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]
                      ) -> tuple[list[list[Token]], list[Optional[Token]]]:
@@ -176,13 +187,14 @@ class FullDepthDecoder(DecodeStrategy):
 
 class TokenReadback:
     """A decode step's tokens: the argmax into a static device buffer (sampled rows' draws written
-    over it), then copied to pinned host memory behind it on the stream, so the host can wait for
-    them alone while later work (a step launched ahead) is queued behind. On the CPU, the argmax and
-    a list."""
+    over it), then copied to pinned host memory behind it on the stream, with any other tensors the
+    host needs from the step (log-probabilities), so the host can wait for them alone while later
+    work (a step launched ahead) is queued behind. On the CPU, the argmax and a list."""
 
     def __init__(self, max_batch: int, device: torch.device):
         self.device = device
         self._tokens: Optional[torch.Tensor] = None
+        self.extra: list[torch.Tensor] = []  # start's other tensors, on the host once wait returned
         if device.type == "cuda":
             self._values = torch.empty(max_batch, dtype=torch.float32, device=device)
             self._indices = torch.empty(max_batch, dtype=torch.int64, device=device)
@@ -202,12 +214,16 @@ class TokenReadback:
                 self._tokens = self._indices[:B]
         return self._tokens
 
-    def start(self) -> None:
-        """Queues the copy to the host (call before queueing work that should not be waited for)."""
-        if self.device.type == "cuda":
-            B = self._tokens.shape[0]
-            self._host[:B].copy_(self._tokens, non_blocking=True)
-            self._copied.record()
+    def start(self, *extra: torch.Tensor) -> None:
+        """Queues the copy to the host of the tokens and of `extra` (call before queueing work that
+        should not be waited for)."""
+        if self.device.type != "cuda":
+            self.extra = list(extra)
+            return
+        B = self._tokens.shape[0]
+        self._host[:B].copy_(self._tokens, non_blocking=True)
+        self.extra = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in extra]
+        self._copied.record()
 
     def wait(self, count: int) -> list[int]:
         if self.device.type != "cuda":

@@ -89,7 +89,8 @@ class Sampler:
 
     def draw_sampled(self, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Writes the sampled sequences' draws over their rows of `tokens [B]` (the argmax of
-        `logits [B, V]`), in place; reads nothing back unless some row `needs_host`."""
+        `logits [B, V]`), in place; reads the device only for top-p rows without top-k (how far
+        their nucleus search goes)."""
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             rows = logits if len(sampled) == len(seqs) else logits[sampled]
@@ -163,12 +164,6 @@ def invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
 
 
-def needs_host(params: SamplingParams) -> bool:
-    """Whether drawing for `params` reads device data on the host (top-p without top-k: how wide its
-    nucleus search goes); other draws queue on the device without waiting for it."""
-    return not params.greedy and params.top_k == 0 and params.top_p < 1.0
-
-
 def _candidate_groups(logits: torch.Tensor, params: list[SamplingParams]
                       ) -> list[tuple[list[int], torch.Tensor, Optional[torch.Tensor]]]:
     """The rows of `logits [n, V]` in groups `(rows, weights [r, K], ids [r, K] or None)`: each row's
@@ -227,15 +222,28 @@ def _filter(probs: torch.Tensor, top_k: list[int], top_p: list[float], width: in
 
 def logprobs_rows(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
     """Per row of `logits [n, V]`: the log-probabilities of its top-`ks[i]` tokens and of `tokens[i]`."""
+    values, ids, chosen = logprob_tensors(logits, torch.tensor(tokens, device=logits.device), ks)
+    return logprob_dicts(values.tolist(), ids.tolist(), chosen.tolist(), tokens, ks)
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logprobs_rows`' numbers, left on the device: the top max(ks) log-probabilities of each row and
+    their ids `[n, k]`, and the log-probability of `tokens` (int64 `[n]`, on the device) `[n]`."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     widest = min(max(ks), lp.shape[-1])
-    top_values = top_ids = [[]] * len(tokens)
     if widest > 0:
         values, ids = lp.topk(widest, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    else:
+        values, ids = lp[:, :0], torch.empty(lp.shape[0], 0, dtype=torch.int64, device=lp.device)
+    return values, ids, lp.gather(-1, tokens[:, None])[:, 0]
+
+
+def logprob_dicts(values: list, ids: list, chosen: list, tokens: list[int], ks: list[int]
+                  ) -> list[dict[int, float]]:
+    """`logprob_tensors`' results, read back as lists, in one dict a row."""
     out = []
-    for ids_row, values_row, k, token, value in zip(top_ids, top_values, ks, tokens, chosen):
+    for ids_row, values_row, value, token, k in zip(ids, values, chosen, tokens, ks):
         d = dict(zip(ids_row[:k], values_row[:k]))
         d[token] = value
         out.append(d)

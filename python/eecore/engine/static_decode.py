@@ -138,9 +138,9 @@ class StaticPass:
 
 
 # EECORE_DECODE_AHEAD=1: a decode step launches the next one before the host reads its tokens back
-# (the tokens go from the argmax or the sampler's draw to the next step's inputs on the device), so the host's
-# share of a step (reading back, appending, scheduling) runs while the GPU computes the next
-# step. Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_DECODE_AHEAD=1).
+# (the tokens go from the argmax or the sampler's draw to the next step's inputs on the device), so
+# the host's share of a step (reading back, appending, scheduling) runs while the GPU computes the
+# next step. Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_DECODE_AHEAD=1).
 DECODE_AHEAD_ENV = "EECORE_DECODE_AHEAD"
 
 
