@@ -128,9 +128,10 @@ def llama_cpp_server(model_path: str, n_ctx: int) -> Server | None:
 
 # ---- the load generator ------------------------------------------------------------------------
 
-async def _one(client, model: str, prompt: list[int] | str, max_tokens: int, extra: dict, t0: float) -> dict:
+async def _one(client, model: str, prompt: list[int] | str, max_tokens: int, sampling: dict, extra: dict,
+               t0: float) -> dict:
     sent = time.perf_counter()
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **sampling,
                                              stream=True, stream_options={"include_usage": True}, extra_body=extra)
     arrivals, tokens = [], None
     async for chunk in stream:
@@ -146,7 +147,7 @@ async def _one(client, model: str, prompt: list[int] | str, max_tokens: int, ext
 
 
 async def run_scenario(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-                       rate: float, extra: dict, seed: int) -> dict:
+                       rate: float, sampling: dict, extra: dict, seed: int) -> dict:
     """Open loop: request i is sent at its Poisson arrival time (all at once for rate inf), or as
     soon as fewer than `concurrency` requests are in flight."""
     import openai
@@ -161,7 +162,7 @@ async def run_scenario(url: str, model: str, prompts: list[list[int]], max_token
     async def launch(i: int, at: float):
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         async with slots:
-            return await _one(client, model, prompts[i], max_tokens, extra, t0)
+            return await _one(client, model, prompts[i], max_tokens, sampling, extra, t0)
 
     arrivals = [sum(gaps[: i + 1]) for i in range(len(prompts))]
     results = await asyncio.gather(*(launch(i, at) for i, at in enumerate(arrivals)))
@@ -209,7 +210,8 @@ def run_grid(url: str, model: str, prompt_pool: list[list[int]], args, extra: di
             # inter-token gaps of 100+ ms that the server never caused
             gc.collect()
             gc.freeze()
-            row = asyncio.run(run_scenario(url, model, prompts, args.max_tokens, c, rate, extra, seed=c))
+            sampling = {"temperature": args.temperature, "top_p": args.top_p}
+            row = asyncio.run(run_scenario(url, model, prompts, args.max_tokens, c, rate, sampling, extra, seed=c))
             row.update(concurrency=c, rate="inf" if math.isinf(rate) else rate)
             if server is not None:
                 after = server.metrics()
@@ -297,6 +299,9 @@ def main() -> None:
     p.add_argument("--rates", nargs="+", type=float, default=[2.0, math.inf],
                    help="Poisson arrival rates in requests/s (inf: all at once)")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (the OpenAI API's default is 1)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=None, help="requests per scenario (default: see --min-requests)")
     p.add_argument("--prompts", choices=PROMPT_KINDS, default="chat")
@@ -330,7 +335,8 @@ def main() -> None:
         server = eecore_server(strategy, args)
         try:
             asyncio.run(run_scenario(server.url, "SmolLM2-135M-Instruct", prompt_pool[:2], 8, 2, math.inf,
-                                     {"ignore_eos": True}, 0))  # warm-up
+                                     {"temperature": args.temperature, "top_p": args.top_p}, {"ignore_eos": True},
+                                     0))  # warm-up
             rows = run_grid(server.url, "SmolLM2-135M-Instruct", prompt_pool, args, {"ignore_eos": True}, server)
         finally:
             server.stop()
@@ -363,6 +369,7 @@ def main() -> None:
                "prompts": args.prompts + (" (repeated)" if args.repeat_prompts or args.prompts != "chat" else
                                           " (numbered: unique after the system prompt)"),
                "max_tokens": args.max_tokens, "min_requests": args.min_requests,
+               "temperature": args.temperature, "top_p": args.top_p,
                "concurrency": args.concurrency, "rates": [str(r) for r in args.rates], "results": results,
                "llama_cpp": llama_note, "engine_flags": engine_flags(args),
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
