@@ -73,6 +73,17 @@ def timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """The median time of `repeats` calls of fn(), after one call to warm it up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def alternate_with_hf(llm, hf, prompts: list[list[int]], params, max_new_tokens: int, repeats: int):
     """Generate `prompts` with eecore and with HF `generate` in turn, `repeats` times each, so that a
     burst of load on a shared machine hits both alike. Returns the median seconds of each and

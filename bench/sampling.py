@@ -27,7 +27,7 @@ import time
 import torch
 
 import eecore
-from common import cpu_model, save_results
+from common import cpu_model, median_seconds, save_results
 from eecore.engine import sampler as current
 
 CONFIGS = {
@@ -61,13 +61,7 @@ def load_module(path: str):
 def time_sample(module, logits: torch.Tensor, params: eecore.SamplingParams, repeats: int) -> float:
     sampler = module.Sampler(torch.device("cpu"))
     seqs = [_Seq(i, params) for i in range(logits.shape[0])]
-    sampler.sample(logits, seqs)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sampler.sample(logits, seqs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(lambda: sampler.sample(logits, seqs), repeats) * 1e6
 
 
 def time_generation(llm, baseline, args) -> list[dict]:
@@ -126,7 +120,8 @@ def main() -> None:
     rows = []
     for shape in ("lm-like", "flat"):
         for batch in args.batch_sizes:
-            logits = lm_like_logits(batch, args.vocab, g) if shape == "lm-like" else torch.randn(batch, args.vocab, generator=g)
+            logits = (lm_like_logits(batch, args.vocab, g) if shape == "lm-like"
+                      else torch.randn(batch, args.vocab, generator=g))
             for name, kw in CONFIGS.items():
                 if shape == "flat" and name == "greedy":
                     continue

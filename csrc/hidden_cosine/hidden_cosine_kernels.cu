@@ -50,16 +50,10 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t launch_hidden_cosine(const HiddenCosineParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   if (p.rows > INT32_MAX) return cudaErrorInvalidValue;
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+  return dispatch_row_vectors(p.dtype, {p.prev, p.cur}, {p.prev_stride, p.cur_stride}, [&](auto tag, auto vec) {
     using T = typename decltype(tag)::type;
-    constexpr int V = kVec16<T>;
-    const T* prev = static_cast<const T*>(p.prev);
-    const T* cur = static_cast<const T*>(p.cur);
-    const dim3 grid(static_cast<unsigned>(p.rows));
-    if (rows_aligned16({p.prev, p.cur}, {p.prev_stride, p.cur_stride}, sizeof(T)))
-      hidden_cosine_kernel<T, V><<<grid, kThreads, 0, stream>>>(prev, p.prev_stride, cur, p.cur_stride, p.d, p.out);
-    else
-      hidden_cosine_kernel<T, 1><<<grid, kThreads, 0, stream>>>(prev, p.prev_stride, cur, p.cur_stride, p.d, p.out);
+    hidden_cosine_kernel<T, decltype(vec)::value><<<dim3(static_cast<unsigned>(p.rows)), kThreads, 0, stream>>>(
+        static_cast<const T*>(p.prev), p.prev_stride, static_cast<const T*>(p.cur), p.cur_stride, p.d, p.out);
     return cudaGetLastError();
   });
 }

@@ -15,7 +15,8 @@ void prefetch_l2_cuda(const at::Tensor& weight, int64_t max_bytes) {
   const int64_t bytes = std::min<int64_t>(max_bytes, weight.numel() * weight.element_size());
   if (bytes == 0) return;
   const c10::cuda::CUDAGuard guard(weight.device());
-  check_launch("prefetch_l2", cuda::launch_prefetch_l2(weight.const_data_ptr(), bytes, current_stream(weight.device())));
+  const cudaStream_t stream = current_stream(weight.device());
+  check_launch("prefetch_l2", cuda::launch_prefetch_l2(weight.const_data_ptr(), bytes, stream));
 }
 
 }  // namespace

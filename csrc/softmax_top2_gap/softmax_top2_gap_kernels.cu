@@ -35,16 +35,10 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t launch_softmax_top2_gap(const SoftmaxTop2GapParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   if (p.rows > INT32_MAX) return cudaErrorInvalidValue;
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+  return dispatch_row_vectors(p.dtype, {p.logits}, {p.row_stride}, [&](auto tag, auto vec) {
     using T = typename decltype(tag)::type;
-    constexpr int V = kVec16<T>;
-    const T* logits = static_cast<const T*>(p.logits);
-    const dim3 grid(static_cast<unsigned>(p.rows));
-    // The tail loop covers any V; the vector loop needs 16-byte aligned rows.
-    if (rows_aligned16({p.logits}, {p.row_stride}, sizeof(T)))
-      softmax_top2_gap_kernel<T, V><<<grid, kThreads, 0, stream>>>(logits, p.row_stride, p.vocab, p.gap, p.top1);
-    else
-      softmax_top2_gap_kernel<T, 1><<<grid, kThreads, 0, stream>>>(logits, p.row_stride, p.vocab, p.gap, p.top1);
+    softmax_top2_gap_kernel<T, decltype(vec)::value><<<dim3(static_cast<unsigned>(p.rows)), kThreads, 0, stream>>>(
+        static_cast<const T*>(p.logits), p.row_stride, p.vocab, p.gap, p.top1);
     return cudaGetLastError();
   });
 }

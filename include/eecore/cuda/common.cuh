@@ -124,6 +124,19 @@ inline bool rows_aligned16(std::initializer_list<const void*> ptrs, std::initial
   return true;
 }
 
+// For a kernel that walks whole rows: calls f(TypeTag<T>{}, std::integral_constant<int, V>{}) with T
+// the element type of `dtype` and V its 16-byte vector width where every pointer and row stride
+// keeps 16-byte alignment (rows_aligned16), else 1 (a tail loop then covers any row length).
+template <typename F>
+inline cudaError_t dispatch_row_vectors(DType dtype, std::initializer_list<const void*> ptrs,
+                                        std::initializer_list<int64_t> strides, F&& f) {
+  return dispatch_dtype(dtype, [&](auto tag) -> cudaError_t {
+    using T = typename decltype(tag)::type;
+    if (rows_aligned16(ptrs, strides, sizeof(T))) return f(tag, std::integral_constant<int, kVec16<T>>{});
+    return f(tag, std::integral_constant<int, 1>{});
+  });
+}
+
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 

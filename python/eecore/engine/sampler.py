@@ -92,9 +92,14 @@ class Sampler:
         `logits [B, V]`), in place; reads the device only for top-p rows without top-k (how far
         their nucleus search goes)."""
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            rows = logits if len(sampled) == len(seqs) else logits[sampled]
-            picked = draw_rows(rows, [seqs[i].params for i in sampled], self.uniforms([seqs[i] for i in sampled]))
+        if not sampled:
+            return
+        every = len(sampled) == len(seqs)
+        picked = draw_rows(logits if every else logits[sampled], [seqs[i].params for i in sampled],
+                           self.uniforms([seqs[i] for i in sampled]))
+        if every:
+            tokens.copy_(picked)
+        else:
             tokens[sampled] = picked.to(tokens.device)
 
     def uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
