@@ -2,6 +2,7 @@
 
     PYTHONPATH=python python bench/cuda_step_profile.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 64] [--steps 32] [--top 12] [--enforce-eager] [--exit-configs TEXT ...]
+        [--ab-env NAME=VALUE,... ...]
 
 For each model shape (random weights, bf16) and batch size, a warm-up generate captures the CUDA
 graphs, then `--steps` decode steps run under torch.profiler. Per step it prints the wall time,
@@ -12,7 +13,8 @@ tokens); busy time spread over hundreds of few-microsecond kernels says the kern
 With --exit-configs, the early-exit and self-speculation configurations of bench/e2e_cuda.py whose
 names contain one of the words (e.g. `none static` for a softmax check that no row passes and a
 static exit) are profiled the same way after full depth, each a row of its own (figures per
-generated token: a step, except for self-speculation, whose round yields several).
+generated token: a step, except for self-speculation, whose round yields several). With --ab-env
+full depth is profiled once more under each set of variables (built under them too).
 Then the same steps run once more without the profiler, with the host's parts of a step timed
 (schedule, input build, sample: the argmax, and the wait for the GPU when it is the slower, append
 and stop checks): unprofiled wall time, and where the host's share of it goes.
@@ -30,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import eecore
 from common import device_folder, device_slug, save_results
-from e2e_cuda import MODELS, SHAPES, exit_configs, random_checkpoint
+from e2e_cuda import MODELS, SHAPES, exit_configs, random_checkpoint, with_env
 from host_overhead import PartTimer
 
 
@@ -124,6 +126,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="launch op by op (no CUDA graphs)")
     ap.add_argument("--exit-configs", nargs="*", default=[], metavar="TEXT",
                     help="also profile bench/e2e_cuda.py's exit configurations whose names contain one of these")
+    ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE,...",
+                    help="also profile full depth with these variables set (repeatable), e.g. "
+                         "EECORE_PREFETCH_WEIGHTS=1 to see its side stream beside attention")
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -136,16 +141,19 @@ def main() -> None:
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
-            configs = {"full depth": {}}
-            configs.update({label: {k: v for k, v in kw.items() if k != "perfect"}
+            configs = {"full depth": ({}, {})}
+            configs.update({f"full depth, {text}": ({}, dict(item.split("=", 1) for item in text.split(",") if item))
+                            for text in args.ab_env})
+            configs.update({label: ({k: v for k, v in kw.items() if k != "perfect"}, {})
                             for label, kw in exit_configs(SHAPES[name]["num_hidden_layers"], 3).items()
                             if not kw.get("perfect") and any(t in label for t in args.exit_configs)})
-            for label, config in configs.items():
-                llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
-                                 enforce_eager=args.enforce_eager, **config)
+            for label, (config, env) in configs.items():
+                # built and run under the variables: some are read when the model is built
+                llm = with_env(env, eecore.LLM, folder, dtype=args.dtype, device=args.device,
+                               max_num_seqs=max(args.batch_sizes), enforce_eager=args.enforce_eager, **config)
                 for batch in args.batch_sizes:
                     row = dict(model=name, config=label, batch=batch,
-                               **profile_steps(llm, prompts[:batch], args.steps, args.device))
+                               **with_env(env, profile_steps, llm, prompts[:batch], args.steps, args.device))
                     rows.append(row)
                     report(row, args.top)
                     path = save(args, rows)  # after every row: a run stopped by its time limit keeps them

@@ -55,10 +55,11 @@ def test_e2e_with_every_section(tmp_path):
 def test_step_profile(tmp_path):
     done = run_bench("cuda_step_profile.py", "--device", "cpu", "--models", "tiny", "--batch-sizes", "1", "2",
                      "--steps", "2", "--dtype", "float32", "--exit-configs", "static exit E=1", "copy",
-                     results=str(tmp_path))
+                     "--ab-env", "EECORE_PREFETCH_WEIGHTS=1", results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = written(str(tmp_path), "cpu-step-profile-*.json")["rows"]
-    configs = ["full depth", "static exit E=1", "draft copy E=1 d=3", "draft copy E=2 d=3"]
+    configs = ["full depth", "full depth, EECORE_PREFETCH_WEIGHTS=1", "static exit E=1", "draft copy E=1 d=3",
+               "draft copy E=2 d=3"]
     assert [(r["config"], r["batch"]) for r in rows] == [(c, b) for c in configs for b in (1, 2)]
     assert all(r["kernels_per_step"] > 0 for r in rows)
     assert all(set(r["host_us_per_step"]) == {"schedule", "build", "sample", "append"} for r in rows)
