@@ -23,19 +23,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "decode_mma-v1", "decode_mma-v2",
-                        "rows", "mma"])
+@pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "decode_mma-4stages", "decode_mma-v1",
+                        "decode_mma-v2", "rows", "mma"])
 def attention_kernel(request, monkeypatch):
     """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
     every kernel is held to the same oracle on the same shapes, whichever the planner prefers.
-    "decode_mma-2stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2, "decode_mma-v1" / "-v2" with
+    "decode_mma-2stages" / "-4stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2 / 4 (4: D <= 64
+    only, the others run 3), "decode_mma-v1" / "-v2" with
     EECORE_DECODE_MMA_LDMATRIX=0 / 1 (its first version, or v2: ldmatrix fragments,
     whole-tile copies and masks, lazy rescaling)."""
     kernel, _, variant = request.param.partition("-")
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
-    if variant == "2stages":
-        monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", "2")
+    if variant in ("2stages", "4stages"):
+        monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", variant[0])
     if variant in ("v1", "v2"):
         monkeypatch.setenv("EECORE_DECODE_MMA_LDMATRIX", "0" if variant == "v1" else "1")
     return request.param
@@ -169,7 +170,7 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("v2_flags", ["0", "7", "15"])
 @pytest.mark.parametrize("shape", [
     dict(heads=(32, 8), head_dim=128, block_size=16, q_lens=[1, 1, 1, 1]),    # decode, G = 4
@@ -197,6 +198,24 @@ def test_decode_mma_versions_agree_bit_for_bit(dtype, stages, v2_flags, shape, m
     torch.cuda.synchronize()
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [5, 3, 1, 2]])
+def test_decode_mma_pipeline_depths_agree_bit_for_bit(dtype, q_lens, monkeypatch):
+    """2, 3 and 4 stages change how many tiles a warp has in flight, not what it computes: at D = 64
+    (where all three run) the outputs are identical."""
+    case = make_attention(dtype, [1, 40, 700, 2100], q_lens, 32, 8, head_dim=64, block_size=16)
+    monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", "decode_mma")
+    outs = []
+    for stages in ("2", "3", "4"):
+        monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", stages)
+        out = poison(torch.empty_like(case["query"], device="cuda"))
+        ops.paged_attention(*attention_args(case, out, "cuda"))
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -29,7 +29,8 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kWarpKeys = 16;  // keys per warp tile: one k-slice of P V, two n-tiles of S
 // Per-warp pipeline depth: 3 keeps two tiles in flight while one is computed. 2 (one in flight)
 // halves the shared memory so that 3 CTAs (12 warps) fit an SM: an experiment for the latency the
-// profile shows (docs/cuda.md), chosen with EECORE_DECODE_MMA_STAGES=2 (D <= 128, 16 rows).
+// profile shows (docs/cuda.md), chosen with EECORE_DECODE_MMA_STAGES=2 (D <= 128, 16 rows); 4
+// (three in flight) with EECORE_DECODE_MMA_STAGES=4 where two CTAs still fit (D = 64).
 constexpr int kDefaultStages = 3;
 // LDMATRIX = true ("v2"): fragments come from shared memory by ldmatrix (K and Q as they lie, V
 // transposed): 4 + 2 instructions per 16 dims of a tile instead of 16 32-bit and 32 16-bit loads;

@@ -170,11 +170,16 @@ inline int64_t decode_mma_row_blocks(const PagedAttentionParams& p) {
   return ceil_div(rows, 16 * decode_mma_m_tiles(p));
 }
 
-// EECORE_DECODE_MMA_STAGES=2: the 2-stage pipeline, 3 CTAs per SM (an experiment; D <= 128, 16 rows).
-inline bool decode_mma_two_stages(const PagedAttentionParams& p) {
+// EECORE_DECODE_MMA_STAGES=2 / 4: the pipeline's depth, for timing against the default 3. Two
+// stages, one tile in flight per warp but 3 CTAs per SM (D <= 128, 16 rows); or four, three tiles in
+// flight per warp (D <= 64, where two such CTAs still fit an SM's shared memory: 50% more bytes in
+// flight per SM than three stages).
+inline int decode_mma_stages(const PagedAttentionParams& p) {
   const char* v = std::getenv("EECORE_DECODE_MMA_STAGES");
-  return v != nullptr && std::strcmp(v, "2") == 0 && decode_mma_m_tiles(p) == 1 &&
-         decode_mma_head_dim(p.head_dim) <= 128;
+  if (v == nullptr) return attention::decode_mma::kDefaultStages;
+  if (std::strcmp(v, "2") == 0 && decode_mma_m_tiles(p) == 1 && decode_mma_head_dim(p.head_dim) <= 128) return 2;
+  if (std::strcmp(v, "4") == 0 && decode_mma_head_dim(p.head_dim) == 64) return 4;
+  return attention::decode_mma::kDefaultStages;
 }
 
 // EECORE_DECODE_MMA_LDMATRIX=1 / 0: decode_mma v2 (ldmatrix fragments and the changes
@@ -199,8 +204,12 @@ inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     constexpr int kMTiles = decltype(m_tiles)::value;
     ctas = attention::decode_mma::Shape<kHeadDim, kMTiles>::kCtasPerSm;
+    const int stages = decode_mma_stages(p);
     if constexpr (kMTiles == 1 && kHeadDim <= 128) {
-      if (decode_mma_two_stages(p)) ctas = attention::decode_mma::Shape<kHeadDim, kMTiles, 2>::kCtasPerSm;
+      if (stages == 2) ctas = attention::decode_mma::Shape<kHeadDim, kMTiles, 2>::kCtasPerSm;
+    }
+    if constexpr (kHeadDim == 64) {
+      if (stages == 4) ctas = attention::decode_mma::Shape<kHeadDim, kMTiles, 4>::kCtasPerSm;
     }
     return cudaSuccess;
   });
@@ -229,8 +238,12 @@ cudaError_t launch_decode_mma(const PagedAttentionParams& p, const PagedAttentio
   return dispatch_decode_mma_shape(p, [&](auto head_dim, auto m_tiles) -> cudaError_t {
     constexpr int kHeadDim = decltype(head_dim)::value;
     constexpr int kMTiles = decltype(m_tiles)::value;
+    const int stages = decode_mma_stages(p);
     if constexpr (kMTiles == 1 && kHeadDim <= 128) {
-      if (decode_mma_two_stages(p)) return launch_decode_mma_shape<T, kHeadDim, kMTiles, 2>(p, plan, ws, stream);
+      if (stages == 2) return launch_decode_mma_shape<T, kHeadDim, kMTiles, 2>(p, plan, ws, stream);
+    }
+    if constexpr (kHeadDim == 64) {
+      if (stages == 4) return launch_decode_mma_shape<T, kHeadDim, kMTiles, 4>(p, plan, ws, stream);
     }
     return launch_decode_mma_shape<T, kHeadDim, kMTiles, attention::decode_mma::kDefaultStages>(p, plan, ws, stream);
   });
