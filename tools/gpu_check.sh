@@ -34,6 +34,8 @@
 #   EECORE_NCU_KERNELS        kernels Nsight Compute profiles, as the sweep names them (default: decode_mma)
 #   EECORE_NCU_CELLS          cells it profiles besides the headline, "B,CTX,HQ,HKV,D" each (default: none)
 #   EECORE_SANITIZE_KERNEL    the kernel the sanitizers check (default: decode_mma)
+#   EECORE_SANITIZE_TESTS     a pytest -k expression over test_cuda_vs_cpu.py that replaces the
+#                             sanitizers' selection, e.g. "argmax or gemv_mma or silu or rotary"
 # Each step's timeout is cut to what is left of the budget, so the logs always come back. Measured
 # on an H200 (2026-11-26): build 70 s, sweep 60 s, ncu 10 s, sanitizers 55 s, engine tests 20 s;
 # the attention tests ran 524 of 617 cases in 150 s at -n 16 with the CPU oversubscribed (every
@@ -183,13 +185,14 @@ run_sanitize() {
   # Test ids put the forced kernel first: "test_decode[decode_mma-16-heads1-dtype1]"; its variants
   # ("decode_mma-2stages-...", "decode_mma-v1-...", "-v2-") are left out: the plain cases run the build's
   # default or EECORE_DECODE_MMA_LDMATRIX's choice.
-  sub=(tests/test_cuda_vs_cpu.py -k "(test_decode or causal or invalid or rows_past or unaligned or verification) and not large and $SAN_KERNEL- and not 2stages and not v1- and not v2- and not versions_agree")
+  # EECORE_SANITIZE_TESTS replaces both -k expressions (e.g. "argmax or gemv_mma" for the row kernels).
+  sub=(tests/test_cuda_vs_cpu.py -k "${EECORE_SANITIZE_TESTS:-(test_decode or causal or invalid or rows_past or unaligned or verification) and not large and $SAN_KERNEL- and not 2stages and not 4stages and not v1- and not v2- and not versions_agree}")
   limited 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
     --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider "${sub[@]}" > "$WORK/memcheck.txt" 2>&1 &
   mc=$!
   limited 150 "$SANITIZER" --tool racecheck --error-exitcode 99 \
     --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_vs_cpu.py \
-    -k "(test_decode or verification) and $SAN_KERNEL- and dtype1 and not large and not 2stages and not v1- and not v2- and not versions_agree" \
+    -k "${EECORE_SANITIZE_TESTS:-(test_decode or verification) and $SAN_KERNEL- and dtype1 and not large and not 2stages and not 4stages and not v1- and not v2- and not versions_agree}" \
     > "$WORK/racecheck.txt" 2>&1 || status=1
   wait $mc || status=1
   for f in memcheck racecheck; do
