@@ -73,15 +73,16 @@ def timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """The median time of `repeats` calls of fn(), after one call to warm it up."""
+def call_seconds(fn, repeats: int) -> list[float]:
+    """The seconds of each of `repeats` calls of fn(), after one call to warm it up (callers take the
+    median, or the minimum where the best case is the figure)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def alternate_with_hf(llm, hf, prompts: list[list[int]], params, max_new_tokens: int, repeats: int):

@@ -18,27 +18,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
 import eecore
 from eecore import ops
 from eecore.models.gguf_quantize import quantize
-from common import cpu_model, save_results
+from common import call_seconds, cpu_model, save_results
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [N, K]
 LAYERS = 30
-
-
-def timed(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -81,7 +70,7 @@ def main() -> None:
             if packed is not None:  # the same weights with 8-bit activations (linear_gguf_q8)
                 runs["q8-act"] = lambda: [ops.linear_gguf_q8(outs[f32][n], xs[f32][k], p, qtype) for p, n, k in packed]
                 nbytes["q8-act"] = sum(p.nbytes for p, _, _ in packed)
-            ms = {label: timed(run, args.repeats) * 1e3 for label, run in runs.items()}
+            ms = {label: statistics.median(call_seconds(run, args.repeats)) * 1e3 for label, run in runs.items()}
             for label in runs:
                 gbs = nbytes[label] / ms[label] / 1e6
                 macs = m * sum(n * k for _, n, k in dense) / ms[label] / 1e6

@@ -21,11 +21,10 @@ writes bench/results/<machine>/<out-name>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from common import cpu_model, save_results
+from common import call_seconds, cpu_model, save_results
 from eecore.models.int8_weights import Int8Weight, project
 
 # (out_features, in_features) of one SmolLM2-135M layer: qkv, o_proj, gate_up, down
@@ -39,13 +38,8 @@ def layer_weights(num_layers: int) -> list[torch.Tensor]:
 
 
 def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (and, for the cached set, bring the weights into the cache)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    # the warm-up call also brings the weights into the cache, for the cached set
+    return min(call_seconds(fn, repeats))
 
 
 def buffers(rows: int, dtype=torch.float32):

@@ -14,23 +14,18 @@ turn that into numbers the benchmarks print next to their measurements:
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from common import call_seconds
 from eecore.speculative.guard import layer_weight_bytes, weight_bytes
 
 
 def read_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Median GB/s of summing a `size_bytes` fp32 buffer (read-only streaming)."""
     buf = torch.ones(size_bytes // 4, dtype=torch.float32)
-    buf.sum()  # fault the pages in
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - start)
-    return size_bytes / statistics.median(times) / 1e9
+    # the warm-up call faults the pages in
+    return size_bytes / statistics.median(call_seconds(buf.sum, repeats)) / 1e9
 
 
 def decode_weight_bytes(model, layers_run: float | None = None) -> float:

@@ -27,7 +27,7 @@ import time
 import torch
 
 import eecore
-from common import cpu_model, median_seconds, save_results
+from common import call_seconds, cpu_model, save_results
 from eecore.engine import sampler as current
 
 CONFIGS = {
@@ -61,7 +61,7 @@ def load_module(path: str):
 def time_sample(module, logits: torch.Tensor, params: eecore.SamplingParams, repeats: int) -> float:
     sampler = module.Sampler(torch.device("cpu"))
     seqs = [_Seq(i, params) for i in range(logits.shape[0])]
-    return median_seconds(lambda: sampler.sample(logits, seqs), repeats) * 1e6
+    return statistics.median(call_seconds(lambda: sampler.sample(logits, seqs), repeats)) * 1e6
 
 
 def time_generation(llm, baseline, args) -> list[dict]:

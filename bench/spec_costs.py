@@ -67,7 +67,7 @@ import time
 import torch
 
 import eecore
-from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, median_seconds, save_results
+from common import PROMPT_KINDS, bench_prompt_ids, call_seconds, cpu_model, save_results
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -153,7 +153,7 @@ def round_cost(args) -> None:
 def peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a large square BLAS GEMM in `dtype`: this machine's practical arithmetic peak."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n ** 3 / median_seconds(lambda: torch.mm(a, b), repeats)
+    return 2 * n ** 3 / statistics.median(call_seconds(lambda: torch.mm(a, b), repeats))
 
 
 def verify_rows(args) -> None:
