@@ -59,8 +59,10 @@ def abba(i: int) -> tuple[str, str]:
     return ("a", "b") if i % 2 == 0 else ("b", "a")
 
 
-def greedy_params(args) -> eecore.SamplingParams:
-    return eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+def sampling_params(args) -> eecore.SamplingParams:
+    """Greedy by default; with --temperature, sampled with a fixed seed (the same draws each repeat)."""
+    return eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 seed=0 if args.temperature > 0 else None)
 
 
 def warm_up(llm, prompts: list[list[int]]) -> None:
@@ -78,7 +80,7 @@ def generate_one(llm, prompt: list[int], params) -> tuple[list[int], float]:
 def run_configs(args) -> None:
     llms = {"a": llm_from_flags(args.a), "b": llm_from_flags(args.b)}
     prompts = bench_prompt_ids(llms["a"].tokenizer, args.prompts, args.num_prompts)
-    params = greedy_params(args)
+    params = sampling_params(args)
     for llm in llms.values():
         warm_up(llm, prompts)
     seconds = {k: [[0.0] * len(prompts) for _ in range(args.repeats)] for k in llms}
@@ -104,7 +106,8 @@ def run_configs(args) -> None:
           f"(quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}); per repeat "
           + " ".join(f"{x:.3f}" for x in per_repeat) + f"; same outputs: {same_output}")
     path = save_results(args.out_name, dict(a=args.a, b=args.b, prompts=args.prompts, num_prompts=len(prompts),
-                                            max_tokens=args.max_tokens, repeats=args.repeats, tok_s=tok_s,
+                                            max_tokens=args.max_tokens, temperature=args.temperature,
+                                            top_p=args.top_p, repeats=args.repeats, tok_s=tok_s,
                                             seconds=seconds, tokens=tokens, per_prompt_ratios_b_over_a=ratios,
                                             median_ratio_b_over_a=statistics.median(ratios),
                                             per_repeat_ratio_b_over_a=per_repeat, same_output=same_output))
@@ -115,7 +118,7 @@ def run_configs(args) -> None:
 
 def build_worker(args) -> None:
     """One process of one build (its eecore first on PYTHONPATH): full depth, then `--flags`."""
-    params = greedy_params(args)
+    params = sampling_params(args)
     seconds, outputs = {}, {}
     for name, flags in (("full", args.base_flags), ("config", f"{args.base_flags} {args.flags}")):
         llm = llm_from_flags(flags)
@@ -136,7 +139,7 @@ def run_build(checkout: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(checkout), "python"))
     cmd = [sys.executable, os.path.abspath(__file__), "builds", "--worker", f"--flags={args.flags}",
            f"--base-flags={args.base_flags}", "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
-           "--max-tokens", str(args.max_tokens)]
+           "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"ab.py builds: the run of {checkout} failed:\n{done.stderr[-3000:]}")
@@ -181,6 +184,10 @@ def main() -> None:
     workload.add_argument("--prompts", choices=PROMPT_KINDS, default="code")
     workload.add_argument("--num-prompts", type=int, default=8)
     workload.add_argument("--max-tokens", type=int, default=64)
+    workload.add_argument("--temperature", type=float, default=0.0,
+                          help="sample at this temperature (seed 0) instead of greedy: outputs then differ "
+                               "between configurations, and the ratios are per token")
+    workload.add_argument("--top-p", type=float, default=1.0)
 
     configs = modes.add_parser("configs", parents=[workload], help="two sets of `eecore generate` flags, one process")
     configs.add_argument("--a", required=True, help="eecore generate flags of configuration A (the baseline)")
