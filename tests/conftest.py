@@ -1,4 +1,5 @@
-"""Shared fixtures: the devices every op test runs on, and a seeded generator per test."""
+"""Shared fixtures: the devices every op test runs on, a seeded generator per test, and the GPU's
+batch-invariant mode."""
 import zlib
 
 import pytest
@@ -19,3 +20,17 @@ def pytest_generate_tests(metafunc):
 def _seed(request):
     # A fresh, reproducible stream per test: inputs differ between tests but not between runs.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def batch_invariant(monkeypatch):
+    """EECORE_BATCH_INVARIANT=1 with cuBLAS's split-K off (eecore.device.apply_batch_invariance),
+    torch's process-wide switch restored afterwards. GPU tests only."""
+    from eecore.device import apply_batch_invariance
+
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    monkeypatch.setenv("EECORE_BATCH_INVARIANT", "1")
+    assert apply_batch_invariance(torch.device("cuda"))
+    yield
+    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved

@@ -623,18 +623,6 @@ def test_kv_fill_skips_bad_index_data():
 
 # ---- batch invariance (EECORE_BATCH_INVARIANT=1) --------------------------------------------------
 
-@pytest.fixture
-def batch_invariant(monkeypatch):
-    from eecore.device import apply_batch_invariance
-
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
-    monkeypatch.setenv("EECORE_BATCH_INVARIANT", "1")
-    assert apply_batch_invariance(torch.device("cuda"))
-    yield
-    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
-
-
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("heads, head_dim", [((32, 8), 64), ((12, 3), 128), ((8, 8), 64), ((40, 5), 128)])
 def test_batch_invariant_attention_rows_keep_their_bits(dtype, heads, head_dim, batch_invariant):

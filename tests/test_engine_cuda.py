@@ -218,28 +218,19 @@ def test_weight_prefetch_gives_eager_tokens(tiny, max_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("drafts", ["layer", "copy"])
-def test_batch_invariant_self_speculation_is_full_depth_at_batch_40(tiny, drafts, monkeypatch):
+def test_batch_invariant_self_speculation_is_full_depth_at_batch_40(tiny, drafts, batch_invariant):
     """EECORE_BATCH_INVARIANT=1 (bf16): a verify pass of 4 rows a sequence gives each row a decode
     step's bits, so 40 sequences drafting through layer 1 (the model's own layers, or a draft copy)
     emit exactly full depth's greedy tokens, with graphs."""
-    from eecore.device import apply_batch_invariance
-
     path, hf = tiny
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
-    monkeypatch.setenv("EECORE_BATCH_INVARIANT", "1")
-    try:
-        prompts = random_prompts(hf.config.vocab_size, [3 + (7 * i) % 29 for i in range(40)], seed=21)
-        params = greedy(24)
-        full = eecore.LLM(path, dtype="bfloat16", device="cuda", num_blocks=512, block_size=8,
-                          max_num_seqs=40).generate(prompts, params)
-        assert apply_batch_invariance(torch.device("cuda"))
-        layer = eecore.LayerDrafts(exit_layer=1, copy=eecore.DraftCopy() if drafts == "copy" else None)
-        spec = eecore.LLM(path, dtype="bfloat16", device="cuda", num_blocks=512, block_size=8, max_num_seqs=40,
-                          speculative=eecore.SelfSpeculativeConfig(num_speculations=3, layer=layer))
-        assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in full]
-    finally:
-        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+    prompts = random_prompts(hf.config.vocab_size, [3 + (7 * i) % 29 for i in range(40)], seed=21)
+    params = greedy(24)
+    full = eecore.LLM(path, dtype="bfloat16", device="cuda", num_blocks=512, block_size=8,
+                      max_num_seqs=40).generate(prompts, params)
+    layer = eecore.LayerDrafts(exit_layer=1, copy=eecore.DraftCopy() if drafts == "copy" else None)
+    spec = eecore.LLM(path, dtype="bfloat16", device="cuda", num_blocks=512, block_size=8, max_num_seqs=40,
+                      speculative=eecore.SelfSpeculativeConfig(num_speculations=3, layer=layer))
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in full]
 
 
 def test_graphs_per_table_width_give_eager_tokens(tiny):
