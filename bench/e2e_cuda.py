@@ -306,6 +306,13 @@ def main():
             if hf is not None:
                 hf_generate_greedy(hf, prompts[:1], 8)
             for batch in args.batch_sizes:
+                # untimed, each engine at this batch: its graphs for every table width the run reaches,
+                # and the process's first use of the kernels the batch's shapes pick, which would
+                # otherwise fall on whichever engine ran first (the default's batch-64 run, 1.2-1.6x
+                # slower than switches that change nothing at 64 rows, on an H200)
+                llm.generate(prompts[:batch], params)
+                for text, engine in ab.items():
+                    with_env(variants[text], engine.generate, prompts[:batch], params)
                 # the engines alternate run by run, so a burst of load hits them alike
                 times: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": [], **{t: [] for t in ab}}
                 ab_outs = {}

@@ -24,13 +24,15 @@ def _seed(request):
 
 @pytest.fixture
 def batch_invariant(monkeypatch):
-    """EECORE_BATCH_INVARIANT=1 with cuBLAS's split-K off (eecore.device.apply_batch_invariance),
-    torch's process-wide switch restored afterwards. GPU tests only."""
+    """EECORE_BATCH_INVARIANT=1 with cuBLASLt's split-K off (eecore.device.apply_batch_invariance),
+    torch's process-wide switches restored afterwards. GPU tests only."""
     from eecore.device import apply_batch_invariance
 
     matmul = torch.backends.cuda.matmul
     saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    saved_library = torch.backends.cuda.preferred_blas_library()
     monkeypatch.setenv("EECORE_BATCH_INVARIANT", "1")
     assert apply_batch_invariance(torch.device("cuda"))
     yield
     matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+    torch.backends.cuda.preferred_blas_library(saved_library)

@@ -185,14 +185,16 @@ def test_sampled_steps_launched_ahead_give_eager_tokens(tiny, monkeypatch):
 
 
 def test_the_argmax_op_gives_atens_tokens(tiny, monkeypatch):
-    """EECORE_ARGMAX_KERNEL=eecore: every greedy token from eecore's argmax op (graphs, a step
-    launched ahead, verify-free full depth); the same tokens as ATen's max in eager mode."""
+    """Every greedy token from eecore's argmax op, the default on a GPU (graphs, a step launched
+    ahead, verify-free full depth); the same tokens as ATen's max (EECORE_ARGMAX_KERNEL=aten) in
+    eager mode."""
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14], seed=19)
     params = [greedy(5 + 3 * i) for i in range(len(prompts))]
+    monkeypatch.setenv("EECORE_ARGMAX_KERNEL", "aten")
     eager = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4,
                        enforce_eager=True).generate(prompts, params)
-    monkeypatch.setenv("EECORE_ARGMAX_KERNEL", "eecore")
+    monkeypatch.delenv("EECORE_ARGMAX_KERNEL")
     monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
     llm = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]

@@ -7,7 +7,8 @@
 //                    (every kBatchInvariantSplitTokens keys, whatever the batch) and always through
 //                    the split combine (a trailing empty split where the context fits in one);
 //   linear           cuBLAS only (the few-row kernels are row-count invariant only up to 8 rows),
-//                    with split-K turned off (eecore.engine.batch_invariant sets torch's switch).
+//                    on cuBLASLt with split-K turned off (eecore.device.apply_batch_invariance sets
+//                    torch's switches: it refuses split-K off on the cuBLAS backend).
 // Read on every call, like the other selectors: tests switch it within one process.
 #pragma once
 

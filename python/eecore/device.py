@@ -26,8 +26,9 @@ def resolve_device(device) -> torch.device:
 # EECORE_BATCH_INVARIANT=1: on a GPU, kernels whose result for a row does not depend on how many rows
 # share the call (include/eecore/batch_invariant.h says what the ops change), so self-speculation's
 # verify passes give each row a decode step's bits and its greedy outputs are exactly full depth's
-# at any batch size. cuBLAS must not split K for that: torch's switch for it is process-wide, so it
-# is set when an engine is built on a GPU with the variable set, and stays set.
+# at any batch size. cuBLAS must not split K for that, which torch allows only on the cuBLASLt
+# backend: both switches are process-wide, so they are set when an engine is built on a GPU with
+# the variable set, and stay set. The cost is in docs/cuda.md "Batch invariance".
 BATCH_INVARIANT_ENV = "EECORE_BATCH_INVARIANT"
 
 
@@ -36,6 +37,8 @@ def apply_batch_invariance(device: torch.device) -> bool:
     it did."""
     if device.type != "cuda" or os.environ.get(BATCH_INVARIANT_ENV) != "1":
         return False
+    # torch honours allow_splitk=False only on the cuBLASLt backend, and refuses it elsewhere.
+    torch.backends.cuda.preferred_blas_library("cublaslt")
     matmul = torch.backends.cuda.matmul
     matmul.allow_bf16_reduced_precision_reduction = (False, False)
     matmul.allow_fp16_reduced_precision_reduction = (False, False)

@@ -1,7 +1,6 @@
 """What a decode step returns, and the full-depth decode step every other strategy builds on."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,7 +11,7 @@ from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, logprob_dicts, logprob_tensors
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import DECODE_AHEAD_ENV, AheadStep
+from eecore.engine.static_decode import AheadStep, decode_ahead_enabled
 
 
 @dataclass
@@ -71,8 +70,8 @@ class DecodeStrategy:
 
 
 class FullDepthDecoder(DecodeStrategy):
-    """Every layer for every token. With EECORE_DECODE_AHEAD=1 (and `allow_ahead`), a decode
-    step on static buffers launches the next step before reading its own tokens back (see
+    """Every layer for every token. On a GPU (and with `allow_ahead`; see decode_ahead_enabled), a
+    decode step on static buffers launches the next step before reading its own tokens back (see
     `_decode_ahead`)."""
 
     supports_mixed_steps = True
@@ -87,7 +86,7 @@ class FullDepthDecoder(DecodeStrategy):
         self._readback: Optional[TokenReadback] = None
 
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
-        if self.allow_ahead and os.environ.get(DECODE_AHEAD_ENV) == "1":
+        if self.allow_ahead and decode_ahead_enabled(self.runner.model.device):
             tokens = self._decode_ahead(seqs)
             if tokens is not None:
                 return tokens

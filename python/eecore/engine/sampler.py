@@ -28,13 +28,14 @@ FIRST_NUCLEUS_CANDIDATES = 64
 NUCLEUS_GROWTH = 16
 
 
-# EECORE_ARGMAX_KERNEL=eecore: rows on a GPU take eecore's argmax op instead of ATen's max over a
-# dim. Opt-in until a GPU has run it (its tests; bench/cuda_row_kernels.py times it against ATen).
+# Rows on a GPU take eecore's argmax op rather than ATen's max over a dim: on an H200 it took 6-13
+# against 12-27 us a call (SmolLM2's and Llama-1B's vocabularies, 1-8 rows; bench/cuda_row_kernels.py)
+# with ATen's tokens. EECORE_ARGMAX_KERNEL=aten selects ATen's.
 ARGMAX_KERNEL_ENV = "EECORE_ARGMAX_KERNEL"
 
 
 def eecore_argmax_selected() -> bool:
-    return os.environ.get(ARGMAX_KERNEL_ENV) == "eecore"
+    return os.environ.get(ARGMAX_KERNEL_ENV) != "aten"
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -42,8 +43,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     every greedy step and verify pass. fp32 rows on the CPU go through numpy's vectorised argmax:
     one row of SmolLM2's 49,152 logits in 7 against 92 us for torch's `max` over the dim, 8 rows in
     34 against 339 (Zen 4; 2% of a decode step at 200 tok/s). Rows on a GPU take eecore's argmax
-    op where EECORE_ARGMAX_KERNEL=eecore selects it (ATen's `max` over a dim took 27 us for one row of
-    128,256 on an H200). Elsewhere torch's
+    op (above). Elsewhere torch's
     `max` over a dim, which finds it 2-4x faster than `argmax` (16 rows in 183 against 620 us in
     fp32, 318 against 1,403 in bf16, on an Intel Xeon, 2 threads)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:

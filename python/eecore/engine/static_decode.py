@@ -137,11 +137,23 @@ class StaticPass:
         return graph, output
 
 
-# EECORE_DECODE_AHEAD=1: a decode step launches the next one before the host reads its tokens back
-# (the tokens go from the argmax or the sampler's draw to the next step's inputs on the device), so
-# the host's share of a step (reading back, appending, scheduling) runs while the GPU computes the
-# next step. Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_DECODE_AHEAD=1).
+# Decode ahead: a decode step launches the next one before the host reads its tokens back (the
+# tokens go from the argmax or the sampler's draw to the next step's inputs on the device), so the
+# host's share of a step (reading back, appending, scheduling) runs while the GPU computes the next
+# step. On an H200 it gave 1.13-1.59x end to end over every model and batch timed, same tokens
+# (docs/cuda.md), so it is on for a GPU; on the CPU a step runs on the host's own threads, nothing
+# overlaps, and a step launched ahead is only lost work when the batch changes. EECORE_DECODE_AHEAD
+# =1 or 0 forces it either way.
 DECODE_AHEAD_ENV = "EECORE_DECODE_AHEAD"
+
+
+def decode_ahead_enabled(device: torch.device) -> bool:
+    """Whether decode steps on `device` launch their successor ahead (read at each step, like the
+    kernel selectors)."""
+    switch = os.environ.get(DECODE_AHEAD_ENV)
+    if switch in ("0", "1"):
+        return switch == "1"
+    return device.type == "cuda"
 
 
 @dataclass
