@@ -69,10 +69,10 @@ def warm_up(llm, prompts: list[list[int]]) -> None:
     llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=4))
 
 
-def generate_one(llm, prompt: list[int], params) -> tuple[list[int], float]:
-    """One prompt alone (batch 1): its output token ids and the seconds it took."""
+def generate_one(llm, prompt: list[int], params):
+    """One prompt alone (batch 1): its output and the seconds it took."""
     (out,), seconds = timed(llm.generate, [prompt], params)
-    return out.token_ids, seconds
+    return out, seconds
 
 
 # --- configs: two flag sets in one process, alternated prompt by prompt --------------------------
@@ -85,13 +85,17 @@ def run_configs(args) -> None:
         warm_up(llm, prompts)
     seconds = {k: [[0.0] * len(prompts) for _ in range(args.repeats)] for k in llms}
     tokens = {k: [0] * len(prompts) for k in llms}
+    drafts = {k: {"drafted": 0, "accepted": 0} for k in llms}  # self-speculation's, over every request
     same_output = True
     for r in range(args.repeats):
         for i, prompt in enumerate(prompts):
             outs = {}
             for k in abba(r * len(prompts) + i):
-                outs[k], seconds[k][r][i] = generate_one(llms[k], prompt, params)
+                out, seconds[k][r][i] = generate_one(llms[k], prompt, params)
+                outs[k] = out.token_ids
                 tokens[k][i] = len(outs[k])
+                drafts[k]["drafted"] += int(out.metrics.get("num_drafted_tokens", 0))
+                drafts[k]["accepted"] += int(out.metrics.get("num_accepted_tokens", 0))
             same_output &= outs["a"] == outs["b"]
     # per token, so that configurations whose outputs differ in length still compare
     ratios = [seconds["a"][r][i] / seconds["b"][r][i] * tokens["b"][i] / tokens["a"][i]
@@ -100,6 +104,9 @@ def run_configs(args) -> None:
     print(f"CPU: {cpu_model()}; {len(prompts)} {args.prompts} prompts, {args.max_tokens} tokens, batch 1")
     for k in llms:
         print(f"  {k.upper()}: {getattr(args, k)}\n     tok/s per repeat: " + " ".join(f"{x:.1f}" for x in tok_s[k]))
+        if drafts[k]["drafted"]:
+            print(f"     drafts accepted: {drafts[k]['accepted']} of {drafts[k]['drafted']} "
+                  f"({drafts[k]['accepted'] / drafts[k]['drafted']:.2f})")
     per_repeat = [sum(seconds["a"][r]) / sum(seconds["b"][r]) for r in range(args.repeats)]
     quartiles = statistics.quantiles(ratios, n=4)
     print(f"B / A speed: median of {len(ratios)} per-prompt ratios {statistics.median(ratios):.3f} "
@@ -108,7 +115,8 @@ def run_configs(args) -> None:
     path = save_results(args.out_name, dict(a=args.a, b=args.b, prompts=args.prompts, num_prompts=len(prompts),
                                             max_tokens=args.max_tokens, temperature=args.temperature,
                                             top_p=args.top_p, repeats=args.repeats, tok_s=tok_s,
-                                            seconds=seconds, tokens=tokens, per_prompt_ratios_b_over_a=ratios,
+                                            seconds=seconds, tokens=tokens, drafts=drafts,
+                                            per_prompt_ratios_b_over_a=ratios,
                                             median_ratio_b_over_a=statistics.median(ratios),
                                             per_repeat_ratio_b_over_a=per_repeat, same_output=same_output))
     print(f"results: {path}")
@@ -128,7 +136,7 @@ def build_worker(args) -> None:
         for prompt in prompts:
             out, t = generate_one(llm, prompt, params)
             seconds[name] += t
-            outputs[name].append(out)
+            outputs[name].append(out.token_ids)
         del llm  # one engine at a time
     print(json.dumps(dict(eecore=eecore.__file__, full_s=seconds["full"], config_s=seconds["config"],
                           identical=outputs["full"] == outputs["config"])))

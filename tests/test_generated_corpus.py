@@ -1,5 +1,5 @@
-"""eecore.train.generated_corpus: code prompts and chat instructions followed by the model's own greedy
-continuations."""
+"""eecore.train.generated_corpus: code prompts and chat instructions followed by the model's own
+continuations, greedy or sampled."""
 from __future__ import annotations
 
 import json
@@ -47,6 +47,29 @@ def test_samples_are_prompts_with_the_models_greedy_continuations(llm, tmp_path)
             assert f"def {name}(" in prompt
             out = llm.generate([prompt], eecore.SamplingParams(temperature=0.0, max_tokens=6))[0]
             assert len(out.token_ids) == 6 and sample == prompt + out.text
+
+
+def test_temperatures_cycle_over_each_split_with_seeded_samples(llm, tmp_path):
+    """temperatures=(0, 1): a split's even prompts continued greedily, its odd ones sampled at 1 with
+    the prompt's index as seed, so the corpus is the same on every run."""
+    train = [CorpusFile(f"pkg_{c}", f"{c}.py", CODE.format(name=f"list_{c}"), "0") for c in "abc"]
+    held = [CorpusFile("pkg_h", "h.py", CODE.format(name="held_out_names"), "2")]
+    manifest = write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held, train_prompts=3,
+                                      heldout_prompts=1, max_tokens=8, temperatures=(0.0, 1.0))
+    assert manifest["temperatures"] == [0.0, 1.0] and manifest["kind"].startswith("greedy and sampled")
+    samples = (tmp_path / "train.txt").read_text().split(FILE_SEPARATOR)
+    assert len(samples) == 3
+    for i, sample in enumerate(samples):
+        prompt = sample[:sample.index('machine."""') + len('machine."""')]
+        params = eecore.SamplingParams(temperature=float(i % 2), seed=i, max_tokens=8)
+        assert sample == prompt + llm.generate([prompt], params)[0].text
+    greedy_sample = samples[1][:samples[1].index('machine."""') + len('machine."""')]
+    greedy = llm.generate([greedy_sample], eecore.SamplingParams(temperature=0.0, max_tokens=8))[0].text
+    assert samples[1] != greedy_sample + greedy  # the sampled one is not the greedy text (tiny random model)
+    for bad in ((), (-0.5,), (0.0, float("nan"))):
+        with pytest.raises(ValueError, match="temperatures must be one or more numbers >= 0"):
+            write_generated_corpus(llm, str(tmp_path), train_files=train, heldout_files=held, train_prompts=1,
+                                   heldout_prompts=1, temperatures=bad)
 
 
 def test_chat_instructions_are_answered_in_the_chat_template(llm, tmp_path):

@@ -192,7 +192,9 @@ exitready() {
 
 # generate PROMPTS [ARGS...]: on-policy data, the original model's greedy continuations of PROMPTS code
 # prompts made from the machine's installed packages (eecore.train.generated_corpus, in bf16 on the
-# GPU), into $PAYLOAD/work/gen; train on it with `start MINUTES --corpus .gpu_payload/work/gen ...`
+# GPU), into $PAYLOAD/work/gen; train on it with `start MINUTES --corpus .gpu_payload/work/gen ...`.
+# ARGS go to generated_corpus: `--temperatures 0 1` samples every other continuation at temperature 1,
+# the contexts sampled requests draft in (docs/exit-ready.md "Sampled requests").
 generate() {
   local prompts="${1:?generate PROMPTS [generated_corpus args...]}" work="$PWD/$PAYLOAD/work" code chat general
   shift
