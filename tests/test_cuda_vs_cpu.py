@@ -377,15 +377,15 @@ def test_rotary_embedding_skips_positions_outside_the_cache():
     assert torch.equal(query[1:], q0[1:]) and torch.equal(key[1:], k0[1:])
 
 
-# ---- linear: cuBLAS, and the few-row kernels (EECORE_LINEAR_KERNEL=gemv, gemv_mma) -----------------
+# ---- linear: cuBLAS, and the few-row kernels (EECORE_LINEAR_KERNEL=gemv, gemv_mma, auto) -----------
 
-@pytest.mark.parametrize("kernel", ["cublas", "gemv", "gemv_mma"])
+@pytest.mark.parametrize("kernel", ["cublas", "gemv", "gemv_mma", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
 # (576, 960): SmolLM2's QKV; (2048, 4099): enough features that the few-row kernel gives a block 2
 # or 4 of them from 3 rows on, the last block's partly past the end; (8192, 64): a long row;
 # (64, 7): one tensor-core tile, mostly past the last feature; (40, 7): few features, K not a
-# multiple of 32 (gemv_mma falls back to cuBLAS); (36, 5): K not a whole number of 16-byte vectors in
+# multiple of 32 (gemv_mma takes the SIMT kernel); (36, 5): K not a whole number of 16-byte vectors in
 # bf16 (both few-row kernels fall back to cuBLAS)
 @pytest.mark.parametrize("k, n", [(576, 960), (2048, 4099), (8192, 64), (64, 7), (40, 7), (36, 5)])
 def test_linear(dtype, rows, k, n, kernel, monkeypatch):
@@ -407,11 +407,11 @@ def test_linear(dtype, rows, k, n, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma", "auto"])
 @pytest.mark.parametrize("n", [512, 4096])
 def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, n, kernel, monkeypatch):
     """Each few-row kernel sums each row in one order whatever the row count, so a verify pass of
-    up to 8 rows gives each row a one-row step's bits."""
+    up to 8 rows gives each row a one-row step's bits (auto: weights this small take them)."""
     monkeypatch.setenv("EECORE_LINEAR_KERNEL", kernel)
     inp, weight = cuda(torch.randn(8, 2048, dtype=dtype), torch.randn(n, 2048, dtype=dtype) / 45)
     alone = torch.cat([ops.linear(torch.empty(1, n, dtype=dtype, device="cuda"), inp[i:i + 1], weight)
@@ -419,6 +419,21 @@ def test_linear_gemv_rows_do_not_depend_on_the_other_rows(dtype, n, kernel, monk
     for rows in range(2, 9):
         together = ops.linear(torch.empty(rows, n, dtype=dtype, device="cuda"), inp[:rows], weight)
         assert torch.equal(together, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_linear_auto_takes_the_few_row_kernel_up_to_32_mib_of_weight(rows, monkeypatch):
+    """EECORE_LINEAR_KERNEL=auto: a 32 MiB bf16 weight (Llama-1B's down projection) gets gemv_mma's
+    bits, a weight one row of features larger gets cuBLAS's."""
+    k = 8192
+    inp = cuda(torch.randn(rows, k, dtype=torch.bfloat16))
+    for n, like in ((2048, "gemv_mma"), (2049, "cublas")):
+        weight = cuda(torch.randn(n, k, dtype=torch.bfloat16) / 90)
+        outs = {}
+        for kernel in ("auto", like):
+            monkeypatch.setenv("EECORE_LINEAR_KERNEL", kernel)
+            outs[kernel] = ops.linear(torch.empty(rows, n, dtype=torch.bfloat16, device="cuda"), inp, weight)
+        assert torch.equal(outs["auto"], outs[like]), n
 
 
 # ---- programmatic dependent launch (EECORE_PDL=1) -----------------------------------------------
@@ -466,7 +481,7 @@ def _layer_chain(rows: int, steps: int, graph: bool) -> torch.Tensor:
     return torch.cat([hidden.float().flatten(), k_cache.float().flatten()])
 
 
-@pytest.mark.parametrize("linear", ["gemv", "gemv_mma"])
+@pytest.mark.parametrize("linear", ["gemv", "gemv_mma", "auto"])
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_pdl_gives_the_same_bits(rows, graph, linear, monkeypatch):

@@ -9,6 +9,11 @@
 // whose rows are a multiple of 32 long to the same product on tensor cores instead: on an H200 it
 // beat cuBLAS on SmolLM2's projections (1.06-1.09x end to end at batch 1-8) but not on Llama-1B's
 // (0.90x; a grid of 192 CTAs for its QKV, 34% of DRAM bandwidth), so it stays opt-in.
+// EECORE_LINEAR_KERNEL=auto takes the few-row kernels only where that H200 run had them ahead:
+// weights of at most kAutoMaxWeightBytes, where cuBLAS's fixed cost a call outweighs its better
+// streaming (per call in a graph, 1-8 rows: Llama-1B's QKV, O and down 3.6-8.8 us against cuBLAS's
+// 5.3-11.1, SmolLM2's four projections 2.4-3.2 against 3.4-5.1; its 64 MiB gate/up and the LM heads
+// lost, 21.9 against 18.3 us for the gate/up); not yet timed end to end.
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -23,7 +28,11 @@
 namespace eecore {
 namespace {
 
-enum class LinearKernel { kCublas, kGemv, kGemvMma };
+enum class LinearKernel { kCublas, kGemv, kGemvMma, kAuto };
+
+// EECORE_LINEAR_KERNEL=auto: the few-row kernels for weights up to this size (Llama-1B's down
+// projection, 2048 x 8192 in bf16, is the largest that gained), cuBLAS above it.
+constexpr int64_t kAutoMaxWeightBytes = int64_t{32} << 20;
 
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
 LinearKernel selected_kernel() {
@@ -32,6 +41,7 @@ LinearKernel selected_kernel() {
   if (v == nullptr) return LinearKernel::kCublas;
   if (std::strcmp(v, "gemv") == 0) return LinearKernel::kGemv;
   if (std::strcmp(v, "gemv_mma") == 0) return LinearKernel::kGemvMma;
+  if (std::strcmp(v, "auto") == 0) return LinearKernel::kAuto;
   return LinearKernel::kCublas;
 }
 
@@ -62,7 +72,11 @@ void linear_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& wei
                    "CPU format; pass the [N, K] weight on CUDA");
   if (dims.rows == 0 || dims.out == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
-  const LinearKernel kernel = selected_kernel();
+  LinearKernel kernel = selected_kernel();
+  if (kernel == LinearKernel::kAuto)
+    kernel = dims.out * dims.in * static_cast<int64_t>(weight.element_size()) <= kAutoMaxWeightBytes
+                 ? LinearKernel::kGemvMma
+                 : LinearKernel::kCublas;
   if (kernel != LinearKernel::kCublas) {
     const cuda::LinearGemvParams p = gemv_params(out, input, weight, bias, accumulate, dims);
     const cudaStream_t stream = current_stream(input.device());
