@@ -151,6 +151,8 @@ def test_graphs_with_the_host_ahead_give_eager_tokens(tiny, switch, num_blocks, 
     eager = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=num_blocks, block_size=4,
                        enforce_eager=True).generate(prompts, params)
     monkeypatch.setenv(switch, "1")
+    if switch == "EECORE_PREPARE_NEXT_STEP":  # decode ahead, on by default on a GPU, prepares steps itself
+        monkeypatch.setenv("EECORE_DECODE_AHEAD", "0")
     llm = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=num_blocks, block_size=4)
     graphed = llm.generate(prompts, params)
     if switch == "EECORE_PREPARE_NEXT_STEP":

@@ -55,10 +55,11 @@ def test_same_tokens_and_logprobs_as_the_plain_step(tiny, num_prompts):
 
 
 @pytest.mark.parametrize("num_blocks", [96, 12])  # 12: sequences are preempted and recomputed
-def test_steps_prepared_ahead_give_the_same_outputs(tiny, num_blocks):
+def test_steps_prepared_ahead_give_the_same_outputs(tiny, num_blocks, monkeypatch):
     """EECORE_PREPARE_NEXT_STEP: each decode step's inputs filled in during the step before. With
     blocks of 4 tokens a row gains a block every fourth step, requests finish on different steps
     and (12 blocks) are preempted, so prepared steps are used, patched and thrown away."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "0")  # which prepares its steps by itself
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3 + (5 * i) % 11 for i in range(6)], seed=5)
     params = [greedy(6 + 3 * i, logprobs=2) for i in range(6)]
@@ -73,6 +74,7 @@ def test_steps_prepared_ahead_give_the_same_outputs(tiny, num_blocks):
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_the_environment_switch_turns_preparing_on(tiny, switch, monkeypatch):
     monkeypatch.setenv("EECORE_PREPARE_NEXT_STEP", switch)
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "0")
     path, hf = tiny
     llm = _llm(path, static=True)
     llm.generate(random_prompts(hf.config.vocab_size, [5, 7], seed=6), greedy(6))
@@ -274,9 +276,10 @@ def test_with_preemption(tiny):
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
-def test_buffers_are_reused_step_to_step(tiny):
+def test_buffers_are_reused_step_to_step(tiny, monkeypatch):
     """What a graph replays reads and writes fixed addresses: the inputs of a padded size and its
     logits are the same tensors' storage on every step of that size."""
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "0")  # every step through `run`, which the spy watches
     path, hf = tiny
     llm = _llm(path, static=True)
     static = llm.engine.runner.static_decode
