@@ -30,6 +30,7 @@ import torch
 import eecore
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
+from eecore.models.int8_weights import project
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
 from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, save_results  # noqa: E402
@@ -38,9 +39,11 @@ CHUNK = 8  # rows a head call takes (the runners' logits buffers hold at least t
 
 
 @torch.no_grad()
-def teacher_forced(full, spec, ids: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced(full, spec, ids: list[int], first: int, whole_vocabulary: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full depth's logits `[n, V]` and the copy's vocabulary-wide draft logits `[n, V]` (-inf
-    outside its draft vocabulary) predicting ids[first:], teacher-forced over `ids`."""
+    outside its draft vocabulary, unless `whole_vocabulary`: every row of the LM head) predicting
+    ids[first:], teacher-forced over `ids`."""
     out = []
     for llm, layers in ((full, None), (spec, spec.engine.strategy.draft_stack)):
         runner = llm.engine.runner if layers is None else layers.runner
@@ -55,6 +58,11 @@ def teacher_forced(full, spec, ids: list[int], first: int) -> tuple[torch.Tensor
             # each chunk's logits are a view of the runner's or head's buffer: cloned before the next
             if layers is None:
                 rows = [runner.logits(states[i:i + CHUNK]).clone() for i in range(0, states.shape[0], CHUNK)]
+            elif whole_vocabulary:
+                head = layers.head
+                rows = [project(torch.empty(min(CHUNK, states.shape[0] - i), head.model.config.vocab_size,
+                                            dtype=states.dtype), head._normed(states[i:i + CHUNK]), head.model.lm_head)
+                        for i in range(0, states.shape[0], CHUNK)]
             else:
                 head = layers.head
                 rows = [head.widen(head.columns(states[i:i + CHUNK])).clone()
@@ -88,6 +96,8 @@ def main() -> None:
                     help="full depth's continuations are sampled at each (0: greedy, agreement only)")
     ap.add_argument("--taus", type=float, nargs="+", default=[0.8, 0.9, 1.0, 1.1, 1.25, 1.5])
     ap.add_argument("--prompts", choices=PROMPT_KINDS, default="code")
+    ap.add_argument("--whole-vocabulary", action="store_true",
+                    help="the copy's logits over every token (the LM head's rows), not its draft vocabulary's")
     args = ap.parse_args()
 
     full = eecore.LLM(device="cpu", max_num_seqs=8)
@@ -104,7 +114,8 @@ def main() -> None:
         for prompt, out in zip(prompts, outs):
             if not out.token_ids:
                 continue
-            full_logits, draft_logits = teacher_forced(full, spec, prompt + list(out.token_ids), len(prompt))
+            full_logits, draft_logits = teacher_forced(full, spec, prompt + list(out.token_ids), len(prompt),
+                                                       args.whole_vocabulary)
             for name, values in position_figures(full_logits, draft_logits, temperature, args.taus).items():
                 sums[name] = sums.get(name, 0.0) + float(values.sum())
             count += full_logits.shape[0]
@@ -115,10 +126,12 @@ def main() -> None:
             accepts = "  ".join(f"tau {tau:g}: {means[f'accept_tau_{tau:g}']:.3f}" for tau in args.taus)
             line += f", inside the draft vocabulary {means['inside']:.3f}; accepted {accepts}"
         print(line, flush=True)
-    path = save_results(f"sampled-acceptance-{args.prompts}", dict(
+    name = f"sampled-acceptance-{args.prompts}" + ("-whole-vocabulary" if args.whole_vocabulary else "")
+    path = save_results(name, dict(
         what="expected acceptance of the exit-ready copy's sampled drafts, teacher-forced along full "
              "depth's sampled continuations (bench/analysis/sampled_acceptance.py)",
         cpu=cpu_model(), num_prompts=args.num_prompts, max_tokens=args.max_tokens, taus=args.taus,
+        whole_vocabulary=args.whole_vocabulary,
         results=results))
     print("results:", path)
 
