@@ -55,16 +55,49 @@ def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = TIME
     return proc.stdout
 
 
-def test_kernels_compile():
+def _kernel_build() -> Path:
+    """CMake's kernel-only build, up to date; its directory."""
     build = _workdir("kernels")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run([CMAKE, "-S", str(ROOT), "-B", str(build), *generator, f"-DCMAKE_CUDA_COMPILER={NVCC}",
           f"-DCMAKE_CUDA_ARCHITECTURES={ARCHS}"], cwd=ROOT)
     _run([CMAKE, "--build", str(build), "-j", str(_jobs())], cwd=ROOT)
+    return build
+
+
+def test_kernels_compile():
+    build = _kernel_build()
     kernels = sorted(ROOT.glob("csrc/*/*_kernels.cu"))
     assert kernels, "no csrc/*/*_kernels.cu to compile"
     objects = list(build.rglob("*_kernels.cu.o"))
     assert len(objects) == len(kernels), f"compiled {len(objects)} objects for {len(kernels)} kernel files"
+
+
+def _cuobjdump() -> Path | None:
+    """cuobjdump from the CUDA toolkit, or the copy triton ships in the CUDA torch's venv."""
+    candidates = [CUDA_HOME / "bin" / "cuobjdump",
+                  *CACHE.glob("venv-*/lib/python*/site-packages/triton/backends/nvidia/bin/cuobjdump")]
+    return next((c for c in candidates if c.exists()), None)
+
+
+def test_the_tensor_core_few_row_linear_issues_its_loads_before_its_mmas():
+    """gemv_mma's speed rests on a round of loads in flight before the first mma: ptxas, left to
+    its register budget, sank each chunk's loads down to its mma (3 in flight a lane, a DRAM round
+    trip a chunk; an H200 read Llama-1B's QKV at a third of its bandwidth so). In the sm_90 SASS at
+    least 16 of a round's 24 16-byte loads precede the first HMMA."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or the CUDA torch venv's triton)")
+    objects = list(_kernel_build().rglob("linear_kernels.cu.o"))
+    assert len(objects) == 1, objects
+    listing = _run([str(tool), "-sass", "-arch", "sm_90", str(objects[0])], cwd=ROOT)
+    kernels = [part for part in listing.split("Function : ")[1:] if "linear_gemv_mma_kernel" in part.split("\n")[0]]
+    assert len(kernels) == 2, "expected gemv_mma for bf16 and fp16"
+    for sass in kernels:
+        opcodes = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.MULTILINE)
+        assert "HMMA" in opcodes, sass.split("\n")[0]
+        loads = opcodes[:opcodes.index("HMMA")].count("LDG")
+        assert loads >= 16, f"{sass.split(chr(10))[0]}: {loads} loads before the first mma"
 
 
 def _jobs() -> int:

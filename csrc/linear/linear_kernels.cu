@@ -98,8 +98,17 @@ constexpr int kMmaFeatures = 16;  // the mma's M
 constexpr int kMmaRows = 8;       // its N
 constexpr int kMmaChunk = 32;     // elements of k a warp consumes a step: 4 lanes x 8
 
+// Chunks a warp loads before it multiplies them: 24 16-byte loads in flight a lane, a whole row's
+// share in one round at K <= 2048 (Llama-1B's and SmolLM2's projections but the down ones).
+constexpr int kAhead = 8;
+
+// __launch_bounds__(..., 1): without it ptxas kept to 56 registers by sinking each chunk's loads
+// down to its mma, which left 3 loads in flight a lane and paid a DRAM round trip a chunk (the
+// kernel an H200 ran, at a third of DRAM bandwidth on Llama-1B's QKV); with it 21 of a round's 24
+// loads are issued before the first mma (110 registers, two CTAs an SM). test_cuda_build.py reads
+// the SASS to keep it so.
 template <typename T>
-__global__ void __launch_bounds__(kMmaThreads) linear_gemv_mma_kernel(const LinearGemvParams p) {
+__global__ void __launch_bounds__(kMmaThreads, 1) linear_gemv_mma_kernel(const LinearGemvParams p) {
   __shared__ float partial[kMmaWarps][kMmaFeatures * kMmaRows];
   pdl_wait();
   pdl_launch_dependents();
@@ -119,9 +128,8 @@ __global__ void __launch_bounds__(kMmaThreads) linear_gemv_mma_kernel(const Line
   const int64_t per_warp = ceil_div(chunks, kMmaWarps);
   const int64_t begin = warp * per_warp, end = begin + per_warp < chunks ? begin + per_warp : chunks;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
-  // Four chunks' loads are issued before their mmas, so a lane keeps 12 16-byte loads in flight; a
-  // chunk past the warp's end loads zeros, which leave the sums as they are.
-  constexpr int kAhead = 4;
+  // A round's chunks are loaded before their mmas; a chunk past the warp's end loads zeros, which
+  // leave the sums as they are. The chunks are multiplied in order: a row's bits depend only on K.
   for (int64_t chunk = begin; chunk < end; chunk += kAhead) {
     uint4 lo[kAhead], hi[kAhead], xv[kAhead];
 #pragma unroll
