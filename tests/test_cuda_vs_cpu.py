@@ -24,7 +24,7 @@ LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "decode_mma-4stages", "decode_mma-v1",
-                        "decode_mma-v2", "rows", "mma"])
+                        "decode_mma-v2", "decode_mma-lookahead", "rows", "mma"])
 def attention_kernel(request, monkeypatch):
     """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
@@ -32,13 +32,16 @@ def attention_kernel(request, monkeypatch):
     "decode_mma-2stages" / "-4stages" is decode_mma with EECORE_DECODE_MMA_STAGES=2 / 4 (4: D <= 64
     only, the others run 3), "decode_mma-v1" / "-v2" with
     EECORE_DECODE_MMA_LDMATRIX=0 / 1 (its first version, or v2: ldmatrix fragments,
-    whole-tile copies and masks, lazy rescaling)."""
+    whole-tile copies and masks, lazy rescaling), "decode_mma-lookahead" with every v2 flag and the
+    block ids looked up a round ahead (EECORE_DECODE_MMA_V2_FLAGS=31)."""
     kernel, _, variant = request.param.partition("-")
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
     if variant in ("2stages", "4stages"):
         monkeypatch.setenv("EECORE_DECODE_MMA_STAGES", variant[0])
     if variant in ("v1", "v2"):
         monkeypatch.setenv("EECORE_DECODE_MMA_LDMATRIX", "0" if variant == "v1" else "1")
+    if variant == "lookahead":
+        monkeypatch.setenv("EECORE_DECODE_MMA_V2_FLAGS", "31")
     return request.param
 
 
@@ -171,7 +174,7 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
-@pytest.mark.parametrize("v2_flags", ["0", "7", "15"])
+@pytest.mark.parametrize("v2_flags", ["0", "7", "15", "31"])
 @pytest.mark.parametrize("shape", [
     dict(heads=(32, 8), head_dim=128, block_size=16, q_lens=[1, 1, 1, 1]),    # decode, G = 4
     dict(heads=(32, 4), head_dim=64, block_size=32, q_lens=[1, 1, 1, 1]),     # G = 8, two row tiles at D = 64
@@ -181,7 +184,8 @@ def test_verification_long_context_splits(dtype, q_len, attention_kernel):
 ])
 def test_decode_mma_versions_agree_bit_for_bit(dtype, stages, v2_flags, shape, monkeypatch):
     """decode_mma v2 (ldmatrix fragments; with flags 7 also whole-tile copies and masks and lazy
-    rescaling, with 15 also Q's load overlapped with the first tiles') against its first version:
+    rescaling, with 15 also Q's load overlapped with the first tiles', with 31 also the block ids
+    looked up a round ahead) against its first version:
     the same arithmetic in the same order (a skipped rescale multiplies by exactly 1, a skipped mask
     passes every key), so the outputs must be identical."""
     case = make_attention(dtype, [1, 40, 700, 2100], shape["q_lens"], *shape["heads"], head_dim=shape["head_dim"],

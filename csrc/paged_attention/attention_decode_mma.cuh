@@ -45,7 +45,11 @@ constexpr int kDefaultStages = 3;
 //                   skipping the multiply is exact);
 //   kQOverlap       the first tiles' copies are issued before the CTA waits for its Q tile (on an
 //                   H200 a wash with GQA, 1.007x over 47 cells; it was on in the G = 1 timings
-//                   that made this kernel the planner's choice there).
+//                   that made this kernel the planner's choice there);
+//   kEarlyLookups   whole tiles' block ids are read a pipeline round ahead of their copies: the
+//                   SASS showed the prologue reading each tile's id, waiting for it, then copying,
+//                   a memory latency a stage before the first tile lands, which short contexts
+//                   pay in full. Not yet run on a GPU: off by default (EECORE_DECODE_MMA_V2_FLAGS=31).
 // The first version's profile (docs/cuda.md) showed a latency-bound warp issuing few instructions
 // per cycle, most of them per-key addressing. On an H200 at B = 64, context 4096, 32/8 heads,
 // D = 128 (bench/results/nvidia-h200/nvidia-h200-decode-kernels-2026-11-27.md): the first version
@@ -53,9 +57,10 @@ constexpr int kDefaultStages = 3;
 // rescaling alone ~395, all of them 279 us (94%). The default; EECORE_DECODE_MMA_LDMATRIX=0 runs
 // the first version for side-by-side timing.
 constexpr bool kDefaultLdmatrix = true;
-constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4, kQOverlap = 8;
+constexpr int32_t kWholeTileCopy = 1, kWholeTileMask = 2, kLazyRescale = 4, kQOverlap = 8, kEarlyLookups = 16;
 constexpr int32_t kDefaultV2Flags = kWholeTileCopy | kWholeTileMask | kLazyRescale | kQOverlap;
-constexpr int32_t kKnownV2Flags = kDefaultV2Flags;
+constexpr int32_t kKnownV2Flags = kDefaultV2Flags | kEarlyLookups;
+constexpr int32_t kLookUpNow = INT32_MIN;  // a whole tile whose block id was not looked up ahead
 
 template <int HEAD_DIM, int M_TILES, int STAGES = kDefaultStages>
 struct Shape {
@@ -152,19 +157,28 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
   const int32_t copy_key = lane / S::kChunks;
   auto tile_start = [&](int32_t t) { return k_begin + static_cast<int64_t>(warp + t * kWarps) * kWarpKeys; };
 
+  // Whether tile t's 16 keys lie in one block (block sizes that are multiples of 16), so that one
+  // table lookup and one base address serve the whole tile (kWholeTileCopy).
+  auto whole_tile = [&](int32_t t) {
+    const int64_t first = tile_start(t);
+    return LDMATRIX && (v2_flags & kWholeTileCopy) && block_shift >= 4 && (first & (kWarpKeys - 1)) == 0 &&
+           first + kWarpKeys <= k_stop && first <= INT32_MAX - kWarpKeys;
+  };
+  // A whole tile's block id (-1: past the table).
+  auto tile_block = [&](int32_t t) {
+    const int32_t index = static_cast<int32_t>(tile_start(t)) >> block_shift;
+    return index < p.max_blocks ? table[index] : -1;
+  };
   // Copies this warp's tile t into stage t % kStages: every block-table lookup first (the copies'
-  // asm has a memory clobber that would serialize them), then the copies.
-  auto issue = [&](int32_t t) {
+  // asm has a memory clobber that would serialize them), then the copies. `block_ahead`: a whole
+  // tile's block id, looked up a round ahead (kEarlyLookups), or kLookUpNow.
+  auto issue = [&](int32_t t, int32_t block_ahead) {
     const int stage = t % kStages;
     const int64_t first = tile_start(t);
-    if (LDMATRIX && (v2_flags & kWholeTileCopy) && block_shift >= 4 && (first & (kWarpKeys - 1)) == 0 &&
-        first + kWarpKeys <= k_stop && first <= INT32_MAX - kWarpKeys) {
-      // The tile's 16 keys lie in one block: one lookup, one base address, fixed strides.
-      const int32_t f32 = static_cast<int32_t>(first);
-      const int32_t index = f32 >> block_shift;
-      const int32_t block = index < p.max_blocks ? table[index] : -1;
+    if (whole_tile(t)) {
+      const int32_t block = block_ahead != kLookUpNow ? block_ahead : tile_block(t);
       const bool present = block >= 0 && block < p.num_blocks;
-      const int32_t offset = (f32 & (p.block_size - 1)) + copy_key;
+      const int32_t offset = (static_cast<int32_t>(first) & (p.block_size - 1)) + copy_key;
       const T* k_src = k_cache + (present ? paged_offset(k_layout, block, offset, kv_head) : 0) + copy_chunk * 8;
       const T* v_src = v_cache + (present ? paged_offset(v_layout, block, offset, kv_head) : 0) + copy_chunk * 8;
       T* ks = k_tile(stage);
@@ -247,10 +261,28 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
       for (int e = 0; e < 4; ++e) o[mt][jd][e] = 0.f;
   }
 
+  // kEarlyLookups: the whole tiles' block ids are read a pipeline round before their copies, so a
+  // copy never waits for its table lookup: the prologue reads all its tiles' ids at once (one
+  // memory latency, not one a tile), and each iteration reads the id of the tile it copies next.
+  const bool early_lookups = LDMATRIX && (v2_flags & kEarlyLookups);  // uniform over the grid
+  auto look_up_ahead = [&](int32_t t) { return t < my_tiles && whole_tile(t) ? tile_block(t) : kLookUpNow; };
+  int32_t pending = kLookUpNow;  // tile it + kStages - 1's block id, looked up ahead
+  if (early_lookups) {
+    int32_t blocks[kStages];
 #pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) {
-    if (t < my_tiles) issue(t);
-    cp_async_commit();  // possibly empty: keeps "all but the newest kStages - 1" uniform
+    for (int t = 0; t < kStages; ++t) blocks[t] = look_up_ahead(t);
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) {
+      if (t < my_tiles) issue(t, blocks[t]);
+      cp_async_commit();
+    }
+    pending = blocks[kStages - 1];
+  } else {
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) {
+      if (t < my_tiles) issue(t, kLookUpNow);
+      cp_async_commit();  // possibly empty: keeps "all but the newest kStages - 1" uniform
+    }
   }
   if (q_overlap) {
     // Q's group is the oldest: it lands while the first tiles' copies are in flight, so a CTA pays
@@ -263,7 +295,13 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
   const bool unmasked_before_first_query =
       LDMATRIX && (v2_flags & kWholeTileMask) && p.position_bias == nullptr;
   for (int32_t it = 0; it < my_tiles; ++it) {
-    if (it + kStages - 1 < my_tiles) issue(it + kStages - 1);  // the stage the warp finished last iteration
+    if (early_lookups) {
+      const int32_t next = look_up_ahead(it + kStages);
+      if (it + kStages - 1 < my_tiles) issue(it + kStages - 1, pending);
+      pending = next;
+    } else if (it + kStages - 1 < my_tiles) {
+      issue(it + kStages - 1, kLookUpNow);  // the stage the warp finished last iteration
+    }
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();  // every lane's copies of tile `it` are visible to the whole warp
