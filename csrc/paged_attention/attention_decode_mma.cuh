@@ -46,10 +46,12 @@ constexpr int kDefaultStages = 3;
 //   kQOverlap       the first tiles' copies are issued before the CTA waits for its Q tile (on an
 //                   H200 a wash with GQA, 1.007x over 47 cells; it was on in the G = 1 timings
 //                   that made this kernel the planner's choice there);
-//   kEarlyLookups   whole tiles' block ids are read a pipeline round ahead of their copies: the
-//                   SASS showed the prologue reading each tile's id, waiting for it, then copying,
-//                   a memory latency a stage before the first tile lands, which short contexts
-//                   pay in full. Not yet run on a GPU: off by default (EECORE_DECODE_MMA_V2_FLAGS=31).
+//   kEarlyLookups   whole tiles' block ids are read a pipeline round ahead of their copies.
+//                   Otherwise each stage reads its tile's id after the stage before issued its
+//                   copies (their asm's memory clobber keeps the compiler from hoisting the read),
+//                   and the copies need the id: the prologue's stages start a memory latency
+//                   apart, which short contexts pay in full. Not yet run on a GPU: off by default
+//                   (EECORE_DECODE_MMA_V2_FLAGS=31).
 // The first version's profile (docs/cuda.md) showed a latency-bound warp issuing few instructions
 // per cycle, most of them per-key addressing. On an H200 at B = 64, context 4096, 32/8 heads,
 // D = 128 (bench/results/nvidia-h200/nvidia-h200-decode-kernels-2026-11-27.md): the first version
