@@ -11,6 +11,9 @@ over prompt and continuation, and at every continuation position the script comp
 - `accept`: sum min(p, q) for q at the draft temperature T * tau (tau = 1 is what eecore draws
   from), for each tau of `--taus`;
 - `inside`: m, the most any q over the draft vocabulary could be accepted;
+- `two drafts`: the acceptance of the first of two drafts drawn from q and tried in turn (the second
+  against the residual, as SpecInfer's recursive rejection sampling does), what draft alternatives
+  for sampled rows could give;
 - `greedy agreement`: whether the copy's top token is full depth's (what a greedy request accepts;
   at T = 0, along full depth's greedy continuations, the only figure).
 
@@ -85,6 +88,14 @@ def position_figures(full_logits: torch.Tensor, draft_logits: torch.Tensor, temp
     for tau in taus:
         q = torch.softmax(draft_logits / (temperature * tau), dim=-1)
         figures[f"accept_tau_{tau:g}"] = torch.minimum(p, q).sum(-1)
+    # Two drafts for the position, drawn from q independently, tried in turn (SpecInfer's recursive
+    # rejection sampling: the second against the residual normalize(max(p - q, 0)), still lossless):
+    # what a sampled row's draft alternatives could add.
+    q = torch.softmax(draft_logits / temperature, dim=-1)
+    first = torch.minimum(p, q).sum(-1)
+    residual = (p - q).clamp_min(0)
+    residual = residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+    figures["accept_two_drafts"] = first + (1 - first) * torch.minimum(residual, q).sum(-1)
     return figures
 
 
@@ -124,7 +135,8 @@ def main() -> None:
         line = f"T = {temperature:g} ({count} positions): greedy agreement {means['greedy_agreement']:.3f}"
         if temperature > 0:
             accepts = "  ".join(f"tau {tau:g}: {means[f'accept_tau_{tau:g}']:.3f}" for tau in args.taus)
-            line += f", inside the draft vocabulary {means['inside']:.3f}; accepted {accepts}"
+            line += (f", inside the draft vocabulary {means['inside']:.3f}; accepted {accepts}; "
+                     f"either of two drafts {means['accept_two_drafts']:.3f}")
         print(line, flush=True)
     name = f"sampled-acceptance-{args.prompts}" + ("-whole-vocabulary" if args.whole_vocabulary else "")
     path = save_results(name, dict(
