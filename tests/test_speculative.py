@@ -252,8 +252,8 @@ def _joint_law(hf, prompt, num_layers=None):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("copy", [None, eecore.DraftCopy(), eecore.DraftCopy(dtype="int8")],
-                         ids=["shared", "separate", "separate-int8"])
+@pytest.mark.parametrize("copy", [None, eecore.DraftCopy(), eecore.DraftCopy(dtype="int8"), eecore.DraftCopy(top_k=3)],
+                         ids=["shared", "separate", "separate-int8", "tree"])
 def test_speculative_sampling_preserves_the_full_model_law(tmp_path, copy):
     path, hf = make_tiny_hf_model(tmp_path, arch="llama", num_layers=NUM_LAYERS, vocab_size=12,
                                   with_tokenizer=False)
@@ -267,6 +267,8 @@ def test_speculative_sampling_preserves_the_full_model_law(tmp_path, copy):
     outs = _spec(path, 1, 3, max_num_seqs=64, mixed_steps=False, copy=copy).generate([prompt] * n, params)
     assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
     assert 0 < sum(o.metrics["num_accepted_tokens"] for o in outs) < n
+    if copy is not None and copy.top_k > 1:  # sampled rows' alternatives were verified, some accepted
+        assert sum(o.metrics["num_tree_alternatives_accepted"] for o in outs) > 0
     counts = first_two_token_counts(outs, 12)
     full = _joint_law(hf, prompt)
     assert law_p_value(counts, full) > 1e-3
@@ -322,8 +324,8 @@ def test_rejection_sample_edges():
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(3, 10, generator=g), dim=-1)
     for _ in range(20):
-        tokens = rejection_sample([4, 7], [p[0], p[1]], p, g)
-        assert tokens[:2] == [4, 7] and len(tokens) == 3
+        verdict = rejection_sample([4, 7], [p[0], p[1]], p, g)
+        assert verdict.tokens[:2] == [4, 7] and len(verdict.tokens) == 3 and verdict.rows == [0, 1, 2]
     p0 = p.clone()
     p0[0, 4] = 0.0
     p0[0] /= p0[0].sum()
@@ -331,5 +333,34 @@ def test_rejection_sample_edges():
     q[4] = 1.0
     for draft_q in (q, None):
         for _ in range(20):
-            tokens = rejection_sample([4, 7], [draft_q, p[1]], p0, g)
-            assert len(tokens) == 1 and tokens[0] != 4
+            verdict = rejection_sample([4, 7], [draft_q, p[1]], p0, g)
+            assert len(verdict.tokens) == 1 and verdict.tokens[0] != 4 and verdict.leaf_row == -1
+
+
+def test_rejection_sample_tree_emits_the_models_law():
+    """Multi-step speculative sampling over a token tree: a chain draft and two alternatives drawn
+    independently from q, tried in turn against the residuals; the first token emitted follows p,
+    whatever q is, and an accepted alternative's own verify row (tree_row's layout) gives the next."""
+    from eecore.speculative.rejection import rejection_sample
+    from engine_utils import law_p_value
+
+    g = torch.Generator().manual_seed(1)
+    V, n = 8, 20000
+    p = torch.softmax(torch.randn(5, V, generator=g) * 1.5, dim=-1)  # rows: x0, x1, leaves of depth 0
+    q = torch.softmax(torch.randn(V, generator=g) * 1.5, dim=-1)
+    first = torch.zeros(V)
+    after_leaf = {2: torch.zeros(V), 3: torch.zeros(V)}  # the token drawn from an accepted leaf's row
+    for _ in range(n):
+        y, a, b = (int(t) for t in torch.multinomial(q, 3, replacement=True, generator=g))
+        verdict = rejection_sample([y], [q], p, g, alternatives=[[a, b]])
+        assert len(verdict.rows) == len(verdict.tokens) and verdict.chain_accepted in (0, 1)
+        if verdict.leaf_row >= 0:
+            assert verdict.tokens[0] == (a if verdict.leaf_row == 2 else b)
+            assert verdict.rows == [0, verdict.leaf_row] and verdict.chain_accepted == 0
+            after_leaf[verdict.leaf_row][verdict.tokens[1]] += 1
+        first[verdict.tokens[0]] += 1
+    assert law_p_value(first[:, None], p[0][:, None]) > 1e-3
+    assert law_p_value(first[:, None], q[:, None]) < 1e-3  # power: q is not p
+    for row, counts in after_leaf.items():
+        assert counts.sum() > n // 50, row
+        assert law_p_value(counts[:, None], p[row][:, None]) > 1e-3

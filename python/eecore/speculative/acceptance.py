@@ -1,7 +1,7 @@
 """Accepting a round's drafts against the verify pass: the longest prefix the full model agrees with
 plus its own next token (greedy, over a token tree when there are alternatives), or speculative
-rejection sampling when sampling, so the output law is the full model's (a lookup draft is a
-deterministic proposal: q is one-hot; eecore.speculative.rejection). Rejected positions are rolled
+rejection sampling when sampling (over a token tree too), so the output law is the full model's (a
+lookup draft is a deterministic proposal: q is one-hot; eecore.speculative.rejection). Rejected positions are rolled
 back by advancing the sequence less (their K/V is simply overwritten later); an accepted tree
 alternative's K/V moves from its leaf slot to the position it now holds."""
 from __future__ import annotations
@@ -77,11 +77,10 @@ class Acceptor:
         L, k = self.num_layers, seq.params.logprobs
         if seq.params.greedy:
             verdict = accept_greedy(drafts, alternatives, top)
-            tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
-        else:  # (sampled sequences draft no alternatives)
+        else:
             p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
-            tokens = rejection_sample(drafts, draft_probs, p, self.sampler.generator_for(seq))
-            rows, leaf, agreed = list(range(len(tokens))), -1, len(tokens) - 1
+            verdict = rejection_sample(drafts, draft_probs, p, self.sampler.generator_for(seq), alternatives)
+        tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
         return [Token(t, L, Sampler.logprobs(logits[r], t, k) if k is not None else None)
                 for r, t in zip(rows, tokens)], leaf, agreed
 

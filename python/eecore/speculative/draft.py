@@ -97,13 +97,23 @@ class DraftPicker:
                     if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         return Proposal(tokens, draws, confident, exiting, logprobs, confidence)
 
-    def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[list[int]]:
-        """The draft's next most likely tokens after each greedy sequence's chain token (up to
-        DraftCopy.top_k - 1, none outside the draft vocabulary); none for sampled sequences."""
+    def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> list[list[int]]:
+        """Up to DraftCopy.top_k - 1 token-tree alternatives for each row's chain token: for a greedy
+        sequence the draft's next most likely tokens (none outside the draft vocabulary); for a
+        sampled one, more draws from the distribution q the chain token was drawn from, independent
+        of it (multi-step speculative sampling needs independent draws, so they may repeat it)."""
         values, columns = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
         values, indices = values.tolist(), self.head.token_ids(columns).tolist()
-        return [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
-                if seq.params.greedy else [] for seq, token, ids, vals in zip(seqs, tokens, indices, values)]
+        out = [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
+               if seq.params.greedy else [] for seq, token, ids, vals in zip(seqs, proposal.tokens, indices, values)]
+        sampled = [i for i, q in enumerate(proposal.probs) if q is not None]
+        if sampled:
+            q = torch.stack([proposal.probs[i] for i in sampled])
+            for _ in range(self.top_k - 1):
+                drawn = invert_cdf(q, self.sampler.uniforms([seqs[i] for i in sampled])).tolist()
+                for j, i in enumerate(sampled):
+                    out[i].append(drawn[j])
+        return out
 
     def take(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], drafts: list[Draft],
              with_alternatives: bool = False, opening=()) -> tuple[list[int], set[int]]:
@@ -118,7 +128,7 @@ class DraftPicker:
         for seq in live_seqs:  # every layer proposal costs a draft head (with a copy: a copy pass), kept or not
             seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + 1
         proposal = self.propose(logits, live_seqs, [drafts[b].tokens for b in rows])
-        alts = self.alternatives(logits, live_seqs, proposal.tokens) if self.top_k > 1 else [[]] * len(rows)
+        alts = self.alternatives(logits, live_seqs, proposal) if self.top_k > 1 else [[]] * len(rows)
         kept, ended = [], set()
         for i, b in enumerate(rows):
             if not proposal.confident[i]:

@@ -61,8 +61,9 @@ class DraftCopy:
         "and draft head (per-row int8, or Q8_0 blocks with 8-bit activations where that kernel is "
         "vectorized: eecore.models.int8_weights.eight_bit), activations in the model's dtype", choices=DRAFT_DTYPES)
     top_k: int = option(
-        1, "--draft-top-k", "verify the K most likely tokens at each drafted position at once (the top-1 chain "
-        "and K-1 alternatives, a token tree): a round may emit one more token; greedy requests")
+        1, "--draft-top-k", "verify K tokens at each drafted position at once (the chain and K-1 alternatives, "
+        "a token tree): a greedy request's K most likely, a sampled request's K independent draws from the "
+        "copy's distribution, tried in turn by rejection sampling; a round may emit one more token")
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in DRAFT_DTYPES:

@@ -6,6 +6,13 @@ min(1, p_i(y_i) / q_i(y_i)), where p_i is the full model's distribution at that 
 first rejection the token is drawn from normalize(max(p_i - q_i, 0)) and the round ends; after d
 acceptances a bonus token is drawn from p_{d+1}. A prompt-lookup draft is a deterministic proposal
 (q one-hot at y): it is accepted with probability p(y), and a rejection draws from p with y removed.
+
+With token trees (DraftCopy.top_k > 1) a position also has alternatives, drawn from the same q_i
+independently of y_i. They are tried in turn after y_i is rejected, each against the residual left
+by the tries before it (SpecInfer's multi-step speculative sampling, Miao et al. 2024): with r the
+current residual, alternative a is accepted with probability min(1, r(a) / q_i(a)), and otherwise r
+becomes normalize(max(r - q_i, 0)). The emitted token still follows p_i; an accepted alternative's
+own verify row gives the bonus token.
 """
 from __future__ import annotations
 
@@ -14,26 +21,53 @@ from typing import Optional, Sequence
 import torch
 
 from eecore.engine.sampler import Sampler
+from eecore.speculative.token_tree import TreeAcceptance
 
 
-def rejection_sample(drafts: Sequence[int], draft_probs: Sequence[Optional[torch.Tensor]], p: torch.Tensor,
-                     generator: Optional[torch.Generator]) -> list[int]:
-    """The tokens a round emits: the accepted drafts, then one drawn token. `draft_probs[i]` is q_i
-    over the vocabulary (None: a lookup draft), `p` the full model's distributions `[d + 1, V]`
-    after the pending token and each draft."""
-    tokens = []
-    for i, (y, q) in enumerate(zip(drafts, draft_probs)):
-        u = float(torch.rand((), generator=generator, device=p.device))
-        if u * (1.0 if q is None else float(q[y])) < float(p[i, y]):
+def _residual(p: torch.Tensor, q: Optional[torch.Tensor], y: int) -> torch.Tensor:
+    """normalize(max(p - q, 0)) after a draft y from q was rejected (q None: y's mass removed); p
+    itself where nothing is left (p equal to q, up to rounding)."""
+    if q is None:
+        residual = p.clone()
+        residual[y] = 0.0
+    else:
+        residual = (p - q).clamp_(min=0)
+    total = float(residual.sum())
+    return residual / total if total > 0 else p
+
+
+def _accepts(u: float, target: torch.Tensor, q: Optional[torch.Tensor], y: int) -> bool:
+    """Whether draft y from q is accepted against `target` at the uniform number u."""
+    return u * (1.0 if q is None else float(q[y])) < float(target[y])
+
+
+def rejection_sample(chain: Sequence[int], draft_probs: Sequence[Optional[torch.Tensor]], p: torch.Tensor,
+                     generator: Optional[torch.Generator],
+                     alternatives: Sequence[Sequence[int]] = ()) -> TreeAcceptance:
+    """The tokens a round emits, with the verify rows that predicted them: the accepted drafts, then
+    one drawn token (after an accepted alternative, two: it and its own row's draw).
+    `draft_probs[i]` is q_i over the vocabulary (None: a lookup draft, which has no alternatives),
+    `p` the full model's distributions over the round's verify rows in token_tree.tree_row's layout
+    (`[d + 1 + alternatives, V]`), `alternatives[i]` the other draws for chain[i]."""
+    tokens: list[int] = []
+
+    def rand() -> float:
+        return float(torch.rand((), generator=generator, device=p.device))
+
+    for i, (y, q) in enumerate(zip(chain, draft_probs)):
+        if _accepts(rand(), p[i], q, y):
             tokens.append(y)
             continue
-        if q is None:
-            residual = p[i].clone()
-            residual[y] = 0.0
-        else:
-            residual = (p[i] - q).clamp_(min=0)
-        total = float(residual.sum())
-        tokens.append(Sampler.draw(residual / total if total > 0 else p[i], generator))
-        return tokens
-    tokens.append(Sampler.draw(p[len(drafts)], generator))
-    return tokens
+        residual = _residual(p[i], q, y)
+        alts = alternatives[i] if i < len(alternatives) else ()
+        first_leaf = 1 + len(chain) + sum(len(a) for a in alternatives[:i])  # tree_row's layout
+        for j, a in enumerate(alts):
+            if _accepts(rand(), residual, q, a):
+                row = first_leaf + j
+                return TreeAcceptance(tokens + [a, Sampler.draw(p[row], generator)], list(range(i + 1)) + [row],
+                                      leaf_row=row, chain_accepted=i)
+            residual = _residual(residual, q, a)
+        tokens.append(Sampler.draw(residual, generator))
+        return TreeAcceptance(tokens, list(range(i + 1)), chain_accepted=i)
+    tokens.append(Sampler.draw(p[len(chain)], generator))
+    return TreeAcceptance(tokens, list(range(len(chain) + 1)), chain_accepted=len(chain))
