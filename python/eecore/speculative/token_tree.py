@@ -14,6 +14,8 @@ mask hides siblings from each other).
 Greedy acceptance walks the chain while the model agrees with it; at the first disagreement, the
 model's token may be one of that position's alternatives: it is accepted, and its own verify row
 gives one more token. Its K/V then sits in a leaf's slot and moves to the position it now holds.
+A sampled sequence's alternatives are more draws from the draft's distribution, accepted by
+rejection sampling over the same layout (eecore.speculative.rejection).
 """
 from __future__ import annotations
 
