@@ -170,7 +170,8 @@ class AheadStep:
 
 # EECORE_PREPARE_NEXT_STEP=1: while a decode step's graph runs, the host fills the next step's
 # inputs (InputBuilder.prepare_decode), so the next step only writes its tokens before its replay.
-# Off until a GPU has timed it (bench/e2e_cuda.py --ab-env EECORE_PREPARE_NEXT_STEP=1).
+# Off: decode ahead, the default on a GPU, prepares its own steps (alone this gave 0.99-1.12x at
+# batch 1-8 on an H200; bench/results/nvidia-h200/nvidia-h200-2026-11-27-switches.md).
 PREPARE_NEXT_STEP_ENV = "EECORE_PREPARE_NEXT_STEP"
 
 
