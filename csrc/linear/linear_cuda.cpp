@@ -8,7 +8,9 @@
 // copies are a CPU feature so far). EECORE_LINEAR_KERNEL=gemv_mma takes bf16 and fp16 weights
 // whose rows are a multiple of 32 long to the same product on tensor cores instead: on an H200 it
 // beat cuBLAS on SmolLM2's projections (1.06-1.09x end to end at batch 1-8) but not on Llama-1B's
-// (0.90x; a grid of 192 CTAs for its QKV, 34% of DRAM bandwidth), so it stays opt-in.
+// (0.90x; 34% of DRAM bandwidth on its QKV), so it stays opt-in. That build had each chunk's loads
+// sunk down to its mma (linear_kernels.cu); the kernel now keeps a round of them in flight, not yet
+// timed.
 // EECORE_LINEAR_KERNEL=auto takes the few-row kernels only where that H200 run had them ahead:
 // weights of at most kAutoMaxWeightBytes, where cuBLAS's fixed cost a call outweighs its better
 // streaming (per call in a graph, 1-8 rows: Llama-1B's QKV, O and down 3.6-8.8 us against cuBLAS's

@@ -102,10 +102,15 @@ class DraftPicker:
         sequence the draft's next most likely tokens (none outside the draft vocabulary); for a
         sampled one, more draws from the distribution q the chain token was drawn from, independent
         of it (multi-step speculative sampling needs independent draws, so they may repeat it)."""
-        values, columns = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        values, indices = values.tolist(), self.head.token_ids(columns).tolist()
-        out = [[t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
-               if seq.params.greedy else [] for seq, token, ids, vals in zip(seqs, proposal.tokens, indices, values)]
+        out: list[list[int]] = [[] for _ in seqs]
+        greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
+        if greedy:
+            rows = logits if len(greedy) == len(seqs) else logits[greedy]
+            values, columns = rows.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+            values, indices = values.tolist(), self.head.token_ids(columns).tolist()
+            for i, ids, vals in zip(greedy, indices, values):
+                token = proposal.tokens[i]
+                out[i] = [t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
         sampled = [i for i, q in enumerate(proposal.probs) if q is not None]
         if sampled:
             q = torch.stack([proposal.probs[i] for i in sampled])
