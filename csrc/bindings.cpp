@@ -102,6 +102,23 @@ TORCH_LIBRARY(eecore, m) {
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, bool accumulate, "
         "Tensor? weight_scale=None) -> ()");
 
+  // A decoder layer's projections with the elementwise ops around them, for dense weights [N, d]
+  // of input's dtype; each writes exactly what the ops it fuses write (on a GPU, for 1-8 rows, one
+  // launch each: csrc/fused_projections/). input [T, d] is the residual stream.
+  // qkv_projection: normed = rms_norm(input) * norm_weight; out [T, (Hq + 2 Hkv) D] =
+  // linear(normed, weight, bias); then rotary_embedding_and_cache on out's query, key and value
+  // views, Hkv and D read from k_cache [NB, BS, Hkv, D].
+  m.def("qkv_projection(Tensor(a!) out, Tensor(b!) normed, Tensor input, Tensor norm_weight, float eps, "
+        "Tensor weight, Tensor? bias, Tensor positions, Tensor cos_sin_cache, bool is_neox, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
+  // gate_up_projection: normed = rms_norm(input) * norm_weight; out [T, 2 I] = linear(normed,
+  // weight) (the stacked gate and up projections); act [T, I] = silu_and_mul(out).
+  m.def("gate_up_projection(Tensor(a!) act, Tensor(b!) out, Tensor(c!) normed, Tensor input, Tensor norm_weight, "
+        "float eps, Tensor weight) -> ()");
+  // linear_residual: out [T, N] = linear(input, weight, bias); residual [T, N] += out, rounded to
+  // the dtype after the product is (attention's output projection and the residual add).
+  m.def("linear_residual(Tensor(a!) out, Tensor(b!) residual, Tensor input, Tensor weight, Tensor? bias) -> ()");
+
   // linear with a weight in a GGUF block format, computed with its exact values: weight uint8
   // [N, K / W * block bytes], each row K / W blocks of quant_type (GGML's type ids: 2 Q4_0,
   // 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0 with W = 32; 12 Q4_K, 13 Q5_K, 14 Q6_K with W = 256; eecore's

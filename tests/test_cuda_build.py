@@ -80,23 +80,35 @@ def _cuobjdump() -> Path | None:
     return next((c for c in candidates if c.exists()), None)
 
 
-def test_the_tensor_core_few_row_linear_issues_its_loads_before_its_mmas():
-    """gemv_mma's speed rests on a round of loads in flight before the first mma: ptxas, left to
-    its register budget, sank each chunk's loads down to its mma (3 in flight a lane, a DRAM round
-    trip a chunk; an H200 read Llama-1B's QKV at a third of its bandwidth so). In the sm_90 SASS at
-    least 16 of a round's 24 16-byte loads precede the first HMMA."""
+# (object, kernel, instances): every kernel built on eecore/cuda/gemv_mma.cuh's tile loop
+FEW_ROW_MMA_KERNELS = [("linear_kernels.cu.o", "linear_gemv_mma_kernel", 2),
+                       ("fused_projections_kernels.cu.o", "qkv_projection_kernel", 4),
+                       ("fused_projections_kernels.cu.o", "gate_up_projection_kernel", 2),
+                       ("fused_projections_kernels.cu.o", "linear_residual_kernel", 2)]
+
+
+@pytest.mark.parametrize("object_name, kernel, instances", FEW_ROW_MMA_KERNELS)
+def test_the_tensor_core_few_row_kernels_issue_their_loads_before_their_mmas(object_name, kernel, instances):
+    """The few-row tensor-core kernels' speed rests on a round of loads in flight before the first
+    mma: ptxas, left to its register budget, sank each chunk's loads down to its mma (3 in flight a
+    lane, a DRAM round trip a chunk; an H200 read Llama-1B's QKV at a third of its bandwidth so).
+    In the sm_90 SASS at least 16 of a round's 24 16-byte loads precede the first HMMA (after the
+    last barrier: the fused kernels' norm reads its rows before one)."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or the CUDA torch venv's triton)")
-    objects = list(_kernel_build().rglob("linear_kernels.cu.o"))
+    objects = list(_kernel_build().rglob(object_name))
     assert len(objects) == 1, objects
     listing = _run([str(tool), "-sass", "-arch", "sm_90", str(objects[0])], cwd=ROOT)
-    kernels = [part for part in listing.split("Function : ")[1:] if "linear_gemv_mma_kernel" in part.split("\n")[0]]
-    assert len(kernels) == 2, "expected gemv_mma for bf16 and fp16"
+    kernels = [part for part in listing.split("Function : ")[1:] if kernel in part.split("\n")[0]]
+    assert len(kernels) == instances, f"expected {instances} instances of {kernel}"
     for sass in kernels:
         opcodes = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.MULTILINE)
         assert "HMMA" in opcodes, sass.split("\n")[0]
-        loads = opcodes[:opcodes.index("HMMA")].count("LDG")
+        before = opcodes[:opcodes.index("HMMA")]
+        round_start = max((i + 1 for i, op in enumerate(before) if op == "BAR"), default=0)
+        # the weights' and input rows' global loads, or the normed rows' shared-memory ones
+        loads = sum(before[round_start:].count(op) for op in ("LDG", "LDS"))
         assert loads >= 16, f"{sass.split(chr(10))[0]}: {loads} loads before the first mma"
 
 

@@ -1,15 +1,13 @@
 // silu_and_mul on CUDA in one launch: each thread reads a 16-byte vector of the gate and of the up
 // half, computes silu(gate) * up in fp32 and rounds once, as the CPU kernel and the ATen
 // composition (fp32 silu, fp32 multiply, one cast) do. It replaces four ATen launches a layer.
+#include "eecore/cuda/activation.cuh"
 #include "eecore/cuda/common.cuh"
 #include "eecore/cuda/pdl.cuh"
 #include "eecore/launch/silu_and_mul.h"
 
 namespace eecore::cuda {
 namespace {
-
-// g / (1 + e^-g) with the accurate expf (no fast math), the expression ATen's silu evaluates.
-__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ input, int64_t d) {

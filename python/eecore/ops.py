@@ -33,6 +33,9 @@ __all__ = [
     "accept_update",
     "kv_fill",
     "linear",
+    "qkv_projection",
+    "gate_up_projection",
+    "linear_residual",
     "prefetch_l2",
 ]
 
@@ -156,6 +159,35 @@ def linear(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: O
     return out
 
 
+def qkv_projection(out: torch.Tensor, normed: torch.Tensor, input: torch.Tensor, norm_weight: torch.Tensor,
+                   eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> torch.Tensor:
+    """A layer's attention input in one op: `normed = rms_norm(input) * norm_weight`, `out [T, (Hq +
+    2 Hkv) D] = linear(normed, weight, bias)`, then `rotary_embedding_and_cache` on out's query, key
+    and value (Hkv and D from `k_cache`). One launch on a GPU for 1-8 rows; returns `out`."""
+    _ops.qkv_projection(out, normed, input, norm_weight, float(eps), weight, bias, positions, cos_sin_cache,
+                        bool(is_neox), k_cache, v_cache, slot_mapping)
+    return out
+
+
+def gate_up_projection(act: torch.Tensor, out: torch.Tensor, normed: torch.Tensor, input: torch.Tensor,
+                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """An MLP's input in one op: `normed = rms_norm(input) * norm_weight`, `out [T, 2 I] =
+    linear(normed, weight)` (gate and up stacked), `act [T, I] = silu_and_mul(out)`. One launch on a
+    GPU for 1-8 rows; returns `act`."""
+    _ops.gate_up_projection(act, out, normed, input, norm_weight, float(eps), weight)
+    return act
+
+
+def linear_residual(out: torch.Tensor, residual: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`out = linear(input, weight, bias)`, then `residual += out` (rounded after the product, as a
+    separate add). One launch on a GPU for 1-8 rows; returns `residual`."""
+    _ops.linear_residual(out, residual, input, weight, bias)
+    return residual
+
+
 # GGML's ids of the GGUF block types `linear_gguf` computes (eecore/csrc/linear/gguf_blocks.h)
 GGUF_QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
@@ -250,6 +282,7 @@ def _accept_update_fake(status, confidence, threshold, active):
 
 
 for _name in ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "rotary_embedding_and_cache", "kv_fill", "linear", "linear_gguf", "embedding_gguf", "linear_gguf_q8"):
+              "rotary_embedding_and_cache", "kv_fill", "linear", "qkv_projection", "gate_up_projection",
+              "linear_residual", "linear_gguf", "embedding_gguf", "linear_gguf_q8"):
     torch.library.register_fake(f"eecore::{_name}")(lambda *args, **kwargs: None)
 del _name

@@ -10,6 +10,7 @@ stream after layer E-1, and `kv_fill` starts from it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,12 @@ from eecore.models.rope import cos_sin_cache
 from eecore.models.weight_prefetch import WeightPrefetch
 from eecore.models.weights import weight_taker
 from eecore.models.workspace import RowViewCache
+
+# EECORE_FUSED_PROJECTIONS=1: each layer runs the fused projection ops (ops.qkv_projection,
+# linear_residual, gate_up_projection: five launches a decode layer on a GPU instead of nine, the
+# norms, RoPE with the cache write, the residual add and the activation folded into the
+# projections). Off by default until a GPU has timed it; on a CPU the ops run the separate ones.
+FUSED_PROJECTIONS_ENV = "EECORE_FUSED_PROJECTIONS"
 
 
 @dataclass
@@ -166,6 +173,8 @@ class LlamaModel:
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self.prefetch = WeightPrefetch.for_device(self.device)  # EECORE_PREFETCH_WEIGHTS=1 on a GPU
+        self.fused_projections = os.environ.get(FUSED_PROJECTIONS_ENV) == "1" and all(
+            _is_dense(getattr(w, name), dtype) for w in self.layers for name in ("qkv", "o_proj", "gate_up", "down"))
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     def new_workspace(self, max_tokens: int) -> Workspace:
@@ -197,6 +206,10 @@ class LlamaModel:
         """Layer `i`'s input norm, Q/K/V projection and RoPE over `hidden [T, d]`, into the
         workspace; this step's K/V into the cache."""
         w, v = self.layers[i], ws.views(hidden.shape[0])
+        if self.fused_projections:
+            ops.qkv_projection(v.qkv, v.normed, hidden, w.input_norm, self.eps, w.qkv, w.qkv_bias, attn.positions,
+                               self.cos_sin, True, k_cache, v_cache, attn.slot_mapping)
+            return
         x = ops.rms_norm(v.normed, hidden, w.input_norm, self.eps)
         project(v.qkv, x, w.qkv, w.qkv_bias)
         ops.rotary_embedding_and_cache(attn.positions, v.q, v.k, v.v, self.cos_sin, True, k_cache, v_cache,
@@ -213,6 +226,10 @@ class LlamaModel:
         """Layer `i` after attention: output projection and residual, post norm, MLP and residual,
         in place on `hidden [T, d]`."""
         w, v = self.layers[i], ws.views(hidden.shape[0])
+        if self.fused_projections:
+            ops.linear_residual(v.o, hidden, v.attn_flat, w.o_proj)  # hidden += attention
+            act = ops.gate_up_projection(v.act, v.gate_up, v.normed, hidden, w.post_norm, self.eps, w.gate_up)
+            return project(hidden, act, w.down, accumulate=True)  # hidden += mlp
         o = project(v.o, v.attn_flat, w.o_proj)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
         project(v.gate_up, o, w.gate_up)
@@ -243,3 +260,9 @@ class LlamaModel:
         weight, bias = self.kv_fill_weights()
         ops.kv_fill(kv_cache, hidden, weight, bias, self.cos_sin, positions, slot_mapping, start_layer,
                     self.eps, True)
+
+
+def _is_dense(weight: Weight, dtype: torch.dtype) -> bool:
+    """Whether a projection is a plain [N, K] tensor in the model's dtype (what the fused projection
+    ops take), not GGUF blocks, 8-bit or AMX tiles."""
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == dtype

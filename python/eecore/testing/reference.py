@@ -215,6 +215,29 @@ def linear(out, input, weight, bias=None, accumulate=False, weight_scale=None) -
     out.copy_(y.to(out.dtype))
 
 
+def qkv_projection(out, normed, input, norm_weight, eps, weight, bias, positions, cos_sin_cache, is_neox, k_cache,
+                   v_cache, slot_mapping) -> None:
+    rms_norm(normed, input, norm_weight, eps)
+    linear(out, normed, weight, bias)
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q_width = out.shape[1] - 2 * kv_heads * head_dim
+    q, k, v = out.split([q_width, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    T = out.shape[0]
+    query, key, value = (x.view(T, -1, head_dim) for x in (q, k, v))
+    rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping)
+
+
+def gate_up_projection(act, out, normed, input, norm_weight, eps, weight) -> None:
+    rms_norm(normed, input, norm_weight, eps)
+    linear(out, normed, weight)
+    silu_and_mul(act, out)
+
+
+def linear_residual(out, residual, input, weight, bias=None) -> None:
+    linear(out, input, weight, bias)
+    residual.copy_((residual.float() + out.float()).to(residual.dtype))
+
+
 def dequantize_gguf(weight, quant_type, features) -> torch.Tensor:
     """The `gguf` package's own dequantizer (llama.cpp's reference values)."""
     import numpy as np

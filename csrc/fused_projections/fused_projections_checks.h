@@ -1,0 +1,95 @@
+// Argument checks of the fused projections (qkv_projection, gate_up_projection, linear_residual),
+// shared by the CPU and CUDA glue. Nothing here reads tensor data.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include "common/checks.h"
+#include "linear/linear_checks.h"
+#include "reshape_and_cache/reshape_and_cache_checks.h"
+#include "rms_norm/rms_norm_checks.h"
+#include "rotary_embedding/rotary_embedding_checks.h"
+
+namespace eecore {
+
+// input [T, d] contiguous, of a float dtype; weight a dense [N, d] of input's dtype (the fused
+// projections take no GGUF blocks, int8 or AMX tiles); out [T, N] (+ bias [N]). Returns N.
+inline int64_t check_fused_linear(const char* op, const at::Tensor& out, const at::Tensor& input,
+                                  const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_defined(op, "input", input);
+  check_dim(op, "input", input, 2);
+  check_float_dtype(op, "input", input);
+  check_contiguous(op, "input", input);
+  check_defined(op, "weight", weight);
+  EECORE_CHECK_ARG(op, "weight", weight.dim() == 2, "expected a dense [N, d] weight (GGUF blocks, int8 and AMX "
+                   "tiles take the separate ops), got shape ", weight.sizes());
+  check_same_dtype(op, "weight", weight, "input", input);
+  check_same_device(op, "weight", weight, "input", input);
+  check_contiguous(op, "weight", weight);
+  check_size(op, "weight", weight, 1, input.size(1), "the features d of 'input'");
+  check_defined(op, "out", out);
+  check_linear_out_and_bias(op, out, input, weight.size(0), bias, "the output features N of 'weight'");
+  return weight.size(0);
+}
+
+// normed [T, d] = rms_norm(input) * norm_weight, as rms_norm takes them.
+inline void check_fused_norm(const char* op, const at::Tensor& normed, const at::Tensor& input,
+                             const at::Tensor& norm_weight, double eps) {
+  check_defined(op, "norm_weight", norm_weight);
+  check_dim(op, "norm_weight", norm_weight, 1);
+  check_size(op, "norm_weight", norm_weight, 0, input.size(1), "the features d of 'input'");
+  check_same_dtype(op, "norm_weight", norm_weight, "input", input);
+  check_contiguous(op, "norm_weight", norm_weight);
+  check_same_device(op, "norm_weight", norm_weight, "input", input);
+  check_defined(op, "normed", normed);
+  EECORE_CHECK_ARG(op, "normed", normed.sizes() == input.sizes(), "expected the shape of 'input' ", input.sizes(),
+                   ", got ", normed.sizes());
+  check_same_dtype(op, "normed", normed, "input", input);
+  check_contiguous(op, "normed", normed);
+  check_same_device(op, "normed", normed, "input", input);
+  check_eps(op, eps);
+}
+
+// qkv_projection's query, key and value: views of out [T, (Hq + 2 Hkv) D], with Hkv and D from
+// k_cache [NB, BS, Hkv, D].
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_views(const char* op, const at::Tensor& out,
+                                                                const at::Tensor& k_cache) {
+  check_defined(op, "k_cache", k_cache);
+  check_dim(op, "k_cache", k_cache, 4);
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t kv_width = kv_heads * head_dim;
+  EECORE_CHECK_ARG(op, "out", kv_width > 0 && out.size(1) % head_dim == 0 && out.size(1) > 2 * kv_width,
+                   "expected [T, (Hq + 2 Hkv) D] with Hq >= 1 and Hkv = ", kv_heads, ", D = ", head_dim,
+                   " from 'k_cache', got shape ", out.sizes());
+  const int64_t q_width = out.size(1) - 2 * kv_width, tokens = out.size(0);
+  return {out.narrow(1, 0, q_width).view({tokens, q_width / head_dim, head_dim}),
+          out.narrow(1, q_width, kv_width).view({tokens, kv_heads, head_dim}),
+          out.narrow(1, q_width + kv_width, kv_width).view({tokens, kv_heads, head_dim})};
+}
+
+// act [T, I], out [T, 2 I] of gate_up_projection.
+inline void check_fused_act(const char* op, const at::Tensor& act, const at::Tensor& out) {
+  check_defined(op, "act", act);
+  EECORE_CHECK_ARG(op, "out", out.size(1) % 2 == 0, "expected an even number of features [T, 2 I] (gate and up), "
+                   "got shape ", out.sizes());
+  check_dim(op, "act", act, 2);
+  check_size(op, "act", act, 0, out.size(0), "the rows T of 'out'");
+  check_size(op, "act", act, 1, out.size(1) / 2, "half the features of 'out'");
+  check_same_dtype(op, "act", act, "out", out);
+  check_contiguous(op, "act", act);
+  check_same_device(op, "act", act, "out", out);
+  check_contiguous(op, "out", out);
+}
+
+// residual [T, N] like out.
+inline void check_fused_residual(const char* op, const at::Tensor& residual, const at::Tensor& out) {
+  check_defined(op, "residual", residual);
+  EECORE_CHECK_ARG(op, "residual", residual.sizes() == out.sizes(), "expected the shape of 'out' ", out.sizes(),
+                   ", got ", residual.sizes());
+  check_same_dtype(op, "residual", residual, "out", out);
+  check_last_dim_contiguous(op, "residual", residual);
+  check_same_device(op, "residual", residual, "out", out);
+}
+
+}  // namespace eecore

@@ -1,0 +1,50 @@
+// The fused projections on the CPU: the ops they fuse, one after the other
+// (fused_projections_compose.h), after every check of the whole call, so a bad call changes nothing.
+#include <torch/library.h>
+
+#include "fused_projections/fused_projections_compose.h"
+
+namespace eecore {
+namespace {
+
+void qkv_projection_cpu(at::Tensor& out, at::Tensor& normed, const at::Tensor& input, const at::Tensor& norm_weight,
+                        double eps, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool is_neox,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const char* op = "qkv_projection";
+  check_fused_linear(op, out, input, weight, bias);
+  check_fused_norm(op, normed, input, norm_weight, eps);
+  const auto [query, key, value] = qkv_views(op, out, k_cache);
+  const RotaryShape rotary = check_rotary_embedding_args(positions, query, key, cos_sin_cache, op);
+  const ReshapeAndCacheDims dims = check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping, op);
+  check_positions_in_range(op, positions, rotary.max_pos);
+  check_slots_in_range(op, slot_mapping, dims.num_slots);
+  compose_qkv_projection(out, normed, input, norm_weight, eps, weight, bias, positions, cos_sin_cache, is_neox,
+                         k_cache, v_cache, slot_mapping);
+}
+
+void gate_up_projection_cpu(at::Tensor& act, at::Tensor& out, at::Tensor& normed, const at::Tensor& input,
+                            const at::Tensor& norm_weight, double eps, const at::Tensor& weight) {
+  const char* op = "gate_up_projection";
+  check_fused_linear(op, out, input, weight, std::nullopt);
+  check_fused_norm(op, normed, input, norm_weight, eps);
+  check_fused_act(op, act, out);
+  compose_gate_up_projection(act, out, normed, input, norm_weight, eps, weight);
+}
+
+void linear_residual_cpu(at::Tensor& out, at::Tensor& residual, const at::Tensor& input, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  const char* op = "linear_residual";
+  check_fused_linear(op, out, input, weight, bias);
+  check_fused_residual(op, residual, out);
+  compose_linear_residual(out, residual, input, weight, bias);
+}
+
+}  // namespace
+}  // namespace eecore
+
+TORCH_LIBRARY_IMPL(eecore, CPU, m) {
+  m.impl("qkv_projection", &eecore::qkv_projection_cpu);
+  m.impl("gate_up_projection", &eecore::gate_up_projection_cpu);
+  m.impl("linear_residual", &eecore::linear_residual_cpu);
+}
