@@ -15,7 +15,8 @@ SmolLM2-135M's and Llama-3.2-1B's shapes (bf16):
     against eecore's argmax op, the default;
   * a layer's chain of them (norm, QKV, RoPE and cache, output projection, norm, gate/up,
     activation, down): default, with the tensor-core few-row linear, and with it and programmatic
-    dependent launch (EECORE_PDL=1).
+    dependent launch (EECORE_PDL=1); and the same layer in the four launches of the fused
+    projections (qkv_projection, linear_residual, gate_up_projection, down), without and with PDL.
 
 Each figure is one call's share of a CUDA graph that repeats the call `--repeats` times back to
 back, replayed and timed with CUDA events: what the call costs inside a captured decode step,
@@ -119,10 +120,26 @@ class Layer:
                  lambda: self.ops.fused_add_rms_norm(self.x, self.hidden, self.norm, 1e-5), self.linear("gate_up"),
                  self.silu(), lambda: self.ops.linear(self.hidden, self.act, self.weights["down"], accumulate=True)]
 
-        def run():
-            for step in steps:
-                step()
-        return run
+        return _in_turn(steps)
+
+    def fused_chain(self):
+        """The same layer through the fused projection ops (EECORE_FUSED_PROJECTIONS=1's path)."""
+        ops, w = self.ops, self.weights
+        steps = [lambda: ops.qkv_projection(self.qkv, self.x, self.hidden, self.norm, 1e-5, w["qkv"], None,
+                                            self.positions, self.cos_sin, True, self.k_cache, self.v_cache,
+                                            self.slots),
+                 lambda: ops.linear_residual(self.x, self.hidden, self.attn, w["o"]),
+                 lambda: ops.gate_up_projection(self.act, self.gate_up, self.x, self.hidden, self.norm, 1e-5,
+                                                w["gate_up"]),
+                 lambda: ops.linear(self.hidden, self.act, w["down"], accumulate=True)]
+        return _in_turn(steps)
+
+
+def _in_turn(steps):
+    def run():
+        for step in steps:
+            step()
+    return run
 
 
 def main() -> None:
@@ -171,13 +188,18 @@ def main() -> None:
             chain = dict(default_us=per_call_us(layer.chain(), args.repeats, args.device),
                          selected_us=with_env(FLAGGED, per_call_us, layer.chain(), args.repeats, args.device),
                          selected_pdl_us=with_env(dict(FLAGGED, EECORE_PDL="1"), per_call_us, layer.chain(),
-                                                  args.repeats, args.device))
+                                                  args.repeats, args.device),
+                         fused_us=with_env(FLAGGED, per_call_us, layer.fused_chain(), args.repeats, args.device),
+                         fused_pdl_us=with_env(dict(FLAGGED, EECORE_PDL="1"), per_call_us, layer.fused_chain(),
+                                               args.repeats, args.device))
             timings["layer chain"] = chain
             rows_out.append(dict(model=name, rows=rows, timings=timings))
             print(f"{name}, {rows} rows (us a call in a graph: cuBLAS / few-row / few-row on tensor cores, "
-                  "unfused / fused, ATen / eecore; the chain: default / with gemv_mma / and PDL):")
+                  "unfused / fused, ATen / eecore; the chain: default / with gemv_mma / and PDL / fused projections / "
+                  "and PDL):")
             for label, t in timings.items():
-                extra = (f" / with PDL {t['selected_pdl_us']:.2f}" if "selected_pdl_us" in t
+                extra = (f" / with PDL {t['selected_pdl_us']:.2f} / fused {t['fused_us']:.2f}"
+                         f" / fused with PDL {t['fused_pdl_us']:.2f}" if "selected_pdl_us" in t
                          else f" / mma {t['mma_us']:.2f}" if "mma_us" in t else "")
                 limit = f"   (weight read at copy bandwidth {t['weight_read_us']:.2f})" if t.get("weight_read_us") else ""
                 print(f"    {label:28s} {t['default_us']:8.2f} / {t['selected_us']:8.2f}{extra}{limit}", flush=True)

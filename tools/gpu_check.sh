@@ -6,7 +6,8 @@
 #              the SASS instruction mix of the decode_mma kernels (sass-decode-mma.txt)
 #   attn       paged-attention tests on CUDA, every kernel forced in turn (test_cuda_vs_cpu.py's
 #              attention cases, test_op_paged_attention.py's cuda cases)
-#   engine     tests/test_engine_cuda.py (CUDA graphs against eager included)
+#   engine     tests/test_engine_cuda.py (CUDA graphs against eager included) and
+#              tests/test_fused_projections_engine.py
 #   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/<gpu>/
 #   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
 #   profile    bench/cuda_step_profile.py: a decode step's kernels by time and the host's parts of a
@@ -34,8 +35,10 @@
 #   EECORE_NCU_KERNELS        kernels Nsight Compute profiles, as the sweep names them (default: decode_mma)
 #   EECORE_NCU_CELLS          cells it profiles besides the headline, "B,CTX,HQ,HKV,D" each (default: none)
 #   EECORE_SANITIZE_KERNEL    the kernel the sanitizers check (default: decode_mma)
-#   EECORE_SANITIZE_TESTS     a pytest -k expression over test_cuda_vs_cpu.py that replaces the
-#                             sanitizers' selection, e.g. "argmax or gemv_mma or silu or rotary"
+#   EECORE_SANITIZE_TESTS     a pytest -k expression over the sanitizers' test files that replaces
+#                             their selection, e.g. "argmax or gemv_mma or silu or rotary"
+#   EECORE_SANITIZE_FILES     the test files the sanitizers run (default: tests/test_cuda_vs_cpu.py),
+#                             e.g. tests/test_op_fused_projections.py with EECORE_SANITIZE_TESTS=cuda
 # Each step's timeout is cut to what is left of the budget, so the logs always come back. Measured
 # on an H200 (2026-11-26): build 70 s, sweep 60 s, ncu 10 s, sanitizers 55 s, engine tests 20 s;
 # the attention tests ran 524 of 617 cases in 150 s at -n 16 with the CPU oversubscribed (every
@@ -131,7 +134,8 @@ run_attn() {
 
 run_engine() {
   step "the engine on CUDA"
-  limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py ${EECORE_TEST_ARGS:-} \
+  limited 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py tests/test_fused_projections_engine.py \
+    ${EECORE_TEST_ARGS:-} \
     > "$WORK/pytest-engine.txt" 2>&1 || status=1
   report "$WORK/pytest-engine.txt"
 }
@@ -186,12 +190,13 @@ run_sanitize() {
   # ("decode_mma-2stages-...", "decode_mma-v1-...", "-v2-") are left out: the plain cases run the build's
   # default or EECORE_DECODE_MMA_LDMATRIX's choice.
   # EECORE_SANITIZE_TESTS replaces both -k expressions (e.g. "argmax or gemv_mma" for the row kernels).
-  sub=(tests/test_cuda_vs_cpu.py -k "${EECORE_SANITIZE_TESTS:-(test_decode or causal or invalid or rows_past or unaligned or verification) and not large and $SAN_KERNEL- and not 2stages and not 4stages and not v1- and not v2- and not versions_agree}")
+  read -ra SAN_FILES <<< "${EECORE_SANITIZE_FILES:-tests/test_cuda_vs_cpu.py}"
+  sub=("${SAN_FILES[@]}" -k "${EECORE_SANITIZE_TESTS:-(test_decode or causal or invalid or rows_past or unaligned or verification) and not large and $SAN_KERNEL- and not 2stages and not 4stages and not v1- and not v2- and not versions_agree}")
   limited 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
     --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider "${sub[@]}" > "$WORK/memcheck.txt" 2>&1 &
   mc=$!
   limited 150 "$SANITIZER" --tool racecheck --error-exitcode 99 \
-    --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_vs_cpu.py \
+    --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider "${SAN_FILES[@]}" \
     -k "${EECORE_SANITIZE_TESTS:-(test_decode or verification) and $SAN_KERNEL- and dtype1 and not large and not 2stages and not 4stages and not v1- and not v2- and not versions_agree}" \
     > "$WORK/racecheck.txt" 2>&1 || status=1
   wait $mc || status=1
