@@ -18,8 +18,9 @@
 
 namespace eecore::cuda {
 
-// The first statement of a kernel launched through launch_kernel: nothing the kernel reads or
-// writes may be touched before it. A no-op for a kernel launched without PDL, and before sm_90.
+// The first statement of a kernel launched through launch_kernel: nothing the kernels before it
+// may write can be read or written before it (the fused projections prefetch their weights, which
+// no kernel writes, ahead of it). A no-op for a kernel launched without PDL, and before sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
