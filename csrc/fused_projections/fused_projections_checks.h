@@ -92,4 +92,44 @@ inline void check_fused_residual(const char* op, const at::Tensor& residual, con
   check_same_device(op, "residual", residual, "out", out);
 }
 
+// ---- each op's whole check ----------------------------------------------------------------------
+
+struct QkvProjectionShape {
+  at::Tensor query, key, value;  // views of out
+  RotaryShape rotary;
+  ReshapeAndCacheDims cache;
+};
+
+inline QkvProjectionShape check_qkv_projection_args(const at::Tensor& out, const at::Tensor& normed,
+                                                    const at::Tensor& input, const at::Tensor& norm_weight,
+                                                    double eps, const at::Tensor& weight,
+                                                    const std::optional<at::Tensor>& bias,
+                                                    const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                    const at::Tensor& slot_mapping) {
+  const char* op = "qkv_projection";
+  check_fused_linear(op, out, input, weight, bias);
+  check_fused_norm(op, normed, input, norm_weight, eps);
+  auto [query, key, value] = qkv_views(op, out, k_cache);
+  const RotaryShape rotary = check_rotary_embedding_args(positions, query, key, cos_sin_cache, op);
+  const ReshapeAndCacheDims cache = check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping, op);
+  return {query, key, value, rotary, cache};
+}
+
+inline void check_gate_up_projection_args(const at::Tensor& act, const at::Tensor& out, const at::Tensor& normed,
+                                          const at::Tensor& input, const at::Tensor& norm_weight, double eps,
+                                          const at::Tensor& weight) {
+  const char* op = "gate_up_projection";
+  check_fused_linear(op, out, input, weight, std::nullopt);
+  check_fused_norm(op, normed, input, norm_weight, eps);
+  check_fused_act(op, act, out);
+}
+
+inline void check_linear_residual_args(const at::Tensor& out, const at::Tensor& residual, const at::Tensor& input,
+                                       const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "linear_residual";
+  check_fused_linear(op, out, input, weight, bias);
+  check_fused_residual(op, residual, out);
+}
+
 }  // namespace eecore

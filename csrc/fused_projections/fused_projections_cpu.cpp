@@ -12,31 +12,24 @@ void qkv_projection_cpu(at::Tensor& out, at::Tensor& normed, const at::Tensor& i
                         const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool is_neox,
                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   const char* op = "qkv_projection";
-  check_fused_linear(op, out, input, weight, bias);
-  check_fused_norm(op, normed, input, norm_weight, eps);
-  const auto [query, key, value] = qkv_views(op, out, k_cache);
-  const RotaryShape rotary = check_rotary_embedding_args(positions, query, key, cos_sin_cache, op);
-  const ReshapeAndCacheDims dims = check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping, op);
-  check_positions_in_range(op, positions, rotary.max_pos);
-  check_slots_in_range(op, slot_mapping, dims.num_slots);
+  const QkvProjectionShape shape = check_qkv_projection_args(out, normed, input, norm_weight, eps, weight, bias,
+                                                             positions, cos_sin_cache, k_cache, v_cache,
+                                                             slot_mapping);
+  check_positions_in_range(op, positions, shape.rotary.max_pos);
+  check_slots_in_range(op, slot_mapping, shape.cache.num_slots);
   compose_qkv_projection(out, normed, input, norm_weight, eps, weight, bias, positions, cos_sin_cache, is_neox,
                          k_cache, v_cache, slot_mapping);
 }
 
 void gate_up_projection_cpu(at::Tensor& act, at::Tensor& out, at::Tensor& normed, const at::Tensor& input,
                             const at::Tensor& norm_weight, double eps, const at::Tensor& weight) {
-  const char* op = "gate_up_projection";
-  check_fused_linear(op, out, input, weight, std::nullopt);
-  check_fused_norm(op, normed, input, norm_weight, eps);
-  check_fused_act(op, act, out);
+  check_gate_up_projection_args(act, out, normed, input, norm_weight, eps, weight);
   compose_gate_up_projection(act, out, normed, input, norm_weight, eps, weight);
 }
 
 void linear_residual_cpu(at::Tensor& out, at::Tensor& residual, const at::Tensor& input, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
-  const char* op = "linear_residual";
-  check_fused_linear(op, out, input, weight, bias);
-  check_fused_residual(op, residual, out);
+  check_linear_residual_args(out, residual, input, weight, bias);
   compose_linear_residual(out, residual, input, weight, bias);
 }
 

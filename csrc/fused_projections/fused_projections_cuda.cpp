@@ -49,18 +49,15 @@ void qkv_projection_cuda(at::Tensor& out, at::Tensor& normed, const at::Tensor& 
                          const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool is_neox,
                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   const char* op = "qkv_projection";
-  check_fused_linear(op, out, input, weight, bias);
-  check_fused_norm(op, normed, input, norm_weight, eps);
-  auto [query, key, value] = qkv_views(op, out, k_cache);
-  const RotaryShape rotary = check_rotary_embedding_args(positions, query, key, cos_sin_cache, op);
-  const ReshapeAndCacheDims dims = check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping, op);
+  QkvProjectionShape shape = check_qkv_projection_args(out, normed, input, norm_weight, eps, weight, bias, positions,
+                                                       cos_sin_cache, k_cache, v_cache, slot_mapping);
   const c10::cuda::CUDAGuard guard(input.device());
   if (fused_kernels_apply(input)) {
     cuda::QkvProjectionParams p{};
     p.linear = fused_linear_params(out, input, weight, bias);
     p.norm = fused_norm_params(normed, norm_weight, eps);
-    p.rot = rotary_embedding_params(op, rotary, positions, query, key, cos_sin_cache, is_neox);
-    p.cache = reshape_and_cache_params(op, dims, key, value, k_cache, v_cache, slot_mapping);
+    p.rot = rotary_embedding_params(op, shape.rotary, positions, shape.query, shape.key, cos_sin_cache, is_neox);
+    p.cache = reshape_and_cache_params(op, shape.cache, shape.key, shape.value, k_cache, v_cache, slot_mapping);
     if (cuda::qkv_projection_supported(p)) {
       check_launch(op, cuda::launch_qkv_projection(p, current_stream(input.device())));
       return;
@@ -73,9 +70,7 @@ void qkv_projection_cuda(at::Tensor& out, at::Tensor& normed, const at::Tensor& 
 void gate_up_projection_cuda(at::Tensor& act, at::Tensor& out, at::Tensor& normed, const at::Tensor& input,
                              const at::Tensor& norm_weight, double eps, const at::Tensor& weight) {
   const char* op = "gate_up_projection";
-  check_fused_linear(op, out, input, weight, std::nullopt);
-  check_fused_norm(op, normed, input, norm_weight, eps);
-  check_fused_act(op, act, out);
+  check_gate_up_projection_args(act, out, normed, input, norm_weight, eps, weight);
   const c10::cuda::CUDAGuard guard(input.device());
   if (fused_kernels_apply(input)) {
     cuda::GateUpProjectionParams p{};
@@ -94,8 +89,7 @@ void gate_up_projection_cuda(at::Tensor& act, at::Tensor& out, at::Tensor& norme
 void linear_residual_cuda(at::Tensor& out, at::Tensor& residual, const at::Tensor& input, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
   const char* op = "linear_residual";
-  check_fused_linear(op, out, input, weight, bias);
-  check_fused_residual(op, residual, out);
+  check_linear_residual_args(out, residual, input, weight, bias);
   const c10::cuda::CUDAGuard guard(input.device());
   if (fused_kernels_apply(input)) {
     cuda::LinearResidualParams p{};

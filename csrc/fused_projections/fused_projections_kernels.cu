@@ -90,26 +90,13 @@ __device__ void normalize_rows(const LinearGemvParams& lin, const FusedNormParam
   }
 }
 
-// The tile sums of weight rows lo_row and hi_row (this lane's, by group) against the normed rows
-// in shared memory.
+// block_tile against the input rows normalized into shared memory first (`normed`).
 template <typename T>
-__device__ __forceinline__ void normed_tile(float (&c)[4], const LinearGemvParams& lin, int64_t lo_row,
-                                            int64_t hi_row, const T* normed) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, tig = lane % 4;
-  const T* w = static_cast<const T*>(lin.weight) + tig * 8;
-  const bool has_row = group < lin.rows;
-  const T* x = normed + (has_row ? group : 0) * norm_row_stride(lin.in_features) + tig * 8;
-  warp_tile<T>(c, w + lo_row * lin.in_features, w + hi_row * lin.in_features, lin.in_features, [&](int64_t k) {
-    return has_row ? *reinterpret_cast<const uint4*>(x + k) : make_uint4(0, 0, 0, 0);
-  });
-}
-
-template <typename T>
-__device__ __forceinline__ void prefetch_rows(const LinearGemvParams& lin, int64_t lo_row, int64_t hi_row) {
-  const int tig = threadIdx.x % 4;
-  const T* w = static_cast<const T*>(lin.weight) + tig * 8;
-  prefetch_tile<T>(w + lo_row * lin.in_features, w + hi_row * lin.in_features, lin.in_features);
+__device__ __forceinline__ void normed_block_tile(const LinearGemvParams& lin, const FusedNormParams& norm,
+                                                  int norm_threads, TileRows rows, T* normed,
+                                                  float (*partial)[kTile]) {
+  block_tile<T>(lin, rows, normed, norm_row_stride(lin.in_features),
+                [&] { normalize_rows<T>(lin, norm, norm_threads, normed); }, partial);
 }
 
 // ---- qkv_projection ------------------------------------------------------------------------------
@@ -128,16 +115,10 @@ __global__ void __launch_bounds__(kThreads, 1) qkv_projection_kernel(const QkvPr
   const int64_t b = blockIdx.x;
   const bool rope = b < rope_tiles;
   const int64_t head = b / tiles_per_head, pair0 = (b % tiles_per_head) * 8;
-  const int64_t first = rope ? head * D + pair0 : (p.rot.num_q_heads + p.rot.num_kv_heads) * D + (b - rope_tiles) * kFeatures;
-  const int group = (threadIdx.x % kWarpSize) / 4;
-  const int64_t lo_row = first + group, hi_row = rope ? lo_row + half : lo_row + 8;
-  prefetch_rows<T>(lin, lo_row, hi_row);
-  pdl_wait();
-  pdl_launch_dependents();
-  normalize_rows<T>(lin, p.norm, norm_threads, normed);
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  normed_tile<T>(c, lin, lo_row, hi_row, normed);
-  share_tile(c, partial);
+  const int64_t first =
+      rope ? head * D + pair0 : (p.rot.num_q_heads + p.rot.num_kv_heads) * D + (b - rope_tiles) * kFeatures;
+  const int64_t lo_row = first + (threadIdx.x % kWarpSize) / 4;
+  normed_block_tile<T>(lin, p.norm, norm_threads, {lo_row, rope ? lo_row + half : lo_row + 8}, normed, partial);
 
   const int t = threadIdx.x;
   const T* bias = static_cast<const T*>(lin.bias);
@@ -195,15 +176,8 @@ __global__ void __launch_bounds__(kThreads, 1) gate_up_projection_kernel(const G
   const LinearGemvParams& lin = p.linear;
   const int64_t inter = lin.out_features / 2;
   const int64_t gate0 = static_cast<int64_t>(blockIdx.x) * 8;
-  const int group = (threadIdx.x % kWarpSize) / 4;
-  const int64_t lo_row = gate0 + group, hi_row = inter + lo_row;
-  prefetch_rows<T>(lin, lo_row, hi_row);
-  pdl_wait();
-  pdl_launch_dependents();
-  normalize_rows<T>(lin, p.norm, norm_threads, normed);
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  normed_tile<T>(c, lin, lo_row, hi_row, normed);
-  share_tile(c, partial);
+  const int64_t lo_row = gate0 + (threadIdx.x % kWarpSize) / 4;
+  normed_block_tile<T>(lin, p.norm, norm_threads, {lo_row, inter + lo_row}, normed, partial);
 
   const int t = threadIdx.x;
   if (t >= 8 * kRows) return;
@@ -224,24 +198,9 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) linear_residual_kernel(const LinearResidualParams p) {
   __shared__ float partial[kWarps][kTile];
   const LinearGemvParams& lin = p.linear;
-  const int lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, tig = lane % 4;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kFeatures;
-  // A feature past the end re-reads the last weight row; its sums are never stored.
-  const int64_t last = lin.out_features - 1;
-  const int64_t lo_row = first + group < last ? first + group : last;
-  const int64_t hi_row = first + group + 8 < last ? first + group + 8 : last;
-  prefetch_rows<T>(lin, lo_row, hi_row);
-  pdl_wait();
-  pdl_launch_dependents();
-  const T* w = static_cast<const T*>(lin.weight) + tig * 8;
-  const bool has_row = group < lin.rows;
-  const T* x = static_cast<const T*>(lin.input) + (has_row ? group : 0) * lin.input_stride + tig * 8;
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  warp_tile<T>(c, w + lo_row * lin.in_features, w + hi_row * lin.in_features, lin.in_features, [&](int64_t k) {
-    return has_row ? *reinterpret_cast<const uint4*>(x + k) : make_uint4(0, 0, 0, 0);
-  });
-  share_tile(c, partial);
+  block_tile<T>(lin, plain_tile_rows(first, lin.out_features), static_cast<const T*>(lin.input), lin.input_stride,
+                [] {}, partial);
 
   const int t = threadIdx.x;
   if (t >= kTile) return;

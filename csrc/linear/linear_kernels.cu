@@ -87,23 +87,9 @@ template <typename T>
 __global__ void __launch_bounds__(gemv_mma::kThreads, 1) linear_gemv_mma_kernel(const LinearGemvParams p) {
   using namespace gemv_mma;
   __shared__ float partial[kWarps][kTile];
-  pdl_wait();
-  pdl_launch_dependents();
-  const int lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, tig = lane % 4;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kFeatures;
-  // A feature past the end re-reads the last weight row; its sums are never stored.
-  const int64_t last = p.out_features - 1;
-  const int64_t lo_row = first + group < last ? first + group : last;
-  const int64_t hi_row = first + group + 8 < last ? first + group + 8 : last;
-  const T* w = static_cast<const T*>(p.weight) + tig * 8;
-  const bool has_row = group < p.rows;  // B's columns past the input rows stay zero
-  const T* x = static_cast<const T*>(p.input) + (has_row ? group : 0) * p.input_stride + tig * 8;
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  warp_tile<T>(c, w + lo_row * p.in_features, w + hi_row * p.in_features, p.in_features, [&](int64_t k) {
-    return has_row ? *reinterpret_cast<const uint4*>(x + k) : make_uint4(0, 0, 0, 0);
-  });
-  share_tile(c, partial);
+  block_tile<T>(p, plain_tile_rows(first, p.out_features), static_cast<const T*>(p.input), p.input_stride, [] {},
+                partial);
   const int t = threadIdx.x;
   if (t >= kTile) return;
   const int feature = t / kRows, row = t % kRows;

@@ -18,6 +18,8 @@
 
 #include "eecore/cuda/common.cuh"
 #include "eecore/cuda/mma.cuh"
+#include "eecore/cuda/pdl.cuh"
+#include "eecore/launch/linear_gemv.h"
 
 namespace eecore::cuda::gemv_mma {
 
@@ -106,6 +108,43 @@ __device__ __forceinline__ void prefetch_tile(const T* w_lo, const T* w_hi, int6
     asm volatile("prefetch.global.L2 [%0];" ::"l"(w_lo + chunk * kChunk - 8 * tig));
     asm volatile("prefetch.global.L2 [%0];" ::"l"(w_hi + chunk * kChunk - 8 * tig));
   }
+}
+
+// The two weight rows a lane multiplies: A's rows group and group + 8.
+struct TileRows {
+  int64_t lo, hi;
+};
+
+// Rows first + group and first + group + 8 of a plain tile; a feature past the end re-reads the
+// last weight row (its sums are never stored).
+__device__ __forceinline__ TileRows plain_tile_rows(int64_t first, int64_t out_features) {
+  const int group = (threadIdx.x % kWarpSize) / 4;
+  const int64_t last = out_features - 1;
+  return {first + group < last ? first + group : last, first + group + 8 < last ? first + group + 8 : last};
+}
+
+// A block's whole tile of p's product: it asks L2 for its weight rows, waits for the kernel before
+// it (PDL), runs `prepare()` (a fused kernel's prologue), multiplies its rows against the input
+// rows at x (global or shared memory, row stride `stride`, p.rows of them), and shares the sums
+// in `partial` for tile_sum.
+template <typename T, typename Prepare>
+__device__ __forceinline__ void block_tile(const LinearGemvParams& p, TileRows rows, const T* x, int64_t stride,
+                                           Prepare prepare, float (*partial)[kTile]) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, tig = lane % 4;
+  const T* w_lo = static_cast<const T*>(p.weight) + rows.lo * p.in_features + tig * 8;
+  const T* w_hi = static_cast<const T*>(p.weight) + rows.hi * p.in_features + tig * 8;
+  prefetch_tile<T>(w_lo, w_hi, p.in_features);
+  pdl_wait();
+  pdl_launch_dependents();
+  prepare();
+  const bool has_row = group < p.rows;  // B's columns past the input rows stay zero
+  const T* x_row = x + (has_row ? group : 0) * stride + tig * 8;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  warp_tile<T>(c, w_lo, w_hi, p.in_features, [&](int64_t k) {
+    return has_row ? *reinterpret_cast<const uint4*>(x_row + k) : make_uint4(0, 0, 0, 0);
+  });
+  share_tile(c, partial);
 }
 
 __device__ __forceinline__ float tile_sum(const float (*partial)[kTile], int i) {
