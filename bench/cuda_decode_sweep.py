@@ -12,7 +12,8 @@ colons: `decode_mma:2` (EECORE_DECODE_MMA_STAGES=2: 2-stage pipelines, 3 CTAs pe
 `decode_mma:v1` / `decode_mma:v2` (EECORE_DECODE_MMA_LDMATRIX=0 / 1: the first version, or v2:
 ldmatrix fragments, whole-tile copies and masks, lazy rescaling), combinable as
 `decode_mma:2:v2`; without v1 or v2 the build's default; `f<N>` sets EECORE_DECODE_MMA_V2_FLAGS=N
-(which of v2's changes run, e.g. `decode_mma:v2:f0` for ldmatrix alone). SDPA gets its KV
+(which of v2's changes run, e.g. `decode_mma:v2:f0` for ldmatrix alone), `s<N>` sets
+EECORE_DECODE_MIN_SPLIT_TOKENS=N (the planner's shortest context split, default 256). SDPA gets its KV
 pre-gathered and contiguous, for free. Every timing is the median per call over CUDA-graph replays
 of 10 calls, so launch gaps do not hide the kernels of small cells. Outputs are checked against
 SDPA's before any timing.
@@ -43,7 +44,8 @@ KERNEL_ENV = "EECORE_PAGED_ATTENTION_KERNEL"
 STAGES_ENV = "EECORE_DECODE_MMA_STAGES"
 LDMATRIX_ENV = "EECORE_DECODE_MMA_LDMATRIX"
 V2_FLAGS_ENV = "EECORE_DECODE_MMA_V2_FLAGS"
-VARIANT_ENVS = (KERNEL_ENV, STAGES_ENV, LDMATRIX_ENV, V2_FLAGS_ENV)
+MIN_SPLIT_ENV = "EECORE_DECODE_MIN_SPLIT_TOKENS"
+VARIANT_ENVS = (KERNEL_ENV, STAGES_ENV, LDMATRIX_ENV, V2_FLAGS_ENV, MIN_SPLIT_ENV)
 
 
 def variant_env(kernel: str) -> dict:
@@ -57,8 +59,11 @@ def variant_env(kernel: str) -> dict:
             env[LDMATRIX_ENV] = "0" if option == "v1" else "1"
         elif option[:1] == "f" and option[1:].isdigit():
             env[V2_FLAGS_ENV] = option[1:]
+        elif option[:1] == "s" and option[1:].isdigit():
+            env[MIN_SPLIT_ENV] = option[1:]
         else:
-            raise SystemExit(f"--kernels: unknown option {option!r} in {kernel!r} (expected 2, 3, v1, v2 or f<N>)")
+            raise SystemExit(f"--kernels: unknown option {option!r} in {kernel!r} "
+                             "(expected 2, 3, v1, v2, f<N> or s<N>)")
     return env
 
 

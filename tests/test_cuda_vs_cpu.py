@@ -24,7 +24,7 @@ LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(params=["auto", "decode", "decode_mma", "decode_mma-2stages", "decode_mma-4stages", "decode_mma-v1",
-                        "decode_mma-v2", "decode_mma-lookahead", "rows", "mma"])
+                        "decode_mma-v2", "decode_mma-lookahead", "decode_mma-splits64", "rows", "mma"])
 def attention_kernel(request, monkeypatch):
     """Each paged-attention kernel forced in turn (EECORE_PAGED_ATTENTION_KERNEL, read on every call;
     a kernel that cannot take a shape, e.g. decode or mma for fp32, leaves it to the planner), so
@@ -33,7 +33,9 @@ def attention_kernel(request, monkeypatch):
     only, the others run 3), "decode_mma-v1" / "-v2" with
     EECORE_DECODE_MMA_LDMATRIX=0 / 1 (its first version, or v2: ldmatrix fragments,
     whole-tile copies and masks, lazy rescaling), "decode_mma-lookahead" with every v2 flag and the
-    block ids looked up a round ahead (EECORE_DECODE_MMA_V2_FLAGS=31)."""
+    block ids looked up a round ahead (EECORE_DECODE_MMA_V2_FLAGS=31), "decode_mma-splits64" with
+    context splits as short as one tile of 64 keys (EECORE_DECODE_MIN_SPLIT_TOKENS=64: short
+    contexts split and combined too)."""
     kernel, _, variant = request.param.partition("-")
     monkeypatch.setenv("EECORE_PAGED_ATTENTION_KERNEL", kernel)
     if variant in ("2stages", "4stages"):
@@ -42,6 +44,8 @@ def attention_kernel(request, monkeypatch):
         monkeypatch.setenv("EECORE_DECODE_MMA_LDMATRIX", "0" if variant == "v1" else "1")
     if variant == "lookahead":
         monkeypatch.setenv("EECORE_DECODE_MMA_V2_FLAGS", "31")
+    if variant == "splits64":
+        monkeypatch.setenv("EECORE_DECODE_MIN_SPLIT_TOKENS", "64")
     return request.param
 
 

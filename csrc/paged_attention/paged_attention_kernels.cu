@@ -264,15 +264,27 @@ inline int forced_kernel() {
   return -1;
 }
 
+// The shortest context split the decode kernels' planner makes: 256 keys, or
+// EECORE_DECODE_MIN_SPLIT_TOKENS (16-4096), for timing shorter ones. A small grid's CTA is slow on
+// its own keys: at B = 1, 8 KV heads and 256 keys an H200 ran decode_mma's 8 CTAs for 17-19 us
+// (one warp a scheduler issuing every 10 cycles, the whole CTA's work one latency chain), against
+// SDPA's 7 us; shorter splits spread those keys over more CTAs, for a combine pass after them.
+inline int64_t min_split_tokens() {
+  constexpr int64_t kDefault = 256;
+  const char* v = std::getenv("EECORE_DECODE_MIN_SPLIT_TOKENS");
+  if (v == nullptr || *v == '\0') return kDefault;
+  const long tokens = std::strtol(v, nullptr, 10);
+  return tokens >= 16 && tokens <= 4096 ? tokens : kDefault;
+}
+
 // Context splits for a kernel whose natural grid has `ctas` CTAs, `slots` of which fit on the GPU
 // at once, each covering up to `max_context` keys. Models the time as waves of CTAs, each CTA
 // costing its keys plus a fixed overhead worth kOverheadKeys (q load, merge, the combine pass),
 // and takes the cheapest split count: more splits fill the GPU and even out the last wave.
 inline int64_t choose_splits(int64_t ctas, int64_t slots, int64_t max_context, int64_t tile) {
   constexpr int64_t kOverheadKeys = 256;
-  constexpr int64_t kMinSplitTokens = 256;
   constexpr int64_t kMaxSplits = 64;
-  const int64_t limit = std::min(kMaxSplits, std::max<int64_t>(1, ceil_div(max_context, kMinSplitTokens)));
+  const int64_t limit = std::min(kMaxSplits, std::max<int64_t>(1, ceil_div(max_context, min_split_tokens())));
   int64_t best = 1;
   double best_cost = 0.0;
   for (int64_t s = 1; s <= limit; ++s) {
