@@ -10,6 +10,7 @@
 #include "eecore/cuda/async_copy.cuh"
 #include "eecore/cuda/common.cuh"
 #include "eecore/cuda/paged_kv.cuh"
+#include "eecore/cuda/pdl.cuh"
 #include "eecore/launch/paged_attention.h"
 
 namespace eecore::cuda::attention {
@@ -197,6 +198,7 @@ __device__ __forceinline__ void store_output(const PagedAttentionParams& p, floa
 // One CTA per (query row, query head): out = sum_s w_s o_s / sum_s w_s l_s, w_s = 2^(m_s - max m).
 template <typename T>
 __global__ void combine_splits_kernel(const PagedAttentionParams p, const int32_t splits, const float* ws_base) {
+  pdl_launch_dependents();  // as decode_mma's kernel: the next projection may ask L2 for its weights
   const int32_t row = blockIdx.x;
   const int32_t q_head = blockIdx.y;
   RowInfo info;

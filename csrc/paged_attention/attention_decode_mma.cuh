@@ -19,6 +19,7 @@
 #include "attention_common.cuh"
 #include "eecore/cuda/async_copy.cuh"
 #include "eecore/cuda/mma.cuh"
+#include "eecore/cuda/pdl.cuh"
 
 namespace eecore::cuda::attention {
 
@@ -108,6 +109,10 @@ __global__ void __launch_bounds__(kThreads, Shape<HEAD_DIM, M_TILES, STAGES>::kC
   constexpr int kPitch = S::kPitch;
   constexpr int kDimTiles = HEAD_DIM / 8;  // n-tiles of O
   extern __shared__ __align__(16) unsigned char smem[];
+  // Lets a kernel launched after this one with PDL (EECORE_PDL=1: the output projection) be
+  // scheduled now: it asks L2 for its weights while attention runs, then waits for it in pdl_wait.
+  // This kernel itself is launched without PDL, so the kernels before it have finished.
+  pdl_launch_dependents();
 
   const int32_t seq = blockIdx.x / splits;
   const int32_t split = blockIdx.x % splits;
