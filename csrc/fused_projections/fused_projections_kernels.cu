@@ -41,53 +41,72 @@ int64_t norm_bytes(const LinearGemvParams& p) {
 // 0 into norm.normed), with the bits of rms_norm's kernel. That kernel runs `norm_threads` threads
 // a row (threads_for_row): thread v sums the squares of vectors v, v + norm_threads, ... in turn, a
 // warp_sum per warp, the warps' sums added in order. Here each of the block's 256 threads plays
-// up to four of those threads, v = t + 256 j, and the same sums are formed in the same order.
+// up to four of those threads, v = t + 256 j, and the same sums are formed in the same order. The
+// rows go side by side, so each pass waits on one round trip to L2 for all of them.
 template <typename T>
 __device__ void normalize_rows(const LinearGemvParams& lin, const FusedNormParams& norm, int norm_threads,
                                T* normed) {
   constexpr int V = kVec16<T>;
   constexpr int kPlays = 4;  // norm_threads <= 1024 = 4 x kThreads
-  __shared__ float warp_sums[kPlays * kWarps];
+  __shared__ float warp_sums[kRows][kPlays * kWarps];
+  __shared__ float inv_rms[kRows];
   const int t = threadIdx.x, lane = t % kWarpSize, warp = t / kWarpSize;
+  const int rows = static_cast<int>(lin.rows);
   const int64_t d = lin.in_features, vecs = d / V, stride = norm_row_stride(d);
   const int norm_warps = norm_threads / kWarpSize;
-  const T* gain = static_cast<const T*>(norm.weight);
-  for (int r = 0; r < lin.rows; ++r) {
-    const T* x = static_cast<const T*>(lin.input) + r * lin.input_stride;
+  const T* x = static_cast<const T*>(lin.input);
 #pragma unroll
-    for (int j = 0; j < kPlays; ++j) {
-      const int v = t + j * kThreads;
-      float sum_sq = 0.f;
-      if (v < norm_threads) {
-        for (int64_t i = v; i < vecs; i += norm_threads) {
+  for (int j = 0; j < kPlays; ++j) {
+    if (j * kThreads >= norm_threads) break;  // uniform: no thread plays a j-th one
+    const int v = t + j * kThreads;
+    float sum_sq[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) sum_sq[r] = 0.f;
+    if (v < norm_threads) {
+      for (int64_t i = v; i < vecs; i += norm_threads) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= rows) break;
           float f[V];
-          vec_to_float(load_vec<T, V>(x + i * V), f);
+          vec_to_float(load_vec<T, V>(x + r * lin.input_stride + i * V), f);
 #pragma unroll
-          for (int k = 0; k < V; ++k) sum_sq += f[k] * f[k];
+          for (int k = 0; k < V; ++k) sum_sq[r] += f[k] * f[k];
         }
       }
-      sum_sq = warp_sum(sum_sq);
-      if (lane == 0 && warp + j * kWarps < norm_warps) warp_sums[warp + j * kWarps] = sum_sq;
     }
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < norm_warps; ++w) total += warp_sums[w];
-    // IEEE sqrt and division, as rms_norm's kernels compute it.
-    const float inv_rms = 1.f / sqrtf(total / static_cast<float>(d) + norm.eps);
-    T* row = normed + r * stride;
-    T* out = blockIdx.x == 0 ? static_cast<T*>(norm.normed) + r * norm.normed_stride : nullptr;
-    for (int64_t i = t; i < vecs; i += kThreads) {
-      float f[V], g[V];
-      vec_to_float(load_vec<T, V>(x + i * V), f);
-      vec_to_float(load_vec<T, V>(gain + i * V), g);
 #pragma unroll
-      for (int k = 0; k < V; ++k) f[k] = f[k] * inv_rms * g[k];
-      const Vec<T, V> y = vec_from_float<T, V>(f);
-      store_vec(row + i * V, y);
-      if (out != nullptr) store_vec(out + i * V, y);
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) break;  // uniform, as warp_sum needs
+      const float s = warp_sum(sum_sq[r]);
+      if (lane == 0 && warp + j * kWarps < norm_warps) warp_sums[r][warp + j * kWarps] = s;
     }
-    __syncthreads();  // warp_sums is reused by the next row; the tiles read every row
   }
+  __syncthreads();
+  if (t < rows) {
+    float total = 0.f;
+    for (int w = 0; w < norm_warps; ++w) total += warp_sums[t][w];
+    // IEEE sqrt and division, as rms_norm's kernels compute it.
+    inv_rms[t] = 1.f / sqrtf(total / static_cast<float>(d) + norm.eps);
+  }
+  __syncthreads();
+  const T* gain = static_cast<const T*>(norm.weight);
+  T* out = static_cast<T*>(norm.normed);
+  for (int64_t i = t; i < vecs; i += kThreads) {
+    float g[V];
+    vec_to_float(load_vec<T, V>(gain + i * V), g);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) break;
+      float f[V];
+      vec_to_float(load_vec<T, V>(x + r * lin.input_stride + i * V), f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) f[k] = f[k] * inv_rms[r] * g[k];
+      const Vec<T, V> y = vec_from_float<T, V>(f);
+      store_vec(normed + r * stride + i * V, y);
+      if (blockIdx.x == 0) store_vec(out + r * norm.normed_stride + i * V, y);
+    }
+  }
+  __syncthreads();  // the tiles read every row
 }
 
 // block_tile against the input rows normalized into shared memory first (`normed`).
