@@ -187,6 +187,7 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         (dict(out=torch.zeros(4, x["width"] + 32)), "out"),
         (dict(bias=torch.zeros(3)), "bias"),
         (dict(eps=-1.0), "eps"),
+        (dict(normed=x["input"]), "normed"),  # an in-place norm: one launch cannot do it
         (dict(positions=x["positions"].clone().fill_(10_000)), "positions"),
         (dict(slot_mapping=x["slots"].clone().fill_(10_000)), "slot_mapping"),
     ]
@@ -203,5 +204,8 @@ def test_bad_input_names_the_argument_and_changes_nothing():
     residual = torch.zeros(2, 48)
     with pytest.raises(RuntimeError, match="linear_residual.*'residual'"):
         ops.linear_residual(torch.zeros(2, 48), torch.zeros(2, 40), hidden, weight)
+    out = torch.zeros(2, 48)
+    with pytest.raises(RuntimeError, match="linear_residual.*'residual'"):
+        ops.linear_residual(out, out, torch.zeros(2, 64), weight)
     with pytest.raises(RuntimeError, match="linear_residual.*'input'"):
         ops.linear_residual(torch.zeros(2, 48), residual, hidden.t(), weight)

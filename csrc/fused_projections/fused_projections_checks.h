@@ -2,6 +2,8 @@
 // shared by the CPU and CUDA glue. Nothing here reads tensor data.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
+
 #include <optional>
 #include <tuple>
 
@@ -12,6 +14,15 @@
 #include "rotary_embedding/rotary_embedding_checks.h"
 
 namespace eecore {
+
+// The fused kernels read one tensor while other blocks write another: they must not share memory
+// (the separate ops would allow an in-place norm; one launch cannot).
+inline void check_no_overlap(const char* op, const char* arg, const at::Tensor& t, const char* other_arg,
+                             const at::Tensor& other) {
+  const at::MemOverlapStatus status = at::get_overlap_status(t, other);
+  EECORE_CHECK_ARG(op, arg, status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+                   "must not share memory with '", other_arg, "'");
+}
 
 // input [T, d] contiguous, of a float dtype; weight a dense [N, d] of input's dtype (the fused
 // projections take no GGUF blocks, int8 or AMX tiles); out [T, N] (+ bias [N]). Returns N.
@@ -30,6 +41,7 @@ inline int64_t check_fused_linear(const char* op, const at::Tensor& out, const a
   check_size(op, "weight", weight, 1, input.size(1), "the features d of 'input'");
   check_defined(op, "out", out);
   check_linear_out_and_bias(op, out, input, weight.size(0), bias, "the output features N of 'weight'");
+  check_no_overlap(op, "out", out, "input", input);
   return weight.size(0);
 }
 
@@ -48,6 +60,7 @@ inline void check_fused_norm(const char* op, const at::Tensor& normed, const at:
   check_same_dtype(op, "normed", normed, "input", input);
   check_contiguous(op, "normed", normed);
   check_same_device(op, "normed", normed, "input", input);
+  check_no_overlap(op, "normed", normed, "input", input);
   check_eps(op, eps);
 }
 
@@ -79,6 +92,7 @@ inline void check_fused_act(const char* op, const at::Tensor& act, const at::Ten
   check_same_dtype(op, "act", act, "out", out);
   check_contiguous(op, "act", act);
   check_same_device(op, "act", act, "out", out);
+  check_no_overlap(op, "act", act, "out", out);
   check_contiguous(op, "out", out);
 }
 
@@ -90,6 +104,7 @@ inline void check_fused_residual(const char* op, const at::Tensor& residual, con
   check_same_dtype(op, "residual", residual, "out", out);
   check_last_dim_contiguous(op, "residual", residual);
   check_same_device(op, "residual", residual, "out", out);
+  check_no_overlap(op, "residual", residual, "out", out);
 }
 
 // ---- each op's whole check ----------------------------------------------------------------------
