@@ -173,7 +173,7 @@ run_ncu() {
       else which=(--cell "$cell"); name="${kernel//:/-}-${cell//,/-}"; fi
       limited 60 "$NCU" --clock-control none --target-processes all -k "regex:paged_attention_${kernel%%:*}_kernel" \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
         "$PY" bench/cuda_decode_sweep.py "${which[@]}" --kernels "$kernel" > "$WORK/ncu-$name.txt" 2>&1 || status=1
     done
   done
