@@ -209,3 +209,22 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         ops.linear_residual(out, out, torch.zeros(2, 64), weight)
     with pytest.raises(RuntimeError, match="linear_residual.*'input'"):
         ops.linear_residual(torch.zeros(2, 48), residual, hidden.t(), weight)
+
+
+def test_opcheck(device):
+    """The schemas' mutation annotations, the fake implementations and dispatch agree with what the
+    ops do (torch.library.opcheck)."""
+    x = qkv_inputs(2, 64, 2, 1, 32, torch.bfloat16, device, bias=True)
+    rows, d = x["input"].shape
+    like = dict(dtype=torch.bfloat16, device=device)
+    k_cache, v_cache = (torch.zeros(x["cache_shape"], **like) for _ in range(2))
+    torch.library.opcheck(torch.ops.eecore.qkv_projection.default,
+                          (torch.empty(rows, x["width"], **like), torch.empty(rows, d, **like), x["input"],
+                           x["norm_weight"], 1e-5, x["weight"], x["bias"], x["positions"], x["cos_sin"], True,
+                           k_cache, v_cache, x["slots"]))
+    weight = _weight(48, d, torch.bfloat16, device)
+    torch.library.opcheck(torch.ops.eecore.gate_up_projection.default,
+                          (torch.empty(rows, 24, **like), torch.empty(rows, 48, **like), torch.empty(rows, d, **like),
+                           x["input"], x["norm_weight"], 1e-6, weight))
+    torch.library.opcheck(torch.ops.eecore.linear_residual.default,
+                          (torch.empty(rows, 48, **like), torch.zeros(rows, 48, **like), x["input"], weight, None))
