@@ -220,15 +220,19 @@ template <typename T, int kHeadDim, int kMTiles, int kStages>
 cudaError_t launch_decode_mma_shape(const PagedAttentionParams& p, const PagedAttentionPlan& plan, float* ws,
                                     cudaStream_t stream) {
   using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles, kStages>;
-  auto kernel = decode_mma_ldmatrix()
-                    ? attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, true>
-                    : attention::decode_mma::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, false>;
+  namespace dm = attention::decode_mma;
+  const int32_t flags = decode_mma_v2_flags();
+  // v2 with the default flags runs the kernel compiled for them (a third smaller); other flags, for
+  // timing each change alone, the one that reads them at run time
+  auto kernel = !decode_mma_ldmatrix() ? dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, false>
+                : flags == dm::kDefaultV2Flags
+                    ? dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, true, dm::kDefaultV2Flags>
+                    : dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, true>;
   if (cudaError_t err = allow_dynamic_smem(kernel, Shape::kSmemBytes); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.num_seqs * plan.num_splits),
                   static_cast<unsigned>(decode_mma_row_blocks(p)), static_cast<unsigned>(p.num_kv_heads));
   kernel<<<grid, attention::decode_mma::kThreads, Shape::kSmemBytes, stream>>>(p, plan.num_splits,
-                                                                                plan.split_tokens, ws,
-                                                                                decode_mma_v2_flags());
+                                                                                plan.split_tokens, ws, flags);
   return cudaGetLastError();
 }
 
