@@ -70,9 +70,11 @@ def separate_qkv(out, normed, input, norm_weight, eps, weight, bias, positions, 
                                    v.view(rows, hkv, head_dim), cos_sin, is_neox, k_cache, v_cache, slots)
 
 
-# (rows, d, Hq, Hkv, D): SmolLM2's layer, Llama-1B's heads on a narrower d, a small model; 12 rows
+# (rows, d, Hq, Hkv, D): SmolLM2's layer, Llama-1B's heads on a narrower d, a small model, 8 rows of
+# an 8B model's d (their normed rows need more than the default 48 KiB of shared memory); 12 rows
 # take the separate ops on a GPU too
-QKV_SHAPES = [(1, 576, 9, 3, 64), (8, 256, 32, 8, 64), (5, 128, 4, 2, 128), (3, 64, 2, 1, 32), (12, 96, 3, 1, 32)]
+QKV_SHAPES = [(1, 576, 9, 3, 64), (8, 256, 32, 8, 64), (5, 128, 4, 2, 128), (3, 64, 2, 1, 32), (8, 4096, 2, 1, 64),
+              (12, 96, 3, 1, 32)]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -110,8 +112,8 @@ def separate_gate_up(act, out, normed, input, norm_weight, eps, weight):
     ops.silu_and_mul(act, out)
 
 
-# (rows, d, I): SmolLM2's MLP, Llama-1B's d, a small one, and 9 rows
-GATE_UP_SHAPES = [(1, 576, 1536), (8, 2048, 64), (4, 64, 24), (9, 128, 40)]
+# (rows, d, I): SmolLM2's MLP, Llama-1B's d, a small one, an 8B model's d, and 9 rows
+GATE_UP_SHAPES = [(1, 576, 1536), (8, 2048, 64), (4, 64, 24), (8, 4096, 32), (9, 128, 40)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
