@@ -19,13 +19,15 @@ import torch.nn.functional as F
 class ReferenceEarlyExit:
     def __init__(self, hf_model, measure: str = "softmax", threshold: float = 0.5, min_exit_layer: int = 1,
                  check_every: int = 1, exit_layer: int | None = None, rule: str = "all", decay=None,
-                 classifier=None, exit_logits=None):
+                 classifier=None, exit_logits=None, decisions=None):
         self.m = hf_model.model
         self.lm_head = hf_model.lm_head
         self.cfg = hf_model.config
         self.L = self.cfg.num_hidden_layers
         self._settings(measure, threshold, min_exit_layer, check_every, exit_layer, rule, decay, classifier,
                        exit_logits)
+        # measure "agreement": {E: (mean, std, weight, bias)} of a logistic regression per exit layer
+        self.decisions = decisions or {}
         self.heads = self.cfg.num_attention_heads
         self.kv_heads = self.cfg.num_key_value_heads
         self.head_dim = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.heads
@@ -88,6 +90,16 @@ class ReferenceEarlyExit:
             return float(top2[0] - top2[1])
         if self.measure == "cosine":
             return float(F.cosine_similarity(prev, h, dim=0))
+        if self.measure == "agreement":
+            p = self._logits(h, E).float().softmax(-1)
+            top = p.topk(2)
+            entropy = -sum(float(q) * math.log(float(q)) for q in p if q > 0)
+            proposal = lookup_next(self._row_tokens)
+            token = int(top.indices[0])
+            x = torch.tensor([float(top.values[0]), float(top.values[0] - top.values[1]), entropy,
+                              float(proposal is not None), float(proposal == token)])
+            mean, std, weight, bias = self.decisions[E]
+            return float(torch.sigmoid(((x - mean) / std) @ weight + bias))
         w1, b1, w2, b2 = self.classifier[E]
         z = torch.relu(w1 @ self._final_norm(h) + b1)
         return float(torch.sigmoid(w2 @ z + b2[0]))
@@ -100,7 +112,8 @@ class ReferenceEarlyExit:
     def _checked(self, E):
         return self.measure != "static" and E < self.L and E >= self.min_exit_layer \
             and (E - self.min_exit_layer) % self.check_every == 0 \
-            and (not self.exit_logits or E in self.exit_logits)
+            and (not self.exit_logits or E in self.exit_logits) \
+            and (self.measure != "agreement" or E in self.decisions)
 
     # ---- generation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -126,6 +139,7 @@ class ReferenceEarlyExit:
                     if exit_at[b] is not None:
                         continue
                     prev = h[b]
+                    self._row_tokens = prompts[b] + tokens[b]
                     h[b] = self._layer(E - 1, h[b], pos[b], caches[b])
                     if self._checked(E) and self._confidence(E, h[b], prev) > self._threshold(t, max_tokens):
                         status[b] = True  # sticky
@@ -148,3 +162,16 @@ class ReferenceEarlyExit:
                 tokens[b].append(last[b])
                 exits[b].append(E)
         return tokens, exits
+
+
+def lookup_next(tokens: list[int], min_n: int = 2, max_n: int = 4):
+    """Prompt lookup by its definition: for n from max_n down to min_n, the token that followed the
+    most recent earlier occurrence of the last n tokens (None: no n matches)."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n]
+    return None

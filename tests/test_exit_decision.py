@@ -25,13 +25,14 @@ def _model(weight, bias=0.0, sha="0" * 64) -> AgreementModel:
 def test_distribution_inputs_against_their_definitions():
     torch.manual_seed(0)
     probs = torch.softmax(torch.randn(6, 50) * 3, dim=-1)
-    got = distribution_inputs(probs)
+    got, top1 = distribution_inputs(probs)
+    assert top1.tolist() == probs.argmax(-1).tolist()
     for i, p in enumerate(probs.tolist()):
         ranked = sorted(p, reverse=True)
         entropy = -sum(q * torch.tensor(q).log().item() for q in p)
         assert got[i].tolist() == pytest.approx([ranked[0], ranked[0] - ranked[1], entropy], rel=1e-5)
     # a one-hot row: gap 1, entropy 0 (no NaN from 0 log 0)
-    assert distribution_inputs(torch.eye(4)[:1]).tolist() == [[1.0, 1.0, 0.0]]
+    assert distribution_inputs(torch.eye(4)[:1])[0].tolist() == [[1.0, 1.0, 0.0]]
 
 
 def test_the_model_is_a_normalized_logistic_regression(tmp_path):

@@ -47,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from eecore.exits.decision import fit_logistic, fit_scorer
 from eecore.speculative.drafters import NgramIndex
 from hybrid_policy_replay import record
 
@@ -118,29 +119,9 @@ def fit(x: torch.Tensor, y: torch.Tensor, hidden: int = 0, epochs: int = 40, wei
         keep: Optional[dict] = None):
     """A logistic regression (or a one-hidden-layer MLP) predicting `y` from `x`; returns a scorer.
     `keep`: filled with the regression's normalization and weights (for an exit decision file)."""
-    torch.manual_seed(0)
-    mean, std = x.mean(0), x.std(0) + 1e-6
-    net = torch.nn.Linear(x.shape[1], 1) if not hidden else torch.nn.Sequential(
-        torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 1))
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3, weight_decay=weight_decay)
-    xn = (x - mean) / std
-    for _ in range(epochs):
-        order = torch.randperm(len(xn))
-        for i in range(0, len(xn), 1024):
-            batch = order[i:i + 1024]
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(net(xn[batch]).squeeze(-1), y[batch])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
     if keep is not None and not hidden:
-        keep.update(mean=mean.tolist(), std=std.tolist(), weight=net.weight.detach()[0].tolist(),
-                    bias=net.bias.detach().item())
-
-    def score(z: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return net((z - mean) / std).squeeze(-1)
-    return score
+        keep.update(fit_logistic(x, y, weight_decay).coefficients())
+    return fit_scorer(x, y, hidden, epochs, weight_decay)
 
 
 def curve(score: torch.Tensor, right: torch.Tensor) -> dict:

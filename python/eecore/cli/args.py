@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from eecore.exits.config import MEASURES
 from eecore.speculative.presets import PRESETS
 
 
@@ -66,7 +67,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     """The decoding strategy: full depth unless early exit or self-speculation is asked for."""
     t = p.add_argument_group("strategy (default: full depth)")
-    t.add_argument("--early-exit", choices=["softmax", "cosine", "classifier", "static"], default=None)
+    t.add_argument("--early-exit", choices=MEASURES, default=None,
+                   help="the early-exit measure: the softmax top-2 gap, the hidden state's cosine, CALM's classifier "
+                        "(--classifier), the learned agreement with full depth (--exit-decision; default: the "
+                        "shipped one, with --exit-adapter), or a static exit layer (--exit-layer)")
     t.add_argument("--threshold", type=threshold_arg, nargs="+", default=[0.9],
                    help="one value, one per layer, or a thresholds file from `eecore calibrate` (which also "
                         "sets the measure and exit settings it was calibrated for)")
@@ -94,6 +98,9 @@ def add_early_exit_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--decay", type=float, default=None, help="CALM's decaying-threshold tau")
     e.add_argument("--batch-rule", choices=["all", "compact"], default=None, help="(default: all)")
     e.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
+    e.add_argument("--exit-decision", default=None, metavar="FILE",
+                   help="decision file of measure 'agreement' (python -m eecore.train.exit_decision; default: the "
+                        "shipped one, fit for the default model's shipped exit adapters)")
 
 
 def add_speculation_flags(p: argparse.ArgumentParser) -> None:
@@ -191,7 +198,7 @@ def early_exit_config(args):
     return eecore.EarlyExitConfig(
         measure=args.early_exit, threshold=threshold, exit_layer=args.exit_layer,
         min_exit_layer=args.min_exit_layer, check_every=args.check_every, decay=args.decay,
-        batch_rule=args.batch_rule, classifier_path=args.classifier)
+        batch_rule=args.batch_rule, classifier_path=args.classifier, decision_path=args.exit_decision)
 
 
 def build_llm(args, num_blocks=None):

@@ -21,6 +21,7 @@ import sys
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from eecore.cli.args import add_precision_flags
+    from eecore.exits.config import CALIBRATED_MEASURES
 
     c = sub.add_parser("calibrate", help="calibrate early-exit thresholds (CALM's Learn-then-Test)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,7 +31,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="delta: the tolerated expected inconsistency with full depth, per prompt")
     c.add_argument("--epsilon", type=float, required=True,
                    help="the allowed probability that the guarantee fails")
-    c.add_argument("--measure", choices=["softmax", "cosine", "classifier"], default=None,
+    c.add_argument("--measure", choices=CALIBRATED_MEASURES, default=None,
                    help="the early-exit measure to calibrate (required unless --exit-ready)")
     c.add_argument("--exit-ready", action="store_const", const="layer", default=None,
                    help="calibrate the exit threshold of the exit-ready layer preset's drafts (--consistency text)")
@@ -39,6 +40,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "decision; default: the draft's top-1 probability)")
     c.add_argument("--batch-rule", choices=["all", "compact"], default="all")
     c.add_argument("--classifier", default=None, help="exit classifier file (measure 'classifier')")
+    c.add_argument("--exit-decision", default=None, metavar="FILE",
+                   help="decision file of measure 'agreement' (default: the shipped one, with --exit-adapter)")
     c.add_argument("--min-exit-layer", type=int, default=1)
     c.add_argument("--check-every", type=int, default=1)
     c.add_argument("--decay", type=float, default=None, help="calibrate CALM's decaying threshold with this tau")
@@ -73,7 +76,8 @@ def cmd_calibrate(args) -> int:
     if args.exit_ready is not None:
         return _calibrate_draft_exits(args)
     if args.measure is None:
-        print("eecore calibrate: --measure is required (softmax, cosine or classifier), unless --exit-ready",
+        print("eecore calibrate: --measure is required (softmax, cosine, classifier or agreement), unless "
+              "--exit-ready",
               file=sys.stderr)
         return 2
     import eecore
@@ -90,7 +94,7 @@ def cmd_calibrate(args) -> int:
             candidates = [1.0 - i / (args.candidates - 1) for i in range(args.candidates)]
         settings = CalibrationSettings(
             measure=args.measure, tolerance=args.tolerance, epsilon=args.epsilon, batch_rule=args.batch_rule,
-            classifier_path=args.classifier, min_exit_layer=args.min_exit_layer, check_every=args.check_every,
+            classifier_path=args.classifier, decision_path=args.exit_decision, min_exit_layer=args.min_exit_layer, check_every=args.check_every,
             decay=args.decay, p_value=args.p_value, consistency=args.consistency, text_loss=args.text_loss,
             family=args.family, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, candidates=candidates)
         settings.early_exit()  # the early-exit settings' own checks, before loading anything

@@ -107,7 +107,7 @@ def strategies_from_args(args) -> list:
         # thresholds belong to a confidence measure, exit layers to static exits and speculation
         _fail("--sweep-threshold and --sweep-exit-layer do not combine; sweep one of them")
     if args.sweep_threshold is not None and (args.early_exit in (None, "static")):
-        _fail("--sweep-threshold needs --early-exit softmax, cosine or classifier")
+        _fail("--sweep-threshold needs --early-exit softmax, cosine, classifier or agreement")
     if args.sweep_exit_layer is not None and args.early_exit != "static" and not (
             args.speculate and args.draft != "lookup"):
         _fail("--sweep-exit-layer needs --early-exit static, or --speculate with --draft layer or hybrid")

@@ -23,7 +23,6 @@ import torch
 from eecore import ops
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
-from eecore.exits.confidence import AdapterSoftmaxGap, SoftmaxGap
 from eecore.exits.config import EarlyExitConfig
 from eecore.exits.decoder import build_measure, checked_layers
 from eecore.models.exit_adapter import DraftHead
@@ -66,7 +65,7 @@ def record(llm, prompts: list, config: EarlyExitConfig, max_tokens: int, ignore_
     chunk = engine.config.max_num_batched_tokens  # the runner's workspace holds this many rows
     adapters = llm.exit_adapters
     heads = {} if adapters is None else {E: DraftHead(model, E, adapters, chunk) for E in adapters.exit_layers()}
-    measure = build_measure(config, engine.runner, chunk, heads)
+    measure = build_measure(config, engine.runner, chunk, heads, adapters)
     if measure is None:
         raise ValueError("calibrate: measure 'static' has no confidence to calibrate")
     layers = checked_layers(config, measure, L, heads)
@@ -93,36 +92,47 @@ def _record_one(engine, model, measure, heads, layers, prompt_ids, output, chunk
     ids = prompt_ids + output[:-1]          # position P - 1 + j predicts output token j
     target = torch.tensor(output[1:], device=model.device)
     index = {E: c for c, E in enumerate(layers)}
-    seq = Sequence(ids, SamplingParams(max_tokens=1))  # never scheduled: it only holds KV blocks
+    for E, h, previous, first, end in teacher_forced(engine, model, ids, P, layers, chunk,
+                                                     measure.needs_previous_hidden):
+        cols = slice(first - P, end - P)
+        if E == layers[0]:
+            measure.start_positions(ids, first, end)
+        conf = measure(E, h, previous)
+        top1 = measure.top1 if measure.gives_top1 else _exit_token(model, heads, E, h, normed)
+        confidence[index[E], cols] = conf.float().cpu()
+        consistent[index[E], cols] = (top1.view(-1) == target[cols]).cpu()
+    return PromptRecord(confidence, consistent)
+
+
+def teacher_forced(engine, model, ids: list[int], first_row: int, layers: list[int], chunk: int,
+                   keep_previous: bool = False):
+    """One prefill-like pass of `ids` through the model, layer by layer in chunks of `chunk` rows
+    (the runner's workspace), under a KV allocation of its own (never scheduled). For each chunk
+    holding positions >= `first_row` and each exit layer E of `layers` (ascending), yields
+    (E, the residual stream of those positions after layer E-1 `[n, d]` (a view: read it before
+    the next item), the stream before layer E-1 where `keep_previous`, the positions' first, end)."""
+    seq = Sequence(ids, SamplingParams(max_tokens=1))
     engine.blocks.grow(seq, len(ids))
+    checked = set(layers)
     try:
         for start in range(0, len(ids), chunk):  # chunked like a long prefill
             end = min(start + chunk, len(ids))
             inputs = engine.runner.prepare([Row(seq, start, ids[start:end])])
             hidden = engine.runner.embed(inputs)
-            first = max(P, start)           # rows that predict output tokens 1..T
+            first = max(first_row, start)
             if first >= end:
-                for i in range(model.num_layers):
-                    engine.runner.run_layers(hidden, inputs.attn, i, i + 1)
+                engine.runner.run_layers(hidden, inputs.attn, 0, model.num_layers)
                 continue
             rows = slice(first - start, end - start)
-            cols = slice(first - P, end - P)
             for E in range(1, layers[-1] + 1):
-                previous = hidden[rows].clone() if measure.needs_previous_hidden and E in index else None
+                previous = hidden[rows].clone() if keep_previous and E in checked else None
                 engine.runner.run_layers(hidden, inputs.attn, E - 1, E)
-                if E not in index:
-                    continue
-                h = hidden[rows]
-                conf = measure(E, h, previous)
-                top1 = measure.top1 if isinstance(measure, (SoftmaxGap, AdapterSoftmaxGap)) else \
-                    _exit_token(model, heads, E, h, normed)
-                confidence[index[E], cols] = conf.float().cpu()
-                consistent[index[E], cols] = (top1.view(-1) == target[cols]).cpu()
+                if E in checked:
+                    yield E, hidden[rows], previous, first, end
             # the layers above the last check only fill the cache the next chunk attends to
             engine.runner.run_layers(hidden, inputs.attn, layers[-1], model.num_layers)
     finally:
         engine.blocks.free(seq)
-    return PromptRecord(confidence, consistent)
 
 
 def _exit_token(model, heads, E, h, normed) -> torch.Tensor:

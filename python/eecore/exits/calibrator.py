@@ -38,8 +38,8 @@ import torch
 
 from eecore.exits import calibration as ltt
 from eecore.exits.calibration_data import CalibrationRecord, full_thresholds, layer_thresholds, record, token_losses
-from eecore.exits.config import EarlyExitConfig
-from eecore.exits.thresholds_file import adapter_identity, file_sha256, model_identity
+from eecore.exits.config import CALIBRATED_MEASURES, EarlyExitConfig
+from eecore.exits.thresholds_file import adapter_identity, decision_sha256, file_sha256, model_identity
 from eecore.evaluation.rouge import rouge_l
 from eecore.sampling_params import SamplingParams
 
@@ -56,6 +56,7 @@ class CalibrationSettings:
     epsilon: float                         # the allowed probability that the guarantee fails
     batch_rule: str = "all"
     classifier_path: Optional[str] = None
+    decision_path: Optional[str] = None       # measure "agreement" (None: the shipped decision file)
     min_exit_layer: int = 1
     check_every: int = 1
     decay: Optional[float] = None
@@ -69,8 +70,8 @@ class CalibrationSettings:
     seed: int = 0                             # of the binomial method's binarization
 
     def __post_init__(self):
-        if self.measure not in ("softmax", "cosine", "classifier"):
-            raise ValueError(f"calibrate: 'measure' must be softmax, cosine or classifier, got {self.measure!r}")
+        if self.measure not in CALIBRATED_MEASURES:
+            raise ValueError(f"calibrate: 'measure' must be one of {CALIBRATED_MEASURES}, got {self.measure!r}")
         for name in ("tolerance", "epsilon"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"calibrate: {name!r} must be in (0, 1), got {getattr(self, name)!r}")
@@ -93,7 +94,7 @@ class CalibrationSettings:
     def early_exit(self, threshold=1.0) -> EarlyExitConfig:
         return EarlyExitConfig(measure=self.measure, threshold=threshold, min_exit_layer=self.min_exit_layer,
                                check_every=self.check_every, decay=self.decay, batch_rule=self.batch_rule,
-                               classifier_path=self.classifier_path)
+                               classifier_path=self.classifier_path, decision_path=self.decision_path)
 
 
 @dataclass
@@ -170,7 +171,7 @@ def _check_reusable(rec: CalibrationRecord, prompts: list, s: CalibrationSetting
 
     config = s.early_exit()
     heads = {E: None for E in adapters.exit_layers()} if adapters is not None else {}
-    layers = checked_layers(config, build_measure(config, runner, 1, heads), num_layers, heads)
+    layers = checked_layers(config, build_measure(config, runner, 1, heads, adapters), num_layers, heads)
     mine = (len(prompts), num_layers, layers, s.measure, s.max_tokens, s.ignore_eos)
     theirs = (len(rec.prompts), rec.num_layers, rec.checked_layers, rec.measure, rec.max_tokens, rec.ignore_eos)
     if mine != theirs:
@@ -292,7 +293,7 @@ def _file_data(llm, s: CalibrationSettings, result, mean_layers, threshold, n_us
     adapters = llm.exit_adapters
     heads = {E: None for E in adapters.exit_layers()} if adapters is not None else {}
     config = s.early_exit()
-    measure = build_measure(config, llm.engine.runner, 1, heads)  # only asked which layers it covers
+    measure = build_measure(config, llm.engine.runner, 1, heads, adapters)  # only asked which layers it covers
     data = {
         "model": model_identity(llm.model),
         "measure": s.measure, "batch_rule": s.batch_rule,
@@ -301,6 +302,7 @@ def _file_data(llm, s: CalibrationSettings, result, mean_layers, threshold, n_us
         "decay": s.decay, "max_tokens": s.max_tokens,
         "exit_adapter": adapter_identity(adapters),
         "classifier": {"sha256": file_sha256(s.classifier_path)} if s.measure == "classifier" else None,
+        "decision": {"sha256": decision_sha256(s.decision_path)} if s.measure == "agreement" else None,
         "consistency": s.consistency, "text_loss": s.text_loss if s.consistency == "text" else None,
         "family": s.family,
         "tolerance": s.tolerance, "epsilon": s.epsilon, "p_value": s.p_value,

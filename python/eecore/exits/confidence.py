@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from eecore import ops
+from eecore.engine.sequence import Sequence
 from eecore.exits.classifier import ExitClassifier
 from eecore.models.int8_weights import project
 from eecore.models.llama import LlamaModel
@@ -17,9 +18,24 @@ from eecore.models.llama import LlamaModel
 
 class ConfidenceMeasure:
     needs_previous_hidden = False
+    gives_top1 = False  # after a call, `top1` holds each row's greedy token at that layer
 
     def available_at(self, exit_layer: int) -> bool:
         return True
+
+    def start_iteration(self, seqs: list[Sequence], num_rows: Optional[int] = None) -> None:
+        """Before an iteration over `seqs`' rows (`num_rows`: padded to that many): what a measure
+        reads from the sequences rather than the layers."""
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """The batch was compacted to the rows `keep` (indices into the current rows)."""
+
+    def start_positions(self, ids: list[int], start: int, end: int) -> None:
+        """Before a teacher-forced call whose rows are positions start..end-1 of one sequence `ids`
+        (calibration's record), each predicting the token after it."""
+
+    def release(self, seq: Sequence) -> None:
+        """Drop any per-sequence state once `seq` finished."""
 
     def __call__(self, exit_layer: int, hidden: torch.Tensor, previous: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -39,6 +55,8 @@ class _FinalNormed:
 class SoftmaxGap(ConfidenceMeasure):
     """p1 - p2 of the LM head's softmax at this layer, fused (`lm_head_top2_gap`). The top-1 of
     the last call is kept: when a row exits at this check, it is that row's greedy token."""
+
+    gives_top1 = True
 
     def __init__(self, model: LlamaModel, max_rows: int):
         self.model = model
@@ -85,6 +103,8 @@ class AdapterSoftmaxGap(ConfidenceMeasure):
     """The softmax top-2 gap read through an exit adapter (eecore.models.exit_adapter.DraftHead):
     the adapter block, the final norm and the draft vocabulary's rows of the LM head. Only the
     layers that have an adapter can be checked. The top-1 of the last call is a token id."""
+
+    gives_top1 = True
 
     def __init__(self, draft_heads: dict):
         self.draft_heads = draft_heads

@@ -6,7 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-MEASURES = ("softmax", "cosine", "classifier", "static")
+# the measures whose thresholds calibration chooses; "static" has none
+CALIBRATED_MEASURES = ("softmax", "cosine", "classifier", "agreement")
+MEASURES = CALIBRATED_MEASURES + ("static",)
 BATCH_RULES = ("all", "compact")
 
 
@@ -16,8 +18,10 @@ class EarlyExitConfig:
 
     measure:        "softmax" (top-2 gap of the LM head's softmax at the layer), "cosine" (hidden
                     state before vs after the layer), "classifier" (CALM's MLP on the hidden
-                    state; weights from `classifier_path`), or "static" (always exit at
-                    `exit_layer`).
+                    state; weights from `classifier_path`), "agreement" (the probability that
+                    full depth emits the layer's token, learned from the early head's
+                    distribution and prompt lookup: eecore.exits.agreement; regressions from
+                    `decision_path`), or "static" (always exit at `exit_layer`).
     threshold:      a row exits at a checked layer once its confidence is > threshold. A scalar,
                     or one value per layer: `threshold[E - 1]` applies to the check at exit layer E,
                     or the path of a thresholds file made by `eecore calibrate` (see
@@ -34,6 +38,9 @@ class EarlyExitConfig:
     batch_rule:     "all": the seed paper's rule, the batch exits when every row is confident;
                     "compact": a confident row leaves at its own layer and the rest go on.
     classifier_path: the classifier file (see eecore.exits.classifier for its format).
+    decision_path:  measure="agreement": the decision file (`python -m eecore.train.exit_decision`);
+                    None reads the shipped one, fit for the default model with its shipped exit
+                    adapters (exit_adapter=True).
 
     The config is engine-wide: one LLM instance, one early-exit policy. Requests in a batch share
     the layer loop, so per-request measures would not be well defined under the "all" rule.
@@ -49,6 +56,7 @@ class EarlyExitConfig:
     decay: Optional[float] = None
     batch_rule: Optional[str] = None
     classifier_path: Optional[str] = None
+    decision_path: Optional[str] = None
     # the path and contents of the thresholds file `threshold` named, if it named one
     threshold_file: Optional[str] = field(default=None, init=False, compare=False)
     calibration: Optional[dict] = field(default=None, init=False, repr=False, compare=False)
@@ -70,6 +78,9 @@ class EarlyExitConfig:
             raise ValueError("EarlyExitConfig: 'exit_layer' is only for measure='static'")
         if self.measure == "classifier" and not self.classifier_path:
             raise ValueError("EarlyExitConfig: measure='classifier' needs 'classifier_path'")
+        if self.decision_path is not None and self.measure != "agreement":
+            raise ValueError(f"EarlyExitConfig: 'decision_path' is only for measure='agreement' (got measure="
+                             f"{self.measure!r})")
         thresholds = [self.threshold] if isinstance(self.threshold, (int, float)) else list(self.threshold)
         if not thresholds or not all(isinstance(t, (int, float)) and 0.0 <= t <= 1.0 for t in thresholds):
             raise ValueError(f"EarlyExitConfig: 'threshold' must be a number or a list of numbers in [0, 1], "
@@ -90,7 +101,8 @@ class EarlyExitConfig:
                 setattr(self, name, data[name])
         thresholds_file.check_config(data, path, measure=self.measure, batch_rule=self.batch_rule,
                                      min_exit_layer=self.min_exit_layer, check_every=self.check_every,
-                                     decay=self.decay, classifier_path=self.classifier_path)
+                                     decay=self.decay, classifier_path=self.classifier_path,
+                                     decision_path=self.decision_path)
         self.threshold = data["threshold"]
         self.threshold_file, self.calibration = path, data
 

@@ -31,6 +31,8 @@ from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
+from eecore.exits.agreement import LayerAgreement
+from eecore.exits.agreement import load_for as load_decisions
 from eecore.exits.classifier import ExitClassifier
 from eecore.exits.confidence import (AdapterSoftmaxGap, ClassifierConfidence, ConfidenceMeasure, HiddenCosine,
                                      SoftmaxGap)
@@ -42,10 +44,16 @@ from eecore.models.llama import AttentionInputs
 
 
 def build_measure(config: EarlyExitConfig, runner: ModelRunner, max_rows: int,
-                  draft_heads: Optional[dict] = None) -> Optional[ConfidenceMeasure]:
+                  draft_heads: Optional[dict] = None, adapters: Optional[ExitAdapters] = None
+                  ) -> Optional[ConfidenceMeasure]:
     model = runner.model
     if config.measure == "static":
         return None
+    if config.measure == "agreement":
+        decisions = load_decisions(config.decision_path, model, adapters)
+        if draft_heads:  # with exit adapters only their layers are checked
+            decisions = {E: d for E, d in decisions.items() if E in draft_heads}
+        return LayerAgreement(model, decisions, draft_heads or {}, max_rows)
     if config.measure == "softmax":
         return AdapterSoftmaxGap(draft_heads) if draft_heads else SoftmaxGap(model, max_rows)
     if config.measure == "cosine":
@@ -78,7 +86,7 @@ class EarlyExitDecoder(DecodeStrategy):
         self.config = config
         self.draft_heads = {} if adapters is None else \
             {E: DraftHead(model, E, adapters, rows) for E in adapters.exit_layers()}
-        self.measure = build_measure(config, runner, rows, self.draft_heads)
+        self.measure = build_measure(config, runner, rows, self.draft_heads, adapters)
         self.checks = frozenset(checked_layers(config, self.measure, self.num_layers, self.draft_heads))
         self.thresholds = ThresholdSchedule(config, self.num_layers, rows, dev)
         d = model.config.hidden_size
@@ -141,7 +149,7 @@ class EarlyExitDecoder(DecodeStrategy):
         for s in seqs:
             s.num_computed_tokens += 1
         exit_layer = self._exit_layer[:B].fill_(ran)
-        self._top1_valid = top1 is not None and isinstance(self.measure, (SoftmaxGap, AdapterSoftmaxGap))
+        self._top1_valid = top1 is not None and self.measure.gives_top1
         if self._top1_valid:
             self._exit_top1[:B].copy_(top1[:B])
         tokens = self._finish(seqs, inputs.attn, hidden, exit_layer, [ran] * B, logits)
@@ -167,6 +175,7 @@ class EarlyExitDecoder(DecodeStrategy):
         B = len(seqs)
         status, active, wasted = self._status[:B].zero_(), self._active[:B], self._wasted[:B].zero_()
         self.thresholds.start_iteration(seqs)
+        self.measure.start_iteration(seqs)
         self._top1_valid = False
         ran = self.num_layers
         for E in range(1, self.num_layers + 1):
@@ -240,6 +249,7 @@ class EarlyExitDecoder(DecodeStrategy):
         rows = torch.arange(B, device=hidden.device)  # original index of each row in flight
         status, active = self._status[:B].zero_(), self._active[:B]
         self.thresholds.start_iteration(seqs)
+        self.measure.start_iteration(seqs)
         self._top1_valid = False
         for E in range(1, self.num_layers + 1):
             previous = self._remember(hidden, E)
@@ -260,6 +270,7 @@ class EarlyExitDecoder(DecodeStrategy):
             staying = (~status[:n]).nonzero().squeeze(1)
             rows, hidden, attn = rows[staying], hidden.index_select(0, staying), self._rows_of(attn, staying)
             self.thresholds.keep_rows(staying)
+            self.measure.keep_rows(staying)
             status[:remaining].zero_()
         exit_hidden.index_copy_(0, rows, hidden)  # rows that ran every layer
         return exit_hidden
@@ -273,7 +284,7 @@ class EarlyExitDecoder(DecodeStrategy):
 
     def _keep_top1(self, rows: torch.Tensor, leaving) -> None:
         """Remember the softmax check's top-1 of exiting rows: their greedy token, for free."""
-        if isinstance(self.measure, (SoftmaxGap, AdapterSoftmaxGap)):
+        if self.measure.gives_top1:
             self._exit_top1.index_copy_(0, rows, self.measure.top1[leaving])
             self._top1_valid = True
 
@@ -319,6 +330,10 @@ class EarlyExitDecoder(DecodeStrategy):
 
     def _head_layer(self, exit_layer: int) -> Optional[int]:
         return exit_layer if exit_layer in self.draft_heads else None
+
+    def release(self, seq: Sequence) -> None:
+        if self.measure is not None:
+            self.measure.release(seq)
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         n = seq.stats.get("ee_tokens", 0)

@@ -54,6 +54,8 @@ class StaticExitSegments(StaticPass):
         dec._active[:P].fill_(True)
         dec._active[B:P].fill_(False)
         dec.thresholds.start_iteration(seqs, num_rows=P)
+        if dec.measure is not None:
+            dec.measure.start_iteration(seqs, num_rows=P)
         for j, (start, end, checked) in enumerate(self.segments):
             remaining, top1, logits = self._launch(key + (j,), inputs, lambda inp, j=j: self._segment(j, inp))
             self._count(rows, 1, range(start, end))

@@ -4,12 +4,14 @@
 A JSON object:
     format          "eecore-thresholds-1"
     model           the calibrated model: eecore.models.exit_adapter.model_fingerprint + embed_sum
-    measure         softmax | cosine | classifier
+    measure         softmax | cosine | classifier | agreement
     batch_rule, min_exit_layer, check_every, checked_layers
     decay           CALM's tau the thresholds were calibrated with, or null (constant)
     max_tokens      the generation length N of calibration (the decay's N; the risk's token count)
     exit_adapter    null, or {"exit_layers": [...], "sha256": ...} of the exit adapters used
     classifier      null, or {"sha256": ...} of the classifier file (measure "classifier")
+    decision        null, or {"sha256": ...} of the decision file (measure "agreement"; absent in
+                    files written before that measure)
     consistency     "token" or "text" (and "text_loss": "rouge-l" | "exact")
     family          "global" (one threshold) or "per-layer" (a 1-D family; see eecore.exits.calibrator)
     tolerance, epsilon, p_value   delta, epsilon and the p-value method of Learn-then-Test
@@ -26,6 +28,8 @@ import json
 import math
 import os
 from typing import Optional
+
+from eecore.exits.config import CALIBRATED_MEASURES
 
 FORMAT = "eecore-thresholds-1"
 _REQUIRED = ("format", "model", "measure", "batch_rule", "min_exit_layer", "check_every", "decay",
@@ -87,7 +91,7 @@ def load(path) -> dict:
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise ThresholdsFileError(f"thresholds file {path!r}: missing {missing}")
-    for key, allowed in (("measure", ("softmax", "cosine", "classifier")), ("batch_rule", ("all", "compact"))):
+    for key, allowed in (("measure", CALIBRATED_MEASURES), ("batch_rule", ("all", "compact"))):
         if data[key] not in allowed:
             raise ThresholdsFileError(f"thresholds file {path!r}: {key!r} must be one of {allowed}, got {data[key]!r}")
     t = data["threshold"]
@@ -118,7 +122,7 @@ def _is_number(x) -> bool:
 
 
 def check_config(data: dict, path: str, *, measure, batch_rule, min_exit_layer, check_every, decay,
-                 classifier_path) -> None:
+                 classifier_path, decision_path=None) -> None:
     """Raises unless the early-exit settings are the ones the file was calibrated for: the
     guarantee holds only for that measure, those checked layers, that decay and batch rule."""
     for name, mine in (("measure", measure), ("batch_rule", batch_rule), ("min_exit_layer", min_exit_layer),
@@ -131,6 +135,19 @@ def check_config(data: dict, path: str, *, measure, batch_rule, min_exit_layer, 
         if classifier_path and os.path.isfile(classifier_path) and ident.get("sha256") != file_sha256(classifier_path):
             raise ThresholdsFileError(f"thresholds file {path!r} was calibrated with another exit classifier "
                                       f"than {classifier_path!r}")
+    if data["measure"] == "agreement":
+        calibrated = (data.get("decision") or {}).get("sha256")
+        if calibrated != decision_sha256(decision_path):
+            raise ThresholdsFileError(f"thresholds file {path!r} was calibrated with another decision file than "
+                                      f"{decision_path or 'the shipped one'!r}")
+
+
+def decision_sha256(decision_path) -> Optional[str]:
+    """The SHA-256 of the decision file measure "agreement" reads (None: the shipped file)."""
+    from eecore.exits.agreement import SHIPPED
+
+    path = SHIPPED if decision_path is None else os.fspath(decision_path)
+    return file_sha256(path) if os.path.isfile(path) else None
 
 
 def model_identity(model) -> dict:
@@ -143,11 +160,13 @@ def model_identity(model) -> dict:
     return dict(model_fingerprint(model), embed_sum=float(leading_rows(model.embed, 256).double().sum()))
 
 
-def check_model(data: dict, path: str, model, adapters) -> None:
-    """Raises unless the file was calibrated on this model, with these exit adapters (or none)."""
+def check_model(data: dict, path: str, model, adapters, kind: str = "thresholds file", made: str = "calibrated"
+                ) -> None:
+    """Raises unless the file was calibrated (`made`) on this model, with these exit adapters (or
+    none). `kind` names the file in the message (another file made for one model uses it too)."""
     from eecore.models.exit_adapter import check_fingerprint
 
-    source = f"thresholds file {path!r}"
+    source = f"{kind} {path!r}"
     try:
         check_fingerprint(data["model"], model, source)
     except ValueError as exc:
@@ -159,8 +178,8 @@ def check_model(data: dict, path: str, model, adapters) -> None:
     mine, theirs = adapter_identity(adapters), data["exit_adapter"]
     if (mine is None) != (theirs is None):
         have = "with exit adapters" if theirs is not None else "without exit adapters"
-        raise ThresholdsFileError(f"thresholds file {path!r} was calibrated {have}, but this LLM runs "
+        raise ThresholdsFileError(f"{source} was {made} {have}, but this LLM runs "
                                   f"{'with' if mine is not None else 'without'} them")
     if mine is not None and mine["sha256"] != theirs.get("sha256"):
-        raise ThresholdsFileError(f"thresholds file {path!r} was calibrated with other exit adapters (layers "
+        raise ThresholdsFileError(f"{source} was {made} with other exit adapters (layers "
                                   f"{theirs.get('exit_layers')}) than this LLM's (layers {mine['exit_layers']})")

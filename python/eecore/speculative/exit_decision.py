@@ -28,48 +28,22 @@ from typing import Optional
 import torch
 
 from eecore.engine.sequence import Sequence
+from eecore.exits.decision import (INPUTS, LOOKUP_NGRAMS, LogisticDecision, distribution_inputs, lookup_inputs,
+                                   optional_lookup)
 from eecore.exits.thresholds_file import file_sha256
 from eecore.speculative.drafters import PromptLookup
 
-INPUTS = ("top-1 probability", "top-1 minus top-2", "entropy", "lookup has a token", "lookup agrees")
 FORMAT = "eecore-exit-decision-1"
-# the n-grams prompt lookup matches for the two lookup inputs (the hybrid preset's)
-LOOKUP_NGRAMS = (2, 4)
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
                        "smollm2-135m-instruct-exit-decision.json")
 
 
-def distribution_inputs(probs: torch.Tensor) -> torch.Tensor:
-    """The first three inputs `[n, 3]` from the draft head's probabilities over its columns `[n, K]`."""
-    top = probs.topk(2, dim=-1).values
-    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
-    return torch.stack([top[:, 0], top[:, 0] - top[:, 1], entropy], 1)
-
-
 @dataclass
-class AgreementModel:
-    mean: list[float]
-    std: list[float]
-    weight: list[float]
-    bias: float
+class AgreementModel(LogisticDecision):
+    """The regression (eecore.exits.decision) for the drafts of one draft layers file."""
+
     draft_file_sha256: str  # the draft layers file the model was fit for
     how: str = ""           # how it was fit (data, command)
-
-    def __post_init__(self):
-        for name in ("mean", "std", "weight"):
-            value = getattr(self, name)
-            if not isinstance(value, list) or len(value) != len(INPUTS):
-                raise ValueError(f"AgreementModel: {name!r} must hold {len(INPUTS)} numbers ({', '.join(INPUTS)}), "
-                                 f"got {value!r}")
-        self._w = self._mean = self._std = None
-
-    def probability(self, inputs: torch.Tensor) -> torch.Tensor:
-        """P(full depth emits the draft's token) per row of `inputs` `[n, 5]` (INPUTS' order)."""
-        if self._w is None:
-            self._mean, self._std, self._w = (torch.tensor(v, dtype=torch.float32) for v in
-                                              (self.mean, self.std, self.weight))
-        z = (inputs.float() - self._mean) / self._std
-        return torch.sigmoid(z @ self._w + self.bias)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -99,10 +73,9 @@ class AgreementMeasure:
                    ) -> list[float]:
         """Per row: `probs` the draft head's probabilities `[n, K]`, `tokens[i]` the draft token of
         seqs[i], `drafted[i]` the tokens it drafted before this one this round."""
-        looked = [self.lookup.propose(seq, 1, after=before) for seq, before in zip(seqs, drafted)]
-        lookup = torch.tensor([[float(bool(found)), float(bool(found) and found[0] == token)]
-                               for found, token in zip(looked, tokens)], dtype=torch.float32)
-        inputs = torch.cat([distribution_inputs(probs.float()), lookup], 1)
+        looked = [optional_lookup(self.lookup.propose(seq, 1, after=before)) for seq, before in zip(seqs, drafted)]
+        lookup = lookup_inputs(torch.tensor(looked), torch.tensor(tokens))
+        inputs = torch.cat([distribution_inputs(probs.float())[0], lookup], 1)
         return self.model.probability(inputs).tolist()
 
     def release(self, seq: Sequence) -> None:
