@@ -216,3 +216,20 @@ def test_exit_ready_presets_on_a_gpu_draft_at_every_batch_in_the_model_dtype(mon
 def test_exit_ready_preset_device_is_checked():
     with pytest.raises(ValueError, match="SelfSpeculativeConfig.exit_ready: 'device'"):
         eecore.SelfSpeculativeConfig.exit_ready("layer", device="tpu")
+
+
+def test_the_shipped_decision_file_is_fit_for_the_shipped_adapters():
+    """measure="agreement" without a decision_path reads the shipped decision file: it loads for the
+    embedded model with its shipped exit adapters (at any precision the model runs in), checks
+    their three layers, and is refused without them."""
+    from eecore.exits.agreement import SHIPPED, DecisionFileError
+
+    assert os.path.getsize(SHIPPED) < 16 * 2 ** 10
+    for dtype in ("auto", "float32"):
+        llm = eecore.LLM(dtype=dtype, device="cpu", max_num_seqs=2, exit_adapter=True,
+                         early_exit=eecore.EarlyExitConfig(measure="agreement", threshold=0.5, batch_rule="compact"))
+        assert sorted(llm.engine.strategy.checks) == [8, 12, 16]
+    outs = llm.generate(["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n"], greedy(16))
+    assert min(outs[0].exit_layers) < 30  # the decision lets some tokens exit at threshold 0.5
+    with pytest.raises(DecisionFileError, match="runs without them"):
+        eecore.LLM(device="cpu", max_num_seqs=2, early_exit=eecore.EarlyExitConfig(measure="agreement"))
