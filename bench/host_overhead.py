@@ -1,7 +1,7 @@
 """The host's share of a decode step: everything a step costs besides the model's kernels.
 
     PYTHONPATH=python python bench/host_overhead.py [--batch-sizes 1 8 64 256] [--steps 128]
-        [--context 64] [--text] [--out-name NAME]
+        [--context 64] [--text] [--speculate D] [--out-name NAME]
 
 On a GPU a full-depth decode step is one CUDA graph replay, and the host's work around it
 (scheduling, filling the step's input buffers, reading the sampled tokens back, appending them,
@@ -93,14 +93,46 @@ def host_only_engine(folder: str, max_batch: int):
     return llm
 
 
-def measure(llm, batch: int, steps: int, context: int, text: bool = False) -> dict:
+def host_only_copy_engine(folder: str, max_batch: int, drafts: int):
+    """The exit-ready layer preset's round (a draft copy, d drafts a round) with every pass replaced
+    by a buffer: the copy's layers return a state buffer, the draft head and the verify pass logits
+    whose argmax is one letter for every row (perfect drafts: each round has d + 1 tokens, the most
+    a round handles on the host)."""
+    from eecore.engine.static_decode import StaticLayers, StaticVerify
+    from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+
+    spec = eecore.SelfSpeculativeConfig(num_speculations=drafts, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy()))
+    llm = eecore.LLM(folder, dtype="float32", device="cpu", max_num_seqs=max_batch, speculative=spec,
+                     max_num_batched_tokens=max(1024, max_batch * 128))
+    runner, decoder = llm.engine.runner, llm.engine.strategy
+    stack, width = decoder.draft_stack, decoder.lookahead
+    logits = torch.randn(max_batch * width, VOCAB)
+    logits[:, 81] = 100.0  # "a"
+    runner.static_decode = StaticDecode(runner, max_batch, capture=False)
+    runner.static_verify = StaticVerify(runner, max_batch, capture=False, width=width)
+    runner.static_decode._step = runner.static_verify._step = lambda inputs: logits[: inputs.num_tokens]
+    states = torch.zeros(max_batch * CATCH_UP_WIDTH, stack.model.config.hidden_size)
+    stack.static = StaticLayers(stack.runner, max_batch, capture=False, max_width=CATCH_UP_WIDTH)
+    stack.static._step = lambda inputs: states[: inputs.num_tokens]
+    stack.head.columns = lambda hidden: logits[: hidden.shape[0]]  # a draft head that costs nothing
+    return llm
+
+
+def measure(llm, batch: int, steps: int, context: int, text: bool = False, drafts: int = 0) -> dict:
     engine = llm.engine
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.builder, "build", "build")
     timer.wrap(engine.sampler, "sample", "sample")
     timer.wrap(engine, "_append", "append")
-    params = eecore.SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True,
+    if drafts:  # a self-speculation round's own parts (each includes the builds and samples inside it)
+        decoder = engine.strategy
+        timer.wrap(decoder.draft_stack, "first_pass", "copy pass")
+        timer.wrap(decoder.draft_stack, "next_pass", "copy pass")
+        timer.wrap(decoder.picker, "take", "pick drafts")
+        timer.wrap(decoder.verifier, "full", "verify")
+        timer.wrap(decoder.acceptor, "accept_all", "accept")
+    params = eecore.SamplingParams(max_tokens=steps * (drafts + 1) + 1, temperature=0.0, ignore_eos=True,
                                    stop=["never in the output"] if text else None)
     tracker = None
     if text:  # SmolLM2's tokenizer, a stop string watched, every sequence streamed as the server does
@@ -124,6 +156,7 @@ def measure(llm, batch: int, steps: int, context: int, text: bool = False) -> di
             parts[label].append(seconds)
     us = lambda values: round(statistics.median(values) * 1e6, 1)  # noqa: E731
     return dict(batch=batch, steps=len(totals), step_us=us(totals), per_sequence_us=round(us(totals) / batch, 2),
+                tokens_per_sequence_and_step=drafts + 1,
                 parts_us={label: us(values) for label, values in parts.items()})
 
 
@@ -134,20 +167,27 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each sequence")
     ap.add_argument("--text", action="store_true",
                     help="also detokenize: SmolLM2's tokenizer, a stop string, every sequence streamed")
-    ap.add_argument("--out-name", default="host-overhead")
+    ap.add_argument("--speculate", type=int, default=0, metavar="D",
+                    help="time the exit-ready layer preset's rounds of D drafts (a draft copy; every pass a "
+                         "buffer, every draft accepted) instead of decode steps")
+    ap.add_argument("--out-name", default=None, help="(default: host-overhead, or host-overhead-speculate)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         tiny_checkpoint(folder, args.context)
         for batch in args.batch_sizes:
-            row = measure(host_only_engine(folder, batch), batch, args.steps, args.context, args.text)
+            llm = host_only_copy_engine(folder, batch, args.speculate) if args.speculate else \
+                host_only_engine(folder, batch)
+            row = measure(llm, batch, args.steps, args.context, args.text, args.speculate)
             rows.append(row)
             parts = ", ".join(f"{k} {v}" for k, v in row["parts_us"].items())
-            print(f"batch {batch:4d}: {row['step_us']:8.1f} us a decode step ({row['per_sequence_us']} a sequence); "
+            what = f"round of {args.speculate} drafts" if args.speculate else "decode step"
+            print(f"batch {batch:4d}: {row['step_us']:8.1f} us a {what} ({row['per_sequence_us']} a sequence); "
                   f"{parts}")
-    path = save_results(args.out_name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
-                                            rows=rows))
+    name = args.out_name or ("host-overhead-speculate" if args.speculate else "host-overhead")
+    path = save_results(name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
+                                   speculate=args.speculate, rows=rows))
     print(f"wrote {path}")
 
 

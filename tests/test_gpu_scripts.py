@@ -83,6 +83,17 @@ def test_host_overhead(tmp_path):
     assert [r["batch"] for r in rows] == [1, 3] and all(r["steps"] > 0 for r in rows)
 
 
+def test_host_overhead_of_speculation_rounds(tmp_path):
+    """The stubbed rounds accept every draft: each timed round adds d + 1 tokens a sequence."""
+    done = run_bench("host_overhead.py", "--batch-sizes", "1", "3", "--steps", "4", "--speculate", "3",
+                     "--out-name", "smoke", results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = written(str(tmp_path), "smoke-*.json")["rows"]
+    # 4 rounds of 4 tokens make the 16 tokens after the first: had a draft been rejected, more
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["steps"] == 4 for r in rows)
+    assert {"copy pass", "pick drafts", "verify", "accept"} <= set(rows[0]["parts_us"])
+
+
 @pytest.mark.parametrize("cell, message", [("1,2", "--cell: expected B,CTX,HQ,HKV,D"),
                                            ("1,256,32,8,128", "needs a CUDA device")])
 def test_decode_sweep_arguments(tmp_path, cell, message):

@@ -14,6 +14,7 @@ from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
+from eecore.speculative.draft_stack import CATCH_UP_WIDTH
 from eecore.exits.static_segments import StaticExitSegments
 from engine_utils import assert_same_outputs, emulate_graphs, generate_arriving, greedy, random_prompts
 from model_factory import make_tiny_hf_model
@@ -400,8 +401,9 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
         if static:
             runner.static_verify = StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                 width=llm.engine.strategy.lookahead)
-            if stack is not None:  # the copy's one-token passes too
-                stack.static = StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False)
+            if stack is not None:  # the copy's passes too
+                stack.static = StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
+                                            max_width=CATCH_UP_WIDTH)
         return llm, llm.generate(prompts, params)
 
     plain_llm, plain = run(False)
@@ -426,6 +428,55 @@ def _assert_same_rounds(llm, outs, plain_llm, plain) -> None:
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
     assert llm.engine.runner.layer_tokens == plain_llm.engine.runner.layer_tokens
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_static_layers_take_rows_up_to_their_width_whose_padding_fits(tiny):
+    """A two-token pass pads one-token rows by a position, which must lie in the sequence's blocks;
+    rows past the width, token trees and batches past the largest size go op by op."""
+    path, _ = tiny
+    llm = _llm(path, static=False)
+    layers = StaticLayers(llm.engine.runner, 4, capture=False, max_width=2)
+    seq = Sequence(list(range(1, 8)), eecore.SamplingParams(max_tokens=4))
+    llm.engine.blocks.grow(seq, 8)  # 8 positions: two blocks of 4
+    assert layers.takes([Row(seq, 6, [7])]) and layers.takes([Row(seq, 6, [7, 8])])
+    assert not layers.takes([Row(seq, 5, [6, 7, 8])])
+    assert not layers.takes([Row(seq, 7, [8]), Row(seq, 6, [7, 8])])  # its padding at 8 is past its blocks
+    assert layers.takes([Row(seq, 7, [8])])  # alone it runs one token: no padding
+    assert not layers.takes([Row(seq, 6, [7, 8], parents=[-1, 0])])
+    assert not layers.takes([Row(seq, 6, [7])] * 5)
+    assert not StaticLayers(llm.engine.runner, 4, capture=False).takes([Row(seq, 6, [7, 8])])
+    llm.engine.blocks.free(seq)
+
+
+def test_a_two_token_static_pass_gives_the_varlen_pass(tiny):
+    """Rows of one and two tokens padded to two: each row's last state and the K/V of every real
+    position are the varlen pass's, bit for bit."""
+    path, hf = tiny
+    llm = _llm(path, static=False)
+    runner = llm.engine.runner
+    prompts = random_prompts(hf.config.vocab_size, [5, 9, 3], seed=4)
+    seqs = [Sequence(p + [1, 2], eecore.SamplingParams(max_tokens=4)) for p in prompts]
+    for seq in seqs:
+        llm.engine.blocks.grow(seq, len(seq.prompt_token_ids) + 4)
+    prefix = [Row(s, 0, s.prompt_token_ids[:-2]) for s in seqs]
+    inputs = runner.prepare(prefix)
+    runner.run_layers(runner.embed(inputs), inputs.attn, 0, runner.num_layers)
+    rows = [Row(s, len(s.prompt_token_ids) - 2, s.prompt_token_ids[-2:] if b != 1 else s.prompt_token_ids[-2:-1])
+            for b, s in enumerate(seqs)]
+    inputs = runner.prepare(rows)
+    hidden = runner.run_layers(runner.embed(inputs), inputs.attn, 0, runner.num_layers)
+    want = hidden.index_select(0, inputs.last_rows[: len(rows)]).clone()
+    slots = inputs.attn.slot_mapping.clone()
+    kv = [(runner.kv.k(i).flatten(0, 1)[slots].clone(), runner.kv.v(i).flatten(0, 1)[slots].clone())
+          for i in range(runner.num_layers)]
+    layers = StaticLayers(runner, 4, capture=False, max_width=2)
+    assert layers.takes(rows)
+    got = layers.run(rows)
+    assert torch.equal(got, want)
+    for i, (k, v) in enumerate(kv):
+        assert torch.equal(runner.kv.k(i).flatten(0, 1)[slots], k) and torch.equal(runner.kv.v(i).flatten(0, 1)[slots], v)
+    for seq in seqs:
+        llm.engine.blocks.free(seq)
 
 
 def test_static_verify_takes_plain_rows_up_to_its_width(tiny):
@@ -526,7 +577,8 @@ def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny):
             runner.static_verify = emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                                 width=llm.engine.strategy.lookahead))
             stack = llm.engine.strategy.draft_stack
-            stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False))
+            stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
+                                                       max_width=CATCH_UP_WIDTH))
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
         assert runner.static_decode.graphs or config is not None
 
@@ -546,10 +598,14 @@ def test_graphed_verify_accepts_perfect_drafts(tiny):
     runner.static_verify = emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                         width=decoder.lookahead))
     decoder.draft_stack.static = emulate_graphs(StaticLayers(decoder.draft_stack.runner,
-                                                              llm.engine.config.max_num_seqs, capture=False))
+                                                              llm.engine.config.max_num_seqs, capture=False,
+                                                              max_width=CATCH_UP_WIDTH))
     _draft_full_depths_tokens(decoder, expected)
     outs = llm.generate(prompts, params)
     assert runner.static_verify.graphs, "the verify pass was never replayed"
+    # a round after one that accepted every draft begins with the last draft and the model's token:
+    # that first copy pass is a graph of two tokens a sequence, not an op-by-op pass
+    assert any(key[-1] == CATCH_UP_WIDTH for key in decoder.draft_stack.static.graphs)
     assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
     drafted = sum(o.metrics["num_drafted_tokens"] for o in outs)
     assert drafted > 0

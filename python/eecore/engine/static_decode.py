@@ -280,19 +280,46 @@ class StaticLayers(StaticPass):
     """The first `num_layers` layers of the runner's model (default: all) over one token a sequence,
     on static buffers: a draft copy's pass (its E layers), or LayerSkip's draft pass through layers
     0..E-1 of the model itself (writing the shared KV cache). `run(rows)`: the residual stream after
-    the last of them `[B, d]` (a view of the runner's workspace); the draft head reads it eagerly."""
+    the last of them `[B, d]` (a view of the runner's workspace); the draft head reads it eagerly.
 
-    def __init__(self, runner, max_batch: int, capture: bool, num_layers: Optional[int] = None):
+    `max_width` > 1 also takes rows of up to that many tokens (their pass padded to that width: one
+    more graph per padded batch), returning the state of each row's last token. A draft copy's round
+    usually begins with two: when verification accepted every draft, the copy has not run the last
+    draft nor the model's token after it, and without this that first pass ran op by op."""
+
+    def __init__(self, runner, max_batch: int, capture: bool, num_layers: Optional[int] = None, max_width: int = 1):
         super().__init__(runner, max_batch, capture)
         self.layers = range(runner.num_layers if num_layers is None else num_layers)
+        self.max_width = max_width
+        model = runner.model
+        self._last_rows = torch.empty(max_batch, dtype=torch.int64, device=model.device)
+        self._last_states = torch.empty(max_batch, model.config.hidden_size, dtype=model.dtype, device=model.device)
 
     def takes(self, rows: list[Row]) -> bool:
-        return 0 < len(rows) <= self.max_batch and all(len(r.tokens) == 1 and r.parents is None for r in rows)
+        if not (0 < len(rows) <= self.max_batch and all(r.parents is None for r in rows)):
+            return False
+        width = self._width(rows)
+        if width == 1 or width > self.max_width:
+            return width == 1
+        # a shorter row's padding writes K/V past its tokens: the positions must lie in its blocks
+        bs = self.runner.builder.block_size
+        return all(r.start + width <= len(r.seq.block_table) * bs for r in rows)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
-        _, hidden = self._run_padded(rows, 1)
-        self._count(rows, 1, self.layers)
-        return hidden[: len(rows)]
+        width = self._width(rows)
+        _, hidden = self._run_padded(rows, width)
+        self._count(rows, width, self.layers)
+        if width == 1:
+            return hidden[: len(rows)]
+        last = self._last_rows[: len(rows)]
+        last.copy_(torch.tensor([b * width + len(r.tokens) - 1 for b, r in enumerate(rows)]))
+        return torch.index_select(hidden, 0, last, out=self._last_states[: len(rows)])
+
+    def _width(self, rows: list[Row]) -> int:
+        longest = max(len(r.tokens) for r in rows)
+        if longest == 1 or longest > self.max_width:
+            return longest
+        return self.max_width  # every wider pass padded to one width: one more graph per batch size
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
         return self._layers(self.runner.embed(inputs), inputs, self.layers)

@@ -59,6 +59,11 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
     return LlamaModel(config, state, dtype, device, weight_dtype)
 
 
+# the widest first pass a draft copy runs as a graph: after a round whose drafts were all
+# accepted, the copy runs the last draft and the model's token after it
+CATCH_UP_WIDTH = 2
+
+
 class DraftStack:
     """The draft copy at inference: its runner (workspace, inputs, KV cache on the model's blocks),
     its draft head, and which positions of each sequence its cache holds."""
@@ -77,7 +82,8 @@ class DraftStack:
         self.head = DraftHead(model, exit_layer, adapters, builder.max_seqs)
         # the copy's one-token passes as CUDA graphs wherever the model's decode steps are graphs
         self.static = None if main_runner.static_decode is None else \
-            StaticLayers(self.runner, builder.max_seqs, capture=main_runner.static_decode.capture)
+            StaticLayers(self.runner, builder.max_seqs, capture=main_runner.static_decode.capture,
+                         max_width=CATCH_UP_WIDTH)
         self._states = torch.empty(builder.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
         # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
         self._seen: dict[int, list[int]] = {}
@@ -115,6 +121,9 @@ class DraftStack:
         if all(len(tokens) == 1 for _, tokens in pieces):
             return self._run([Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)])
         self.catch_up_tokens += sum(len(tokens) - 1 for _, tokens in pieces if tokens)
+        rows = [Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)]
+        if self.static is not None and all(tokens for _, tokens in pieces) and self.static.takes(rows):
+            return self.static.run(rows)  # a short catch-up (the last round's last draft): one graph
         return self._chunked(seqs, pieces)
 
     def behind(self, seq: Sequence) -> int:
