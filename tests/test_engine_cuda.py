@@ -369,3 +369,24 @@ def test_piecewise_graphs_give_eager_tokens(tiny, dtype, monkeypatch):
         if dtype == "float32":
             for step_a, step_b in zip(a.logprobs, b.logprobs):
                 assert all(abs(step_a[t] - step_b[t]) < tolerance for t in step_a.keys() & step_b.keys())
+
+
+def test_graphed_copy_rounds_after_fully_accepted_ones(tiny):
+    """Perfect drafts (full depth's own tokens) through a draft copy with graphs: every round after
+    the first opens with the copy's two-token catch-up, captured as a graph of its own; every draft
+    is accepted and the tokens are full depth's."""
+    from test_static_decode import _draft_full_depths_tokens
+    from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = greedy(16)
+    expected = {tuple(p): o.token_ids for p, o in zip(prompts, _llm(path, enforce_eager=True).generate(prompts, params))}
+    llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=3, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
+    decoder = llm.engine.strategy
+    _draft_full_depths_tokens(decoder, expected)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) == sum(o.metrics["num_drafted_tokens"] for o in outs)
+    assert any(key[-1] == CATCH_UP_WIDTH for key in decoder.draft_stack.static.graphs)
