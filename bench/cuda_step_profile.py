@@ -144,7 +144,7 @@ def main() -> None:
             configs = {"full depth": ({}, {})}
             configs.update({f"full depth, {text}": ({}, dict(item.split("=", 1) for item in text.split(",") if item))
                             for text in args.ab_env})
-            configs.update({label: ({k: v for k, v in kw.items() if k != "perfect"}, {})
+            configs.update({label: ({k: v for k, v in kw.items() if k not in ("perfect", "env")}, kw.get("env", {}))
                             for label, kw in exit_configs(SHAPES[name]["num_hidden_layers"], 3).items()
                             if not kw.get("perfect") and any(t in label for t in args.exit_configs)})
             for label, (config, env) in configs.items():

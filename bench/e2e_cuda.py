@@ -44,6 +44,7 @@ import time
 import torch
 
 import eecore
+from eecore.speculative.proposers import DRAFT_AHEAD_ENV
 from common import (bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
                     timed)
 
@@ -104,7 +105,8 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
 
 
 def exit_configs(num_layers: int, d: int) -> dict:
-    """Early exit and self-speculation at E = L/4 and L/2, by row name."""
+    """Early exit and self-speculation at E = L/4 and L/2, by row name ("ahead": the draft copy's
+    chain on the device, EECORE_DRAFT_AHEAD=1)."""
     configs = {}
     for E in sorted({num_layers // 4, num_layers // 2}):
         configs[f"static exit E={E}"] = dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=E))
@@ -117,11 +119,12 @@ def exit_configs(num_layers: int, d: int) -> dict:
                 measure="softmax", threshold=threshold, min_exit_layer=E, check_every=num_layers))
         configs[f"layer drafts E={E} d={d}"] = dict(
             speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=eecore.LayerDrafts(E)))
-        for perfect in (False, True):
-            configs[f"draft copy E={E} d={d}" + (", perfect drafts" if perfect else "")] = dict(
+        for perfect, ahead in ((False, False), (False, True), (True, False), (True, True)):
+            label = f"draft copy E={E} d={d}" + (", perfect drafts" if perfect else "") + (", ahead" if ahead else "")
+            configs[label] = dict(
                 speculative=eecore.SelfSpeculativeConfig(num_speculations=d,
                                                          layer=eecore.LayerDrafts(E, copy=eecore.DraftCopy())),
-                perfect=perfect)
+                perfect=perfect, env={DRAFT_AHEAD_ENV: "1"} if ahead else {})
     return configs
 
 
@@ -130,9 +133,11 @@ def exit_ready_configs(device: str) -> dict:
     from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE
 
     # the shipped file by path: exit_adapter=True is refused for a model given by path
-    return {f"exit-ready {preset}": dict(exit_adapter=SHIPPED_DRAFT_FILE,
-                                         speculative=eecore.SelfSpeculativeConfig.exit_ready(preset, device=device))
-            for preset in ("layer", "hybrid")}
+    configs = {f"exit-ready {preset}": dict(exit_adapter=SHIPPED_DRAFT_FILE,
+                                            speculative=eecore.SelfSpeculativeConfig.exit_ready(preset, device=device))
+               for preset in ("layer", "hybrid")}
+    configs["exit-ready layer, ahead"] = dict(configs["exit-ready layer"], env={DRAFT_AHEAD_ENV: "1"})
+    return configs
 
 
 def against_full_depth(name: str, model: str, configs: dict, full, prompts, params, args, results: Results) -> None:
@@ -144,7 +149,8 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompts, para
     for label, config in configs.items():
         config = dict(config)
         perfect = config.pop("perfect", False)
-        llm = eecore.LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes), **config)
+        llm = with_env(config.pop("env", {}), eecore.LLM, model, dtype=args.dtype, device=args.device,
+                       max_num_seqs=max(args.batch_sizes), **config)
         if perfect:  # the copy's passes all run; its tokens are replaced by full depth's
             install_oracle(llm, continuations)
         llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up

@@ -132,6 +132,7 @@ def measure(llm, batch: int, steps: int, context: int, text: bool = False, draft
         timer.wrap(decoder.picker, "take", "pick drafts")
         timer.wrap(decoder.verifier, "full", "verify")
         timer.wrap(decoder.acceptor, "accept_all", "accept")
+        timer.wrap(decoder.proposer, "_chain", "chained passes")  # draft ahead (EECORE_DRAFT_AHEAD=1)
     params = eecore.SamplingParams(max_tokens=steps * (drafts + 1) + 1, temperature=0.0, ignore_eos=True,
                                    stop=["never in the output"] if text else None)
     tracker = None

@@ -272,6 +272,17 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
         return proposal
 
     decoder.proposer.propose, decoder.picker.propose = round_drafts, oracle_propose
+    chained = getattr(decoder.proposer, "_chain", None)
+    if chained is not None:  # draft ahead: the chain's drafts come back together, at its end
+        def oracle_chain(seqs, drafts, budgets, live):
+            chained(seqs, drafts, budgets, live)
+            for b in live:
+                wanted = continuations.get(tuple(seqs[b].prompt_token_ids), ())
+                done = len(seqs[b].output_token_ids)
+                tokens = drafts[b].tokens
+                for k in range(min(len(tokens), len(wanted) - done)):
+                    tokens[k] = wanted[done + k]
+        decoder.proposer._chain = oracle_chain
 
 
 def oracle(args) -> None:

@@ -390,3 +390,26 @@ def test_graphed_copy_rounds_after_fully_accepted_ones(tiny):
     assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) == sum(o.metrics["num_drafted_tokens"] for o in outs)
     assert any(key[-1] == CATCH_UP_WIDTH for key in decoder.draft_stack.static.graphs)
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_draft_ahead_with_graphs_drafts_what_the_pass_by_pass_chain_does(tiny, stops, monkeypatch):
+    """EECORE_DRAFT_AHEAD=1 on a GPU: the copy's passes after each round's first draft take their
+    tokens on the device, captured as graphs; the drafts, accepted drafts and tokens are those of
+    the pass-by-pass chain."""
+    from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = greedy(20)
+    layer = eecore.LayerDrafts(1, stop_below=0.0045 if stops else None, copy=eecore.DraftCopy())
+    runs = []
+    for ahead in ("0", "1"):
+        monkeypatch.setenv(DRAFT_AHEAD_ENV, ahead)
+        llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(num_speculations=4, layer=layer))
+        runs.append(llm.generate(prompts, params))
+    plain, ahead = runs
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in plain]
+    for key in ("num_drafted_tokens", "num_accepted_tokens"):
+        assert [o.metrics[key] for o in ahead] == [o.metrics[key] for o in plain]

@@ -315,6 +315,16 @@ class StaticLayers(StaticPass):
         last.copy_(torch.tensor([b * width + len(r.tokens) - 1 for b, r in enumerate(rows)]))
         return torch.index_select(hidden, 0, last, out=self._last_states[: len(rows)])
 
+    def run_with_tokens(self, rows: list[Row], tokens: torch.Tensor) -> torch.Tensor:
+        """`run` over one-token rows whose tokens are still on the device, not read back (`tokens`
+        `[B]` int64: the rows' own tokens are placeholders). They go into the pass's inputs behind
+        the inputs' copy, on the stream, as decode ahead's do."""
+        inputs, key = self._build(rows, 1)
+        inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])
+        hidden = self._launch(key + (1,), inputs, self._step)
+        self._count(rows, 1, self.layers)
+        return hidden[: len(rows)]
+
     def _width(self, rows: list[Row]) -> int:
         longest = max(len(r.tokens) for r in rows)
         if longest == 1 or longest > self.max_width:

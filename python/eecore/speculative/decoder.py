@@ -121,7 +121,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         if config.switches_per_token:
             self.proposer = TokenSwitchProposer(self.draft_stack, self.picker, self.lookup)
         elif self.draft_stack is not None:
-            self.proposer = CopyProposer(self.draft_stack, self.picker)
+            self.proposer = CopyProposer(self.draft_stack, self.picker, self.layer_drafts)
         else:
             self.proposer = SharedLayerProposer(runner, self.picker, self.exit_layer, self.num_drafts,
                                                 self._exit_states, self._static_drafts)

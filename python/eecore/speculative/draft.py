@@ -61,6 +61,19 @@ class DraftPicker:
         self.draft_length = draft_length
         self.measure = measure
 
+    def top1(self, logits: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+        """(the probabilities `[n, K]`, the top-1 probability `[n]`, the top-1 column `[n]`) of draft
+        head logits, on their device; the probabilities only where a draft rule reads them (None:
+        the argmax alone)."""
+        if self.stop_below is None and self.exit_threshold is None and self.draft_length is None:
+            return None, None, argmax_rows(logits)
+        # the top-1 probability and its column in one softmax and one max: right after a verify pass
+        # has streamed the weights through every cache, each torch op costs tens of microseconds
+        # whatever its size, so a drafted token pays per op, not per element
+        probs = torch.softmax(logits, dim=-1)
+        p, columns = probs.max(dim=-1)
+        return probs, p, columns
+
     def propose(self, logits: torch.Tensor, seqs: list[Sequence], drafted: Optional[list[list[int]]] = None
                 ) -> Proposal:
         """Draft tokens: argmax, or a draw from the processed distribution q over the whole
@@ -68,16 +81,8 @@ class DraftPicker:
         the vocabulary has logit -inf). `drafted[i]`: what seqs[i] drafted before this round's row
         (the measure's lookup reads it)."""
         head = self.head
-        top1 = probs = None
-        if self.stop_below is None and self.exit_threshold is None and self.draft_length is None:
-            columns = argmax_rows(logits).tolist()
-        else:
-            # the top-1 probability and its column in one softmax and one max: right after a
-            # verify pass has streamed the weights through every cache, each torch op costs tens
-            # of microseconds whatever its size, so a drafted token pays per op, not per element
-            probs = torch.softmax(logits, dim=-1)
-            p, columns = probs.max(dim=-1)
-            top1, columns = p.tolist(), columns.tolist()
+        probs, p, columns = self.top1(logits)
+        top1, columns = None if p is None else p.tolist(), columns.tolist()
         tokens = head.token_id_list(columns)
         draws: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]

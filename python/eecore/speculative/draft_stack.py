@@ -105,6 +105,25 @@ class DraftStack:
         newest one, for a chain of layer drafts; with lookup tokens, more), as first_pass."""
         return self._advance(seqs, drafts, [self._seen[seq.seq_id][2] for seq in seqs])
 
+    def chained_pass(self, seqs: list[Sequence], offsets: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """A pass of drafts still on the device (`tokens` `[n]` int64, not read back): seqs[i]'s at
+        position pending + offsets[i], the copy having run every position before it. Returns their
+        layer-E states `[n, d]`. Needs the static pass (`chains`)."""
+        rows = []
+        for seq, offset in zip(seqs, offsets):
+            position = seq.num_computed_tokens + offset
+            record = self._seen[seq.seq_id]
+            if record[2] != position:
+                raise RuntimeError(f"DraftStack.chained_pass: sequence {seq.seq_id} has its draft K/V up to "
+                                   f"position {record[2]}, the pass is at {position}")
+            record[2] = position + 1
+            rows.append(Row(seq, position, [0]))  # the token: tokens[i], on the device
+        return self.static.run_with_tokens(rows, tokens)
+
+    def chains(self, n: int) -> bool:
+        """Whether `n` sequences' drafts can go from pass to pass on the device (chained_pass)."""
+        return self.static is not None and 0 < n <= self.static.max_batch
+
     def _advance(self, seqs: list[Sequence], drafts: Optional[list[list[int]]], starts: list[int]) -> torch.Tensor:
         pieces = []
         for b, (seq, start) in enumerate(zip(seqs, starts)):

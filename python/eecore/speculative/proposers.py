@@ -12,11 +12,17 @@ Prompt lookup itself is `eecore.speculative.drafters.PromptLookup`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft import Draft, DraftPicker
+
+
+# Draft ahead (CopyProposer): off until a GPU has timed it against the pass-by-pass chain.
+DRAFT_AHEAD_ENV = "EECORE_DRAFT_AHEAD"
 
 
 class SharedLayerProposer:
@@ -88,14 +94,28 @@ class SharedLayerProposer:
 
 class CopyProposer:
     """The separate draft stack: pass 0 runs what the copy has not seen through the pending token,
-    pass k draft k; the last draft needs no pass (verification runs it through the model)."""
+    pass k draft k; the last draft needs no pass (verification runs it through the model).
+
+    With draft ahead (`EECORE_DRAFT_AHEAD=1`, where the copy's passes are static and the round's
+    rows are greedy with no exits or token trees) the passes after a round's first draft take their
+    tokens from the pass before on the device, and the host reads the chain back once, after its
+    last pass, instead of after every pass: on a GPU each read-back stalls the host until the pass
+    is done and then the GPU until the host has built and launched the next one. Each sequence still
+    drafts what it would have drafted (its first draft, which decides how far its chain may go, is
+    read as before; a draft under `stop_below` ends its chain at the same place), but a chain that
+    ends early has run its remaining passes all the same."""
 
     verifies_from_exit_states = False
 
-    def __init__(self, stack, picker: DraftPicker):
+    def __init__(self, stack, picker: DraftPicker, max_drafts: int):
         self.stack = stack
         self.picker = picker
         self.passes = 0  # copy passes run, for the draft planner's clock
+        self.ahead = os.environ.get(DRAFT_AHEAD_ENV) == "1"
+        if self.ahead:
+            rows, dev = stack.runner.builder.max_seqs, stack.model.device
+            self._chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
+            self._chain_probs = torch.zeros(rows, max_drafts, dtype=torch.float32, device=dev)
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
         live = [b for b, n in enumerate(budgets) if n]
@@ -111,8 +131,52 @@ class CopyProposer:
             live = [b for b in kept if len(drafts[b]) < budgets[b] and b not in ended]
             if not live:
                 break
+            if self._chains(seqs, live):
+                self._chain(seqs, drafts, budgets, live)
+                return
             hidden = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
             self.passes += 1
+
+    def _chains(self, seqs: list[Sequence], live: list[int]) -> bool:
+        picker = self.picker
+        return (self.ahead and picker.top_k == 1 and picker.exit_threshold is None and picker.measure is None
+                and self.stack.chains(len(live)) and all(seqs[b].params.greedy for b in live))
+
+    def _chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int]) -> None:
+        """The rest of `live`'s drafts (each has drafted at least one this round), pass after pass on
+        the device, read back once."""
+        head, stop_below = self.picker.head, self.picker.stop_below
+        more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
+        dev = self._chain_tokens.device
+        tokens = torch.tensor([drafts[b].tokens[-1] for b in live], dtype=torch.int64, device=dev)
+        rows = list(range(len(live)))  # indices into `live` of the rows in the next pass
+        for j in range(max(more)):
+            hidden = self.stack.chained_pass([seqs[live[i]] for i in rows], [len(drafts[live[i]]) + j for i in rows],
+                                             tokens)
+            self.passes += 1
+            _, p, columns = self.picker.top1(head.columns(hidden))
+            tokens = head.token_ids(columns)
+            where = torch.tensor(rows, dtype=torch.int64, device=dev)
+            self._chain_tokens[:, j].index_copy_(0, where, tokens)
+            if p is not None:
+                self._chain_probs[:, j].index_copy_(0, where, p)
+            going_on = [n for n, i in enumerate(rows) if more[i] > j + 1]
+            if not going_on:
+                break
+            if len(going_on) < len(rows):
+                tokens = tokens.index_select(0, torch.tensor(going_on, dtype=torch.int64, device=dev))
+                rows = [rows[n] for n in going_on]
+        chain = self._chain_tokens[: len(live), : max(more)].tolist()  # the round's one read-back of the chain
+        confidence = self._chain_probs[: len(live), : max(more)].tolist()
+        for i, b in enumerate(live):
+            seq, draft = seqs[b], drafts[b]
+            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + more[i]  # each ran, kept or not
+            for j in range(more[i]):
+                if stop_below is not None and confidence[i][j] < stop_below:
+                    break  # a doubtful draft is dropped and ends the chain, as DraftPicker.take does
+                draft.tokens.append(chain[i][j])
+                draft.probs.append(None)
+                draft.from_lookup.append(False)
 
 
 class TokenSwitchProposer:

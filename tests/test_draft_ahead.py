@@ -1,0 +1,139 @@
+"""Draft ahead (EECORE_DRAFT_AHEAD=1, eecore.speculative.proposers.CopyProposer): a draft copy's
+passes after a round's first draft take their tokens from the pass before on the device and the
+host reads the chain back once. Every sequence drafts, and so emits, what the pass-by-pass chain
+does; only the passes a chain stopped early would have skipped are extra."""
+from __future__ import annotations
+
+import pytest
+
+import eecore
+from eecore.engine.static_decode import StaticLayers, StaticVerify
+from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+from engine_utils import emulate_graphs, greedy, random_prompts
+from model_factory import make_tiny_hf_model
+from test_static_decode import _draft_full_depths_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("ahead"), num_layers=3)
+
+
+CONFIGS = {
+    "copy": lambda: eecore.SelfSpeculativeConfig(num_speculations=4, layer=eecore.LayerDrafts(
+        1, copy=eecore.DraftCopy())),
+    # the exit-ready preset's rules: a chain stops below a top-1 probability, and goes past its
+    # first draft only when that draft is sure enough while the sequence's drafts are rejected
+    "stops": lambda: eecore.SelfSpeculativeConfig(num_speculations=4, layer=eecore.LayerDrafts(
+        2, stop_below=0.0045, long_draft_acceptance=0.5, copy=eecore.DraftCopy())),
+    "adaptive": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        1, stop_below=0.003, copy=eecore.DraftCopy()), adaptive=True),
+    # not chained: token trees, exits
+    "trees": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        1, copy=eecore.DraftCopy(top_k=2))),
+    "exits": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        1, stop_below=0.0, exit_threshold=0.0035, copy=eecore.DraftCopy())),
+}
+
+
+def _llm(path, config, ahead: bool, monkeypatch):
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1" if ahead else "0")
+    llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=128, block_size=4, max_num_seqs=8,
+                     speculative=config)
+    runner, decoder = llm.engine.runner, llm.engine.strategy
+    rows = llm.engine.config.max_num_seqs
+    runner.static_verify = emulate_graphs(StaticVerify(runner, rows, capture=False, width=decoder.lookahead))
+    decoder.draft_stack.static = emulate_graphs(StaticLayers(decoder.draft_stack.runner, rows, capture=False,
+                                                             max_width=CATCH_UP_WIDTH))
+    return llm
+
+
+def _dropped_drafts(llm) -> list:
+    """Records, per chained round, the drafts its chains ran but dropped (a stop rule ended them)."""
+    proposer, dropped = llm.engine.strategy.proposer, []
+    inner = proposer._chain
+
+    def chain(seqs, drafts, budgets, live):
+        before = sum(len(drafts[b]) for b in live)
+        inner(seqs, drafts, budgets, live)
+        ran = sum(budgets[b] for b in live) - before
+        if ran > sum(len(drafts[b]) for b in live) - before:
+            dropped.append(ran)
+    proposer._chain = chain
+    return dropped
+
+
+def _chained_passes(llm) -> list:
+    """Counts the passes that took their tokens on the device."""
+    stack, calls = llm.engine.strategy.draft_stack, []
+    inner = stack.chained_pass
+
+    def counted(seqs, offsets, tokens):
+        calls.append(len(seqs))
+        return inner(seqs, offsets, tokens)
+    stack.chained_pass = counted
+    return calls
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_draft_ahead_drafts_and_emits_what_the_pass_by_pass_chain_does(tiny, name, monkeypatch):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = [greedy(8 + 3 * i, logprobs=2 if i % 2 else None) for i in range(len(prompts))]
+    plain = _llm(path, CONFIGS[name](), False, monkeypatch).generate(prompts, params)
+    llm = _llm(path, CONFIGS[name](), True, monkeypatch)
+    chained, dropped = _chained_passes(llm), _dropped_drafts(llm)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for key in ("num_drafted_tokens", "num_accepted_tokens"):
+        assert [o.metrics[key] for o in outs] == [o.metrics[key] for o in plain]
+    assert [o.exit_layers for o in outs] == [o.exit_layers for o in plain]
+    for a, b in zip(outs, plain):
+        for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):
+            assert step_a.keys() == step_b.keys() and all(abs(step_a[t] - step_b[t]) < 1e-5 for t in step_a)
+    if name in ("trees", "exits"):
+        assert not chained  # draft rules the chain does not take: pass by pass
+    else:
+        assert chained
+    if name == "stops":
+        assert dropped, "no chain stopped early: the test would not cover the chain's stop rule"
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_perfect_drafts_go_down_the_chain(tiny, monkeypatch):
+    """Drafts replaced by full depth's own tokens (after each head read, where the chain reads its
+    tokens back only at its end, the replacement lands there too): every draft accepted, full
+    depth's tokens, and the rounds' later passes chained."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = greedy(14)
+    expected = {tuple(p): o.token_ids for p, o in zip(prompts, eecore.LLM(
+        path, dtype="float32", device="cpu").generate(prompts, params))}
+    llm = _llm(path, CONFIGS["copy"](), True, monkeypatch)
+    decoder = llm.engine.strategy
+    _draft_full_depths_tokens(decoder, expected)
+    _perfect_chain(decoder, expected)
+    chained = _chained_passes(llm)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) == sum(o.metrics["num_drafted_tokens"] for o in outs)
+    assert len(chained) >= 3 and max(chained) == len(prompts)  # whole rounds went down the chain
+
+
+def _perfect_chain(decoder, expected) -> None:
+    """The chain's drafts replaced by full depth's next tokens once it has read them back."""
+    proposer = decoder.proposer
+    inner = proposer._chain
+
+    def chain(seqs, drafts, budgets, live):
+        inner(seqs, drafts, budgets, live)
+        for b in live:
+            seq, draft = seqs[b], drafts[b]
+            wanted = expected[tuple(seq.prompt_token_ids)]
+            done = len(seq.output_token_ids)
+            for k in range(1, len(draft.tokens)):
+                if done + k < len(wanted):
+                    draft.tokens[k] = wanted[done + k]
+    proposer._chain = chain
