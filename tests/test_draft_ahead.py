@@ -27,8 +27,6 @@ CONFIGS = {
     # first draft only when that draft is sure enough while the sequence's drafts are rejected
     "stops": lambda: eecore.SelfSpeculativeConfig(num_speculations=4, layer=eecore.LayerDrafts(
         2, stop_below=0.0045, long_draft_acceptance=0.5, copy=eecore.DraftCopy())),
-    "adaptive": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
-        1, stop_below=0.003, copy=eecore.DraftCopy()), adaptive=True),
     # not chained: token trees, exits
     "trees": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
         1, copy=eecore.DraftCopy(top_k=2))),
@@ -99,6 +97,21 @@ def test_draft_ahead_drafts_and_emits_what_the_pass_by_pass_chain_does(tiny, nam
         assert chained
     if name == "stops":
         assert dropped, "no chain stopped early: the test would not cover the chain's stop rule"
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_adaptive_lengths_down_the_chain_keep_full_depths_tokens(tiny, monkeypatch):
+    """With the draft planner's lengths (which follow the passes' measured times, so two runs may
+    draft differently) the chain still emits full depth's greedy tokens."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = greedy(16)
+    full = eecore.LLM(path, dtype="float32", device="cpu").generate(prompts, params)
+    llm = _llm(path, eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
+        1, stop_below=0.003, copy=eecore.DraftCopy()), adaptive=True), True, monkeypatch)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
