@@ -18,21 +18,11 @@ from eecore.train import exit_decision
 from ee_reference import ReferenceEarlyExit, lookup_next
 from engine_utils import emulate_graphs, greedy, random_prompts
 from model_factory import make_tiny_hf_model
+from test_early_exit import NUM_LAYERS, MAX_TOKENS, peaky  # noqa: F401 (a fixture: a tiny Llama, sharp LM head)
 
-NUM_LAYERS = 6
-MAX_TOKENS = 10
 # weights on (top-1 probability, gap, entropy, lookup has a token, lookup agrees): what decides
 # here is mostly the lookup, so rows differ and the oracle's float order cannot flip a decision
 WEIGHTS = {2: [1.0, 0.5, -0.2, 0.8, 2.0], 4: [0.5, 1.0, -0.1, 1.5, 1.0]}
-
-
-@pytest.fixture(scope="module")
-def peaky(tmp_path_factory):
-    path, hf = make_tiny_hf_model(tmp_path_factory.mktemp("agree"), arch="llama", tie=False, num_layers=NUM_LAYERS)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(40.0)
-    hf.save_pretrained(path, safe_serialization=True)
-    return path, hf
 
 
 def _decisions(bias: float = 0.0) -> dict[int, LogisticDecision]:

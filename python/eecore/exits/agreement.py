@@ -36,7 +36,8 @@ from eecore.engine.sequence import Sequence
 from eecore.exits.confidence import ConfidenceMeasure
 from eecore.exits.decision import (INPUTS, LOOKUP_NGRAMS, LogisticDecision, distribution_inputs, lookup_inputs,
                                    optional_lookup)
-from eecore.exits.thresholds_file import ThresholdsFileError, adapter_identity, check_model, model_identity
+from eecore.exits.thresholds_file import (ThresholdsFileError, adapter_identity, check_model, model_identity,
+                                         read_json_object)
 from eecore.speculative.drafters import NgramIndex, PromptLookup
 
 FORMAT = "eecore-exit-decision-layers-1"
@@ -67,14 +68,8 @@ def save(path: str, model, adapters, decisions: dict[int, LogisticDecision], how
 def load(path: str, model=None, adapters=None) -> dict[int, LogisticDecision]:
     """The regressions of a decision file, by exit layer. With `model`, also checks that the file
     was fit on it and on `adapters` (DecisionFileError otherwise)."""
-    if not os.path.isfile(path):
-        raise DecisionFileError(f"decision file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DecisionFileError(f"decision file {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    data = read_json_object(path, "decision file", DecisionFileError)
+    if data.get("format") != FORMAT:
         raise DecisionFileError(f"decision file {path!r}: not a {FORMAT} file (for the draft copy's exits, "
                                 f"LayerDrafts(exit_measure=...) reads eecore-exit-decision-1 files)")
     if data.get("inputs") != list(INPUTS) or data.get("lookup_ngrams") != list(LOOKUP_NGRAMS):

@@ -74,18 +74,24 @@ def save(data: dict, path: str) -> None:
     os.replace(tmp, path)  # never leave a half-written file that looks like a calibration
 
 
-def load(path) -> dict:
-    """Reads and validates the file's structure and value ranges (not the model: see check_model)."""
-    path = os.fspath(path)
+def read_json_object(path: str, kind: str, error: type = ThresholdsFileError) -> dict:
+    """The JSON object in the file `path`, or `error` naming the file as `kind` and what is wrong."""
     if not os.path.isfile(path):
-        raise ThresholdsFileError(f"thresholds file {path!r} does not exist")
+        raise error(f"{kind} {path!r} does not exist")
     try:
         with open(path) as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ThresholdsFileError(f"thresholds file {path!r} is not valid JSON: {exc}") from None
+        raise error(f"{kind} {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ThresholdsFileError(f"thresholds file {path!r}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"{kind} {path!r}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load(path) -> dict:
+    """Reads and validates the file's structure and value ranges (not the model: see check_model)."""
+    path = os.fspath(path)
+    data = read_json_object(path, "thresholds file")
     if data.get("format") != FORMAT:
         raise ThresholdsFileError(f"thresholds file {path!r}: 'format' must be {FORMAT!r}, got {data.get('format')!r}")
     missing = [k for k in _REQUIRED if k not in data]
