@@ -21,7 +21,7 @@ import sys
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from eecore.cli.args import add_precision_flags
-    from eecore.exits.config import CALIBRATED_MEASURES
+    from eecore.exits.thresholds_file import CALIBRATED_MEASURES
 
     c = sub.add_parser("calibrate", help="calibrate early-exit thresholds (CALM's Learn-then-Test)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -36,8 +36,8 @@ from eecore.engine.sequence import Sequence
 from eecore.exits.confidence import ConfidenceMeasure
 from eecore.exits.decision import (INPUTS, LOOKUP_NGRAMS, LogisticDecision, distribution_inputs, lookup_inputs,
                                    optional_lookup)
-from eecore.exits.thresholds_file import (ThresholdsFileError, adapter_identity, check_model, model_identity,
-                                         read_json_object)
+from eecore.exits.thresholds_file import (ThresholdsFileError, adapter_identity, check_model, file_sha256,
+                                         model_identity, read_json_object)
 from eecore.speculative.drafters import NgramIndex, PromptLookup
 
 FORMAT = "eecore-exit-decision-layers-1"
@@ -100,6 +100,13 @@ def load(path: str, model=None, adapters=None) -> dict[int, LogisticDecision]:
             raise DecisionFileError(f"decision file {path!r}: exit layer {max(decisions)} is not below the "
                                     f"model's {model.num_layers} layers")
     return decisions
+
+
+def decision_sha256(path: Optional[str]) -> Optional[str]:
+    """The SHA-256 of the decision file `EarlyExitConfig.decision_path` names (None: the shipped
+    one), recorded in a thresholds file calibrated with it; None where there is no such file."""
+    path = SHIPPED if path is None else os.fspath(path)
+    return file_sha256(path) if os.path.isfile(path) else None
 
 
 def load_for(path: Optional[str], model, adapters) -> dict[int, LogisticDecision]:

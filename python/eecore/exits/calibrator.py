@@ -38,8 +38,9 @@ import torch
 
 from eecore.exits import calibration as ltt
 from eecore.exits.calibration_data import CalibrationRecord, full_thresholds, layer_thresholds, record, token_losses
-from eecore.exits.config import CALIBRATED_MEASURES, EarlyExitConfig
-from eecore.exits.thresholds_file import adapter_identity, decision_sha256, file_sha256, model_identity
+from eecore.exits.agreement import decision_sha256
+from eecore.exits.config import EarlyExitConfig
+from eecore.exits.thresholds_file import CALIBRATED_MEASURES, adapter_identity, file_sha256, model_identity
 from eecore.evaluation.rouge import rouge_l
 from eecore.sampling_params import SamplingParams
 

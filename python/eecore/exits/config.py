@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-# the measures whose thresholds calibration chooses; "static" has none
-CALIBRATED_MEASURES = ("softmax", "cosine", "classifier", "agreement")
+from eecore.exits.thresholds_file import CALIBRATED_MEASURES
+
 MEASURES = CALIBRATED_MEASURES + ("static",)
 BATCH_RULES = ("all", "compact")
 
@@ -94,6 +94,7 @@ class EarlyExitConfig:
 
     def _load_thresholds_file(self, path: str) -> None:
         from eecore.exits import thresholds_file
+        from eecore.exits.agreement import decision_sha256
 
         data = thresholds_file.load(path)
         for name in ("measure", "min_exit_layer", "check_every", "batch_rule", "decay"):
@@ -102,7 +103,8 @@ class EarlyExitConfig:
         thresholds_file.check_config(data, path, measure=self.measure, batch_rule=self.batch_rule,
                                      min_exit_layer=self.min_exit_layer, check_every=self.check_every,
                                      decay=self.decay, classifier_path=self.classifier_path,
-                                     decision_path=self.decision_path)
+                                     decision_path=self.decision_path,
+                                     decision_sha256=decision_sha256(self.decision_path))
         self.threshold = data["threshold"]
         self.threshold_file, self.calibration = path, data
 

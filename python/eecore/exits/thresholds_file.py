@@ -29,9 +29,9 @@ import math
 import os
 from typing import Optional
 
-from eecore.exits.config import CALIBRATED_MEASURES
-
 FORMAT = "eecore-thresholds-1"
+# the measures whose thresholds calibration chooses (EarlyExitConfig's others: "static", which has none)
+CALIBRATED_MEASURES = ("softmax", "cosine", "classifier", "agreement")
 _REQUIRED = ("format", "model", "measure", "batch_rule", "min_exit_layer", "check_every", "decay",
              "exit_adapter", "tolerance", "epsilon", "p_value", "threshold")
 
@@ -128,7 +128,7 @@ def _is_number(x) -> bool:
 
 
 def check_config(data: dict, path: str, *, measure, batch_rule, min_exit_layer, check_every, decay,
-                 classifier_path, decision_path=None) -> None:
+                 classifier_path, decision_path=None, decision_sha256=None) -> None:
     """Raises unless the early-exit settings are the ones the file was calibrated for: the
     guarantee holds only for that measure, those checked layers, that decay and batch rule."""
     for name, mine in (("measure", measure), ("batch_rule", batch_rule), ("min_exit_layer", min_exit_layer),
@@ -141,19 +141,9 @@ def check_config(data: dict, path: str, *, measure, batch_rule, min_exit_layer, 
         if classifier_path and os.path.isfile(classifier_path) and ident.get("sha256") != file_sha256(classifier_path):
             raise ThresholdsFileError(f"thresholds file {path!r} was calibrated with another exit classifier "
                                       f"than {classifier_path!r}")
-    if data["measure"] == "agreement":
-        calibrated = (data.get("decision") or {}).get("sha256")
-        if calibrated != decision_sha256(decision_path):
-            raise ThresholdsFileError(f"thresholds file {path!r} was calibrated with another decision file than "
-                                      f"{decision_path or 'the shipped one'!r}")
-
-
-def decision_sha256(decision_path) -> Optional[str]:
-    """The SHA-256 of the decision file measure "agreement" reads (None: the shipped file)."""
-    from eecore.exits.agreement import SHIPPED
-
-    path = SHIPPED if decision_path is None else os.fspath(decision_path)
-    return file_sha256(path) if os.path.isfile(path) else None
+    if data["measure"] == "agreement" and (data.get("decision") or {}).get("sha256") != decision_sha256:
+        raise ThresholdsFileError(f"thresholds file {path!r} was calibrated with another decision file than "
+                                  f"{decision_path or 'the shipped one'!r}")
 
 
 def model_identity(model) -> dict:
