@@ -307,12 +307,16 @@ class StaticLayers(StaticPass):
 
     def run(self, rows: list[Row]) -> torch.Tensor:
         width = self._width(rows)
-        _, hidden = self._run_padded(rows, width)
-        self._count(rows, width, self.layers)
         if width == 1:
+            _, hidden = self._run_padded(rows, width)
+            self._count(rows, width, self.layers)
             return hidden[: len(rows)]
+        # each row's last token among the padded ones, copied before the launch (a copy from host
+        # memory after it would wait for the pass)
         last = self._last_rows[: len(rows)]
         last.copy_(torch.tensor([b * width + len(r.tokens) - 1 for b, r in enumerate(rows)]))
+        _, hidden = self._run_padded(rows, width)
+        self._count(rows, width, self.layers)
         return torch.index_select(hidden, 0, last, out=self._last_states[: len(rows)])
 
     def run_with_tokens(self, rows: list[Row], tokens: torch.Tensor) -> torch.Tensor:

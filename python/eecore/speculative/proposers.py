@@ -148,24 +148,31 @@ class CopyProposer:
         head, stop_below = self.picker.head, self.picker.stop_below
         more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
         dev = self._chain_tokens.device
-        tokens = torch.tensor([drafts[b].tokens[-1] for b in live], dtype=torch.int64, device=dev)
-        rows = list(range(len(live)))  # indices into `live` of the rows in the next pass
-        for j in range(max(more)):
+        # Which rows (indices into `live`) each pass runs is known now, so every index the chain
+        # needs goes to the device in one copy, while the GPU is idle: a copy from a host list inside
+        # the loop would wait for the pass just launched, and the chain would run pass by pass again.
+        passes = [[i for i in range(len(live)) if more[i] > j] for j in range(max(more))]
+        flat = [drafts[b].tokens[-1] for b in live]  # the newest draft of each: the first pass's tokens
+        spans = []
+        for j, rows in enumerate(passes):
+            kept = [] if j == 0 or rows == passes[j - 1] else [passes[j - 1].index(i) for i in rows]
+            spans.append((len(flat), len(rows), len(kept)))
+            flat += rows + kept
+        index = torch.tensor(flat, dtype=torch.int64).to(dev)
+        tokens = index[: len(live)]
+        for j, rows in enumerate(passes):
+            start, n, kept = spans[j]
+            if kept:  # the rows that go on, out of the last pass's tokens
+                tokens = tokens.index_select(0, index[start + n: start + n + kept])
             hidden = self.stack.chained_pass([seqs[live[i]] for i in rows], [len(drafts[live[i]]) + j for i in rows],
                                              tokens)
             self.passes += 1
             _, p, columns = self.picker.top1(head.columns(hidden))
             tokens = head.token_ids(columns)
-            where = torch.tensor(rows, dtype=torch.int64, device=dev)
+            where = index[start: start + n]
             self._chain_tokens[:, j].index_copy_(0, where, tokens)
             if p is not None:
                 self._chain_probs[:, j].index_copy_(0, where, p)
-            going_on = [n for n, i in enumerate(rows) if more[i] > j + 1]
-            if not going_on:
-                break
-            if len(going_on) < len(rows):
-                tokens = tokens.index_select(0, torch.tensor(going_on, dtype=torch.int64, device=dev))
-                rows = [rows[n] for n in going_on]
         chain = self._chain_tokens[: len(live), : max(more)].tolist()  # the round's one read-back of the chain
         confidence = self._chain_probs[: len(live), : max(more)].tolist()
         for i, b in enumerate(live):
