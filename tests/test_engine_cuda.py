@@ -413,3 +413,30 @@ def test_draft_ahead_with_graphs_drafts_what_the_pass_by_pass_chain_does(tiny, s
     assert [o.token_ids for o in ahead] == [o.token_ids for o in plain]
     for key in ("num_drafted_tokens", "num_accepted_tokens"):
         assert [o.metrics[key] for o in ahead] == [o.metrics[key] for o in plain]
+
+
+def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, monkeypatch):
+    """The chain's passes and draft head reads go out with nothing read back: under
+    torch.cuda.set_sync_debug_mode("error") any op in them that synchronizes with the host raises
+    (the builder's wait for the previous pass's input copy is an event, which it does not count)."""
+    from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5], seed=11)
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(num_speculations=4, layer=eecore.LayerDrafts(
+        1, copy=eecore.DraftCopy())))
+    llm.generate(prompts, greedy(16))  # captures the graphs (a capture synchronizes) that the run below replays
+    proposer, launched = llm.engine.strategy.proposer, []
+    inner = proposer._launch_chain
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inner(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.append(True)
+    proposer._launch_chain = strict
+    llm.generate(prompts, greedy(16))
+    assert launched

@@ -145,7 +145,7 @@ class CopyProposer:
     def _chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int]) -> None:
         """The rest of `live`'s drafts (each has drafted at least one this round), pass after pass on
         the device, read back once."""
-        head, stop_below = self.picker.head, self.picker.stop_below
+        stop_below = self.picker.stop_below
         more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
         dev = self._chain_tokens.device
         # Which rows (indices into `live`) each pass runs is known now, so every index the chain
@@ -158,7 +158,23 @@ class CopyProposer:
             kept = [] if j == 0 or rows == passes[j - 1] else [passes[j - 1].index(i) for i in rows]
             spans.append((len(flat), len(rows), len(kept)))
             flat += rows + kept
-        index = torch.tensor(flat, dtype=torch.int64).to(dev)
+        self._launch_chain(seqs, drafts, live, passes, spans, torch.tensor(flat, dtype=torch.int64).to(dev))
+        chain = self._chain_tokens[: len(live), : max(more)].tolist()  # the round's one read-back of the chain
+        confidence = self._chain_probs[: len(live), : max(more)].tolist()
+        for i, b in enumerate(live):
+            seq, draft = seqs[b], drafts[b]
+            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + more[i]  # each ran, kept or not
+            for j in range(more[i]):
+                if stop_below is not None and confidence[i][j] < stop_below:
+                    break  # a doubtful draft is dropped and ends the chain, as DraftPicker.take does
+                draft.tokens.append(chain[i][j])
+                draft.probs.append(None)
+                draft.from_lookup.append(False)
+
+    def _launch_chain(self, seqs, drafts, live, passes, spans, index: torch.Tensor) -> None:
+        """The chain's passes and draft head reads, launched one after another with nothing read back
+        (on a GPU: no host synchronization; tests/test_engine_cuda.py holds it to that)."""
+        head = self.picker.head
         tokens = index[: len(live)]
         for j, rows in enumerate(passes):
             start, n, kept = spans[j]
@@ -173,17 +189,6 @@ class CopyProposer:
             self._chain_tokens[:, j].index_copy_(0, where, tokens)
             if p is not None:
                 self._chain_probs[:, j].index_copy_(0, where, p)
-        chain = self._chain_tokens[: len(live), : max(more)].tolist()  # the round's one read-back of the chain
-        confidence = self._chain_probs[: len(live), : max(more)].tolist()
-        for i, b in enumerate(live):
-            seq, draft = seqs[b], drafts[b]
-            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + more[i]  # each ran, kept or not
-            for j in range(more[i]):
-                if stop_below is not None and confidence[i][j] < stop_below:
-                    break  # a doubtful draft is dropped and ends the chain, as DraftPicker.take does
-                draft.tokens.append(chain[i][j])
-                draft.probs.append(None)
-                draft.from_lookup.append(False)
 
 
 class TokenSwitchProposer:
