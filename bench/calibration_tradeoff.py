@@ -1,8 +1,8 @@
 """Calibrated early exit on SmolLM2-135M (fp32, CPU): what `eecore calibrate` lets exit at each
 tolerance, and what that buys.
 
-For each measure (softmax gap, cosine, CALM classifier; with `--exit-adapter`, the softmax gap and
-cosine read at the adapter layers) it records the calibration prompts at full depth once
+For each measure (softmax gap, cosine, CALM classifier; with `--exit-adapter`, the softmax gap,
+cosine and the learned agreement read at the adapter layers) it records the calibration prompts at full depth once
 (eecore.exits.calibration_data.record), then runs Learn-then-Test on that record for every
 tolerance delta and batch rule (the record depends on neither: token consistency is measured at
 batch 1, where the rules coincide). Each threshold that passes is then evaluated like `eecore eval`
@@ -55,6 +55,9 @@ def split_prompts(num_eval: int, num_calibration: int) -> tuple[list[str], list[
 def checks_for(measure: str, adapters) -> dict:
     if adapters is not None:  # only the adapter layers are checked
         return dict(min_exit_layer=min(adapters.exit_layers()), check_every=1)
+    if measure not in CHECKS:
+        raise SystemExit(f"calibration_tradeoff.py: measure {measure!r} needs --exit-adapter (its shipped "
+                         f"decision file is fit for the shipped exit adapters)")
     return CHECKS[measure]
 
 
@@ -68,7 +71,8 @@ def main():
     ap.add_argument("--tolerances", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     ap.add_argument("--epsilon", type=float, default=0.1)
     ap.add_argument("--measures", nargs="+", default=["softmax", "cosine", "classifier"],
-                    choices=["softmax", "cosine", "classifier"])
+                    choices=["softmax", "cosine", "classifier", "agreement"],
+                    help="agreement: the learned decision, whose shipped file is fit for the exit adapters")
     ap.add_argument("--batch-rules", nargs="+", default=["all", "compact"], choices=["all", "compact"])
     ap.add_argument("--classifier", default=None, help="exit classifier file (default: the cached one, trained on first use)")
     ap.add_argument("--num-calibration", type=int, default=100)
