@@ -1,6 +1,5 @@
 """Draft ahead (EECORE_DRAFT_AHEAD=1, eecore.speculative.proposers.CopyProposer): a draft copy's
-passes after a round's first draft take their tokens from the pass before on the device and the
-host reads the chain back once. Every sequence drafts, and so emits, what the pass-by-pass chain
+passes take their tokens from the pass before on the device and the host reads the chain back once. Every sequence drafts, and so emits, what the pass-by-pass chain
 does; only the passes a chain stopped early would have skipped are extra."""
 from __future__ import annotations
 
@@ -47,19 +46,19 @@ def _llm(path, config, ahead: bool, monkeypatch):
     return llm
 
 
-def _dropped_drafts(llm) -> list:
-    """Records, per chained round, the drafts its chains ran but dropped (a stop rule ended them)."""
-    proposer, dropped = llm.engine.strategy.proposer, []
+def _chains(llm) -> list:
+    """Records each chain: whether it began at the round's first pass (no first draft read back),
+    and whether a stop rule dropped drafts its passes had run."""
+    proposer, chains = llm.engine.strategy.proposer, []
     inner = proposer._chain
 
-    def chain(seqs, drafts, budgets, live):
+    def chain(seqs, drafts, budgets, live, opening=None):
         before = sum(len(drafts[b]) for b in live)
-        inner(seqs, drafts, budgets, live)
+        inner(seqs, drafts, budgets, live, opening)
         ran = sum(budgets[b] for b in live) - before
-        if ran > sum(len(drafts[b]) for b in live) - before:
-            dropped.append(ran)
+        chains.append((opening is not None, ran > sum(len(drafts[b]) for b in live) - before))
     proposer._chain = chain
-    return dropped
+    return chains
 
 
 def _chained_passes(llm) -> list:
@@ -82,7 +81,7 @@ def test_draft_ahead_drafts_and_emits_what_the_pass_by_pass_chain_does(tiny, nam
     params = [greedy(8 + 3 * i, logprobs=2 if i % 2 else None) for i in range(len(prompts))]
     plain = _llm(path, CONFIGS[name](), False, monkeypatch).generate(prompts, params)
     llm = _llm(path, CONFIGS[name](), True, monkeypatch)
-    chained, dropped = _chained_passes(llm), _dropped_drafts(llm)
+    chained, chains = _chained_passes(llm), _chains(llm)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     for key in ("num_drafted_tokens", "num_accepted_tokens"):
@@ -95,8 +94,9 @@ def test_draft_ahead_drafts_and_emits_what_the_pass_by_pass_chain_does(tiny, nam
         assert not chained  # draft rules the chain does not take: pass by pass
     else:
         assert chained
-    if name == "stops":
-        assert dropped, "no chain stopped early: the test would not cover the chain's stop rule"
+    if name == "stops":  # every path of the chain: from the first pass or after a first draft read back, cut short
+        assert {opening for opening, _ in chains} == {True, False}
+        assert any(cut for _, cut in chains), "no chain stopped early: the test would not cover the stop rule"
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
@@ -140,13 +140,13 @@ def _perfect_chain(decoder, expected) -> None:
     proposer = decoder.proposer
     inner = proposer._chain
 
-    def chain(seqs, drafts, budgets, live):
-        inner(seqs, drafts, budgets, live)
+    def chain(seqs, drafts, budgets, live, opening=None):
+        inner(seqs, drafts, budgets, live, opening)
         for b in live:
             seq, draft = seqs[b], drafts[b]
             wanted = expected[tuple(seq.prompt_token_ids)]
             done = len(seq.output_token_ids)
-            for k in range(1, len(draft.tokens)):
+            for k in range(len(draft.tokens)):  # (the first too, where the chain drafted it)
                 if done + k < len(wanted):
                     draft.tokens[k] = wanted[done + k]
     proposer._chain = chain

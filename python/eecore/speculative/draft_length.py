@@ -41,8 +41,12 @@ class DraftLength:
     def goes_on(self, seq: Sequence, first_confidence: float) -> bool:
         """Whether `seq`'s chain goes past its round's first layer draft, whose top-1 probability
         is `first_confidence`."""
+        return self.trusts(seq) or first_confidence >= self.min_acceptance
+
+    def trusts(self, seq: Sequence) -> bool:
+        """Whether `seq`'s chain goes past its first draft however sure that draft is."""
         running = self._running.get(seq.seq_id)
-        return running is None or running >= self.min_acceptance or first_confidence >= self.min_acceptance
+        return running is None or running >= self.min_acceptance
 
     def record(self, seq: Sequence, first_accepted: bool) -> None:
         """A round in which `seq` drafted with the layers: whether its first layer draft was made and

@@ -13,6 +13,7 @@ Prompt lookup itself is `eecore.speculative.drafters.PromptLookup`.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -97,13 +98,13 @@ class CopyProposer:
     pass k draft k; the last draft needs no pass (verification runs it through the model).
 
     With draft ahead (`EECORE_DRAFT_AHEAD=1`, where the copy's passes are static and the round's
-    rows are greedy with no exits or token trees) the passes after a round's first draft take their
-    tokens from the pass before on the device, and the host reads the chain back once, after its
-    last pass, instead of after every pass: on a GPU each read-back stalls the host until the pass
-    is done and then the GPU until the host has built and launched the next one. Each sequence still
-    drafts what it would have drafted (its first draft, which decides how far its chain may go, is
-    read as before; a draft under `stop_below` ends its chain at the same place), but a chain that
-    ends early has run its remaining passes all the same."""
+    rows are greedy with no exits or token trees) each pass takes its tokens from the pass before on
+    the device, and the host reads the chain back once, after its last pass, instead of after every
+    pass: on a GPU each read-back stalls the host until the pass is done and then the GPU until the
+    host has built and launched the next one. Each sequence still drafts what it would have drafted
+    (where `long_draft_acceptance` lets a sequence's first draft decide how far it goes, that draft
+    is read back first; a draft under `stop_below` ends its chain at the same place), but a chain
+    that ends early has run its remaining passes all the same."""
 
     verifies_from_exit_states = False
 
@@ -125,6 +126,11 @@ class CopyProposer:
             drafts[b].copy_ran = True
         hidden = self.stack.first_pass([seqs[b] for b in live])
         self.passes += 1
+        length = self.picker.draft_length
+        if self._chains(seqs, live) and (length is None or all(length.trusts(seqs[b]) for b in live)):
+            # no sequence's first draft decides how far it drafts: the chain starts at the first pass
+            self._chain(seqs, drafts, budgets, live, opening=hidden)
+            return
         for k in range(1, max(budgets[b] for b in live) + 1):
             kept, ended = self.picker.take(self.picker.head.columns(hidden), live, seqs, drafts,
                                            with_alternatives=True, opening=live if k == 1 else ())
@@ -142,9 +148,11 @@ class CopyProposer:
         return (self.ahead and picker.top_k == 1 and picker.exit_threshold is None and picker.measure is None
                 and self.stack.chains(len(live)) and all(seqs[b].params.greedy for b in live))
 
-    def _chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int]) -> None:
-        """The rest of `live`'s drafts (each has drafted at least one this round), pass after pass on
-        the device, read back once."""
+    def _chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
+               opening: Optional[torch.Tensor] = None) -> None:
+        """The rest of `live`'s drafts, pass after pass on the device, read back once: after each
+        has drafted its first (read back to decide how far it goes), or from the round's first pass
+        (`opening`, its layer-E states) when nothing needs deciding."""
         stop_below = self.picker.stop_below
         more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
         dev = self._chain_tokens.device
@@ -152,13 +160,14 @@ class CopyProposer:
         # needs goes to the device in one copy, while the GPU is idle: a copy from a host list inside
         # the loop would wait for the pass just launched, and the chain would run pass by pass again.
         passes = [[i for i in range(len(live)) if more[i] > j] for j in range(max(more))]
-        flat = [drafts[b].tokens[-1] for b in live]  # the newest draft of each: the first pass's tokens
+        # the first chained pass's tokens: each row's newest draft (none yet after `opening`)
+        flat = [drafts[b].tokens[-1] if drafts[b].tokens else 0 for b in live]
         spans = []
         for j, rows in enumerate(passes):
             kept = [] if j == 0 or rows == passes[j - 1] else [passes[j - 1].index(i) for i in rows]
             spans.append((len(flat), len(rows), len(kept)))
             flat += rows + kept
-        self._launch_chain(seqs, drafts, live, passes, spans, torch.tensor(flat, dtype=torch.int64).to(dev))
+        self._launch_chain(seqs, drafts, live, passes, spans, torch.tensor(flat, dtype=torch.int64).to(dev), opening)
         chain = self._chain_tokens[: len(live), : max(more)].tolist()  # the round's one read-back of the chain
         confidence = self._chain_probs[: len(live), : max(more)].tolist()
         for i, b in enumerate(live):
@@ -171,7 +180,8 @@ class CopyProposer:
                 draft.probs.append(None)
                 draft.from_lookup.append(False)
 
-    def _launch_chain(self, seqs, drafts, live, passes, spans, index: torch.Tensor) -> None:
+    def _launch_chain(self, seqs, drafts, live, passes, spans, index: torch.Tensor,
+                      opening: Optional[torch.Tensor]) -> None:
         """The chain's passes and draft head reads, launched one after another with nothing read back
         (on a GPU: no host synchronization; tests/test_engine_cuda.py holds it to that)."""
         head = self.picker.head
@@ -180,9 +190,12 @@ class CopyProposer:
             start, n, kept = spans[j]
             if kept:  # the rows that go on, out of the last pass's tokens
                 tokens = tokens.index_select(0, index[start + n: start + n + kept])
-            hidden = self.stack.chained_pass([seqs[live[i]] for i in rows], [len(drafts[live[i]]) + j for i in rows],
-                                             tokens)
-            self.passes += 1
+            if j == 0 and opening is not None:
+                hidden = opening
+            else:
+                hidden = self.stack.chained_pass([seqs[live[i]] for i in rows],
+                                                 [len(drafts[live[i]]) + j for i in rows], tokens)
+                self.passes += 1
             _, p, columns = self.picker.top1(head.columns(hidden))
             tokens = head.token_ids(columns)
             where = index[start: start + n]
