@@ -231,3 +231,17 @@ def test_bad_decision_files_and_settings_are_clear_errors(peaky, decision_file, 
     # without a path the shipped file is read, which is for the default model with its exit adapters
     with pytest.raises(DecisionFileError, match="shipped decision file"):
         _llm(path, measure="agreement")
+
+
+def test_the_cli_takes_the_measure_and_its_file(peaky, decision_file, capsys):
+    from eecore.cli import main
+
+    path, _ = peaky
+    common = ["--model", path, "--dtype", "float32", "--device", "cpu", "--num-blocks", "64", "--block-size", "4",
+              "--max-tokens", "4", "--chat", "off"]
+    assert main(["generate", "one two one two", "--early-exit", "agreement", "--exit-decision", decision_file,
+                 "--threshold", "0.5", "--batch-rule", "compact"] + common) == 0
+    assert "mean layers/token" in capsys.readouterr().err
+    # without a file the shipped one is read, which is not this model's: a message, not a traceback
+    with pytest.raises(SystemExit, match="shipped decision file"):
+        main(["generate", "one two", "--early-exit", "agreement"] + common)

@@ -205,6 +205,7 @@ def build_llm(args, num_blocks=None):
     """The LLM the flags ask for; `num_blocks`: the KV cache's size when --num-blocks is not given
     (None: from the memory budget)."""
     import eecore
+    from eecore.exits.agreement import DecisionFileError
     from eecore.exits.thresholds_file import ThresholdsFileError
 
     try:
@@ -219,7 +220,7 @@ def build_llm(args, num_blocks=None):
                           num_blocks=args.num_blocks if args.num_blocks is not None else num_blocks,
                           block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
-    except ThresholdsFileError as exc:  # a file made for another model: a message, not a traceback
+    except (ThresholdsFileError, DecisionFileError) as exc:  # a file made for another model: a message
         raise SystemExit(f"eecore: {exc}") from None
 
 
