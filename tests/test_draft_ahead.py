@@ -34,9 +34,9 @@ CONFIGS = {
 }
 
 
-def _llm(path, config, ahead: bool, monkeypatch):
+def _llm(path, config, ahead: bool, monkeypatch, num_blocks: int = 128):
     monkeypatch.setenv(DRAFT_AHEAD_ENV, "1" if ahead else "0")
-    llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=128, block_size=4, max_num_seqs=8,
+    llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=num_blocks, block_size=4, max_num_seqs=8,
                      speculative=config)
     runner, decoder = llm.engine.runner, llm.engine.strategy
     rows = llm.engine.config.max_num_seqs
@@ -150,3 +150,21 @@ def _perfect_chain(decoder, expected) -> None:
                 if done + k < len(wanted):
                     draft.tokens[k] = wanted[done + k]
     proposer._chain = chain
+
+
+def test_draft_ahead_with_preemption(tiny, monkeypatch):
+    """Sequences preempted and recomputed between chained rounds (their blocks freed, the copy's
+    cache forgotten): the tokens and accepted drafts of the pass-by-pass chain, every block freed."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [9, 3, 14, 7, 11, 5], seed=3)
+    prompts = [p + p[: len(p) // 2] for p in prompts]
+    plain = _llm(path, CONFIGS["copy"](), False, monkeypatch, num_blocks=20).generate(prompts, greedy(12))
+    llm = _llm(path, CONFIGS["copy"](), True, monkeypatch, num_blocks=20)
+    chained = _chained_passes(llm)
+    outs = llm.generate(prompts, greedy(12))
+    assert chained
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no sequence was preempted"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.metrics["num_accepted_tokens"] for o in outs] == [o.metrics["num_accepted_tokens"] for o in plain]
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
