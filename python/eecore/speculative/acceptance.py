@@ -7,6 +7,7 @@ alternative's K/V moves from its leaf slot to the position it now holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -47,9 +48,11 @@ class Acceptor:
             # logprobs are the exit's), and only the rows after them are accepted as usual
             k = len(draft.exits)
             n -= k
-            tokens, leaf, agreed = self._accept(seq, draft.tokens[k:], draft.probs[k:],
-                                                logits[offset: offset + n], draft.alternatives[k:],
-                                                None if top is None else top[offset: offset + n])
+            # (a greedy row without logprobs reads only its argmax: no view of the logits, which
+            # costs the host about a microsecond a sequence)
+            rows = logits[offset: offset + n] if not seq.params.greedy or seq.params.logprobs is not None else None
+            tokens, leaf, agreed = self._accept(seq, draft.tokens[k:], draft.probs[k:], rows,
+                                                draft.alternatives[k:], None if top is None else top[offset: offset + n])
             tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(draft.tokens[:k], draft.exits)] + tokens
             agreed += k
             if leaf >= 0:  # (trees and exits never meet: DraftCopy.top_k > 1 is refused with them)
@@ -69,7 +72,7 @@ class Acceptor:
             self._move_kv(moves)
         return out, offsets
 
-    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor,
+    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: Optional[torch.Tensor],
                 alternatives: list[list[int]], top) -> tuple[list[Token], int, int]:
         """The tokens this round adds (accepted drafts, then the full model's own token), the
         verify row of an accepted alternative (-1: none), and how many chain drafts the model
