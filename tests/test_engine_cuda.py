@@ -376,7 +376,6 @@ def test_graphed_copy_rounds_after_fully_accepted_ones(tiny):
     the first opens with the copy's two-token catch-up, captured as a graph of its own; every draft
     is accepted and the tokens are full depth's."""
     from test_static_decode import _draft_full_depths_tokens
-    from eecore.speculative.draft_stack import CATCH_UP_WIDTH
 
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
@@ -389,7 +388,7 @@ def test_graphed_copy_rounds_after_fully_accepted_ones(tiny):
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) == sum(o.metrics["num_drafted_tokens"] for o in outs)
-    assert any(key[-1] == CATCH_UP_WIDTH for key in decoder.draft_stack.static.graphs)
+    assert any(key[-1] == 2 for key in decoder.draft_stack.static.graphs)
 
 
 @pytest.mark.parametrize("stops", [False, True])

@@ -282,10 +282,12 @@ class StaticLayers(StaticPass):
     0..E-1 of the model itself (writing the shared KV cache). `run(rows)`: the residual stream after
     the last of them `[B, d]` (a view of the runner's workspace); the draft head reads it eagerly.
 
-    `max_width` > 1 also takes rows of up to that many tokens (their pass padded to that width: one
-    more graph per padded batch), returning the state of each row's last token. A draft copy's round
-    usually begins with two: when verification accepted every draft, the copy has not run the last
-    draft nor the model's token after it, and without this that first pass ran op by op."""
+    `max_width` > 1 also takes rows of up to that many tokens, each pass padded to the next power of
+    two (a graph per padded batch and width), returning the state of each row's last token. A draft
+    copy catches up that way at the start of a round: on the last draft and the model's token after
+    it when verification accepted every draft (a third of the layer preset's first passes), or on a
+    round drafted by prompt lookup alone (the hybrid preset's, up to ~15 tokens); without it those
+    passes ran op by op."""
 
     def __init__(self, runner, max_batch: int, capture: bool, num_layers: Optional[int] = None, max_width: int = 1):
         super().__init__(runner, max_batch, capture)
@@ -301,9 +303,12 @@ class StaticLayers(StaticPass):
         width = self._width(rows)
         if width == 1 or width > self.max_width:
             return width == 1
-        # a shorter row's padding writes K/V past its tokens: the positions must lie in its blocks
-        bs = self.runner.builder.block_size
-        return all(r.start + width <= len(r.seq.block_table) * bs for r in rows)
+        # the padded pass must fit the runner's workspace, and a shorter row's padding (K/V written
+        # past its tokens, into positions nothing has read yet) must lie in its blocks
+        builder = self.runner.builder
+        bs = builder.block_size
+        return (self.padded_size(len(rows)) * width <= builder.max_tokens
+                and all(r.start + width <= len(r.seq.block_table) * bs for r in rows))
 
     def run(self, rows: list[Row]) -> torch.Tensor:
         width = self._width(rows)
@@ -333,7 +338,7 @@ class StaticLayers(StaticPass):
         longest = max(len(r.tokens) for r in rows)
         if longest == 1 or longest > self.max_width:
             return longest
-        return self.max_width  # every wider pass padded to one width: one more graph per batch size
+        return min(1 << (longest - 1).bit_length(), self.max_width)  # a few widths: a few graphs a batch size
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
         return self._layers(self.runner.embed(inputs), inputs, self.layers)

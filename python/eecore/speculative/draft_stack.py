@@ -59,9 +59,10 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
     return LlamaModel(config, state, dtype, device, weight_dtype)
 
 
-# the widest first pass a draft copy runs as a graph: after a round whose drafts were all
-# accepted, the copy runs the last draft and the model's token after it
-CATCH_UP_WIDTH = 2
+# the widest first pass a draft copy runs as a graph (widths 2, 4, 8, 16): the copy catches up on
+# the last draft and the model's token after it when a round accepted every draft, and on the
+# tokens of rounds prompt lookup drafted alone (StaticLayers)
+CATCH_UP_WIDTH = 16
 
 
 class DraftStack:
