@@ -219,6 +219,8 @@ def test_bad_decision_files_and_settings_are_clear_errors(peaky, decision_file, 
                           ({"inputs": list(INPUTS)[:4]}, "fit over inputs"),
                           ({"layers": {}}, "'layers' must map"),
                           ({"layers": {"2": {"mean": [0.0] * 5}}}, "layer '2'"),
+                          ({"layers": {"2": dict(data["layers"]["2"], bias="high")}}, "finite numbers"),
+                          ({"layers": {"2": dict(data["layers"]["2"], weight=[float("nan")] * 5)}}, "finite numbers"),
                           ({"layers": {"9": data["layers"]["2"]}}, "not below the model's 6 layers")):
         bad.write_text(json.dumps(dict(data, **change)))
         with pytest.raises(DecisionFileError, match=match):

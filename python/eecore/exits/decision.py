@@ -15,6 +15,7 @@ wrong where it agrees with it (bench/analysis/exit_decision_ceiling.py has the t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,6 +60,10 @@ class LogisticDecision:
                                  f"({', '.join(INPUTS)}), got {value!r}")
         if any(v <= 0 for v in self.std):
             raise ValueError(f"{type(self).__name__}: 'std' must be positive, got {self.std!r}")
+        if not isinstance(self.bias, (int, float)) or isinstance(self.bias, bool) or \
+                not all(math.isfinite(v) for v in (*self.mean, *self.std, *self.weight, self.bias)):
+            raise ValueError(f"{type(self).__name__}: the coefficients must be finite numbers, got bias "
+                             f"{self.bias!r}")
         self._tensors: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def probability(self, inputs: torch.Tensor) -> torch.Tensor:
