@@ -74,6 +74,17 @@ inline void check_same_device(const char* op, const char* arg, const at::Tensor&
                    "), got ", t.device());
 }
 
+// `t` with the shape, dtype and device of `ref`: an output, or an operand that mirrors another
+// (a residual, the value cache); its strides are the caller's to check.
+inline void check_like(const char* op, const char* arg, const at::Tensor& t, const char* ref_arg,
+                       const at::Tensor& ref) {
+  check_defined(op, arg, t);
+  EECORE_CHECK_ARG(op, arg, t.sizes() == ref.sizes(), "expected the shape of '", ref_arg, "' ", ref.sizes(),
+                   ", got ", t.sizes());
+  check_same_dtype(op, arg, t, ref_arg, ref);
+  check_same_device(op, arg, t, ref_arg, ref);
+}
+
 }  // namespace eecore
 
 // Dispatch over exactly the three activation dtypes, fp32 / bf16 / fp16 (what

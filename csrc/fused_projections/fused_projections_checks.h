@@ -54,12 +54,8 @@ inline void check_fused_norm(const char* op, const at::Tensor& normed, const at:
   check_same_dtype(op, "norm_weight", norm_weight, "input", input);
   check_contiguous(op, "norm_weight", norm_weight);
   check_same_device(op, "norm_weight", norm_weight, "input", input);
-  check_defined(op, "normed", normed);
-  EECORE_CHECK_ARG(op, "normed", normed.sizes() == input.sizes(), "expected the shape of 'input' ", input.sizes(),
-                   ", got ", normed.sizes());
-  check_same_dtype(op, "normed", normed, "input", input);
+  check_like(op, "normed", normed, "input", input);
   check_contiguous(op, "normed", normed);
-  check_same_device(op, "normed", normed, "input", input);
   check_no_overlap(op, "normed", normed, "input", input);
   check_eps(op, eps);
 }
@@ -98,12 +94,8 @@ inline void check_fused_act(const char* op, const at::Tensor& act, const at::Ten
 
 // residual [T, N] like out.
 inline void check_fused_residual(const char* op, const at::Tensor& residual, const at::Tensor& out) {
-  check_defined(op, "residual", residual);
-  EECORE_CHECK_ARG(op, "residual", residual.sizes() == out.sizes(), "expected the shape of 'out' ", out.sizes(),
-                   ", got ", residual.sizes());
-  check_same_dtype(op, "residual", residual, "out", out);
+  check_like(op, "residual", residual, "out", out);
   check_last_dim_contiguous(op, "residual", residual);
-  check_same_device(op, "residual", residual, "out", out);
   check_no_overlap(op, "residual", residual, "out", out);
 }
 

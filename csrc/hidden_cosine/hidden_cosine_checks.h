@@ -12,12 +12,8 @@ inline void check_hidden_cosine_args(const at::Tensor& prev, const at::Tensor& c
   check_float_dtype(op, "prev", prev);
   EECORE_CHECK_ARG(op, "prev", prev.size(1) >= 1, "expected a hidden size d >= 1, got shape ", prev.sizes());
   check_last_dim_contiguous(op, "prev", prev);
-  check_defined(op, "cur", cur);
-  EECORE_CHECK_ARG(op, "cur", cur.sizes() == prev.sizes(), "expected the shape of 'prev' ", prev.sizes(), ", got ",
-                   cur.sizes());
-  check_same_dtype(op, "cur", cur, "prev", prev);
+  check_like(op, "cur", cur, "prev", prev);
   check_last_dim_contiguous(op, "cur", cur);
-  check_same_device(op, "cur", cur, "prev", prev);
 }
 
 }  // namespace eecore

@@ -44,11 +44,8 @@ inline PagedAttentionDims check_paged_attention_args(const at::Tensor& out, cons
   EECORE_CHECK_ARG(op, "query", dims.head_dim > 0, "expected a head dim > 0, got shape ", query.sizes());
 
   check_dim(op, "out", out, 3);
-  EECORE_CHECK_ARG(op, "out", out.sizes() == query.sizes(), "expected the shape of 'query' ", query.sizes(), ", got ",
-                   out.sizes());
-  check_same_dtype(op, "out", out, "query", query);
+  check_like(op, "out", out, "query", query);
   check_last_dim_contiguous(op, "out", out);
-  check_same_device(op, "out", out, "query", query);
 
   // k_cache, v_cache [NB, BS, Hkv, D]: views kv_cache[l, 0] / kv_cache[l, 1], contiguous.
   check_dim(op, "k_cache", k_cache, 4);

@@ -23,11 +23,8 @@ inline ReshapeAndCacheDims check_reshape_and_cache_args(const at::Tensor& key, c
   check_float_dtype(op, "k_cache", k_cache);
   check_contiguous(op, "k_cache", k_cache);
   check_dim(op, "v_cache", v_cache, 4);
-  EECORE_CHECK_ARG(op, "v_cache", v_cache.sizes() == k_cache.sizes(), "expected the shape of 'k_cache' ",
-                   k_cache.sizes(), ", got ", v_cache.sizes());
-  check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
+  check_like(op, "v_cache", v_cache, "k_cache", k_cache);
   check_contiguous(op, "v_cache", v_cache);
-  check_same_device(op, "v_cache", v_cache, "k_cache", k_cache);
 
   // key, value [T, Hkv, D] in the cache dtype; tokens and heads may be strided (slices of a fused
   // QKV output), the head dim may not.

@@ -27,12 +27,8 @@ inline int64_t check_rms_norm_args(const at::Tensor& out, const at::Tensor& inpu
                                    double eps) {
   const char* op = "rms_norm";
   int64_t rows = check_rms_norm_operand(op, "input", input, weight);
-  check_defined(op, "out", out);
-  EECORE_CHECK_ARG(op, "out", out.sizes() == input.sizes(), "expected the shape of 'input' ", input.sizes(),
-                   ", got ", out.sizes());
-  check_same_dtype(op, "out", out, "input", input);
+  check_like(op, "out", out, "input", input);
   check_contiguous(op, "out", out);
-  check_same_device(op, "out", out, "input", input);
   check_eps(op, eps);
   return rows;
 }
@@ -41,12 +37,8 @@ inline int64_t check_fused_add_rms_norm_args(const at::Tensor& input, const at::
                                              const at::Tensor& weight, double eps) {
   const char* op = "fused_add_rms_norm";
   int64_t rows = check_rms_norm_operand(op, "input", input, weight);
-  check_defined(op, "residual", residual);
-  EECORE_CHECK_ARG(op, "residual", residual.sizes() == input.sizes(), "expected the shape of 'input' ",
-                   input.sizes(), ", got ", residual.sizes());
-  check_same_dtype(op, "residual", residual, "input", input);
+  check_like(op, "residual", residual, "input", input);
   check_contiguous(op, "residual", residual);
-  check_same_device(op, "residual", residual, "input", input);
   check_eps(op, eps);
   return rows;
 }
