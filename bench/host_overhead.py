@@ -93,15 +93,19 @@ def host_only_engine(folder: str, max_batch: int):
     return llm
 
 
-def host_only_copy_engine(folder: str, max_batch: int, drafts: int):
+def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: bool = False):
     """The exit-ready layer preset's round (a draft copy, d drafts a round) with every pass replaced
     by a buffer: the copy's layers return a state buffer, the draft head and the verify pass logits
     whose argmax is one letter for every row (perfect drafts: each round has d + 1 tokens, the most
-    a round handles on the host)."""
+    a round handles on the host). `gpu_preset`: with the GPU preset's rules as well (the chain's stop
+    below 0.15, long_draft_acceptance, lengths from the draft planner), which read each draft's
+    probability and time every round."""
     from eecore.engine.static_decode import StaticLayers, StaticVerify
     from eecore.speculative.draft_stack import CATCH_UP_WIDTH
 
-    spec = eecore.SelfSpeculativeConfig(num_speculations=drafts, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy()))
+    rules = dict(stop_below=0.15, long_draft_acceptance=0.5) if gpu_preset else {}
+    spec = eecore.SelfSpeculativeConfig(num_speculations=drafts, adaptive=gpu_preset,
+                                        layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy(), **rules))
     llm = eecore.LLM(folder, dtype="float32", device="cpu", max_num_seqs=max_batch, speculative=spec,
                      max_num_batched_tokens=max(1024, max_batch * 128))
     runner, decoder = llm.engine.runner, llm.engine.strategy
@@ -171,6 +175,8 @@ def main() -> None:
     ap.add_argument("--speculate", type=int, default=0, metavar="D",
                     help="time the exit-ready layer preset's rounds of D drafts (a draft copy; every pass a "
                          "buffer, every draft accepted) instead of decode steps")
+    ap.add_argument("--gpu-preset", action="store_true",
+                    help="with --speculate: the GPU layer preset's rules too (stop rules, the draft planner)")
     ap.add_argument("--out-name", default=None, help="(default: host-overhead, or host-overhead-speculate)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -178,7 +184,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         tiny_checkpoint(folder, args.context)
         for batch in args.batch_sizes:
-            llm = host_only_copy_engine(folder, batch, args.speculate) if args.speculate else \
+            llm = host_only_copy_engine(folder, batch, args.speculate, args.gpu_preset) if args.speculate else \
                 host_only_engine(folder, batch)
             row = measure(llm, batch, args.steps, args.context, args.text, args.speculate)
             rows.append(row)
@@ -188,7 +194,7 @@ def main() -> None:
                   f"{parts}")
     name = args.out_name or ("host-overhead-speculate" if args.speculate else "host-overhead")
     path = save_results(name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
-                                   speculate=args.speculate, rows=rows))
+                                   speculate=args.speculate, gpu_preset=args.gpu_preset, rows=rows))
     print(f"wrote {path}")
 
 

@@ -236,12 +236,9 @@ class LLMEngine:
         return finished
 
     def _append(self, seq: Sequence, tokens: list[Token]) -> None:
-        for token in tokens:
-            seq.append_token(token.token_id, token.exit_layer, token.logprobs)
-            reason = self.stopper.check(seq)
-            if reason is not None:
-                self._finish(seq, reason)
-                return
+        reason = self.stopper.append(seq, tokens)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -1,6 +1,7 @@
 """One request's state as it moves through the engine. No tensor code here."""
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import time
@@ -64,7 +65,8 @@ class Sequence:
         self.detokenizer = None  # engine.detokenizer.IncrementalDetokenizer, made by the StopChecker
         self.times = SequenceTimes()
         self.num_preemptions = 0
-        self.stats: dict[str, float] = {}  # strategy counters (e.g. drafted / accepted tokens)
+        # strategy counters (e.g. drafted / accepted tokens), 0 until counted
+        self.stats: collections.defaultdict[str, float] = collections.defaultdict(int)
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -137,6 +139,14 @@ class Sequence:
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if self.times.first_token is None:
+            self.times.first_token = time.perf_counter()
+
+    def append_tokens(self, tokens) -> None:
+        """append_token for each of `tokens` (engine.decoding.Token), at once."""
+        self.output_token_ids += [int(t.token_id) for t in tokens]
+        self.exit_layers += [int(t.exit_layer) for t in tokens]
+        self.logprobs += [t.logprobs for t in tokens if t.logprobs is not None]
+        if self.times.first_token is None and tokens:
             self.times.first_token = time.perf_counter()
 
     def finish(self, reason: str) -> None:

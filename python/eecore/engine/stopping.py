@@ -32,7 +32,6 @@ class StopChecker:
         """The finish reason after the last appended token, or None to go on. Updates the text
         when stop strings are watched (the text stops before the earliest stop string)."""
         p = seq.params
-        token = seq.output_token_ids[-1]
         if p.stop:
             seq.output_text = self.current_text(seq)
             # the text's start that this token left unchanged was searched at the last check
@@ -43,10 +42,38 @@ class StopChecker:
                 seq.output_text = seq.output_text[:at]
                 seq.stop_reason = string
                 return "stop"
+        return self._token_reason(seq, seq.output_token_ids[-1], seq.num_output_tokens, seq.num_tokens)
+
+    def append(self, seq: Sequence, tokens) -> Optional[str]:
+        """Appends `tokens` (engine.decoding.Token) to `seq` up to the first one that ends it; returns
+        the finish reason, or None to go on. Without stop strings that token is found from the ids
+        alone and the rest are appended at once (a self-speculation round brings several tokens a
+        sequence, and a GPU waits while the host appends them)."""
+        if seq.params.stop:  # stop strings read the text after every token
+            for token in tokens:
+                seq.append_token(token.token_id, token.exit_layer, token.logprobs)
+                reason = self.check(seq)
+                if reason is not None:
+                    return reason
+            return None
+        p = seq.params
+        stops = p.stop_token_ids if p.ignore_eos else self.eos.union(p.stop_token_ids)
+        # tokens until max_tokens or the context is reached
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        for i, token in enumerate(tokens):
+            if token.token_id in stops or i + 1 >= room:
+                seq.append_tokens(tokens[: i + 1])
+                return self._token_reason(seq, seq.output_token_ids[-1], seq.num_output_tokens, seq.num_tokens)
+        seq.append_tokens(tokens)
+        return None
+
+    def _token_reason(self, seq: Sequence, token: int, outputs: int, total: int) -> Optional[str]:
+        """The finish reason once `token` is the last of `outputs` output tokens (`total` in all)."""
+        p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
             seq.stop_reason = token
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if outputs >= p.max_tokens or total >= self.max_model_len:
             return "length"
         return None
 

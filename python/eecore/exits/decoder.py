@@ -159,8 +159,8 @@ class EarlyExitDecoder(DecodeStrategy):
 
     def _record_wasted(self, seqs, wasted: torch.Tensor) -> None:
         for seq, w in zip(seqs, wasted.tolist()):
-            seq.stats["ee_wasted_layers"] = seq.stats.get("ee_wasted_layers", 0) + w
-            seq.stats["ee_tokens"] = seq.stats.get("ee_tokens", 0) + 1
+            seq.stats["ee_wasted_layers"] += w
+            seq.stats["ee_tokens"] += 1
 
     def _run_static(self, hidden, attn, exit_layer):
         E = self.config.exit_layer
@@ -336,7 +336,7 @@ class EarlyExitDecoder(DecodeStrategy):
             self.measure.release(seq)
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
-        n = seq.stats.get("ee_tokens", 0)
+        n = seq.stats["ee_tokens"]
         if self.config.batch_rule != "all" or not n:
             return {}
         return {"layers_wasted_per_token": seq.stats["ee_wasted_layers"] / n}

@@ -51,12 +51,15 @@ class Acceptor:
             # (a greedy row without logprobs reads only its argmax: no view of the logits, which
             # costs the host about a microsecond a sequence)
             rows = logits[offset: offset + n] if not seq.params.greedy or seq.params.logprobs is not None else None
-            tokens, leaf, agreed = self._accept(seq, draft.tokens[k:], draft.probs[k:], rows,
-                                                draft.alternatives[k:], None if top is None else top[offset: offset + n])
-            tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(draft.tokens[:k], draft.exits)] + tokens
-            agreed += k
-            if leaf >= 0:  # (trees and exits never meet: DraftCopy.top_k > 1 is refused with them)
-                leaf += k
+            chain, probs, alternatives = (draft.tokens[k:], draft.probs[k:], draft.alternatives[k:]) if k else \
+                (draft.tokens, draft.probs, draft.alternatives)
+            tokens, leaf, agreed = self._accept(seq, chain, probs, rows, alternatives,
+                                                None if top is None else top[offset: offset + n])
+            if k:
+                tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(draft.tokens[:k], draft.exits)] + tokens
+                agreed += k
+                if leaf >= 0:  # (trees and exits never meet: DraftCopy.top_k > 1 is refused with them)
+                    leaf += k
             offsets.append(offset)
             offset += n
             start = seq.num_computed_tokens
@@ -84,8 +87,9 @@ class Acceptor:
             p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
             verdict = rejection_sample(drafts, draft_probs, p, self.sampler.generator_for(seq), alternatives)
         tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
-        return [Token(t, L, Sampler.logprobs(logits[r], t, k) if k is not None else None)
-                for r, t in zip(rows, tokens)], leaf, agreed
+        if k is None:
+            return [Token(t, L) for t in tokens], leaf, agreed
+        return [Token(t, L, Sampler.logprobs(logits[r], t, k)) for r, t in zip(rows, tokens)], leaf, agreed
 
     def _move_kv(self, moves: list[tuple[Sequence, int, int]]) -> None:
         """Every layer's K/V of accepted alternatives, from their leaf slots to their positions."""

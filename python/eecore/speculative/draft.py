@@ -98,8 +98,9 @@ class DraftPicker:
             confidence = self.measure.confidence(probs, tokens, seqs, drafted or [[] for _ in seqs])
         confident = [True] * n if self.stop_below is None else [p >= self.stop_below for p in confidence]
         exiting = [False] * n if self.exit_threshold is None else [p >= self.exit_threshold for p in confidence]
-        logprobs = [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
-                    if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
+        logprobs = [None] * n if self.exit_threshold is None else \
+            [Sampler.logprobs(head.widen(logits[i: i + 1])[0], tokens[i], s.params.logprobs)
+             if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         return Proposal(tokens, draws, confident, exiting, logprobs, confidence)
 
     def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> list[list[int]]:
@@ -136,10 +137,12 @@ class DraftPicker:
         round's first layer draft of seqs[b]) that long_draft_acceptance stops (DraftLength)."""
         live_seqs = [seqs[b] for b in rows]
         for seq in live_seqs:  # every layer proposal costs a draft head (with a copy: a copy pass), kept or not
-            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + 1
+            seq.stats["layer_proposals"] += 1
         proposal = self.propose(logits, live_seqs, [drafts[b].tokens for b in rows])
-        alts = self.alternatives(logits, live_seqs, proposal) if self.top_k > 1 else [[]] * len(rows)
+        with_alternatives = with_alternatives and self.top_k > 1  # (no tree: Draft.alternatives stays empty)
+        alts = self.alternatives(logits, live_seqs, proposal) if with_alternatives else None
         kept, ended = [], set()
+        opening = set(opening) if self.draft_length is not None else ()
         for i, b in enumerate(rows):
             if not proposal.confident[i]:
                 continue

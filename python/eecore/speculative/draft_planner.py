@@ -57,11 +57,15 @@ class PassClock:
 
     def __init__(self):
         self._verify: dict[int, float] = {}
+        # verify()'s answers since the last record_verify: a round plans every sequence at a few
+        # row counts, and each answer would otherwise scan every row count measured
+        self._estimates: dict[int, Optional[float]] = {}
         self.copy_pass: Optional[float] = None
         self.catch_up_token: float = 0.0  # until measured: drafting starts hopeful
 
     def record_verify(self, rows: int, seconds: float) -> None:
         self._verify[rows] = self._average(self._verify.get(rows), seconds)
+        self._estimates.clear()
 
     def record_copy(self, passes: int, seconds: float) -> None:
         if passes > 0:
@@ -76,10 +80,11 @@ class PassClock:
 
     def verify(self, rows: int) -> Optional[float]:
         """The estimated cost of a verify pass of `rows` rows; None before anything is measured."""
-        below = [r for r in self._verify if r <= rows]
-        if not below:
-            return None
-        return self._verify[max(below)]  # no pass costs less than a narrower one
+        if rows not in self._estimates:
+            # no pass costs less than a narrower one
+            below = max((r for r in self._verify if r <= rows), default=None)
+            self._estimates[rows] = None if below is None else self._verify[below]
+        return self._estimates[rows]
 
     def _average(self, old: Optional[float], new: float) -> float:
         return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
@@ -221,26 +226,30 @@ class DraftPlanner:
         """A verified round of `seq`: its draft and how many of its leading drafts were accepted."""
         if draft is None:
             return
-        outcome = {kind: [[0, 0], [0, 0]] for kind in KINDS}  # [place][hit, miss]
-        seen = set()
+        # per kind, [first hit, first miss, later hits, later misses]: every draft up to the first
+        # rejected one was judged
+        outcome: dict[str, list[int]] = {}
         for i, from_lookup in enumerate(draft.from_lookup[: accepted + 1]):
             kind = "lookup" if from_lookup else "layer"
-            outcome[kind][LATER if kind in seen else FIRST][0 if i < accepted else 1] += 1
-            seen.add(kind)
-        if draft.copy_ran and "layer" not in seen and len(draft) <= accepted:
+            counts = outcome.get(kind)
+            if counts is None:
+                counts = outcome[kind] = [0, 0, 0, 0]
+                counts[0 if i < accepted else 1] += 1
+            else:
+                counts[2 if i < accepted else 3] += 1
+        if draft.copy_ran and "layer" not in outcome and len(draft) <= accepted:
             # the copy ran and its draft was dropped below the threshold: a pass paid for nothing
-            outcome["layer"][FIRST][1] += 1
+            outcome["layer"] = [0, 1, 0, 0]
         mine = self._seq(seq)
-        for kind, places in outcome.items():
-            if not any(h + m for h, m in places):
-                continue
-            odds = mine[kind]
-            for place, (hits, misses) in enumerate(places):
+        for kind, counts in outcome.items():
+            odds, rates = mine[kind], self._rates[kind]
+            for place in (FIRST, LATER):
+                hits, misses = counts[2 * place], counts[2 * place + 1]
                 odds.hits[place] = self.FORGET * odds.hits[place] + hits
                 odds.misses[place] = self.FORGET * odds.misses[place] + misses
                 if hits + misses:
-                    self._rates[kind][place].add(hits, misses, self.GLOBAL_FORGET)
-            if not any(m for _, m in places):  # this kind pays again: probes start over from the first wait
+                    rates[place].add(hits, misses, self.GLOBAL_FORGET)
+            if not counts[1] and not counts[3]:  # this kind pays again: probes start over from the first wait
                 odds.wait = self.FIRST_PROBE_WAIT
             odds.idle = 0
 

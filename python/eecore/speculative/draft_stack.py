@@ -126,25 +126,27 @@ class DraftStack:
         return self.static is not None and 0 < n <= self.static.max_batch
 
     def _advance(self, seqs: list[Sequence], drafts: Optional[list[list[int]]], starts: list[int]) -> torch.Tensor:
-        pieces = []
+        rows, one_token_each, seen = [], True, self._seen
         for b, (seq, start) in enumerate(zip(seqs, starts)):
             draft = drafts[b] if drafts is not None else []
             pending = seq.num_computed_tokens  # the position of the pending token; drafts follow it
-            if start < pending:
-                tokens = seq.token_slice(start, pending + 1)
-            elif start == pending:  # usually the copy is one token behind: no slice of the context
-                tokens = [seq.last_token_id]
+            if start == pending + len(draft):  # the usual pass: the copy has run all but the newest token
+                tokens = [draft[-1]] if draft else [seq.last_token_id]
+            elif start < pending:
+                tokens = seq.token_slice(start, pending + 1) + draft
+            elif start == pending:
+                tokens = [seq.last_token_id] + draft
             else:
-                tokens = []
-            pieces.append((start, tokens + list(draft[max(0, start - pending - 1):])))
-            self._seen[seq.seq_id][2] = pending + 1 + len(draft)
-        if all(len(tokens) == 1 for _, tokens in pieces):
-            return self._run([Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)])
-        self.catch_up_tokens += sum(len(tokens) - 1 for _, tokens in pieces if tokens)
-        rows = [Row(s, start, tokens) for s, (start, tokens) in zip(seqs, pieces)]
-        if self.static is not None and all(tokens for _, tokens in pieces) and self.static.takes(rows):
+                tokens = draft[start - pending - 1:]
+            one_token_each = one_token_each and len(tokens) == 1
+            seen[seq.seq_id][2] = pending + 1 + len(draft)
+            rows.append(Row(seq, start, tokens))
+        if one_token_each:
+            return self._run(rows)
+        self.catch_up_tokens += sum(len(row.tokens) - 1 for row in rows if row.tokens)
+        if self.static is not None and all(row.tokens for row in rows) and self.static.takes(rows):
             return self.static.run(rows)  # a short catch-up (the last round's last draft): one graph
-        return self._chunked(seqs, pieces)
+        return self._chunked(seqs, [(row.start, row.tokens) for row in rows])
 
     def behind(self, seq: Sequence) -> int:
         """Tokens the copy would run before the pending token in `seq`'s next first pass (as

@@ -44,7 +44,7 @@ class SharedLayerProposer:
         self.static = static  # engine.static_decode.StaticLayers over layers 0..E-1: one-token passes as graphs
 
     def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
-        E, states = self.exit_layer, self.exit_states
+        states = self.exit_states
         width = states.shape[1]
         lookup = [list(d.tokens) for d in drafts]  # what lookup drafted: run in pass 0, with the pending token
         newest = [s.last_token_id for s in seqs]
@@ -172,7 +172,7 @@ class CopyProposer:
         confidence = self._chain_probs[: len(live), : max(more)].tolist()
         for i, b in enumerate(live):
             seq, draft = seqs[b], drafts[b]
-            seq.stats["layer_proposals"] = seq.stats.get("layer_proposals", 0) + more[i]  # each ran, kept or not
+            seq.stats["layer_proposals"] += more[i]  # each ran, kept or not
             for j in range(more[i]):
                 if stop_below is not None and confidence[i][j] < stop_below:
                     break  # a doubtful draft is dropped and ends the chain, as DraftPicker.take does
