@@ -1,8 +1,8 @@
-"""How many tokens per verify round can drafts that run no layer reach on held-out code? Exact, no
+"""How many tokens per verify round can drafts that run no layer reach on held-out prompts? Exact, no
 timing: greedy output does not depend on the drafts, so one full-depth greedy run per prompt says
 what any drafter would have had accepted in every round.
 
-Drafters compared (SmolLM2-135M, fp32, held-out code prompts, `--max-tokens` greedy tokens):
+Drafters compared (SmolLM2-135M, held-out prompts of `--prompts` kind, `--max-tokens` greedy tokens):
 - `prompt`: eecore's prompt lookup (eecore.speculative.drafters.NgramIndex, min/max n-gram 1/3),
   d tokens per round;
 - `prompt, k candidates`: the k most recent distinct continuations of the matched n-grams, all
@@ -11,9 +11,12 @@ Drafters compared (SmolLM2-135M, fp32, held-out code prompts, `--max-tokens` gre
 - `prompt + corpus`: where the prompt has no match, a static n-gram table of the training corpus
   (eecore.sources.corpus, 12.6 M tokens, llama.cpp's `lookup-static` idea): the most frequent next
   token after the last 3, 2 or 1 tokens, chained, kept while seen >= `min_count` times and
-  >= `min_share` of that context's continuations.
+  >= `min_share` of that context's continuations. With `--answers DIR` the table is built from the
+  model's own answers instead (the train split of a `python -m eecore.train.generated_corpus`
+  folder: its chat and everyday answers), what a server could learn from the requests it served.
 
-    python bench/analysis/lookup_ceiling.py [--num-prompts 40] [--max-tokens 64] [--drafts 4 6 8]
+    python bench/analysis/lookup_ceiling.py [--prompts code|chat|everyday] [--answers DIR]
+        [--num-prompts 40] [--max-tokens 64] [--drafts 4 6 8]
 
 writes bench/results/<machine>/lookup-ceiling-<date>.json. The verify cost of a round is not modelled: on
 2 CPU cores, 1-6 rows cost about the same (1.0-1.16x a one-row step), 7-10 rows 1.4-1.55x.
@@ -27,18 +30,26 @@ import sys
 import numpy as np
 
 import eecore
-from eecore.evaluation.prompts import heldout_code_prompts
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
-from common import GreedyReplay, cpu_model, save_results  # noqa: E402
+from common import PROMPT_KINDS, GreedyReplay, bench_prompt_ids, cpu_model, save_results  # noqa: E402
 
 SEPARATOR = 65535  # between files in the token stream (not a SmolLM2 token id)
+ASSISTANT = "<|im_start|>assistant\n"  # where an answer starts in SmolLM2's chat template
 
 
-def corpus_tokens(tokenizer) -> np.ndarray:
-    from eecore.sources.corpus import build_corpus
+def corpus_tokens(tokenizer, answers: str | None = None) -> np.ndarray:
+    """The token stream the static table is built from: the training corpus's files, or with
+    `answers` (a generated-corpus folder) the answers of its train split, each after the last few
+    tokens of its chat template (so that the table also knows how answers start)."""
+    from eecore.sources.corpus import FILE_SEPARATOR, build_corpus
 
-    texts = [f.text for f in build_corpus().train]
+    if answers is None:
+        texts = [f.text for f in build_corpus().train]
+    else:
+        with open(os.path.join(answers, "train.txt")) as f:
+            samples = [t for t in f.read().split(FILE_SEPARATOR) if ASSISTANT in t]
+        texts = [ASSISTANT + t.split(ASSISTANT, 1)[1] for t in samples]
     pieces = []
     for i in range(0, len(texts), 256):
         for enc in tokenizer.backend.encode_batch(texts[i:i + 256], add_special_tokens=False):
@@ -113,6 +124,9 @@ def rounds(refs, propose) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="code")
+    ap.add_argument("--answers", default=None, metavar="DIR",
+                    help="build the static table from a generated corpus's answers, not the training corpus")
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--drafts", type=int, nargs="+", default=[4, 6, 8])
@@ -120,12 +134,13 @@ def main():
     args = ap.parse_args()
 
     llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=8)
-    prompts = [llm.tokenizer.encode(t) for t in heldout_code_prompts(args.num_prompts)]
-    outs = llm.generate(prompts, eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    prompts = bench_prompt_ids(llm.tokenizer, args.prompts, args.num_prompts)
+    # code runs on for the whole length; a chat answer ends at its end of turn
+    outs = llm.generate(prompts, eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.prompts == "code"))
     refs = [(p, o.token_ids) for p, o in zip(prompts, outs)]
-    print(f"CPU: {cpu_model()}; {len(refs)} held-out code prompts, {args.max_tokens} greedy tokens; "
-          f"building the corpus n-gram table ...", flush=True)
-    corpus = CorpusNgrams(corpus_tokens(llm.tokenizer))
+    print(f"CPU: {cpu_model()}; {len(refs)} held-out {args.prompts} prompts, {args.max_tokens} greedy tokens; "
+          f"building the {'answers' if args.answers else 'corpus'} n-gram table ...", flush=True)
+    corpus = CorpusNgrams(corpus_tokens(llm.tokenizer, args.answers))
 
     def chain(context, first, d, min_count, min_share):
         draft = list(first)
@@ -150,7 +165,7 @@ def main():
             rows.append(row)
             print(f"d={d} {name:45s} {row['tokens_per_round']:.3f} tokens/round, "
                   f"{row['rows_per_round']:.2f} verify rows/round", flush=True)
-    path = save_results(args.out_name, dict(model="SmolLM2-135M-Instruct", prompts="eecore.evaluation.prompts.heldout_code_prompts",
+    path = save_results(args.out_name, dict(model="SmolLM2-135M-Instruct", prompts=args.prompts, answers=args.answers,
                                             num_prompts=len(refs), max_tokens=args.max_tokens, rows=rows))
     print(f"results: {path}")
 
