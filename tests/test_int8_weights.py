@@ -81,3 +81,39 @@ def test_int8_llama_keeps_dense_embeddings_and_norms(tmp_path, monkeypatch, bloc
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="'weight_dtype' must be None, the model's dtype or torch.int8"):
         LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=torch.float16)
+
+
+def test_the_eight_bit_form_can_be_fixed_by_the_environment(monkeypatch):
+    """EECORE_EIGHT_BIT=q8_0|int8 fixes eight_bit's form where both exist (the measured choice
+    otherwise); any other value is refused by name."""
+    from eecore import _C
+    from eecore.models import int8_weights
+    from eecore.models.amx_weights import amx_available
+
+    both = bool(_C.gguf_q8_vectorized()) and not amx_available(torch.int8)
+    monkeypatch.setenv("EECORE_EIGHT_BIT", "q8_0")
+    assert int8_weights.integer_gguf_kernel() == both
+    monkeypatch.setenv("EECORE_EIGHT_BIT", "int8")
+    assert int8_weights.integer_gguf_kernel() is False
+    monkeypatch.setenv("EECORE_EIGHT_BIT", "bf16")
+    if both:
+        with pytest.raises(ValueError, match="EECORE_EIGHT_BIT must be one of q8_0, int8"):
+            int8_weights.integer_gguf_kernel()
+
+
+def test_the_measured_eight_bit_form_is_a_cached_decision():
+    from eecore.models import int8_weights
+
+    int8_weights._q8_blocks_read_faster.cache_clear()
+    first = int8_weights._q8_blocks_read_faster()
+    assert isinstance(first, bool) and int8_weights._q8_blocks_read_faster() is first
+    assert int8_weights._q8_blocks_read_faster.cache_info().hits == 1
+
+
+@pytest.mark.parametrize("text, size", [("32768K\n", 32 << 20), ("1M", 1 << 20), ("512", 512), ("2G", 2 << 30)])
+def test_cache_sizes_are_read_as_sysfs_writes_them(text, size):
+    from eecore.models.int8_weights import cache_size_bytes
+
+    assert cache_size_bytes(text) == size
+    with pytest.raises(ValueError, match="cache_size_bytes"):
+        cache_size_bytes("big")

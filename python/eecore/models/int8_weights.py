@@ -12,6 +12,11 @@ so W ~ scale[:, None] * q with an error of at most scale[j] / 2 per element.
 """
 from __future__ import annotations
 
+import functools
+import glob
+import os
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -104,12 +109,12 @@ def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
 def eight_bit(weight: Weight) -> Weight:
     """A weight in the 8-bit form that multiplies fastest in this process: a draft copy's weights,
     its exit adapter and draft head (`LlamaModel(weight_dtype=torch.int8)`), which only propose
-    tokens, so their arithmetic need not be the model's. Where linear_gguf_q8 has its AVX512-VNNI
-    kernel and the int8 path no AMX-INT8 tiles, GGUF blocks with 8-bit activations multiply faster
-    than ops.linear widens per-row int8 (a draft pass reads the same bytes with a quarter of the
-    instructions): GGUF weights stay in their blocks (8 bits or fewer already) and dense ones (the
-    LoRA-merged layers) become Q8_0 blocks (int8 with an fp16 scale per 32 weights), all repacked
-    for that kernel. Elsewhere every weight becomes per-row int8."""
+    tokens, so their arithmetic need not be the model's. Two forms compete where linear_gguf_q8 has
+    its AVX512-VNNI kernel and the int8 path no AMX-INT8 tiles (integer_gguf_kernel): GGUF blocks
+    with 8-bit activations (GGUF weights stay in their blocks, 8 bits or fewer already, and dense
+    ones, the LoRA-merged layers, become Q8_0 blocks: int8 with an fp16 scale per 32 weights, all
+    repacked for that kernel) and per-row int8, which ops.linear widens in registers. Elsewhere every
+    weight becomes per-row int8."""
     if weight.device.type == "cpu" and integer_gguf_kernel():
         if isinstance(weight, (GGUFWeight, StackedWeight)):
             return with_q8_activations(weight)
@@ -118,8 +123,75 @@ def eight_bit(weight: Weight) -> Weight:
     return Int8Weight.quantize(dense(weight, torch.float32))
 
 
+# EECORE_EIGHT_BIT=q8_0 or int8 fixes eight_bit's form where both exist (to time one against the
+# other); unset, the process measures which is faster (_q8_blocks_read_faster).
+EIGHT_BIT_ENV = "EECORE_EIGHT_BIT"
+EIGHT_BIT_FORMS = ("q8_0", "int8")
+
+
 def integer_gguf_kernel() -> bool:
     """Whether eight_bit makes GGUF blocks with 8-bit activations (see there)."""
     from eecore import _C
 
-    return bool(_C.gguf_q8_vectorized()) and not amx_available(torch.int8)
+    if not _C.gguf_q8_vectorized() or amx_available(torch.int8):
+        return False
+    forced = os.environ.get(EIGHT_BIT_ENV)
+    if forced:
+        if forced not in EIGHT_BIT_FORMS:
+            raise ValueError(f"{EIGHT_BIT_ENV} must be one of {', '.join(EIGHT_BIT_FORMS)}, got {forced!r}")
+        return forced == "q8_0"
+    return _q8_blocks_read_faster()
+
+
+# the MLP of a layer of the embedded SmolLM2, [N, K]: gate, up, down (2.6 M weights, most of a layer)
+_PROBE_SHAPES = ((1536, 576), (1536, 576), (576, 1536))
+
+
+@functools.lru_cache(maxsize=None)
+def _q8_blocks_read_faster() -> bool:
+    """Whether a layer's MLP multiplies faster as Q8_0 blocks with 8-bit activations than as
+    per-row int8, each read from memory as a draft pass reads it, after a full-depth pass has pushed
+    it out of the caches (a buffer twice the last-level cache is written before each timed pass;
+    ~0.15 s, once per process and only where both forms exist). Which wins depends on the core
+    (docs/gguf.md): on Zen 4, whose AVX-512 runs at half width, the integer kernel's quarter of the
+    instructions did (the hybrid preset ran 1.19x full depth with Q8_0 blocks, 1.11x with per-row
+    int8); on Zen 5 both keep up with memory and per-row int8 reads 6% fewer bytes (the MLP cold in
+    108 us against 130; the hybrid preset 1.30x against 1.27x)."""
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(n, k, generator=g) for n, k in _PROBE_SHAPES]
+    forms = {"int8": [Int8Weight.quantize(w) for w in layers],
+             "q8_0": [GGUFWeight.quantize(w, "Q8_0").with_q8_activations() for w in layers]}
+    inputs = {k: torch.randn(1, k, generator=g) for _, k in _PROBE_SHAPES}
+    outputs = [torch.empty(1, n) for n, _ in _PROBE_SHAPES]
+    flush = torch.empty(2 * _last_level_cache_bytes(), dtype=torch.uint8)
+    seconds: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(5):
+        for name, weights in forms.items():
+            flush.fill_(1)
+            start = time.perf_counter()
+            for w, out in zip(weights, outputs):
+                project(out, inputs[w.shape[1]], w)
+            seconds[name].append(time.perf_counter() - start)
+    return statistics.median(seconds["q8_0"]) < statistics.median(seconds["int8"])
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache's size from sysfs (Linux), else `default`."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                sizes.append(cache_size_bytes(f.read()))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=default)
+
+
+def cache_size_bytes(text: str) -> int:
+    """A sysfs cache size ("32768K", "1M", "512") in bytes."""
+    text = text.strip()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text.rstrip("KMG")
+    if not digits.isdigit():
+        raise ValueError(f"cache_size_bytes: expected a size like 32768K, got {text!r}")
+    return int(digits) * scale
