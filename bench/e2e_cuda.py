@@ -106,7 +106,7 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
 
 def exit_configs(num_layers: int, d: int) -> dict:
     """Early exit and self-speculation at E = L/4 and L/2, by row name ("ahead": the draft copy's
-    chain on the device, EECORE_DRAFT_AHEAD=1)."""
+    chain on the device, EECORE_DRAFT_AHEAD=1; "adaptive": lengths from the draft planner)."""
     configs = {}
     for E in sorted({num_layers // 4, num_layers // 2}):
         configs[f"static exit E={E}"] = dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=E))
@@ -125,6 +125,10 @@ def exit_configs(num_layers: int, d: int) -> dict:
                 speculative=eecore.SelfSpeculativeConfig(num_speculations=d,
                                                          layer=eecore.LayerDrafts(E, copy=eecore.DraftCopy())),
                 perfect=perfect, env={DRAFT_AHEAD_ENV: "1"} if ahead else {})
+        # the draft planner on drafts that fail (random weights): it turns drafting off, and its
+        # plain rounds launch their successors ahead as full depth's steps do
+        configs[f"draft copy E={E} d={d}, adaptive"] = dict(speculative=eecore.SelfSpeculativeConfig(
+            num_speculations=d, adaptive=True, layer=eecore.LayerDrafts(E, copy=eecore.DraftCopy())))
     return configs
 
 

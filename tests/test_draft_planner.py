@@ -212,6 +212,25 @@ def test_a_decoder_whose_drafts_all_fail_hardly_probes():
     assert not any(a and b for a, b in zip(rounds[1:], rounds[2:])), rounds
 
 
+def test_a_sequence_is_quiet_until_its_probe_falls_due():
+    """DraftPlanner.quiet: planned at 0 this round, is the next round plain too? Not for a sequence
+    never planned, and not on the round before a probe; the prediction matches what plan does."""
+    planner = _planner(lambda rows: 1.0 + 0.5 * (rows - 1))
+    seq, good = _seq(), _seq()
+    assert not planner.quiet(seq)
+    _rounds(planner, seq, good, 3, lambda d: 0)  # its drafts fail: planned at 0 from here on
+    predictions = []
+    for _ in range(60):
+        quiet = planner.quiet(seq)
+        planner.new_round()
+        d = planner.plan(seq, 2, 4, room=10_000).lookup
+        predictions.append((quiet, d))
+        if d:
+            planner.record(seq, _draft("k" * d), accepted=0)
+    assert all(not d for quiet, d in predictions if quiet), predictions  # quiet: no drafts next round
+    assert any(d for _, d in predictions) and any(quiet for quiet, _ in predictions)
+
+
 def test_the_rates_of_all_sequences_drift_back_to_hopeful_while_nobody_drafts():
     planner = _planner(lambda rows: 1.0 + 0.2 * (rows - 1))
     for _ in range(30):
@@ -284,3 +303,44 @@ def test_cli_flag_and_preset_override(tiny):
     with pytest.raises(SystemExit):
         main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup", "--adaptive-drafts", "maybe"])
     assert eecore.SelfSpeculativeConfig.exit_ready("hybrid", adaptive_drafts=False).adaptive is False
+
+
+@pytest.mark.parametrize("verify, drafts", [(lambda rows: float(rows), False), (lambda rows: 1.0 + 0.3 * rows, True)],
+                         ids=["drafts-never-pay", "drafts-and-probes"])
+def test_plain_rounds_launch_their_successor_ahead_where_the_next_is_plain(tiny, lora_file, verify, drafts,
+                                                                           monkeypatch):
+    """Where the planner has turned drafting off, a plain round's step launches the next step ahead
+    (decode ahead, on here with static decode steps on the CPU) and the next plain round takes it;
+    a drafting round after it (a probe, or hopeful rates) leaves it untaken, its sequences having
+    moved on. The same rounds, outputs and counted work as without decode ahead; every block comes
+    back."""
+    from eecore.engine.static_decode import StaticDecode
+
+    monkeypatch.setattr(DraftPlanner, "FIRST_PROBE_WAIT", 4)  # probes often, between plain rounds
+    path, _ = tiny
+    file, _ = lora_file
+    prompts, params = _prompts(3), [greedy(30), greedy(24), greedy(36)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, params)]
+
+    def run(ahead: str):
+        monkeypatch.setenv("EECORE_DECODE_AHEAD", ahead)
+        spec = eecore.SelfSpeculativeConfig(num_speculations=3, adaptive=True,
+                                            layer=eecore.LayerDrafts(exit_layer=2, copy=eecore.DraftCopy()))
+        llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8, exit_adapter=file,
+                         speculative=spec)
+        runner = llm.engine.runner
+        runner.static_decode = StaticDecode(runner, llm.engine.config.max_num_seqs, capture=False)
+        llm.engine.strategy.planner.clock = StubClock(verify, copy=0.01)  # the same choices in both runs
+        return llm, llm.generate(prompts, params)
+
+    plain_llm, plain = run("0")
+    llm, outs = run("1")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] == expected
+    assert [o.metrics["num_drafted_tokens"] for o in outs] == [o.metrics["num_drafted_tokens"] for o in plain]
+    assert (sum(o.metrics["num_drafted_tokens"] for o in outs) > 0) == drafts
+    assert llm.engine.runner.layer_tokens == plain_llm.engine.runner.layer_tokens
+    rounds = max(o.metrics["num_verify_steps"] for o in outs)
+    assert plain_llm.engine.runner.static_decode.ahead_taken == 0
+    assert llm.engine.runner.static_decode.ahead_taken >= rounds // 2  # not the first, nor before probes
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

@@ -440,3 +440,23 @@ def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, monkeypatch):
     proposer._launch_chain = strict
     llm.generate(prompts, greedy(16))
     assert launched
+
+
+def test_plain_rounds_of_a_planner_that_stopped_drafting_launch_ahead_with_graphs(tiny, monkeypatch):
+    """The draft planner priced every draft out (a verify row costs a step): its plain rounds are
+    graphed decode steps, each launching the next ahead, with eager mode's tokens."""
+    from eecore.speculative.draft_planner import DraftPlanner
+    from test_draft_planner import StubClock
+
+    monkeypatch.setattr(DraftPlanner, "FIRST_PROBE_WAIT", 4)
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = [greedy(12 + 4 * i) for i in range(len(prompts))]
+    eager = _llm(path, enforce_eager=True).generate(prompts, params)
+    llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=3, adaptive=True, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
+    llm.engine.strategy.planner.clock = StubClock(lambda rows: float(rows), copy=0.01)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert llm.engine.runner.static_decode.ahead_taken > 0
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

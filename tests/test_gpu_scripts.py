@@ -60,7 +60,8 @@ def test_step_profile(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = written(str(tmp_path), "cpu-step-profile-*.json")["rows"]
     configs = ["full depth", "full depth, EECORE_PREFETCH_WEIGHTS=1", "static exit E=1", "draft copy E=1 d=3",
-               "draft copy E=1 d=3, ahead", "draft copy E=2 d=3", "draft copy E=2 d=3, ahead"]
+               "draft copy E=1 d=3, ahead", "draft copy E=1 d=3, adaptive", "draft copy E=2 d=3",
+               "draft copy E=2 d=3, ahead", "draft copy E=2 d=3, adaptive"]
     assert [(r["config"], r["batch"]) for r in rows] == [(c, b) for c in configs for b in (1, 2)]
     assert all(r["kernels_per_step"] > 0 for r in rows)
     assert all(set(r["host_us_per_step"]) == {"schedule", "build", "sample", "append"} for r in rows)

@@ -50,6 +50,10 @@ class DecodeStrategy:
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         raise NotImplementedError
 
+    def use_blocks(self, blocks) -> None:
+        """The engine's BlockManager, for a strategy whose steps launch their successor ahead (it
+        reserves the block a row's next position starts; FullDepthDecoder._reserve_next_blocks)."""
+
     def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
         """One token per sequence, at full depth (a step the scheduler planned without lookahead;
         see `plain_above`)."""
@@ -78,9 +82,10 @@ class FullDepthDecoder(DecodeStrategy):
 
     def __init__(self, runner: ModelRunner, sampler: Sampler):
         super().__init__(runner, sampler)
-        self.allow_ahead = True  # a strategy that runs plain steps between its own passes turns it off
-        # the engine's BlockManager (LLMEngine sets it): a step launched ahead may give a row the
-        # block its next position needs a step before the scheduler would
+        # a strategy that runs plain steps between its own passes decides it step by step
+        self.allow_ahead = True
+        # the engine's BlockManager (use_blocks): a step launched ahead may give a row the block its
+        # next position needs a step before the scheduler would
         self.blocks = None
         self._ahead: Optional[AheadStep] = None
         self._readback: Optional[TokenReadback] = None
@@ -92,6 +97,9 @@ class FullDepthDecoder(DecodeStrategy):
                 return tokens
         self._ahead = None
         return self.step(seqs)[0]
+
+    def use_blocks(self, blocks) -> None:
+        self.blocks = blocks
 
     def _decode_ahead(self, seqs: list[Sequence]) -> Optional[list[list[Token]]]:
         """A step on static buffers whose successor is launched before its tokens are read

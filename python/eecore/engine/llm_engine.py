@@ -96,8 +96,7 @@ class LLMEngine:
         self.runner.piecewise = maybe_piecewise(self.runner, config.enforce_eager)
         self.sampler = Sampler(model.device, config.seed)
         self.strategy = strategy(self.runner, self.sampler)
-        if isinstance(self.strategy, FullDepthDecoder):
-            self.strategy.blocks = self.blocks  # see FullDepthDecoder._reserve_next_blocks
+        self.strategy.use_blocks(self.blocks)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead,
                                    mixed=config.mixed_steps and self.strategy.supports_mixed_steps,
                                    plain_above=self.strategy.plain_above, plain_mixed=config.mixed_steps)

@@ -67,7 +67,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.lookahead = config.verify_width  # KV slots a round may write per sequence
         self.top_k = config.top_k
         self._plain = FullDepthDecoder(runner, sampler)
-        self._plain.allow_ahead = False  # its steps alternate with rounds: an ahead step would be lost
+        # its steps alternate with rounds, and a step launched ahead that a round follows is lost:
+        # each plain step launches ahead only where the next is likely plain too (_plain_ahead)
+        self._plain.allow_ahead = False
         self.plain_above = config.plain_above
         self.layers_above = config.layers_above  # more decoding: lookup drafts alone
         rows = runner.builder.max_seqs
@@ -211,6 +213,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         for seq in seqs:
             self.recorder.plain(seq)
         if not shadowed:
+            self._plain.allow_ahead = self._plain_ahead(seqs)
             results = self._plain.decode(seqs)
         else:
             # the guard's shadow check wants layer-E states: tap them on the way through
@@ -218,6 +221,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             self._record_shadow(seqs, shadowed, shadowed, logits)
         self._clock_round(len(seqs), start, 0.0)
         return results
+
+    def _plain_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether a plain round's step may launch the next one ahead (decode ahead, on a GPU): where
+        the planner has turned drafting off (the copy's drafts fail, or rounds cost more than they
+        emit, as when the host's share of a round outweighs the GPU's at large batches) and no
+        sequence's probe falls due, so that the next round is plain too. Not with prompt lookup,
+        whose matches come and go with the text, nor with the guard, which shadow-checks plain
+        steps; a step launched ahead that a drafting round follows is work lost (the next plain
+        step does not take it: its sequences moved on)."""
+        return (self.planner is not None and self.lookup is None and self.guard is None
+                and all(self.planner.quiet(seq) for seq in seqs))
 
     def _token_switch_round(self, seqs: list[Sequence], budgets: list[int], layers: bool, plans: list[DraftPlan],
                             start: float) -> list[list[Token]]:
@@ -254,8 +268,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------
     def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
+        """More sequences decode than drafting allows: while they do, every step is plain, so each
+        launches the next ahead (a batch that shrinks below the limit loses one)."""
         for seq in seqs:
             self.recorder.plain(seq)
+        self._plain.allow_ahead = True
         return self._plain.decode(seqs)
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]):
@@ -270,6 +287,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             return
         states = self._exit_states[rows, 0]
         self.guard.record_shadow([seqs[b] for b in rows], states, logits[rows_in_logits])
+
+    def use_blocks(self, blocks) -> None:
+        self._plain.use_blocks(blocks)
 
     def release(self, seq: Sequence) -> None:
         for part in (self.guard, self.draft_length, self.lookup, self.draft_stack, self.planner, self.measure):

@@ -221,6 +221,14 @@ class DraftPlanner:
         # drafts on an exact 4-bit kernel on a CPU)
         return self.best_length(self._prior(kind), batch, most, copy, catch_up)
 
+    def quiet(self, seq: Sequence) -> bool:
+        """Whether `seq`, planned no drafts this round, will be planned none in the next as well,
+        its rates and the costs staying as they are: it has been planned before, and no probe of a
+        kind it may draft falls due."""
+        mine = self._odds.get(seq.seq_id)
+        return mine is not None and all(self.max_length[kind] <= 0 or mine[kind].idle + 1 < mine[kind].wait
+                                        for kind in KINDS)
+
     # ---- learning ----------------------------------------------------------------------------
     def record(self, seq: Sequence, draft: Optional[Draft], accepted: int) -> None:
         """A verified round of `seq`: its draft and how many of its leading drafts were accepted."""
