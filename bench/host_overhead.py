@@ -93,13 +93,15 @@ def host_only_engine(folder: str, max_batch: int):
     return llm
 
 
-def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: bool = False):
+def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: bool = False,
+                          failing: bool = False):
     """The exit-ready layer preset's round (a draft copy, d drafts a round) with every pass replaced
     by a buffer: the copy's layers return a state buffer, the draft head and the verify pass logits
     whose argmax is one letter for every row (perfect drafts: each round has d + 1 tokens, the most
     a round handles on the host). `gpu_preset`: with the GPU preset's rules as well (the chain's stop
     below 0.15, long_draft_acceptance, lengths from the draft planner), which read each draft's
-    probability and time every round."""
+    probability and time every round. `failing`: the draft head proposes another letter than the
+    verify pass emits, so every draft is rejected (the planner then plans plain rounds)."""
     from eecore.engine.static_decode import StaticLayers, StaticVerify
     from eecore.speculative.draft_stack import CATCH_UP_WIDTH
 
@@ -118,7 +120,11 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
     states = torch.zeros(max_batch * CATCH_UP_WIDTH, stack.model.config.hidden_size)
     stack.static = StaticLayers(stack.runner, max_batch, capture=False, max_width=CATCH_UP_WIDTH)
     stack.static._step = lambda inputs: states[: inputs.num_tokens]
-    stack.head.columns = lambda hidden: logits[: hidden.shape[0]]  # a draft head that costs nothing
+    proposals = logits
+    if failing:
+        proposals = torch.randn(max_batch * width, VOCAB)
+        proposals[:, 82] = 100.0  # "b"
+    stack.head.columns = lambda hidden: proposals[: hidden.shape[0]]  # a draft head that costs nothing
     return llm
 
 
@@ -177,6 +183,8 @@ def main() -> None:
                          "buffer, every draft accepted) instead of decode steps")
     ap.add_argument("--gpu-preset", action="store_true",
                     help="with --speculate: the GPU layer preset's rules too (stop rules, the draft planner)")
+    ap.add_argument("--failing-drafts", action="store_true",
+                    help="with --speculate: every draft rejected (with --gpu-preset the planner turns drafting off)")
     ap.add_argument("--out-name", default=None, help="(default: host-overhead, or host-overhead-speculate)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -184,17 +192,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         tiny_checkpoint(folder, args.context)
         for batch in args.batch_sizes:
-            llm = host_only_copy_engine(folder, batch, args.speculate, args.gpu_preset) if args.speculate else \
+            llm = host_only_copy_engine(folder, batch, args.speculate, args.gpu_preset, args.failing_drafts) if args.speculate else \
                 host_only_engine(folder, batch)
             row = measure(llm, batch, args.steps, args.context, args.text, args.speculate)
+            if args.failing_drafts:
+                row["tokens_per_sequence_and_step"] = 1
             rows.append(row)
             parts = ", ".join(f"{k} {v}" for k, v in row["parts_us"].items())
-            what = f"round of {args.speculate} drafts" if args.speculate else "decode step"
+            what = ("step, drafts failing" if args.failing_drafts else f"round of {args.speculate} drafts") \
+                if args.speculate else "decode step"
             print(f"batch {batch:4d}: {row['step_us']:8.1f} us a {what} ({row['per_sequence_us']} a sequence); "
                   f"{parts}")
     name = args.out_name or ("host-overhead-speculate" if args.speculate else "host-overhead")
     path = save_results(name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
-                                   speculate=args.speculate, gpu_preset=args.gpu_preset, rows=rows))
+                                   speculate=args.speculate, gpu_preset=args.gpu_preset,
+                                   failing_drafts=args.failing_drafts, rows=rows))
     print(f"wrote {path}")
 
 

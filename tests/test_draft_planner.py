@@ -74,7 +74,45 @@ def test_the_clock_averages_and_estimates_unmeasured_rows_from_below():
     assert clock.catch_up_token == pytest.approx(0.001)
 
 
+def test_no_row_count_costs_more_than_a_wider_one_measured():
+    """A plain step timed once, dearly (a one-time cost, or long ago: the planner stopped running
+    it), must not stay dearer than the rounds' wider passes, or the planner would keep drafting at
+    any acceptance."""
+    clock = PassClock()
+    clock.record_verify(2, 0.050)
+    clock.record_verify(6, 0.010)
+    assert clock.verify(2) == pytest.approx(0.010)
+    assert clock.verify(4) == pytest.approx(0.010) and clock.verify(6) == pytest.approx(0.010)
+    assert clock.verify(1) is None  # nothing measured at or below it
+    planner = DraftPlanner(max_layer=4, max_lookup=0)
+    planner.clock = clock
+    assert planner.best_length((0.0, 0.0), 2, 4, copy_passes=True) == 0  # drafts that never land: plain
+
+
 # ---- choosing a length -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_choice_is_the_brute_force_best_rate(seed):
+    """best_length (with its shortcut for first-draft rates too low for any length to pay) against
+    every length priced by brute force, on random costs and rates, near the break-even too."""
+    import random
+
+    rng = random.Random(seed)
+    base, per_row, copy = rng.uniform(1, 5), rng.uniform(0, 0.5), rng.choice([0.0, rng.uniform(0, 1)])
+    planner = _planner(lambda rows: base + per_row * rows, copy=copy)
+    for _ in range(200):
+        batch, most = rng.randint(1, 16), rng.randint(1, 6)
+        later = rng.random()
+        # a first-draft rate around the least one at which one draft would pay, or anywhere
+        least = batch * (planner.clock.verify(batch + 1) + copy - planner.clock.verify(batch)) / planner.clock.verify(batch)
+        first = min(1.0, max(0.0, least * rng.uniform(0.9, 1.1))) if rng.random() < 0.5 else rng.random()
+        best, best_rate = 0, batch / planner.clock.verify(batch)
+        for d in range(1, most + 1):
+            rate = _rate(planner, (first, later), d, True, batch)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        assert planner.best_length((first, later), batch, most, copy_passes=True) == best
+
 
 def test_verify_rows_that_cost_nothing_make_the_longest_chain_pay():
     planner = _planner(lambda rows: 1.0, copy=0.1)
@@ -344,3 +382,43 @@ def test_plain_rounds_launch_their_successor_ahead_where_the_next_is_plain(tiny,
     assert plain_llm.engine.runner.static_decode.ahead_taken == 0
     assert llm.engine.runner.static_decode.ahead_taken >= rounds // 2  # not the first, nor before probes
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_rounds_that_record_a_cuda_graph_teach_the_clock_nothing(tiny, lora_file):
+    """The first round of each shape records its passes' CUDA graphs, a one-time cost of
+    milliseconds that would price its passes far above their replays (here each emulated recording
+    sleeps 50 ms): the clock learns nothing from such rounds, and outputs stay full depth's."""
+    import time
+
+    from eecore.engine.static_decode import StaticDecode, StaticLayers, StaticVerify
+    from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+    from engine_utils import emulate_graphs
+
+    path, _ = tiny
+    file, _ = lora_file
+    prompts, params = _prompts(3), [greedy(12), greedy(20), greedy(16)]
+    expected = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, params)]
+    spec = eecore.SelfSpeculativeConfig(num_speculations=3, adaptive=True,
+                                        layer=eecore.LayerDrafts(exit_layer=2, copy=eecore.DraftCopy()))
+    llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8, exit_adapter=file,
+                     speculative=spec)
+    runner, strategy, rows = llm.engine.runner, llm.engine.strategy, llm.engine.config.max_num_seqs
+    runner.static_decode = StaticDecode(runner, rows, capture=False)
+    runner.static_verify = StaticVerify(runner, rows, capture=False, width=strategy.lookahead)
+    strategy.draft_stack.static = StaticLayers(strategy.draft_stack.runner, rows, capture=False,
+                                               max_width=CATCH_UP_WIDTH)
+    passes = (runner.static_decode, runner.static_verify, strategy.draft_stack.static)
+    for static in passes:
+        emulate_graphs(static)
+        record = static._record
+        static._record = lambda key, step, inputs, record=record: (time.sleep(0.05), record(key, step, inputs))[1]
+    learned = []
+    clock = strategy.planner.clock
+    for name in ("record_verify", "record_copy", "record_catch_up"):
+        inner = getattr(clock, name)
+        setattr(clock, name, lambda *args, inner=inner: (learned.append(args[-1]), inner(*args))[1])
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert all(static.captures for static in passes)  # every kind of pass recorded graphs
+    assert learned and max(learned) < 0.05, learned  # none of them priced into the clock

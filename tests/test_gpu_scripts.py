@@ -96,6 +96,17 @@ def test_host_overhead_of_speculation_rounds(tmp_path):
     assert {"copy pass", "pick drafts", "verify", "accept"} <= set(rows[0]["parts_us"])
 
 
+def test_host_overhead_of_the_gpu_preset_with_failing_drafts(tmp_path):
+    """Every draft rejected: each sequence gains one token a step, drafting or planned out."""
+    done = run_bench("host_overhead.py", "--batch-sizes", "2", "--steps", "6", "--speculate", "3", "--gpu-preset",
+                     "--failing-drafts", "--out-name", "smoke", results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = written(str(tmp_path), "smoke-*.json")
+    assert result["failing_drafts"] and result["gpu_preset"]
+    # the requests ask for 6 rounds of d + 1 = 4 tokens, which come one a step
+    assert result["rows"][0]["tokens_per_sequence_and_step"] == 1 and result["rows"][0]["steps"] == 6 * 4
+
+
 @pytest.mark.parametrize("cell, message", [("1,2", "--cell: expected B,CTX,HQ,HKV,D"),
                                            ("1,256,32,8,128", "needs a CUDA device")])
 def test_decode_sweep_arguments(tmp_path, cell, message):

@@ -51,6 +51,7 @@ class StaticPass:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         # (P, table width, then the pass's own: verify width or segment) -> the pass's static output
         self.outputs: dict[tuple, object] = {}
+        self.captures = 0  # graphs recorded: a pass that recorded one paid a one-time cost
 
     @property
     def max_batch(self) -> int:
@@ -109,6 +110,7 @@ class StaticPass:
         # state, as torch.cuda.graphs recommends). A pass that reads state it updates in place (a
         # later early-exit segment continues the residual stream) gets that state back before the
         # recording, so the first replay computes what an eager run would.
+        self.captures += 1
         saved = [t.clone() for t in self._state(key)]
         self._warm_up(step, inputs)
         for tensor, before in zip(self._state(key), saved):

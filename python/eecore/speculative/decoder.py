@@ -85,6 +85,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         # config.adaptive: each sequence's draft lengths from the measured pass costs
         self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if self.lookup is not None else 0) \
             if config.adaptive else None
+        self._round_captures = 0  # graphs recorded before this round (_clock_round)
         self.verifier = Verifier(runner, self.exit_layer, self._exit_states, self._static_exit_verify)
         self.acceptor = Acceptor(runner, sampler, self.num_layers, self.exit_layer, self.draft_stack)
         self.recorder = RoundRecorder(self.guard, self.draft_length, lookup=self.lookup is not None,
@@ -131,6 +132,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     # ---- one round: propose, verify, accept, record ------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         start = time.perf_counter()
+        self._round_captures = self._captures()
         budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
         layers = self.draft_head is not None and (self.layers_above is None or len(seqs) <= self.layers_above)
         if self.planner is not None:
@@ -138,6 +140,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         plans = [self._plan(s, len(seqs), n) for s, n in zip(seqs, budgets)]
         if self.config.switches_per_token:
             return self._token_switch_round(seqs, budgets, layers, plans, start)
+        if self.guard is None and not any(p.lookup or p.layer for p in plans):
+            return self._plain_round(seqs, [], start)  # planned out: nobody drafts
         drafts = [Draft() for _ in seqs]
         if self.lookup is not None:
             for seq, draft, plan in zip(seqs, drafts, plans):
@@ -182,6 +186,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         propose()
         seconds = time.perf_counter() - begin
         passes, caught_up = self.proposer.passes - passes, (stack.catch_up_tokens if stack else 0) - caught_up
+        if self._captures() != self._round_captures:  # a pass recorded its graph: a one-time cost
+            return seconds
         if caught_up:
             clock.record_catch_up(passes, caught_up, seconds)
         else:
@@ -189,9 +195,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return seconds
 
     def _clock_round(self, rows: int, start: float, drafting: float) -> None:
-        """The round's time less its draft passes: what verifying `rows` rows cost."""
-        if self.planner is not None:
+        """The round's time less its draft passes: what verifying `rows` rows cost (not learned from a
+        round in which a pass recorded its CUDA graph: on a GPU the first round of each shape)."""
+        if self.planner is not None and self._captures() == self._round_captures:
             self.planner.clock.record_verify(rows, time.perf_counter() - start - drafting)
+
+    def _captures(self) -> int:
+        """CUDA graphs recorded so far by the passes a round may run (engine.static_decode)."""
+        runner = self.runner
+        passes = (runner.static_decode, runner.static_verify, self._static_drafts, self._static_exit_verify,
+                  None if self.draft_stack is None else self.draft_stack.static)
+        return sum(p.captures for p in passes if p is not None)
 
     def _layer_budgets(self, seqs, drafts: list[Draft], budgets: list[int], layers: bool):
         """Layer drafts for sequences without a lookup draft, as far as the guard allows (the guard

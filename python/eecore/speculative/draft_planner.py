@@ -16,9 +16,11 @@ round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
   passes' time over their count is the copy pass's cost, and what a pass that first catches the
   copy up (on the prompt, or on tokens decoded without it) takes beyond that is the cost of a
   catch-up token. Each is a running average. Every round
-  ends by reading its tokens on the host, so wall time is right on a GPU as well. A row count not
-  yet measured is estimated at the cost of the widest one measured below it (the cheapest it could
-  be), so that the planner tries it and learns its cost;
+  ends by reading its tokens on the host, so wall time is right on a GPU as well; a round that
+  captured a CUDA graph (the first of its shape) paid a one-time cost and teaches nothing. A row
+  count not yet measured is estimated at the cost of the widest one measured below it (the
+  cheapest it could be), so that the planner tries it and learns its cost, and no row count costs
+  more than a wider one measured;
 - acceptance: per sequence and kind, two rates: that a round's first draft of the kind is
   accepted (a1), and that a later one is when every draft before it was (a2). A prompt-lookup
   draft is either a wrong guess (its first token fails) or a copy of text that goes on (its later
@@ -62,14 +64,17 @@ class PassClock:
         self._estimates: dict[int, Optional[float]] = {}
         self.copy_pass: Optional[float] = None
         self.catch_up_token: float = 0.0  # until measured: drafting starts hopeful
+        self.version = 0  # counts the changes of any cost (DraftPlanner caches what it derives from them)
 
     def record_verify(self, rows: int, seconds: float) -> None:
         self._verify[rows] = self._average(self._verify.get(rows), seconds)
         self._estimates.clear()
+        self.version += 1
 
     def record_copy(self, passes: int, seconds: float) -> None:
         if passes > 0:
             self.copy_pass = self._average(self.copy_pass, seconds / passes)
+            self.version += 1
 
     def record_catch_up(self, passes: int, tokens: int, seconds: float) -> None:
         """Draft passes that also ran `tokens` catch-up tokens: the time beyond `passes` plain copy
@@ -77,13 +82,22 @@ class PassClock:
         if tokens > 0 and self.copy_pass is not None:
             extra = max(0.0, seconds - passes * self.copy_pass) / tokens
             self.catch_up_token = self._average(self.catch_up_token or None, extra)
+            self.version += 1
 
     def verify(self, rows: int) -> Optional[float]:
-        """The estimated cost of a verify pass of `rows` rows; None before anything is measured."""
+        """The estimated cost of a verify pass of `rows` rows; None before anything is measured.
+        No pass costs less than a narrower one, so an unmeasured row count costs what the widest
+        measured below it does; and none costs more than a wider one: a measured figure above a
+        wider pass's is stale (the planner stopped running that pass, so it is never timed again) or
+        carried a one-time cost, and left standing it would keep the planner drafting at any
+        acceptance (a plain step dearer than a round)."""
         if rows not in self._estimates:
-            # no pass costs less than a narrower one
             below = max((r for r in self._verify if r <= rows), default=None)
-            self._estimates[rows] = None if below is None else self._verify[below]
+            estimate = None if below is None else self._verify[below]
+            wider = [cost for r, cost in self._verify.items() if r > rows]
+            if estimate is not None and wider:
+                estimate = min(estimate, min(wider))
+            self._estimates[rows] = estimate
         return self._estimates[rows]
 
     def _average(self, old: Optional[float], new: float) -> float:
@@ -148,6 +162,7 @@ class DraftPlanner:
         self.clock = PassClock()
         self._rates = {kind: (_Rate(), _Rate()) for kind in KINDS}
         self._odds: dict[int, dict[str, _Odds]] = {}
+        self._floor: tuple = (None, 0.0)  # (what it was derived from, _no_gain_at_or_below's answer)
 
     # ---- planning ----------------------------------------------------------------------------
     # tokens over which a catch-up's cost is spread, at most: a longer reply earns it back sooner
@@ -168,9 +183,11 @@ class DraftPlanner:
     def acceptance(self, seq: Sequence, kind: str) -> tuple[float, float]:
         """(a1, a2): the rates at which `seq`'s first and later drafts of `kind` are accepted."""
         mine = self._odds.get(seq.seq_id)
-        odds, prior = (mine[kind] if mine else _Odds()), self._prior(kind)
-        return tuple((odds.hits[p] + self.PRIOR_ROUNDS * prior[p]) / (odds.hits[p] + odds.misses[p] + self.PRIOR_ROUNDS)
-                     for p in (FIRST, LATER))
+        first, later = self._prior(kind)
+        hits, misses = (mine[kind].hits, mine[kind].misses) if mine else ((0.0, 0.0), (0.0, 0.0))
+        w = self.PRIOR_ROUNDS
+        return ((hits[FIRST] + w * first) / (hits[FIRST] + misses[FIRST] + w),
+                (hits[LATER] + w * later) / (hits[LATER] + misses[LATER] + w))
 
     def _prior(self, kind: str) -> tuple[float, float]:
         return self._rates[kind][FIRST].value(), self._rates[kind][LATER].value()
@@ -189,9 +206,11 @@ class DraftPlanner:
         plain = self.clock.verify(batch)
         if plain is None or most <= 0:
             return 0
+        first, later = acceptance
+        if first < self._no_gain_at_or_below(batch, most, copy_passes):
+            return 0  # no length pays even if every draft after the first were accepted
         copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
         best, best_rate = 0, batch / plain
-        first, later = acceptance
         tokens, reach = float(batch), first  # reach: the chance that the d-th draft is accepted
         for d in range(1, most + 1):
             tokens += reach
@@ -201,6 +220,22 @@ class DraftPlanner:
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
+
+    def _no_gain_at_or_below(self, batch: int, most: int, copy_passes: bool) -> float:
+        """The first-draft rate a1 at or below which no length 1..most pays at the clock's costs:
+        with every later draft accepted (a2 = 1) and no catch-up, the best any rates can do, a round
+        of d drafts emits batch + a1 d tokens at cost verify(batch + d) + d copy passes, against
+        batch tokens at verify(batch). Where drafting is off (failing drafts, or rounds dearer than
+        their tokens) most sequences stop here instead of pricing every length; the same for all
+        of a round's sequences, so derived once a round."""
+        key = (self.clock, self.clock.version, batch, most, copy_passes)
+        if self._floor[0] != key:
+            plain = self.clock.verify(batch)
+            copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
+            floor = min(batch * (self.clock.verify(batch + d) + d * copy - plain) / (d * plain)
+                        for d in range(1, most + 1))
+            self._floor = (key, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
+        return self._floor[1]
 
     def _length(self, seq: Sequence, kind: str, batch: int, budget: int, catch_up: float) -> int:
         most = min(budget, self.max_length[kind])
