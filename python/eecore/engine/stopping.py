@@ -42,7 +42,7 @@ class StopChecker:
                 seq.output_text = seq.output_text[:at]
                 seq.stop_reason = string
                 return "stop"
-        return self._token_reason(seq, seq.output_token_ids[-1], seq.num_output_tokens, seq.num_tokens)
+        return self._token_reason(seq)
 
     def append(self, seq: Sequence, tokens) -> Optional[str]:
         """Appends `tokens` (engine.decoding.Token) to `seq` up to the first one that ends it; returns
@@ -57,23 +57,26 @@ class StopChecker:
                     return reason
             return None
         p = seq.params
-        stops = p.stop_token_ids if p.ignore_eos else self.eos.union(p.stop_token_ids)
         # tokens until max_tokens or the context is reached
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         for i, token in enumerate(tokens):
-            if token.token_id in stops or i + 1 >= room:
+            if self._stops_on(p, token.token_id) or i + 1 >= room:
                 seq.append_tokens(tokens[: i + 1])
-                return self._token_reason(seq, seq.output_token_ids[-1], seq.num_output_tokens, seq.num_tokens)
+                return self._token_reason(seq)
         seq.append_tokens(tokens)
         return None
 
-    def _token_reason(self, seq: Sequence, token: int, outputs: int, total: int) -> Optional[str]:
-        """The finish reason once `token` is the last of `outputs` output tokens (`total` in all)."""
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
+    def _stops_on(self, p, token: int) -> bool:
+        """Whether `token` ends a request with parameters `p` (a stop token, or EOS unless ignored)."""
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos)
+
+    def _token_reason(self, seq: Sequence) -> Optional[str]:
+        """The finish reason that `seq`'s last token and length give, or None."""
+        p, token = seq.params, seq.output_token_ids[-1]
+        if self._stops_on(p, token):
             seq.stop_reason = token
             return "stop"
-        if outputs >= p.max_tokens or total >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
