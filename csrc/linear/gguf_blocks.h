@@ -37,6 +37,14 @@ namespace eecore::gguf {
 // format's superblock.
 constexpr int64_t kGroupWeights = 32;
 
+// How far ahead of the bytes it multiplies a GGUF kernel that reads a weight once, in address
+// order, asks for the weight (into L2, by prefetcht1): one row's worth at a time in the exact kernel's
+// one-row dots (linear_gguf_cpu.cpp), one block's in the 8-bit kernel (gguf_q8.h). Left to the
+// hardware prefetcher the weight arrived late, and a pass cost about its memory time plus its
+// arithmetic. 6 KiB is about one 16-row group of a 576-wide projection in Q4_1; 2-4 KiB gained less,
+// 12 KiB and more less again (Zen 5, 2 threads; docs/gguf.md has the figures).
+constexpr int64_t kStreamAheadBytes = 6144;
+
 enum class QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct BlockFormat {

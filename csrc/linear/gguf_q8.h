@@ -306,15 +306,6 @@ inline __m512 widen_int8(const uint8_t* p) {
 }
 #endif
 
-// How far ahead of the block it multiplies a kernel asks for the packed weight (into L2, by
-// prefetcht1). A thread walks its row groups' blocks in address order, and left to the hardware
-// prefetcher the weight arrived late: a pass cost about the sum of its memory time and its
-// arithmetic, not the larger of the two. Asking 6 KiB ahead (about one row group of a 576-wide
-// projection), SmolLM2's 120 projections in Q4_1 ran at 1 / 2 / 5 / 8 rows in 1.83 / 1.90 / 3.03 /
-// 3.85 ms against 2.29 / 2.39 / 3.82 / 4.87, in Q8_0 at 8 rows 4.34 against 7.01 (Zen 5, 2 threads,
-// bench/linear_gguf.py; docs/gguf.md). 2-4 KiB gained less, 12 KiB and more less again.
-constexpr int64_t kPrefetchAheadBytes = 6144;
-
 // sums[i * 16 + r] = input row i . weight row 16 g + r, for the first MR rows of `x`; `packed` is
 // the row group's units. kFixedOffset: `type`'s offset is a fixed multiple of its scale (a template
 // argument: tested per block and row at run time, it cost a one-row pass about a third more).
@@ -341,9 +332,10 @@ inline void group_dots(const uint8_t* packed, int64_t type, const RowBlocks& x_r
     for (int64_t k = 0; k < per_unit; ++k) {
       const int64_t b = unit * per_unit + k;
       const uint8_t* scales = base + header + k * stride;
-      // a block's worth of lines (5-7), spread over the blocks (a K format's unit of 8 blocks asked for
-      // at once ran Q6_K's 2 rows 1.3x slower); past the weight's end harmless: prefetches never fault
-      for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(scales + kPrefetchAheadBytes + line, 0, 2);
+      // the weight ahead (kStreamAheadBytes), a block's lines (5-7) at a time: a K format's unit of 8
+      // blocks asked for at once ran Q6_K's 2 rows 1.3x slower. Past the weight's end harmless:
+      // prefetches never fault
+      for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(scales + kStreamAheadBytes + line, 0, 2);
       // the rows' scales, and the offsets that are floats of their own (the fixed ones are in ox)
       __m512 d, c = _mm512_setzero_ps(), d_hi = _mm512_setzero_ps();
       if (two) {  // Q6_K
