@@ -418,6 +418,34 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
     _assert_same_rounds(llm, static, plain_llm, plain)
 
 
+def test_a_copy_catching_up_past_its_token_budget_with_static_passes(tiny):
+    """A prompt longer than a pass's token budget: the copy's first round catches up in chunks, and
+    where the last chunk is short enough for a static pass (a row of 2-16 tokens), that pass gives
+    each row's last state only, while the chunks are read by token. Read by token, that chunk
+    failed with an index error (or, with other rows beside it, took another row's state). One
+    sequence at a time, so that each first pass holds one prompt: its catch-up (the prompt and the
+    pending token) ends 2-9 tokens into a second chunk."""
+    path, hf = tiny
+
+    def llm_with(static: bool):
+        llm = _llm(path, static=False, speculative=SPEC_CONFIGS["copy"](), max_num_seqs=1,
+                   max_num_batched_tokens=32)
+        stack = llm.engine.strategy.draft_stack
+        if static:
+            stack.static = StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
+                                        max_width=CATCH_UP_WIDTH)
+        return llm
+
+    budget = llm_with(False).engine.strategy.draft_stack.runner.builder.max_tokens
+    prompts = random_prompts(hf.config.vocab_size, [budget + 1, budget + 4, budget + 8], seed=5)
+    params = [greedy(8, logprobs=2) for _ in prompts]
+    plain_llm, llm = llm_with(False), llm_with(True)
+    plain, static = plain_llm.generate(prompts, params), llm.generate(prompts, params)
+    stack = llm.engine.strategy.draft_stack
+    assert stack.static.outputs and stack.catch_up_tokens > 3 * budget, "no catch-up went past the budget"
+    _assert_same_rounds(llm, static, plain_llm, plain)
+
+
 def _assert_same_rounds(llm, outs, plain_llm, plain) -> None:
     """Static (or graphed) self-speculation against the varlen passes: the same tokens, accepted
     drafts, exits and logprobs, the same work per layer, and every block freed."""

@@ -170,8 +170,12 @@ class DraftStack:
             record = self._seen[seq.seq_id] = [seq.num_preemptions, 0, 0]
         return min(record[1], seq.num_computed_tokens)
 
-    def _run(self, rows: list[Row]) -> torch.Tensor:
-        if self.static is not None and self.static.takes(rows):
+    def _run(self, rows: list[Row], every_token: bool = False) -> torch.Tensor:
+        """The copy's layers over `rows`: the layer-E states of every token `[T, d]`, except that a
+        static pass over rows of several tokens gives each row's last token only `[B, d]` (a round's
+        catch-up, which needs no more); `every_token` keeps such rows off the static pass."""
+        if self.static is not None and self.static.takes(rows) and \
+                not (every_token and any(len(row.tokens) > 1 for row in rows)):
             return self.static.run(rows)
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
@@ -194,7 +198,7 @@ class DraftStack:
                     queue.appendleft((b, start + take, tokens[take:]))
                 else:
                     finished.append((b, used - 1))
-            hidden = self._run(rows)
+            hidden = self._run(rows, every_token=True)  # indexed by token below
             if finished:
                 dev = hidden.device
                 out.index_copy_(0, torch.tensor([b for b, _ in finished], device=dev),
