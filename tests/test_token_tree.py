@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import eecore
+from eecore.engine.block_table import BlockTable
 from eecore.engine.inputs import MAX_TREE_TOKENS, InputBuilder, Row, tree_depths_and_masks
 from eecore.speculative.token_tree import accept_greedy, tree_row
 from engine_utils import greedy, random_prompts
@@ -32,7 +33,7 @@ def _tree(path, E, d, k, **kw):
 
 class _Seq:
     def __init__(self, tokens, computed, block_table=(0, 1, 2, 3)):
-        self.token_ids, self.num_computed_tokens, self.block_table = tokens, computed, list(block_table)
+        self.token_ids, self.num_computed_tokens, self.block_table = tokens, computed, BlockTable(block_table)
         self.encoder_token_ids = None
 
     @property

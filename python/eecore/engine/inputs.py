@@ -259,11 +259,7 @@ class InputBuilder:
                 for r in rows), np.int64, used)
             h["positions"][:used] = starts[row_of] + np.minimum(offset, np.array(real)[row_of] - 1)
             slot_pos = starts[row_of] + offset
-        if n:
-            table_rows = np.repeat(np.arange(n), table_lens)
-            table_cols = np.arange(len(table_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
-            tables[table_rows, table_cols] = np.fromiter(
-                itertools.chain.from_iterable(r.seq.block_table for r in rows), np.int32, len(table_rows))
+        self._copy_tables(rows, tables)
         block_index = slot_pos // bs
         outside = block_index >= table_lens[row_of]
         if outside.any():
@@ -326,10 +322,7 @@ class InputBuilder:
         h = buffers.arrays
         tables = h["tables"]
         tables.fill(-1)
-        table_rows = np.repeat(np.arange(n), table_lens)
-        table_cols = np.arange(len(table_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
-        tables[table_rows, table_cols] = np.fromiter(
-            itertools.chain.from_iterable(r.seq.block_table for r in rows), np.int32, len(table_rows))
+        self._copy_tables(rows, tables)
         h["qsl"][: n + 1] = np.arange(n + 1)
         h["tokens"][:n] = 0
         h["positions"][:n] = starts
@@ -386,6 +379,14 @@ class InputBuilder:
         h["tokens"][:n] = np.fromiter((r.tokens[0] for r in rows), np.int64, n)
         self.prepared_steps += 1
         return self._finish(prepared.buffers, rows, [1] * n, pad_to, 1)
+
+    @staticmethod
+    def _copy_tables(rows: list[Row], tables: np.ndarray) -> None:
+        """Each row's block table into its row of the step's `tables` (filled with -1 before): one
+        copy from the table's array a row (engine.block_table), whatever the context's length."""
+        for b, row in enumerate(rows):
+            table = row.seq.block_table
+            tables[b, : len(table)] = table.array[: len(table)]
 
     @staticmethod
     def _trees(rows: list[Row], h: dict[str, np.ndarray]) -> None:

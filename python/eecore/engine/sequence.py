@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from eecore.engine.block_table import BlockTable
 from eecore.sampling_params import SamplingParams
 
 
@@ -52,7 +53,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_table = BlockTable()
         # prefix-cache digests of the leading full blocks of block_table (see BlockManager)
         self.block_digests: list[bytes] = []
         self.num_computed_tokens = 0
@@ -69,6 +70,17 @@ class Sequence:
         self.stats: collections.defaultdict[str, float] = collections.defaultdict(int)
 
     # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def block_table(self) -> BlockTable:
+        """The physical blocks of the sequence's K/V, one per block_size positions."""
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, blocks: list[int]) -> None:
+        # a plain list (a test's table, `= []` on release) becomes a BlockTable: engine.inputs copies
+        # tables from their arrays
+        self._block_table = blocks if isinstance(blocks, BlockTable) else BlockTable(blocks)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -127,7 +139,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preemption by recomputation: the KV is dropped; outputs so far are kept."""
         self.status = SequenceStatus.WAITING
-        self.block_table = []
+        self.block_table = BlockTable()
         self.block_digests = []
         self.cross_block_table = []
         self.num_computed_tokens = 0
