@@ -204,3 +204,15 @@ def test_released_blocks_are_taken_first_again():
     bm.grow(c, 12)
     assert c.block_table == [1, 3, 2]  # the last given back first; then untouched blocks 4..9
     assert bm.num_free_blocks == 10 - 4
+
+
+def test_token_slice_is_the_slice_of_prompt_and_outputs():
+    """Sequence.token_slice slices without building the whole context: held to the slice of the
+    concatenation for every start <= end, within the prompt, across it and within the outputs."""
+    seq = Sequence(list(range(100, 107)), SamplingParams(max_tokens=20))
+    for token in range(200, 210):
+        seq.append_token(token, 0)
+    whole = seq.prompt_token_ids + seq.output_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert seq.token_slice(start, end) == whole[start:end], (start, end)

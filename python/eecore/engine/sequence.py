@@ -105,10 +105,14 @@ class Sequence:
         return len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt and outputs (0 <= start <= end), without copying the rest:
+        every decode step slices a few tokens near the end of a context that may be thousands long."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n: end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def last_token_id(self) -> int:
