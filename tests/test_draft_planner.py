@@ -422,3 +422,27 @@ def test_rounds_that_record_a_cuda_graph_teach_the_clock_nothing(tiny, lora_file
     assert [o.token_ids for o in outs] == expected
     assert all(static.captures for static in passes)  # every kind of pass recorded graphs
     assert learned and max(learned) < 0.05, learned  # none of them priced into the clock
+
+
+def test_a_seeded_sampled_request_gives_its_output_whatever_the_timings(tiny, lora_file):
+    """A sampled request's tokens follow its drafts (rejection sampling), and the planner's lengths
+    follow the machine's timings, so a seed would not reproduce the output from one run to the next.
+    Seeded sampled requests therefore decode without drafts under adaptive planning: with the
+    planner's costs making every draft pay or none, their outputs are the same, and full depth's
+    with that seed; greedy requests beside them draft as planned."""
+    path, _ = tiny
+    file, _ = lora_file
+    prompts = _prompts(3)
+    params = [eecore.SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True),
+              greedy(30), eecore.SamplingParams(max_tokens=30, temperature=1.0, seed=12, ignore_eos=True)]
+    full = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, params)]
+    drafted = {}
+    for name, verify in (("free", lambda rows: 1.0), ("a step a row", lambda rows: float(rows))):
+        llm = _adaptive(path, file)
+        llm.engine.strategy.planner.clock = StubClock(verify, copy=0.01)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == full, name
+        drafted[name] = [o.metrics["num_drafted_tokens"] for o in outs]
+    assert drafted["free"][1] > 0 and drafted["free"][0] == drafted["free"][2] == 0
+    assert drafted["a step a row"] == [0, 0, 0]

@@ -170,6 +170,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """`seq`'s caps this round: the planner's (config.adaptive), else the config's."""
         if self.planner is None:
             return DraftPlan(lookup=budget, layer=min(budget, self.layer_drafts))
+        if _seeded_sample(seq):
+            return DraftPlan(lookup=0, layer=0)
         behind = 0 if self.draft_stack is None else self.draft_stack.behind(seq)
         return self.planner.plan(seq, batch, budget, self._room(seq), behind)
 
@@ -245,7 +247,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         steps; a step launched ahead that a drafting round follows is work lost (the next plain
         step does not take it: its sequences moved on)."""
         return (self.planner is not None and self.lookup is None and self.guard is None
-                and all(self.planner.quiet(seq) for seq in seqs))
+                and all(_seeded_sample(seq) or self.planner.quiet(seq) for seq in seqs))
 
     def _token_switch_round(self, seqs: list[Sequence], budgets: list[int], layers: bool, plans: list[DraftPlan],
                             start: float) -> list[list[Token]]:
@@ -316,3 +318,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         return self.recorder.metrics(seq)
+
+
+def _seeded_sample(seq: Sequence) -> bool:
+    """A seeded sampled request: under adaptive planning it never drafts. Its tokens follow its drafts
+    (rejection sampling) and the planner's lengths follow the machine's timings, so with drafts
+    its seed would not reproduce its output; without them it is full depth's for that seed."""
+    return seq.params.seed is not None and not seq.params.greedy
