@@ -429,20 +429,18 @@ def test_a_seeded_sampled_request_gives_its_output_whatever_the_timings(tiny, lo
     follow the machine's timings, so a seed would not reproduce the output from one run to the next.
     Seeded sampled requests therefore decode without drafts under adaptive planning: with the
     planner's costs making every draft pay or none, their outputs are the same, and full depth's
-    with that seed; greedy requests beside them draft as planned."""
+    for their seeds. (Beside a drafting request a row may come from a verify pass, whose
+    arithmetic rounds differently from a decode step's, as in any batch that changes.)"""
     path, _ = tiny
     file, _ = lora_file
-    prompts = _prompts(3)
+    prompts = _prompts(2)
     params = [eecore.SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True),
-              greedy(30), eecore.SamplingParams(max_tokens=30, temperature=1.0, seed=12, ignore_eos=True)]
+              eecore.SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=12, ignore_eos=True)]
     full = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
         prompts, params)]
-    drafted = {}
     for name, verify in (("free", lambda rows: 1.0), ("a step a row", lambda rows: float(rows))):
         llm = _adaptive(path, file)
         llm.engine.strategy.planner.clock = StubClock(verify, copy=0.01)
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == full, name
-        drafted[name] = [o.metrics["num_drafted_tokens"] for o in outs]
-    assert drafted["free"][1] > 0 and drafted["free"][0] == drafted["free"][2] == 0
-    assert drafted["a step a row"] == [0, 0, 0]
+        assert [o.metrics["num_drafted_tokens"] for o in outs] == [0, 0]
