@@ -15,6 +15,7 @@ from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
 from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+from eecore.engine.piecewise import PiecewiseForward
 from eecore.exits.static_segments import StaticExitSegments
 from engine_utils import assert_same_outputs, emulate_graphs, generate_arriving, greedy, random_prompts
 from model_factory import make_tiny_hf_model
@@ -810,11 +811,13 @@ LOSSLESS_CONFIGS = {  # greedy outputs are full depth's whatever the drafts, the
 @pytest.mark.parametrize("seed", range(24))
 def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, monkeypatch):
     """Random engines and workloads, every pass a GPU engine captures as an emulated graph (decode
-    steps, verify passes, the copy's passes) against the eager engine: greedy outputs and finish
-    reasons must be equal. Each seed draws a lossless configuration, decode ahead and draft ahead on
-    or off, a KV cache small enough to preempt or not, prefix caching, a step budget from 16 tokens,
-    prompts up to 120 tokens (longer than the budget: chunked prefills and catch-ups), repeated
-    text for prompt lookup, stop tokens and log-probabilities. Found the catch-up bug above."""
+    steps, verify passes, the copy's passes, the pieces of prefill and mixed steps) against the
+    eager engine: greedy outputs and finish reasons must be equal. Each seed draws a lossless
+    configuration, decode ahead, draft ahead and next-step preparation on or off, a KV cache small
+    enough to preempt or not, prefix caching, a step budget from 16 tokens, prompts up to 120 tokens
+    (longer than the budget: chunked prefills and catch-ups) arriving at once or while others
+    decode, repeated text for prompt lookup, stop tokens and log-probabilities. Found the catch-up
+    bug above."""
     import random
 
     path, hf = tiny
@@ -822,6 +825,8 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
     name = r.choice(sorted(LOSSLESS_CONFIGS))
     monkeypatch.setenv("EECORE_DECODE_AHEAD", r.choice("01"))
     monkeypatch.setenv("EECORE_DRAFT_AHEAD", r.choice("01"))
+    monkeypatch.setenv("EECORE_PREPARE_NEXT_STEP", r.choice("01"))
+    piecewise, arrive_every = r.random() < 0.5, r.choice([0, 1, 3])
     num_blocks, max_len = r.choice([24, 48, 200]), r.choice([48, 160])
     kw = dict(num_blocks=num_blocks, max_num_seqs=r.choice([1, 3, 6]), max_model_len=max_len,
               max_num_batched_tokens=r.choice([16, 32, 64]), enable_prefix_caching=r.random() < 0.4)
@@ -838,12 +843,15 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
         if graphs:
             runner, n, strategy = llm.engine.runner, llm.engine.config.max_num_seqs, llm.engine.strategy
             emulate_graphs(runner.static_decode)
+            if piecewise:
+                runner.piecewise = emulate_graphs(PiecewiseForward(runner, runner.builder.max_tokens, capture=False))
             if name != "none":
                 runner.static_verify = emulate_graphs(StaticVerify(runner, n, capture=False, width=strategy.lookahead))
                 if strategy.draft_stack is not None:
                     strategy.draft_stack.static = emulate_graphs(StaticLayers(strategy.draft_stack.runner, n, capture=False,
                                                                               max_width=CATCH_UP_WIDTH))
-        return llm, llm.generate(prompts, params)
+        return llm, generate_arriving(llm, prompts, params, arrive_every) if arrive_every else \
+            llm.generate(prompts, params)
 
     _, eager = run(False)
     llm, graphed = run(True)
