@@ -53,7 +53,8 @@ class BlockTable(list):
             self._sync(int(index) if int(index) >= 0 else 0)
         return block
 
-    # every other way a list changes: rewrite the array from the list
+    # every other way a list changes but clear (which leaves nothing to keep in step): rewrite the
+    # array from the list
     def __setitem__(self, index, value) -> None:
         super().__setitem__(index, value)
         self._sync()
@@ -78,9 +79,6 @@ class BlockTable(list):
     def remove(self, block: int) -> None:
         super().remove(block)
         self._sync()
-
-    def clear(self) -> None:
-        super().clear()
 
     def sort(self, *args, **kwargs) -> None:
         super().sort(*args, **kwargs)

@@ -54,9 +54,9 @@ class SelfSpeculativeConfig:
         tenfold between weights and machines (an exact 4-bit kernel on a CPU is bound by arithmetic
         from the second row on; a GPU verifies a few rows for the price of one). Greedy outputs stay
         full depth's; a seeded sampled request does not draft (with drafts its tokens would follow
-        the timings too), so its seed reproduces full depth's output. Layer drafts need a copy (LayerDrafts.copy: every round is then
-        one full-depth verify pass), and exits (LayerDrafts.exit_threshold), whose output depends
-        on the lengths, are refused.
+        the timings too), so its seed reproduces full depth's output. Layer drafts need a copy
+        (LayerDrafts.copy: every round is then one full-depth verify pass), and exits
+        (LayerDrafts.exit_threshold), whose output depends on the lengths, are refused.
     """
 
     num_speculations: int = option(4, "--num-speculations", "the most tokens a sequence drafts a round")
