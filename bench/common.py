@@ -159,14 +159,18 @@ def device_folder(name: str) -> str:
     return "-".join(device_slug(name).split("-")[:2])
 
 
-PROMPT_KINDS = ("chat", "everyday", "code")
+PROMPT_KINDS = ("chat", "everyday", "code", "mixed")
 
 
 def bench_prompt_ids(tokenizer, kind: str, n: int) -> list[list[int]]:
     """`n` prompts as token ids: "chat" (the CLI's bench prompts in the chat template, cycled),
     "everyday" (everyday requests on held-out topics in the chat template,
     eecore.sources.general_chat_prompts.heldout_requests) or "code" (held-out function starts, raw
-    text: code completion, the exit adapters' domain)."""
+    text: code completion, the exit adapters' domain) or "mixed" (everyday and code in turn, as a
+    server sees them: a draft planner must not judge the next request by the last)."""
+    if kind == "mixed":
+        halves = bench_prompt_ids(tokenizer, "everyday", (n + 1) // 2), bench_prompt_ids(tokenizer, "code", n // 2)
+        return [p for pair in zip(*halves) for p in pair] + halves[0][len(halves[1]):]
     if kind == "chat":
         return [chat_prompt_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(n)]
     if kind == "everyday":

@@ -25,17 +25,18 @@ round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
   accepted (a1), and that a later one is when every draft before it was (a2). A prompt-lookup
   draft is either a wrong guess (its first token fails) or a copy of text that goes on (its later
   tokens rarely fail), so one rate for both would misjudge every length. Each is a running sum of
-  hits and misses that forgets, with six rounds' worth of the decoder's rate over all sequences as
-  its prior;
+  hits and misses that forgets, with six rounds' worth of what recent sequences measured as its
+  prior (`_Prior`: each sequence counts once, so one request whose drafts fail does not stop the
+  next ones from drafting);
 - choice: a chain of d drafts emits E(d) = 1 + a1 (1 + a2 + ... + a2^(d-1)) tokens and costs the
   verify pass of its rows plus, for layer drafts, d copy passes and the copy's catch-up on the
   tokens it is behind, spread over the rounds left to earn it back (the tokens the sequence may
   still emit, at most 64, over E(d)); the planner takes the d with the most tokens per second, 0
   being a plain step. In a batch, a sequence is planned as if the others verified one row each.
 - probes: a sequence planned at 0 for a kind stops learning about it, so after a wait it drafts
-  that kind as far as the rates of all sequences would pay (none if they would not); the wait
-  doubles while probes fail (32 to 128 rounds), and a round whose drafts of the kind were all
-  accepted resets it. The rates of all sequences drift back to hopeful while nobody drafts, so
+  that kind as far as the prior would pay (none if it would not); the wait doubles while probes
+  fail (32 to 128 rounds), and a round whose drafts of the kind were all accepted resets it. The
+  prior drifts back to hopeful while nobody drafts, so
   that a workload that turns to text where drafts pay (chat, then code) starts drafting again.
 
 Greedy outputs do not depend on the drafts, so every choice keeps them the full model's; sampled
@@ -114,24 +115,54 @@ class _Odds:
     misses: list = field(default_factory=lambda: [0.0, 0.0])
     idle: int = 0            # rounds planned at 0 since it last drafted this kind
     wait: int = 0            # rounds planned at 0 before a probe (DraftPlanner sets the first)
+    shares: list = field(default_factory=lambda: [(0.0, 0.0), (0.0, 0.0)])  # its say in the prior (_Prior.share)
 
 
-@dataclass
-class _Rate:
-    """The decoder's running acceptance for one kind and place, over all sequences: new sequences'
-    prior. It starts hopeful (0.8, worth two rounds), so that the first sequences draft and measure
-    instead of waiting for probes, and drifts back there while nobody drafts (`relax`), so that a
-    workload that turns to text where drafts pay finds out."""
+class _Prior:
+    """What recent sequences measured for one draft kind and place, each sequence counting once: the
+    prior of new sequences and of probes. A running rate over all drafts would let one request
+    whose drafts fail speak for every request after it (one code prompt the copy does badly on: the
+    prior falls below what a draft needs, the next requests never draft, so never measure their
+    own, and the prior hardly recovers). So every sequence adds its own rate, weighed
+    by how much it has seen (fully from a few rounds on): the live ones as they stand, the released
+    ones fading out over the next few releases. It starts hopeful (0.8, worth two sequences), so
+    that the first sequences draft and measure instead of waiting for probes, and drifts back there
+    while nobody drafts (`relax`), so that a workload that turns to text where drafts pay finds out."""
     HOPEFUL_HITS, HOPEFUL_MISSES = 1.6, 0.4
-    hits: float = HOPEFUL_HITS
-    misses: float = HOPEFUL_MISSES
+    FULL_EVIDENCE = 3.0      # a sequence's rate counts fully once it has judged this many drafts
+    RELEASE_FORGET = 0.8     # per released sequence (with evidence): about the last five count
+
+    def __init__(self):
+        self.hits, self.misses = self.HOPEFUL_HITS, self.HOPEFUL_MISSES  # released sequences'
+        self.live_hits = self.live_misses = 0.0                           # live sequences' shares
 
     def value(self) -> float:
-        return self.hits / (self.hits + self.misses)
+        hits = self.hits + self.live_hits
+        return hits / (hits + self.misses + self.live_misses)
 
-    def add(self, hits: int, misses: int, forget: float) -> None:
-        self.hits = forget * self.hits + hits
-        self.misses = forget * self.misses + misses
+    @classmethod
+    def share(cls, hits: float, misses: float) -> tuple[float, float]:
+        """One sequence's say: its own rate, weighed min(1, its evidence / FULL_EVIDENCE)."""
+        seen = hits + misses
+        if seen <= 0.0:
+            return 0.0, 0.0
+        weight = min(1.0, seen / cls.FULL_EVIDENCE) / seen
+        return hits * weight, misses * weight
+
+    def update(self, old: tuple[float, float], new: tuple[float, float]) -> None:
+        """A live sequence's share changed from `old` to `new`."""
+        self.live_hits = max(0.0, self.live_hits + new[0] - old[0])
+        self.live_misses = max(0.0, self.live_misses + new[1] - old[1])
+
+    def release(self, share: tuple[float, float], last: bool) -> None:
+        """A sequence ended: its share moves from the live ones to the released ones (`last`: no live
+        sequence is left, so the live sums are exactly zero, whatever rounding they gathered)."""
+        self.update(share, (0.0, 0.0))
+        if last:
+            self.live_hits = self.live_misses = 0.0
+        if share[0] + share[1] > 0.0:
+            self.hits = self.RELEASE_FORGET * self.hits + share[0]
+            self.misses = self.RELEASE_FORGET * self.misses + share[1]
 
     def relax(self, keep: float) -> None:
         self.hits = keep * self.hits + (1 - keep) * self.HOPEFUL_HITS
@@ -151,16 +182,15 @@ class DraftPlanner:
     when a sequence ends."""
 
     FORGET = 0.9             # per recorded round: about the last 10 rounds count
-    PRIOR_ROUNDS = 6.0       # the decoder's rate counts as this many rounds of a sequence's own
-    GLOBAL_FORGET = 0.98
+    PRIOR_ROUNDS = 6.0       # the prior counts as this many rounds of a sequence's own
     FIRST_PROBE_WAIT = 32
     MAX_PROBE_WAIT = 128
-    RELAX = 0.998            # per round: the decoder's rates are back near hopeful after ~1,000 rounds
+    RELAX = 0.998            # per round: the released sequences' rates are back near hopeful after ~1,000 rounds
 
     def __init__(self, max_layer: int, max_lookup: int):
         self.max_length = {"layer": max_layer, "lookup": max_lookup}
         self.clock = PassClock()
-        self._rates = {kind: (_Rate(), _Rate()) for kind in KINDS}
+        self._priors = {kind: (_Prior(), _Prior()) for kind in KINDS}
         self._odds: dict[int, dict[str, _Odds]] = {}
         self._floor: tuple = (None, 0.0)  # (what it was derived from, _no_gain_at_or_below's answer)
 
@@ -190,13 +220,13 @@ class DraftPlanner:
                 (hits[LATER] + w * later) / (hits[LATER] + misses[LATER] + w))
 
     def _prior(self, kind: str) -> tuple[float, float]:
-        return self._rates[kind][FIRST].value(), self._rates[kind][LATER].value()
+        return self._priors[kind][FIRST].value(), self._priors[kind][LATER].value()
 
     def new_round(self) -> None:
         """Called once per round, before planning it."""
-        for rates in self._rates.values():
-            for rate in rates:
-                rate.relax(self.RELAX)
+        for priors in self._priors.values():
+            for prior in priors:
+                prior.relax(self.RELAX)
 
     def best_length(self, acceptance: tuple[float, float], batch: int, most: int, copy_passes: bool,
                     catch_up: float = 0.0) -> int:
@@ -251,7 +281,7 @@ class DraftPlanner:
             return 0
         odds.idle = 0
         odds.wait = min(2 * odds.wait, self.MAX_PROBE_WAIT)
-        # a probe: the length that would pay at the rates of all sequences, so that one round says
+        # a probe: the length that would pay at the prior (recent sequences' rates), so that one round says
         # whether this one's is back; none where even those would not pay (chat alone, or layer
         # drafts on an exact 4-bit kernel on a CPU)
         return self.best_length(self._prior(kind), batch, most, copy, catch_up)
@@ -285,13 +315,14 @@ class DraftPlanner:
             outcome["layer"] = [0, 1, 0, 0]
         mine = self._seq(seq)
         for kind, counts in outcome.items():
-            odds, rates = mine[kind], self._rates[kind]
+            odds, priors = mine[kind], self._priors[kind]
             for place in (FIRST, LATER):
                 hits, misses = counts[2 * place], counts[2 * place + 1]
                 odds.hits[place] = self.FORGET * odds.hits[place] + hits
                 odds.misses[place] = self.FORGET * odds.misses[place] + misses
-                if hits + misses:
-                    rates[place].add(hits, misses, self.GLOBAL_FORGET)
+                share = _Prior.share(odds.hits[place], odds.misses[place])
+                priors[place].update(odds.shares[place], share)
+                odds.shares[place] = share
             if not counts[1] and not counts[3]:  # this kind pays again: probes start over from the first wait
                 odds.wait = self.FIRST_PROBE_WAIT
             odds.idle = 0
@@ -303,7 +334,11 @@ class DraftPlanner:
         return odds
 
     def release(self, seq: Sequence) -> None:
-        self._odds.pop(seq.seq_id, None)
+        mine = self._odds.pop(seq.seq_id, None)
+        if mine is not None:
+            for kind, odds in mine.items():
+                for place in (FIRST, LATER):
+                    self._priors[kind][place].release(odds.shares[place], last=not self._odds)
 
     def __len__(self) -> int:
         return len(self._odds)
