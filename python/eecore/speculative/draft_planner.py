@@ -115,7 +115,7 @@ class _Odds:
     misses: list = field(default_factory=lambda: [0.0, 0.0])
     idle: int = 0            # rounds planned at 0 since it last drafted this kind
     wait: int = 0            # rounds planned at 0 before a probe (DraftPlanner sets the first)
-    shares: list = field(default_factory=lambda: [(0.0, 0.0), (0.0, 0.0)])  # its say in the prior (_Prior.share)
+    shares: list = field(default_factory=lambda: [(0.0, 0.0), (0.0, 0.0)])  # its (hits, misses) in the prior
 
 
 class _Prior:
@@ -123,11 +123,11 @@ class _Prior:
     prior of new sequences and of probes. A running rate over all drafts would let one request
     whose drafts fail speak for every request after it (one code prompt the copy does badly on: the
     prior falls below what a draft needs, the next requests never draft, so never measure their
-    own, and the prior hardly recovers). So every sequence adds its own rate, weighed
-    by how much it has seen (fully from a few rounds on): the live ones as they stand, the released
-    ones fading out over the next few releases. It starts hopeful (0.8, worth two sequences), so
-    that the first sequences draft and measure instead of waiting for probes, and drifts back there
-    while nobody drafts (`relax`), so that a workload that turns to text where drafts pay finds out."""
+    own, and the prior hardly recovers). So every sequence adds its own rate, weighed by how much
+    it has seen (fully from a few rounds on): the live ones as they stand, the released ones fading
+    out over the next few releases. It starts hopeful (0.8, worth two sequences), so that the first
+    sequences draft and measure instead of waiting for probes, and drifts back there while nobody
+    drafts (`relax`), so that a workload that turns to text where drafts pay finds out."""
     HOPEFUL_HITS, HOPEFUL_MISSES = 1.6, 0.4
     FULL_EVIDENCE = 3.0      # a sequence's rate counts fully once it has judged this many drafts
     RELEASE_FORGET = 0.8     # per released sequence (with evidence): about the last five count
@@ -140,24 +140,16 @@ class _Prior:
         hits = self.hits + self.live_hits
         return hits / (hits + self.misses + self.live_misses)
 
-    @classmethod
-    def share(cls, hits: float, misses: float) -> tuple[float, float]:
-        """One sequence's say: its own rate, weighed min(1, its evidence / FULL_EVIDENCE)."""
-        seen = hits + misses
-        if seen <= 0.0:
-            return 0.0, 0.0
-        weight = min(1.0, seen / cls.FULL_EVIDENCE) / seen
-        return hits * weight, misses * weight
-
-    def update(self, old: tuple[float, float], new: tuple[float, float]) -> None:
-        """A live sequence's share changed from `old` to `new`."""
-        self.live_hits = max(0.0, self.live_hits + new[0] - old[0])
-        self.live_misses = max(0.0, self.live_misses + new[1] - old[1])
+    def share(self, seen: float) -> float:
+        """What one of a sequence's judged drafts weighs in the prior, `seen` judged in all (forgetting
+        as its own record does): its rate counts as min(1, seen / FULL_EVIDENCE) sequences."""
+        return min(1.0, seen / self.FULL_EVIDENCE) / seen if seen > 0.0 else 0.0
 
     def release(self, share: tuple[float, float], last: bool) -> None:
         """A sequence ended: its share moves from the live ones to the released ones (`last`: no live
         sequence is left, so the live sums are exactly zero, whatever rounding they gathered)."""
-        self.update(share, (0.0, 0.0))
+        self.live_hits -= share[0]
+        self.live_misses -= share[1]
         if last:
             self.live_hits = self.live_misses = 0.0
         if share[0] + share[1] > 0.0:
@@ -317,12 +309,13 @@ class DraftPlanner:
         for kind, counts in outcome.items():
             odds, priors = mine[kind], self._priors[kind]
             for place in (FIRST, LATER):
-                hits, misses = counts[2 * place], counts[2 * place + 1]
-                odds.hits[place] = self.FORGET * odds.hits[place] + hits
-                odds.misses[place] = self.FORGET * odds.misses[place] + misses
-                share = _Prior.share(odds.hits[place], odds.misses[place])
-                priors[place].update(odds.shares[place], share)
-                odds.shares[place] = share
+                hits = odds.hits[place] = self.FORGET * odds.hits[place] + counts[2 * place]
+                misses = odds.misses[place] = self.FORGET * odds.misses[place] + counts[2 * place + 1]
+                prior, (old_hits, old_misses) = priors[place], odds.shares[place]
+                weight = prior.share(hits + misses)
+                odds.shares[place] = (hits * weight, misses * weight)
+                prior.live_hits += hits * weight - old_hits  # per round and sequence: kept to arithmetic
+                prior.live_misses += misses * weight - old_misses
             if not counts[1] and not counts[3]:  # this kind pays again: probes start over from the first wait
                 odds.wait = self.FIRST_PROBE_WAIT
             odds.idle = 0
