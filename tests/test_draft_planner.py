@@ -199,6 +199,27 @@ def test_hits_and_misses_go_to_each_kind_and_place():
     assert len(planner) == 0
 
 
+@pytest.mark.parametrize("sources", ["c", "cc", "cccc", "kc", "kkcc", "ckc"])
+def test_a_round_counts_every_draft_up_to_the_first_rejected_one(sources):
+    """Per kind, a round's first draft is a first-draft hit or miss and each later one up to the first
+    rejected draft a later hit or miss, whatever the chain's mix of kinds (layer drafts alone are
+    counted without walking the chain)."""
+    for accepted in range(len(sources) + 1):
+        planner = _planner(lambda rows: 1.0)
+        seq = _seq()
+        planner.record(seq, _draft(sources), accepted)
+        expected = {"layer": [0, 0, 0, 0], "lookup": [0, 0, 0, 0]}
+        seen = set()
+        for i, source in enumerate(sources[: accepted + 1]):
+            kind = "lookup" if source == "k" else "layer"
+            place = 2 if kind in seen else 0
+            seen.add(kind)
+            expected[kind][place + (0 if i < accepted else 1)] += 1
+        for kind, (first_hit, first_miss, later_hits, later_misses) in expected.items():
+            odds = planner._odds[seq.seq_id][kind]
+            assert (odds.hits, odds.misses) == ([first_hit, later_hits], [first_miss, later_misses]), (kind, accepted)
+
+
 def _rounds(planner, seq, good, n, accept):
     """`n` rounds of `seq`, whose lookup drafts are accepted as `accept(d)` says, beside `good`, whose
     drafts are always accepted (so the rates of all sequences stay worth a probe); `seq`'s lengths."""

@@ -129,7 +129,8 @@ class _Prior:
     sequences draft and measure instead of waiting for probes, and drifts back there while nobody
     drafts (`relax`), so that a workload that turns to text where drafts pay finds out."""
     HOPEFUL_HITS, HOPEFUL_MISSES = 1.6, 0.4
-    FULL_EVIDENCE = 3.0      # a sequence's rate counts fully once it has judged this many drafts
+    FULL_EVIDENCE = 3.0      # a sequence's rate counts fully once it has judged this many drafts (forgetting
+                             # as its own record does), as min(1, judged / FULL_EVIDENCE) sequences before
     RELEASE_FORGET = 0.8     # per released sequence (with evidence): about the last five count
 
     def __init__(self):
@@ -139,11 +140,6 @@ class _Prior:
     def value(self) -> float:
         hits = self.hits + self.live_hits
         return hits / (hits + self.misses + self.live_misses)
-
-    def share(self, seen: float) -> float:
-        """What one of a sequence's judged drafts weighs in the prior, `seen` judged in all (forgetting
-        as its own record does): its rate counts as min(1, seen / FULL_EVIDENCE) sequences."""
-        return min(1.0, seen / self.FULL_EVIDENCE) / seen if seen > 0.0 else 0.0
 
     def release(self, share: tuple[float, float], last: bool) -> None:
         """A sequence ended: its share moves from the live ones to the released ones (`last`: no live
@@ -184,7 +180,9 @@ class DraftPlanner:
         self.clock = PassClock()
         self._priors = {kind: (_Prior(), _Prior()) for kind in KINDS}
         self._odds: dict[int, dict[str, _Odds]] = {}
-        self._floor: tuple = (None, 0.0)  # (what it was derived from, _no_gain_at_or_below's answer)
+        self._prices_stamp: tuple = (None, -1)  # the clock and its version _price_list was derived at
+        self._price_list: dict[tuple, tuple] = {}
+        self._prior_values: dict[str, tuple[float, float]] = {}  # _prior's answers until a prior changes
 
     # ---- planning ----------------------------------------------------------------------------
     # tokens over which a catch-up's cost is spread, at most: a longer reply earns it back sooner
@@ -205,17 +203,24 @@ class DraftPlanner:
     def acceptance(self, seq: Sequence, kind: str) -> tuple[float, float]:
         """(a1, a2): the rates at which `seq`'s first and later drafts of `kind` are accepted."""
         mine = self._odds.get(seq.seq_id)
+        return self._rates(mine[kind] if mine else None, kind)
+
+    def _rates(self, odds: Optional[_Odds], kind: str) -> tuple[float, float]:
         first, later = self._prior(kind)
-        hits, misses = (mine[kind].hits, mine[kind].misses) if mine else ((0.0, 0.0), (0.0, 0.0))
         w = self.PRIOR_ROUNDS
+        hits, misses = (odds.hits, odds.misses) if odds is not None else ((0.0, 0.0), (0.0, 0.0))
         return ((hits[FIRST] + w * first) / (hits[FIRST] + misses[FIRST] + w),
                 (hits[LATER] + w * later) / (hits[LATER] + misses[LATER] + w))
 
     def _prior(self, kind: str) -> tuple[float, float]:
-        return self._priors[kind][FIRST].value(), self._priors[kind][LATER].value()
+        values = self._prior_values.get(kind)
+        if values is None:
+            values = self._prior_values[kind] = (self._priors[kind][FIRST].value(), self._priors[kind][LATER].value())
+        return values
 
     def new_round(self) -> None:
         """Called once per round, before planning it."""
+        self._prior_values.clear()
         for priors in self._priors.values():
             for prior in priors:
                 prior.relax(self.RELAX)
@@ -225,47 +230,54 @@ class DraftPlanner:
         """The draft length d in 0..most with the most expected tokens per second at rates
         `acceptance` (a1, a2) and the clock's costs (`catch_up`: see _catch_up), the other `batch` - 1
         sequences verifying one row each; 0 until a plain step of `batch` rows (or fewer) was timed."""
-        plain = self.clock.verify(batch)
-        if plain is None or most <= 0:
+        if most <= 0:
             return 0
+        plain, rounds, floor = self._prices(batch, most, copy_passes)
         first, later = acceptance
-        if first < self._no_gain_at_or_below(batch, most, copy_passes):
-            return 0  # no length pays even if every draft after the first were accepted
-        copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
+        if plain is None or first < floor:
+            return 0  # nothing timed yet, or no length pays even if every draft after the first were accepted
         best, best_rate = 0, batch / plain
         tokens, reach = float(batch), first  # reach: the chance that the d-th draft is accepted
-        for d in range(1, most + 1):
+        for d, cost in enumerate(rounds, 1):
             tokens += reach
             reach *= later
-            cost = self.clock.verify(batch + d)
-            rate = tokens / (cost + d * copy + catch_up * (tokens - batch + 1))
+            rate = tokens / (cost + catch_up * (tokens - batch + 1))
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
 
-    def _no_gain_at_or_below(self, batch: int, most: int, copy_passes: bool) -> float:
-        """The first-draft rate a1 at or below which no length 1..most pays at the clock's costs:
-        with every later draft accepted (a2 = 1) and no catch-up, the best any rates can do, a round
-        of d drafts emits batch + a1 d tokens at cost verify(batch + d) + d copy passes, against
-        batch tokens at verify(batch). Where drafting is off (failing drafts, or rounds dearer than
-        their tokens) most sequences stop here instead of pricing every length; the same for all
-        of a round's sequences, so derived once a round."""
-        key = (self.clock, self.clock.version, batch, most, copy_passes)
-        if self._floor[0] != key:
+    def _prices(self, batch: int, most: int, copy_passes: bool) -> tuple:
+        """(the plain step's cost, the cost of a round of d = 1..most drafts without catch-up, the
+        first-draft rate a1 at or below which no length pays) at the clock's costs. The last: with
+        every later draft accepted (a2 = 1) and no catch-up, the best any rates can do, a round of
+        d drafts emits batch + a1 d tokens at cost verify(batch + d) + d copy passes, against batch
+        tokens at verify(batch); where drafting is off (failing drafts, or rounds dearer than their
+        tokens) most sequences stop there instead of pricing every length. The same for all of a
+        round's sequences, so derived once a round (once per change of the clock's costs)."""
+        stamp = (self.clock, self.clock.version)
+        if self._prices_stamp != stamp:
+            self._prices_stamp, self._price_list = stamp, {}
+        key = (batch, most, copy_passes)
+        prices = self._price_list.get(key)
+        if prices is None:
             plain = self.clock.verify(batch)
-            copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
-            floor = min(batch * (self.clock.verify(batch + d) + d * copy - plain) / (d * plain)
-                        for d in range(1, most + 1))
-            self._floor = (key, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
-        return self._floor[1]
+            if plain is None:
+                prices = (None, (), 0.0)
+            else:
+                copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
+                rounds = tuple(self.clock.verify(batch + d) + d * copy for d in range(1, most + 1))
+                floor = min(batch * (cost - plain) / (d * plain) for d, cost in enumerate(rounds, 1))
+                prices = (plain, rounds, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
+            self._price_list[key] = prices
+        return prices
 
     def _length(self, seq: Sequence, kind: str, batch: int, budget: int, catch_up: float) -> int:
         most = min(budget, self.max_length[kind])
         if most <= 0:
             return 0
         copy = kind == "layer"
-        d = self.best_length(self.acceptance(seq, kind), batch, most, copy, catch_up)
         odds = self._seq(seq)[kind]
+        d = self.best_length(self._rates(odds, kind), batch, most, copy, catch_up)
         if d > 0:
             return d
         odds.idle += 1
@@ -294,7 +306,12 @@ class DraftPlanner:
         # per kind, [first hit, first miss, later hits, later misses]: every draft up to the first
         # rejected one was judged
         outcome: dict[str, list[int]] = {}
-        for i, from_lookup in enumerate(draft.from_lookup[: accepted + 1]):
+        sources = draft.from_lookup
+        if sources and not any(sources):  # layer drafts alone (a batch's usual round), counted at once
+            n, hit = len(sources), accepted > 0
+            outcome["layer"] = [int(hit), int(not hit), max(0, min(accepted, n) - 1), int(hit and accepted < n)]
+            sources = ()
+        for i, from_lookup in enumerate(sources[: accepted + 1]):
             kind = "lookup" if from_lookup else "layer"
             counts = outcome.get(kind)
             if counts is None:
@@ -306,15 +323,20 @@ class DraftPlanner:
             # the copy ran and its draft was dropped below the threshold: a pass paid for nothing
             outcome["layer"] = [0, 1, 0, 0]
         mine = self._seq(seq)
+        self._prior_values.clear()
+        forget, full = self.FORGET, _Prior.FULL_EVIDENCE
         for kind, counts in outcome.items():
             odds, priors = mine[kind], self._priors[kind]
+            all_hits, all_misses, shares = odds.hits, odds.misses, odds.shares
             for place in (FIRST, LATER):
-                hits = odds.hits[place] = self.FORGET * odds.hits[place] + counts[2 * place]
-                misses = odds.misses[place] = self.FORGET * odds.misses[place] + counts[2 * place + 1]
-                prior, (old_hits, old_misses) = priors[place], odds.shares[place]
-                weight = prior.share(hits + misses)
-                odds.shares[place] = (hits * weight, misses * weight)
-                prior.live_hits += hits * weight - old_hits  # per round and sequence: kept to arithmetic
+                hits = all_hits[place] = forget * all_hits[place] + counts[2 * place]
+                misses = all_misses[place] = forget * all_misses[place] + counts[2 * place + 1]
+                # its share of the prior (_Prior): its rate, counting as min(1, seen / full) sequences
+                seen = hits + misses
+                weight = 1.0 / (full if seen < full else seen)
+                prior, (old_hits, old_misses) = priors[place], shares[place]
+                shares[place] = (hits * weight, misses * weight)
+                prior.live_hits += hits * weight - old_hits
                 prior.live_misses += misses * weight - old_misses
             if not counts[1] and not counts[3]:  # this kind pays again: probes start over from the first wait
                 odds.wait = self.FIRST_PROBE_WAIT
@@ -329,6 +351,7 @@ class DraftPlanner:
     def release(self, seq: Sequence) -> None:
         mine = self._odds.pop(seq.seq_id, None)
         if mine is not None:
+            self._prior_values.clear()
             for kind, odds in mine.items():
                 for place in (FIRST, LATER):
                     self._priors[kind][place].release(odds.shares[place], last=not self._odds)
