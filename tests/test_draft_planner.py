@@ -8,7 +8,8 @@ import pytest
 import eecore
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft import Draft
-from eecore.speculative.draft_planner import DraftPlan, DraftPlanner, PassClock
+from eecore.speculative.draft_planner import DraftPlan, DraftPlanner
+from eecore.speculative.pass_clock import PassClock
 from engine_utils import greedy
 from test_hybrid_switch import _prompts, lora_file  # noqa: F401 (a fixture)
 from test_separate_draft_layers import tiny  # noqa: F401 (a fixture)
