@@ -808,6 +808,42 @@ LOSSLESS_CONFIGS = {  # greedy outputs are full depth's whatever the drafts, the
 }
 
 
+def _random_workload(r, seed: int, path, vocab_size: int, monkeypatch):
+    """A random lossless engine and workload drawn from `r`, prompts from `seed` (see the test below): returns
+    (build(graphs) -> LLM, prompts, params, arrive_every)."""
+    name = r.choice(sorted(LOSSLESS_CONFIGS))
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", r.choice("01"))
+    monkeypatch.setenv("EECORE_DRAFT_AHEAD", r.choice("01"))
+    monkeypatch.setenv("EECORE_PREPARE_NEXT_STEP", r.choice("01"))
+    piecewise, arrive_every = r.random() < 0.5, r.choice([0, 1, 3])
+    num_blocks, max_len = r.choice([24, 48, 200]), r.choice([48, 160])
+    kw = dict(num_blocks=num_blocks, max_num_seqs=r.choice([1, 3, 6]), max_model_len=max_len,
+              max_num_batched_tokens=r.choice([16, 32, 64]), enable_prefix_caching=r.random() < 0.4)
+    prompts = random_prompts(vocab_size, [r.randint(1, 120) for _ in range(r.randint(1, 7))], seed=seed)
+    if r.random() < 0.5:
+        prompts = [p + p[: len(p) // 2] for p in prompts]
+    prompts = [p[: min(max_len, num_blocks * 4) - 8] for p in prompts]
+    params = [greedy(r.randint(1, 40), logprobs=r.choice([None, 2]),
+                     stop_token_ids=[r.randrange(vocab_size)] if r.random() < 0.3 else ())
+              for _ in prompts]
+
+    def build(graphs: bool):
+        llm = _llm(path, static=graphs, speculative=LOSSLESS_CONFIGS[name](), **kw)
+        if graphs:
+            runner, n, strategy = llm.engine.runner, llm.engine.config.max_num_seqs, llm.engine.strategy
+            emulate_graphs(runner.static_decode)
+            if piecewise:
+                runner.piecewise = emulate_graphs(PiecewiseForward(runner, runner.builder.max_tokens, capture=False))
+            if name != "none":
+                runner.static_verify = emulate_graphs(StaticVerify(runner, n, capture=False, width=strategy.lookahead))
+                if strategy.draft_stack is not None:
+                    strategy.draft_stack.static = emulate_graphs(StaticLayers(strategy.draft_stack.runner, n, capture=False,
+                                                                              max_width=CATCH_UP_WIDTH))
+        return llm
+
+    return build, prompts, params, arrive_every
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, monkeypatch):
     """Random engines and workloads, every pass a GPU engine captures as an emulated graph (decode
@@ -821,35 +857,11 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
     import random
 
     path, hf = tiny
-    r = random.Random(seed)
-    name = r.choice(sorted(LOSSLESS_CONFIGS))
-    monkeypatch.setenv("EECORE_DECODE_AHEAD", r.choice("01"))
-    monkeypatch.setenv("EECORE_DRAFT_AHEAD", r.choice("01"))
-    monkeypatch.setenv("EECORE_PREPARE_NEXT_STEP", r.choice("01"))
-    piecewise, arrive_every = r.random() < 0.5, r.choice([0, 1, 3])
-    num_blocks, max_len = r.choice([24, 48, 200]), r.choice([48, 160])
-    kw = dict(num_blocks=num_blocks, max_num_seqs=r.choice([1, 3, 6]), max_model_len=max_len,
-              max_num_batched_tokens=r.choice([16, 32, 64]), enable_prefix_caching=r.random() < 0.4)
-    prompts = random_prompts(hf.config.vocab_size, [r.randint(1, 120) for _ in range(r.randint(1, 7))], seed=seed)
-    if r.random() < 0.5:
-        prompts = [p + p[: len(p) // 2] for p in prompts]
-    prompts = [p[: min(max_len, num_blocks * 4) - 8] for p in prompts]
-    params = [greedy(r.randint(1, 40), logprobs=r.choice([None, 2]),
-                     stop_token_ids=[r.randrange(hf.config.vocab_size)] if r.random() < 0.3 else ())
-              for _ in prompts]
+    build, prompts, params, arrive_every = _random_workload(random.Random(seed), seed, path, hf.config.vocab_size,
+                                                            monkeypatch)
 
     def run(graphs: bool):
-        llm = _llm(path, static=graphs, speculative=LOSSLESS_CONFIGS[name](), **kw)
-        if graphs:
-            runner, n, strategy = llm.engine.runner, llm.engine.config.max_num_seqs, llm.engine.strategy
-            emulate_graphs(runner.static_decode)
-            if piecewise:
-                runner.piecewise = emulate_graphs(PiecewiseForward(runner, runner.builder.max_tokens, capture=False))
-            if name != "none":
-                runner.static_verify = emulate_graphs(StaticVerify(runner, n, capture=False, width=strategy.lookahead))
-                if strategy.draft_stack is not None:
-                    strategy.draft_stack.static = emulate_graphs(StaticLayers(strategy.draft_stack.runner, n, capture=False,
-                                                                              max_width=CATCH_UP_WIDTH))
+        llm = build(graphs)
         return llm, generate_arriving(llm, prompts, params, arrive_every) if arrive_every else \
             llm.generate(prompts, params)
 
@@ -861,3 +873,35 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
             assert step_a.keys() == step_b.keys()
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_requests_aborted_between_steps_leave_the_others_their_tokens(tiny, seed, monkeypatch):
+    """A server aborts a request whenever its client goes away: between any two steps, with a step
+    launched ahead or a next step prepared for the batch that held it (on a GPU, with graphs). On
+    random engines and workloads as above, with emulated graphs, the other requests' greedy outputs
+    must be what they are without the aborts (the CPU's kernels give a row the same bits whatever
+    shares its call), an aborted request's tokens a prefix of its own, and every block free after."""
+    import random
+
+    path, hf = tiny
+    r = random.Random(1000 + seed)
+    build, prompts, params, _ = _random_workload(r, 1000 + seed, path, hf.config.vocab_size, monkeypatch)
+    aborts = {r.randrange(len(prompts)): r.randint(0, 30) for _ in range(r.randint(1, 3))}  # request: step
+    expected = build(False).generate(prompts, params)
+    engine = build(True).engine
+    seqs = [engine.add_request(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
+    step = aborted = 0
+    while engine.has_unfinished():
+        for i in (i for i, at in aborts.items() if at == step):
+            aborted += engine.abort_request(seqs[i])  # False: it had finished
+        engine.step()
+        step += 1
+    outs = [engine.output(s) for s in seqs]
+    for out, want in zip(outs, expected):
+        if out.finish_reason == "abort":
+            assert out.token_ids == want.token_ids[: len(out.token_ids)]
+        else:
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+    assert sum(out.finish_reason == "abort" for out in outs) == aborted
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
