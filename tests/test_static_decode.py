@@ -905,3 +905,41 @@ def test_requests_aborted_between_steps_leave_the_others_their_tokens(tiny, seed
             assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
     assert sum(out.finish_reason == "abort" for out in outs) == aborted
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_step_that_fails_midway_is_recovered_with_the_tokens_of_a_clean_run(tiny, seed, monkeypatch):
+    """A step raising while its tokens are appended (a request's own code failing: some rows have
+    their tokens, the others not; on a GPU a step may be launched ahead), then recovered as the
+    server does (LLMEngine.recover_from_failed_step: every running sequence recomputed). On random
+    engines and workloads as above, with emulated graphs, every output must be the clean run's."""
+    import random
+
+    path, hf = tiny
+    r = random.Random(5000 + seed)
+    build, prompts, params, _ = _random_workload(r, 5000 + seed, path, hf.config.vocab_size, monkeypatch)
+    fail_at = r.randint(1, 30)  # the append that raises
+    expected = build(False).generate(prompts, params)
+    engine = build(True).engine
+    seqs = [engine.add_request(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
+    append, calls = engine.stopper.append, [0]
+
+    def failing_append(seq, tokens):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("a request's code failed")
+        return append(seq, tokens)
+
+    monkeypatch.setattr(engine.stopper, "append", failing_append)
+    failures = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except RuntimeError as error:
+            assert "request's code" in str(error)
+            assert engine.recover_from_failed_step() == []  # nobody's own code fails when probed again
+            failures += 1
+    assert failures == (calls[0] >= fail_at)
+    assert [(engine.output(s).token_ids, s.finish_reason) for s in seqs] == \
+        [(o.token_ids, o.finish_reason) for o in expected]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
