@@ -75,6 +75,34 @@ def test_the_clock_averages_and_estimates_unmeasured_rows_from_below():
     assert clock.catch_up_token == pytest.approx(0.001)
 
 
+def test_a_row_count_not_timed_for_a_while_is_forgotten_and_priced_from_below():
+    """A pass the planner stopped running would keep the time it took in another phase of the
+    machine for good; after STALE_ROUNDS rounds it is forgotten (never the narrowest timed), and
+    quiet() hears of it a round ahead, since plans may change then with no new timing."""
+    clock = PassClock()
+    clock.record_verify(1, 0.010)
+    clock.record_verify(2, 0.030)  # a slow phase
+    clock.record_verify(3, 0.020)
+    for _ in range(PassClock.STALE_ROUNDS - 3):
+        clock.record_verify(1, 0.005)
+    assert not clock.forgets_next_round() and clock.verify(2) == pytest.approx(0.020)  # capped by 3 rows'
+    clock.record_verify(1, 0.005)
+    assert clock.forgets_next_round()  # 2 rows' time is STALE_ROUNDS old at the next record
+    planner = DraftPlanner(max_layer=0, max_lookup=2)
+    planner.clock = clock
+    seq = _seq()
+    planner.plan(seq, 1, 2, room=100)
+    assert not planner.quiet(seq)
+    clock.record_verify(1, 0.005)
+    assert clock.verify(2) == pytest.approx(clock.verify(1))  # from below: the plain step's
+    assert clock.verify(3) == pytest.approx(0.020)  # timed a round later: not yet
+    clock.record_verify(1, 0.005)
+    assert clock.verify(3) == pytest.approx(clock.verify(1)) and clock.verify(1) is not None  # the narrowest stays
+    for _ in range(2 * PassClock.STALE_ROUNDS):
+        clock.record_verify(3, 0.004)
+    assert clock.verify(1) is not None  # the narrowest timed is never forgotten
+
+
 def test_no_row_count_costs_more_than_a_wider_one_measured():
     """A plain step timed once, dearly (a one-time cost, or long ago: the planner stopped running
     it), must not stay dearer than the rounds' wider passes, or the planner would keep drafting at

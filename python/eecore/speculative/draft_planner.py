@@ -241,11 +241,11 @@ class DraftPlanner:
 
     def quiet(self, seq: Sequence) -> bool:
         """Whether `seq`, planned no drafts this round, will be planned none in the next as well,
-        its rates and the costs staying as they are: it has been planned before, and no probe of a
-        kind it may draft falls due."""
+        its rates and the costs staying as they are: it has been planned before, no probe of a kind
+        it may draft falls due, and the clock forgets no stale cost at this round's end."""
         mine = self._odds.get(seq.seq_id)
-        return mine is not None and all(self.max_length[kind] <= 0 or mine[kind].idle + 1 < mine[kind].wait
-                                        for kind in KINDS)
+        return mine is not None and not self.clock.forgets_next_round() and \
+            all(self.max_length[kind] <= 0 or mine[kind].idle + 1 < mine[kind].wait for kind in KINDS)
 
     # ---- learning ----------------------------------------------------------------------------
     def record(self, seq: Sequence, draft: Optional[Draft], accepted: int) -> None:

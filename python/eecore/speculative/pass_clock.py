@@ -9,9 +9,17 @@ class PassClock:
     """Running averages of measured pass costs, in seconds: a verify pass by its rows, a copy pass."""
 
     DECAY = 0.8  # weight on the past: a few rounds ride out noise, a phase change passes in ~10
+    # A pass the planner stopped running keeps the time it took then, while the machine's speed
+    # drifts (warming up, a neighbour's memory traffic): a 2-row pass timed in a slow phase kept
+    # drafts dearer than they were for hundreds of rounds. So a row count not timed for this many
+    # rounds is forgotten (all but the narrowest timed), priced from below again (optimistically),
+    # and timed again if that price makes a round pay.
+    STALE_ROUNDS = 64
 
     def __init__(self):
         self._verify: dict[int, float] = {}
+        self._timed: dict[int, int] = {}  # the round (count of record_verify) each row count was last timed in
+        self.rounds = 0
         # verify()'s answers since the last record_verify: a round plans every sequence at a few
         # row counts, and each answer would otherwise scan every row count measured
         self._estimates: dict[int, Optional[float]] = {}
@@ -20,9 +28,22 @@ class PassClock:
         self.version = 0  # counts the changes of any cost (DraftPlanner caches what it derives from them)
 
     def record_verify(self, rows: int, seconds: float) -> None:
+        self.rounds += 1
         self._verify[rows] = self._average(self._verify.get(rows), seconds)
+        self._timed[rows] = self.rounds
+        for stale in self._stale(self.rounds):
+            del self._verify[stale], self._timed[stale]
         self._estimates.clear()
         self.version += 1
+
+    def forgets_next_round(self) -> bool:
+        """Whether the next record_verify forgets a row count (so that plans may change with no new
+        timing: DraftPlanner.quiet asks)."""
+        return bool(self._stale(self.rounds + 1))
+
+    def _stale(self, now: int) -> list[int]:
+        narrowest = min(self._timed, default=None)
+        return [rows for rows, at in self._timed.items() if now - at >= self.STALE_ROUNDS and rows != narrowest]
 
     def record_copy(self, passes: int, seconds: float) -> None:
         if passes > 0:
