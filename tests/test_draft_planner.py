@@ -25,7 +25,7 @@ class StubClock(PassClock):
     def verify(self, rows):
         return self._cost(rows)
 
-    def record_verify(self, rows, seconds):
+    def record_verify(self, rows, seconds, batch=None):
         pass
 
     def record_copy(self, passes, seconds):
@@ -75,32 +75,38 @@ def test_the_clock_averages_and_estimates_unmeasured_rows_from_below():
     assert clock.catch_up_token == pytest.approx(0.001)
 
 
-def test_a_row_count_not_timed_for_a_while_is_forgotten_and_priced_from_below():
+def test_a_pass_not_timed_while_the_plain_step_moved_is_forgotten_and_priced_from_below():
     """A pass the planner stopped running would keep the time it took in another phase of the
-    machine for good; after STALE_ROUNDS rounds it is forgotten (never the narrowest timed), and
-    quiet() hears of it a round ahead, since plans may change then with no new timing."""
+    machine for good: once it is STALE_ROUNDS rounds old and its batch's plain step has moved by more
+    than DRIFT since, it is forgotten (quiet() hears of it a round ahead, since plans may change
+    then with no new timing). Where the plain step holds still nothing is forgotten: a GPU that
+    stopped drafting because rounds do not pay there spends no round finding that out again."""
     clock = PassClock()
     clock.record_verify(1, 0.010)
-    clock.record_verify(2, 0.030)  # a slow phase
-    clock.record_verify(3, 0.020)
-    for _ in range(PassClock.STALE_ROUNDS - 3):
-        clock.record_verify(1, 0.005)
+    clock.record_verify(2, 0.030, batch=1)  # a slow phase
+    clock.record_verify(3, 0.020, batch=1)
+    for _ in range(3 * PassClock.STALE_ROUNDS):  # the plain step alone, holding still
+        clock.record_verify(1, 0.010)
     assert not clock.forgets_next_round() and clock.verify(2) == pytest.approx(0.020)  # capped by 3 rows'
-    clock.record_verify(1, 0.005)
-    assert clock.forgets_next_round()  # 2 rows' time is STALE_ROUNDS old at the next record
     planner = DraftPlanner(max_layer=0, max_lookup=2)
     planner.clock = clock
     seq = _seq()
     planner.plan(seq, 1, 2, room=100)
-    assert not planner.quiet(seq)
+    assert planner.quiet(seq)
+    for _ in range(40):  # the machine speeds up
+        if clock.forgets_next_round():
+            break
+        assert planner.quiet(seq)
+        clock.record_verify(1, 0.005)
+    assert clock.forgets_next_round() and not planner.quiet(seq)
+    assert clock.verify(2) == pytest.approx(0.020)  # until the next record
     clock.record_verify(1, 0.005)
-    assert clock.verify(2) == pytest.approx(clock.verify(1))  # from below: the plain step's
-    assert clock.verify(3) == pytest.approx(0.020)  # timed a round later: not yet
-    clock.record_verify(1, 0.005)
-    assert clock.verify(3) == pytest.approx(clock.verify(1)) and clock.verify(1) is not None  # the narrowest stays
+    assert clock.verify(2) == pytest.approx(clock.verify(1)) and clock.verify(3) == pytest.approx(clock.verify(1))
+    assert clock.verify(1) is not None and not clock.forgets_next_round()  # a plain step is never forgotten
+    clock.record_verify(3, 0.007, batch=1)  # timed again: kept while the plain step holds still
     for _ in range(2 * PassClock.STALE_ROUNDS):
-        clock.record_verify(3, 0.004)
-    assert clock.verify(1) is not None  # the narrowest timed is never forgotten
+        clock.record_verify(1, clock.verify(1))
+    assert clock.verify(3) == pytest.approx(0.007)
 
 
 def test_no_row_count_costs_more_than_a_wider_one_measured():
@@ -493,9 +499,9 @@ def test_rounds_that_record_a_cuda_graph_teach_the_clock_nothing(tiny, lora_file
         static._record = lambda key, step, inputs, record=record: (time.sleep(0.05), record(key, step, inputs))[1]
     learned = []
     clock = strategy.planner.clock
-    for name in ("record_verify", "record_copy", "record_catch_up"):
+    for name, seconds in (("record_verify", 1), ("record_copy", 1), ("record_catch_up", 2)):
         inner = getattr(clock, name)
-        setattr(clock, name, lambda *args, inner=inner: (learned.append(args[-1]), inner(*args))[1])
+        setattr(clock, name, lambda *args, inner=inner, i=seconds: (learned.append(args[i]), inner(*args))[1])
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
     assert all(static.captures for static in passes)  # every kind of pass recorded graphs

@@ -163,7 +163,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             logits = self.verifier.full(rows, shadowed, logit_rows(widths, drafts))
         results, offsets = self._accept(seqs, drafts, widths, logits)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
-        self._clock_round(sum(widths), start, drafting)
+        self._clock_round(sum(widths), len(seqs), start, drafting)
         return results
 
     def _plan(self, seq: Sequence, batch: int, budget: int) -> DraftPlan:
@@ -196,11 +196,12 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             clock.record_copy(passes, seconds)
         return seconds
 
-    def _clock_round(self, rows: int, start: float, drafting: float) -> None:
-        """The round's time less its draft passes: what verifying `rows` rows cost (not learned from a
-        round in which a pass recorded its CUDA graph: on a GPU the first round of each shape)."""
+    def _clock_round(self, rows: int, batch: int, start: float, drafting: float) -> None:
+        """The round's time less its draft passes: what verifying `rows` rows of `batch` sequences cost
+        (not learned from a round in which a pass recorded its CUDA graph: on a GPU the first round
+        of each shape)."""
         if self.planner is not None and self._captures() == self._round_captures:
-            self.planner.clock.record_verify(rows, time.perf_counter() - start - drafting)
+            self.planner.clock.record_verify(rows, time.perf_counter() - start - drafting, batch)
 
     def _captures(self) -> int:
         """CUDA graphs recorded so far by the passes a round may run (engine.static_decode)."""
@@ -235,7 +236,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             # the guard's shadow check wants layer-E states: tap them on the way through
             results, logits = self._plain.step(seqs, tap=(self.exit_layer, self._exit_states[: len(seqs), 0]))
             self._record_shadow(seqs, shadowed, shadowed, logits)
-        self._clock_round(len(seqs), start, 0.0)
+        self._clock_round(len(seqs), len(seqs), start, 0.0)
         return results
 
     def _plain_ahead(self, seqs: list[Sequence]) -> bool:
@@ -266,12 +267,12 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                     self.planner.record(seq, draft, 0)
                 if draft.copy_ran:  # the copy's K/V of the pending token is right
                     self.draft_stack.settle(seq, begin + 1)
-            self._clock_round(len(seqs), start, drafting)
+            self._clock_round(len(seqs), len(seqs), start, drafting)
             return results
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d.tokens) for s, d in zip(seqs, drafts)]
         logits = self.verifier.full(rows)
         results = self._accept(seqs, drafts, [len(r.tokens) for r in rows], logits)[0]
-        self._clock_round(sum(len(r.tokens) for r in rows), start, drafting)
+        self._clock_round(sum(len(r.tokens) for r in rows), len(seqs), start, drafting)
         return results
 
     def _accept(self, seqs, drafts: list[Draft], widths: list[int], logits: torch.Tensor):

@@ -11,15 +11,21 @@ class PassClock:
     DECAY = 0.8  # weight on the past: a few rounds ride out noise, a phase change passes in ~10
     # A pass the planner stopped running keeps the time it took then, while the machine's speed
     # drifts (warming up, a neighbour's memory traffic): a 2-row pass timed in a slow phase kept
-    # drafts dearer than they were for hundreds of rounds. So a row count not timed for this many
-    # rounds is forgotten (all but the narrowest timed), priced from below again (optimistically),
-    # and timed again if that price makes a round pay.
+    # drafts dearer than they were for hundreds of rounds. So a wider pass not timed for
+    # STALE_ROUNDS rounds, whose batch's plain step has since moved by more than DRIFT, is
+    # forgotten: priced from below again (optimistically), and timed again if that price makes a
+    # round pay. Where the plain step holds still (a GPU that stopped drafting because rounds do
+    # not pay there), nothing is forgotten, so no round is spent finding that out again.
     STALE_ROUNDS = 64
+    DRIFT = 0.05
 
     def __init__(self):
         self._verify: dict[int, float] = {}
-        self._timed: dict[int, int] = {}  # the round (count of record_verify) each row count was last timed in
-        self.rounds = 0
+        # per row count of a pass wider than its batch's plain step: (the round it was last timed
+        # in, its batch, that batch's plain step then)
+        self._timed: dict[int, tuple[int, int, float]] = {}
+        self._forget: list[int] = []  # what the next record_verify forgets (decided one round ahead)
+        self.rounds = 0  # record_verify calls
         # verify()'s answers since the last record_verify: a round plans every sequence at a few
         # row counts, and each answer would otherwise scan every row count measured
         self._estimates: dict[int, Optional[float]] = {}
@@ -27,23 +33,30 @@ class PassClock:
         self.catch_up_token: float = 0.0  # until measured: drafting starts hopeful
         self.version = 0  # counts the changes of any cost (DraftPlanner caches what it derives from them)
 
-    def record_verify(self, rows: int, seconds: float) -> None:
+    def record_verify(self, rows: int, seconds: float, batch: Optional[int] = None) -> None:
+        """A verify pass of `rows` rows for `batch` sequences (a plain step where they are equal, the
+        default) took `seconds`."""
         self.rounds += 1
+        for stale in self._forget:
+            self._verify.pop(stale, None)
+            self._timed.pop(stale, None)
         self._verify[rows] = self._average(self._verify.get(rows), seconds)
-        self._timed[rows] = self.rounds
-        for stale in self._stale(self.rounds):
-            del self._verify[stale], self._timed[stale]
+        plain = self._verify.get(batch) if batch is not None and batch < rows else None
+        if plain is not None:
+            self._timed[rows] = (self.rounds, batch, plain)
+        else:
+            self._timed.pop(rows, None)  # a plain step (or one with nothing to compare): kept for good
+        # decided here, done at the next record, so that DraftPlanner.quiet knows of it a round ahead
+        self._forget = [r for r, (at, b, then) in self._timed.items()
+                        if self.rounds + 1 - at >= self.STALE_ROUNDS and b in self._verify
+                        and abs(self._verify[b] - then) > self.DRIFT * then]
         self._estimates.clear()
         self.version += 1
 
     def forgets_next_round(self) -> bool:
         """Whether the next record_verify forgets a row count (so that plans may change with no new
         timing: DraftPlanner.quiet asks)."""
-        return bool(self._stale(self.rounds + 1))
-
-    def _stale(self, now: int) -> list[int]:
-        narrowest = min(self._timed, default=None)
-        return [rows for rows, at in self._timed.items() if now - at >= self.STALE_ROUNDS and rows != narrowest]
+        return bool(self._forget)
 
     def record_copy(self, passes: int, seconds: float) -> None:
         if passes > 0:
