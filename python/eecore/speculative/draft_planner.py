@@ -17,10 +17,10 @@ round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
   copy up (on the prompt, or on tokens decoded without it) takes beyond that is the cost of a
   catch-up token. Each is a running average. Every round ends by reading its tokens on the host,
   so wall time is right on a GPU as well; a round that captured a CUDA graph (the first of its
-  shape) paid a one-time cost and teaches nothing. A row count not yet measured, or not for 64
-  rounds, is estimated at the cost of the widest one measured below it (the cheapest it could
-  be), so that the planner tries it and learns its cost, and no row count costs more than a wider
-  one measured;
+  shape) paid a one-time cost and teaches nothing. A row count not yet measured (or forgotten:
+  not timed for 64 rounds while the plain step moved) is estimated at the cost of the widest one
+  measured below it (the cheapest it could be), so that the planner tries it and learns its cost,
+  and no row count costs more than a wider one measured;
 - acceptance: per sequence and kind, two rates: that a round's first draft of the kind is
   accepted (a1), and that a later one is when every draft before it was (a2). A prompt-lookup
   draft is either a wrong guess (its first token fails) or a copy of text that goes on (its later
