@@ -75,38 +75,41 @@ def test_the_clock_averages_and_estimates_unmeasured_rows_from_below():
     assert clock.catch_up_token == pytest.approx(0.001)
 
 
-def test_a_pass_not_timed_while_the_plain_step_moved_is_forgotten_and_priced_from_below():
+def test_a_pass_not_timed_while_the_plain_step_moved_is_scaled_with_it():
     """A pass the planner stopped running would keep the time it took in another phase of the
     machine for good: once it is STALE_ROUNDS rounds old and its batch's plain step has moved by more
-    than DRIFT since, it is forgotten (quiet() hears of it a round ahead, since plans may change
-    then with no new timing). Where the plain step holds still nothing is forgotten: a GPU that
-    stopped drafting because rounds do not pay there spends no round finding that out again."""
+    than DRIFT since, its cost moves with the plain step (quiet() hears of it a round ahead, since
+    plans may change then with no new timing). Where the plain step holds still nothing changes: a
+    GPU that stopped drafting because rounds do not pay there spends no round finding that out."""
     clock = PassClock()
     clock.record_verify(1, 0.010)
-    clock.record_verify(2, 0.030, batch=1)  # a slow phase
-    clock.record_verify(3, 0.020, batch=1)
+    clock.record_verify(2, 0.015, batch=1)  # 1.5 plain steps
+    clock.record_verify(3, 0.018, batch=1)
     for _ in range(3 * PassClock.STALE_ROUNDS):  # the plain step alone, holding still
         clock.record_verify(1, 0.010)
-    assert not clock.forgets_next_round() and clock.verify(2) == pytest.approx(0.020)  # capped by 3 rows'
+    assert not clock.changes_next_round() and clock.verify(2) == pytest.approx(0.015)
     planner = DraftPlanner(max_layer=0, max_lookup=2)
     planner.clock = clock
     seq = _seq()
     planner.plan(seq, 1, 2, room=100)
     assert planner.quiet(seq)
     for _ in range(40):  # the machine speeds up
-        if clock.forgets_next_round():
+        if clock.changes_next_round():
             break
         assert planner.quiet(seq)
         clock.record_verify(1, 0.005)
-    assert clock.forgets_next_round() and not planner.quiet(seq)
-    assert clock.verify(2) == pytest.approx(0.020)  # until the next record
-    clock.record_verify(1, 0.005)
-    assert clock.verify(2) == pytest.approx(clock.verify(1)) and clock.verify(3) == pytest.approx(clock.verify(1))
-    assert clock.verify(1) is not None and not clock.forgets_next_round()  # a plain step is never forgotten
-    clock.record_verify(3, 0.007, batch=1)  # timed again: kept while the plain step holds still
-    for _ in range(2 * PassClock.STALE_ROUNDS):
-        clock.record_verify(1, clock.verify(1))
-    assert clock.verify(3) == pytest.approx(0.007)
+    assert clock.changes_next_round() and not planner.quiet(seq)
+    assert clock.verify(2) == pytest.approx(0.015)  # until the next record
+    plain = clock.verify(1)
+    clock.record_verify(1, 0.005)  # scaled by the plain step as it was when the change was decided
+    assert clock.verify(2) == pytest.approx(0.015 * plain / 0.010)
+    assert clock.verify(3) == pytest.approx(0.018 * plain / 0.010)
+    for _ in range(2 * PassClock.STALE_ROUNDS):  # settled at 0.005: scaled again once, then still
+        clock.record_verify(1, 0.005)
+    assert clock.verify(2) == pytest.approx(0.0075, rel=0.05) and not clock.changes_next_round()
+    before = clock.verify(2)
+    clock.record_verify(2, 0.006, batch=1)  # timed again: averaged with its own times as before
+    assert clock.verify(2) == pytest.approx(PassClock.DECAY * before + (1 - PassClock.DECAY) * 0.006)
 
 
 def test_no_row_count_costs_more_than_a_wider_one_measured():

@@ -17,10 +17,10 @@ round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
   copy up (on the prompt, or on tokens decoded without it) takes beyond that is the cost of a
   catch-up token. Each is a running average. Every round ends by reading its tokens on the host,
   so wall time is right on a GPU as well; a round that captured a CUDA graph (the first of its
-  shape) paid a one-time cost and teaches nothing. A row count not yet measured (or forgotten:
-  not timed for 64 rounds while the plain step moved) is estimated at the cost of the widest one
-  measured below it (the cheapest it could be), so that the planner tries it and learns its cost,
-  and no row count costs more than a wider one measured;
+  shape) paid a one-time cost and teaches nothing. A pass not timed for 64 rounds while its
+  batch's plain step moved is scaled with the plain step. A row count not yet measured is
+  estimated at the cost of the widest one measured below it (the cheapest it could be), so that
+  the planner tries it and learns its cost, and no row count costs more than a wider one measured;
 - acceptance: per sequence and kind, two rates: that a round's first draft of the kind is
   accepted (a1), and that a later one is when every draft before it was (a2). A prompt-lookup
   draft is either a wrong guess (its first token fails) or a copy of text that goes on (its later
@@ -242,9 +242,9 @@ class DraftPlanner:
     def quiet(self, seq: Sequence) -> bool:
         """Whether `seq`, planned no drafts this round, will be planned none in the next as well,
         its rates and the costs staying as they are: it has been planned before, no probe of a kind
-        it may draft falls due, and the clock forgets no stale cost at this round's end."""
+        it may draft falls due, and the clock scales no stale cost at this round's end."""
         mine = self._odds.get(seq.seq_id)
-        return mine is not None and not self.clock.forgets_next_round() and \
+        return mine is not None and not self.clock.changes_next_round() and \
             all(self.max_length[kind] <= 0 or mine[kind].idle + 1 < mine[kind].wait for kind in KINDS)
 
     # ---- learning ----------------------------------------------------------------------------

@@ -12,19 +12,20 @@ class PassClock:
     # A pass the planner stopped running keeps the time it took then, while the machine's speed
     # drifts (warming up, a neighbour's memory traffic): a 2-row pass timed in a slow phase kept
     # drafts dearer than they were for hundreds of rounds. So a wider pass not timed for
-    # STALE_ROUNDS rounds, whose batch's plain step has since moved by more than DRIFT, is
-    # forgotten: priced from below again (optimistically), and timed again if that price makes a
-    # round pay. Where the plain step holds still (a GPU that stopped drafting because rounds do
-    # not pay there), nothing is forgotten, so no round is spent finding that out again.
+    # STALE_ROUNDS rounds, whose batch's plain step has since moved by more than DRIFT, is scaled
+    # by the plain step's move (the machine's speed, not the pass's shape, is what changed). Where
+    # the plain step holds still (a GPU that stopped drafting because rounds do not pay there)
+    # nothing changes. (Forgetting such a pass instead, to price it from below and time it again,
+    # made drafts look nearly free once a phase changed, and requests whose drafts fail drafted.)
     STALE_ROUNDS = 64
     DRIFT = 0.05
 
     def __init__(self):
         self._verify: dict[int, float] = {}
-        # per row count of a pass wider than its batch's plain step: (the round it was last timed
-        # in, its batch, that batch's plain step then)
+        # per row count of a pass wider than its batch's plain step: (the round it was last timed or
+        # scaled in, its batch, that batch's plain step then)
         self._timed: dict[int, tuple[int, int, float]] = {}
-        self._forget: list[int] = []  # what the next record_verify forgets (decided one round ahead)
+        self._drifted: list[tuple[int, float]] = []  # (rows, plain step now): the next record_verify scales them
         self.rounds = 0  # record_verify calls
         # verify()'s answers since the last record_verify: a round plans every sequence at a few
         # row counts, and each answer would otherwise scan every row count measured
@@ -37,26 +38,27 @@ class PassClock:
         """A verify pass of `rows` rows for `batch` sequences (a plain step where they are equal, the
         default) took `seconds`."""
         self.rounds += 1
-        for stale in self._forget:
-            self._verify.pop(stale, None)
-            self._timed.pop(stale, None)
+        for stale, plain in self._drifted:
+            at, b, then = self._timed[stale]
+            self._verify[stale] *= plain / then
+            self._timed[stale] = (self.rounds, b, plain)
         self._verify[rows] = self._average(self._verify.get(rows), seconds)
         plain = self._verify.get(batch) if batch is not None and batch < rows else None
         if plain is not None:
             self._timed[rows] = (self.rounds, batch, plain)
         else:
-            self._timed.pop(rows, None)  # a plain step (or one with nothing to compare): kept for good
+            self._timed.pop(rows, None)  # a plain step (or one with nothing to compare): timed as it runs
         # decided here, done at the next record, so that DraftPlanner.quiet knows of it a round ahead
-        self._forget = [r for r, (at, b, then) in self._timed.items()
-                        if self.rounds + 1 - at >= self.STALE_ROUNDS and b in self._verify
-                        and abs(self._verify[b] - then) > self.DRIFT * then]
+        self._drifted = [(r, self._verify[b]) for r, (at, b, then) in self._timed.items()
+                         if r != rows and self.rounds + 1 - at >= self.STALE_ROUNDS and b in self._verify
+                         and abs(self._verify[b] - then) > self.DRIFT * then]
         self._estimates.clear()
         self.version += 1
 
-    def forgets_next_round(self) -> bool:
-        """Whether the next record_verify forgets a row count (so that plans may change with no new
-        timing: DraftPlanner.quiet asks)."""
-        return bool(self._forget)
+    def changes_next_round(self) -> bool:
+        """Whether the next record_verify scales a drifted pass's cost (so that plans may change with
+        no new timing of it: DraftPlanner.quiet asks)."""
+        return bool(self._drifted)
 
     def record_copy(self, passes: int, seconds: float) -> None:
         if passes > 0:
