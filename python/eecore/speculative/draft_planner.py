@@ -36,8 +36,8 @@ round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
 - probes: a sequence planned at 0 for a kind stops learning about it, so after a wait it drafts
   that kind as far as the prior would pay (none if it would not); the wait doubles while probes
   fail (32 to 128 rounds), and a round whose drafts of the kind were all accepted resets it. The
-  prior drifts back to hopeful while nobody drafts, so
-  that a workload that turns to text where drafts pay (chat, then code) starts drafting again.
+  prior drifts back to hopeful while nobody drafts, so that a workload that turns to text where
+  drafts pay (chat, then code) starts drafting again.
 
 Greedy outputs do not depend on the drafts, so every choice keeps them the full model's; sampled
 outputs keep its law.
@@ -78,8 +78,9 @@ class _Prior:
     sequences draft and measure instead of waiting for probes, and drifts back there while nobody
     drafts (`relax`), so that a workload that turns to text where drafts pay finds out."""
     HOPEFUL_HITS, HOPEFUL_MISSES = 1.6, 0.4
-    FULL_EVIDENCE = 3.0      # a sequence's rate counts fully once it has judged this many drafts (forgetting
-                             # as its own record does), as min(1, judged / FULL_EVIDENCE) sequences before
+    # a sequence's rate counts as min(1, judged / FULL_EVIDENCE) sequences, `judged` its drafts
+    # judged so far (forgetting as its own record does)
+    FULL_EVIDENCE = 3.0
     RELEASE_FORGET = 0.8     # per released sequence (with evidence): about the last five count
 
     def __init__(self):
@@ -234,9 +235,9 @@ class DraftPlanner:
             return 0
         odds.idle = 0
         odds.wait = min(2 * odds.wait, self.MAX_PROBE_WAIT)
-        # a probe: the length that would pay at the prior (recent sequences' rates), so that one round says
-        # whether this one's is back; none where even those would not pay (chat alone, or layer
-        # drafts on an exact 4-bit kernel on a CPU)
+        # a probe: the length that would pay at the prior (recent sequences' rates), so that one
+        # round says whether this one's is back; none where even those would not pay (chat alone,
+        # or layer drafts on an exact 4-bit kernel on a CPU)
         return self.best_length(self._prior(kind), batch, most, copy, catch_up)
 
     def quiet(self, seq: Sequence) -> bool:
