@@ -328,6 +328,56 @@ def test_a_sequence_is_quiet_until_its_probe_falls_due():
     assert any(d for _, d in predictions) and any(quiet for quiet, _ in predictions)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_round_planned_at_once_is_each_sequence_planned_alone(seed):
+    """plan_all, which derives a round's prices and priors once for all its sequences, plans each
+    as the per-sequence rule does: the length best_length picks at the sequence's own rates and
+    catch-up, or where no length pays, 0 until its probe falls due and then the prior's length;
+    and all_quiet is quiet() of every sequence. Random costs, records, budgets and rooms, rounds
+    with some sequences recorded and some released."""
+    import copy
+    import random
+
+    r = random.Random(seed)
+    step, slope = r.uniform(0.5, 2.0), r.uniform(0.0, 0.15)
+    copy_cost = step * r.uniform(0.0, 0.15)
+    planner = DraftPlanner(max_layer=r.choice([2, 4]), max_lookup=r.choice([0, 3]))
+    planner.clock = StubClock(lambda rows: step * (1.0 + slope * (rows - 1)), copy_cost, r.uniform(0.0, 0.02))
+    seqs = [_seq() for _ in range(5)]
+    for _ in range(150):
+        planner.new_round()
+        batch = len(seqs)
+        budgets = [r.choice([0, 1, 2, 4, 4, 4]) for _ in seqs]
+        rooms = [r.choice([1, 5, 64, 1000]) for _ in seqs]
+        behinds = [r.choice([0, 0, 3, 300]) for _ in seqs]
+        alone = copy.deepcopy(planner)
+        expected = []
+        for seq, budget, room, behind in zip(seqs, budgets, rooms, behinds):
+            lengths = {}
+            for kind in ("lookup", "layer"):
+                most = min(budget, alone.max_length[kind])
+                catch_up = alone._catch_up(room, behind) if kind == "layer" else 0.0
+                best = alone.best_length(alone.acceptance(seq, kind), batch, most, kind == "layer", catch_up)
+                if most > 0 and best == 0:
+                    odds = alone._seq(seq)[kind]
+                    if odds.idle + 1 >= odds.wait:  # its probe
+                        best = alone.best_length(alone._prior(kind), batch, most, kind == "layer", catch_up)
+                    odds.idle, odds.wait = (0, min(2 * odds.wait, alone.MAX_PROBE_WAIT)) if odds.idle + 1 >= odds.wait \
+                        else (odds.idle + 1, odds.wait)
+                lengths[kind] = best
+            expected.append(DraftPlan(lengths["lookup"], lengths["layer"]))
+        assert planner.plan_all(seqs, batch, budgets, rooms, behinds) == expected
+        assert planner.all_quiet == all(planner.quiet(seq) for seq in seqs)
+        for seq, plan in zip(seqs, expected):
+            d = max(plan.lookup, plan.layer)
+            if d and r.random() < 0.7:
+                planner.record(seq, _draft(("k" if plan.lookup else "c") * d, copy_ran=plan.layer > 0),
+                               accepted=r.randint(0, d))
+        if r.random() < 0.2:  # one ends, another arrives
+            planner.release(seqs.pop(r.randrange(len(seqs))))
+            seqs.append(_seq())
+
+
 def test_each_sequence_counts_once_in_the_prior_of_the_next():
     """One long request whose drafts fail must not stop the requests after it from drafting (they
     would never measure their own rate); a run of such requests, the workload itself, does."""

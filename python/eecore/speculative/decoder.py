@@ -133,11 +133,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         start = time.perf_counter()
         self._round_captures = self._captures()
-        budgets = [max(0, min(self.num_drafts, self._room(s) - 1)) for s in seqs]
+        rooms = self._rooms(seqs)
+        budgets = [max(0, min(self.num_drafts, room - 1)) for room in rooms]
         layers = self.draft_head is not None and (self.layers_above is None or len(seqs) <= self.layers_above)
-        if self.planner is not None:
-            self.planner.new_round()
-        plans = [self._plan(s, len(seqs), n) for s, n in zip(seqs, budgets)]
+        plans = self._plans(seqs, budgets, rooms)
         if self.config.switches_per_token:
             return self._token_switch_round(seqs, budgets, layers, plans, start)
         if self.guard is None and not any(p.lookup or p.layer for p in plans):
@@ -166,14 +165,14 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._clock_round(sum(widths), len(seqs), start, drafting)
         return results
 
-    def _plan(self, seq: Sequence, batch: int, budget: int) -> DraftPlan:
-        """`seq`'s caps this round: the planner's (config.adaptive), else the config's."""
+    def _plans(self, seqs: list[Sequence], budgets: list[int], rooms: list[int]) -> list[DraftPlan]:
+        """Each sequence's caps this round: the planner's (config.adaptive), else the config's."""
         if self.planner is None:
-            return DraftPlan(lookup=budget, layer=min(budget, self.layer_drafts))
-        if _seeded_sample(seq):
-            return DraftPlan(lookup=0, layer=0)
-        behind = 0 if self.draft_stack is None else self.draft_stack.behind(seq)
-        return self.planner.plan(seq, batch, budget, self._room(seq), behind)
+            return [DraftPlan(lookup=n, layer=min(n, self.layer_drafts)) for n in budgets]
+        self.planner.new_round()
+        stack = self.draft_stack
+        behinds = [0] * len(seqs) if stack is None else stack.behind_all(seqs)
+        return self.planner.plan_all(seqs, len(seqs), budgets, rooms, behinds)
 
     def _draft_passes(self, propose) -> float:
         """Runs `propose` (a proposer's draft passes); returns its seconds. The planner's clock
@@ -227,10 +226,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         return layer_budgets, shadowed
 
     def _plain_round(self, seqs: list[Sequence], shadowed: list[int], start: float) -> list[list[Token]]:
-        for seq in seqs:
-            self.recorder.plain(seq)
+        self.recorder.plain(seqs)
         if not shadowed:
-            self._plain.allow_ahead = self._plain_ahead(seqs)
+            self._plain.allow_ahead = self._plain_ahead()
             results = self._plain.decode(seqs)
         else:
             # the guard's shadow check wants layer-E states: tap them on the way through
@@ -239,7 +237,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._clock_round(len(seqs), len(seqs), start, 0.0)
         return results
 
-    def _plain_ahead(self, seqs: list[Sequence]) -> bool:
+    def _plain_ahead(self) -> bool:
         """Whether a plain round's step may launch the next one ahead (decode ahead, on a GPU): where
         the planner has turned drafting off (the copy's drafts fail, or rounds cost more than they
         emit, as when the host's share of a round outweighs the GPU's at large batches) and no
@@ -247,8 +245,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         whose matches come and go with the text, nor with the guard, which shadow-checks plain
         steps; a step launched ahead that a drafting round follows is work lost (the next plain
         step does not take it: its sequences moved on)."""
-        return (self.planner is not None and self.lookup is None and self.guard is None
-                and all(_seeded_sample(seq) or self.planner.quiet(seq) for seq in seqs))
+        return self.planner is not None and self.lookup is None and self.guard is None and self.planner.all_quiet
 
     def _token_switch_round(self, seqs: list[Sequence], budgets: list[int], layers: bool, plans: list[DraftPlan],
                             start: float) -> list[list[Token]]:
@@ -287,14 +284,12 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def decode_plain(self, seqs: list[Sequence]) -> list[list[Token]]:
         """More sequences decode than drafting allows: while they do, every step is plain, so each
         launches the next ahead (a batch that shrinks below the limit loses one)."""
-        for seq in seqs:
-            self.recorder.plain(seq)
+        self.recorder.plain(seqs)
         self._plain.allow_ahead = True
         return self._plain.decode(seqs)
 
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]):
-        for seq in seqs:
-            self.recorder.plain(seq)
+        self.recorder.plain(seqs)
         return self._plain.decode_mixed(seqs, prefill_rows)
 
     def _record_shadow(self, seqs, rows: list[int], rows_in_logits: list[int], logits: torch.Tensor) -> None:
@@ -313,16 +308,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             if part is not None:
                 part.release(seq)
 
-    def _room(self, seq: Sequence) -> int:
-        """New tokens this sequence may still get (max_tokens and the context both bound it)."""
-        return min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens)
+    def _rooms(self, seqs: list[Sequence]) -> list[int]:
+        """New tokens each sequence may still get (max_tokens and the context both bound it)."""
+        longest = self.runner.max_model_len
+        return [min(s.params.max_tokens - s.num_output_tokens, longest - s.num_tokens) for s in seqs]
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         return self.recorder.metrics(seq)
 
-
-def _seeded_sample(seq: Sequence) -> bool:
-    """A seeded sampled request: under adaptive planning it never drafts. Its tokens follow its drafts
-    (rejection sampling) and the planner's lengths follow the machine's timings, so with drafts
-    its seed would not reproduce its output; without them it is full depth's for that seed."""
-    return seq.params.seed is not None and not seq.params.greedy

@@ -45,7 +45,7 @@ outputs keep its law.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft import Draft
@@ -107,11 +107,20 @@ class _Prior:
         self.misses = keep * self.misses + (1 - keep) * self.HOPEFUL_MISSES
 
 
-@dataclass
-class DraftPlan:
+class DraftPlan(NamedTuple):
     """A sequence's caps for this round: the most tokens it may draft by lookup, and by layers."""
     lookup: int
     layer: int
+
+
+NO_DRAFTS = DraftPlan(0, 0)
+
+
+def never_drafts(seq: Sequence) -> bool:
+    """A seeded sampled request: under adaptive planning it never drafts. Its tokens follow its drafts
+    (rejection sampling) and the planner's lengths follow the machine's timings, so with drafts
+    its seed would not reproduce its output; without them it is full depth's for that seed."""
+    return seq.params.seed is not None and not seq.params.greedy
 
 
 class DraftPlanner:
@@ -127,12 +136,14 @@ class DraftPlanner:
 
     def __init__(self, max_layer: int, max_lookup: int):
         self.max_length = {"layer": max_layer, "lookup": max_lookup}
+        self._kinds = [kind for kind in KINDS if self.max_length[kind] > 0]  # the kinds it plans
         self.clock = PassClock()
         self._priors = {kind: (_Prior(), _Prior()) for kind in KINDS}
         self._odds: dict[int, dict[str, _Odds]] = {}
         self._prices_stamp: tuple = (None, -1)  # the clock and its version _price_list was derived at
         self._price_list: dict[tuple, tuple] = {}
         self._prior_values: dict[str, tuple[float, float]] = {}  # _prior's answers until a prior changes
+        self.all_quiet = False  # whether every sequence of the last plan_all was quiet
 
     # ---- planning ----------------------------------------------------------------------------
     # tokens over which a catch-up's cost is spread, at most: a longer reply earns it back sooner
@@ -142,8 +153,38 @@ class DraftPlanner:
     def plan(self, seq: Sequence, batch: int, budget: int, room: int, behind: int = 0) -> DraftPlan:
         """The caps for `seq` this round: `batch` sequences decoding, at most `budget` drafts, `room`
         tokens it may still emit, `behind` tokens the copy must catch up on before it drafts."""
-        return DraftPlan(self._length(seq, "lookup", batch, budget, 0.0),
-                         self._length(seq, "layer", batch, budget, self._catch_up(room, behind)))
+        return self.plan_all([seq], batch, [budget], [room], [behind])[0]
+
+    def plan_all(self, seqs: list[Sequence], batch: int, budgets: list[int], rooms: list[int],
+                 behinds: list[int]) -> list[DraftPlan]:
+        """`plan` for each of a round's sequences, in one loop that derives what they share (the
+        prices, the priors) once: a round plans every running sequence, and at large batches the
+        planning would otherwise cost the host more than the plain step it so often decides on.
+        Also sets `all_quiet` (see `quiet`) for these sequences."""
+        plans, shared, kinds, records = [], {}, self._kinds, self._odds
+        quiet = not self.clock.changes_next_round()
+        for seq, budget, room, behind in zip(seqs, budgets, rooms, behinds):
+            if never_drafts(seq):
+                plans.append(NO_DRAFTS)
+                continue
+            lookup = layer = 0
+            mine = records.get(seq.seq_id)
+            for kind in kinds:
+                most = min(budget, self.max_length[kind])
+                if most > 0:
+                    prices = shared.get((kind, most))
+                    if prices is None:
+                        prices = shared[kind, most] = self._prices(batch, most, kind == "layer") + self._prior(kind)
+                    if mine is None:
+                        mine = self._seq(seq)
+                    if kind == "layer":
+                        layer = self._length(mine[kind], kind, batch, prices, room, behind)
+                    else:
+                        lookup = self._length(mine[kind], kind, batch, prices, room, behind)
+            plans.append(DraftPlan(lookup, layer) if lookup or layer else NO_DRAFTS)
+            quiet = quiet and self._no_probe_next(mine)
+        self.all_quiet = quiet
+        return plans
 
     def _catch_up(self, room: int, behind: int) -> float:
         """The copy's catch-up in seconds, times the tokens a round emits (a cost per round of
@@ -182,7 +223,12 @@ class DraftPlanner:
         sequences verifying one row each; 0 until a plain step of `batch` rows (or fewer) was timed."""
         if most <= 0:
             return 0
-        plain, rounds, floor = self._prices(batch, most, copy_passes)
+        return self._best(self._prices(batch, most, copy_passes), acceptance, batch, catch_up)
+
+    @staticmethod
+    def _best(prices: tuple, acceptance: tuple[float, float], batch: int, catch_up: float) -> int:
+        """best_length at `prices` (_prices)."""
+        plain, rounds, floor = prices[:3]
         first, later = acceptance
         if plain is None or first < floor:
             return 0  # nothing timed yet, or no length pays even if every draft after the first were accepted
@@ -221,15 +267,20 @@ class DraftPlanner:
             self._price_list[key] = prices
         return prices
 
-    def _length(self, seq: Sequence, kind: str, batch: int, budget: int, catch_up: float) -> int:
-        most = min(budget, self.max_length[kind])
-        if most <= 0:
-            return 0
-        copy = kind == "layer"
-        odds = self._seq(seq)[kind]
-        d = self.best_length(self._rates(odds, kind), batch, most, copy, catch_up)
-        if d > 0:
-            return d
+    def _length(self, odds: _Odds, kind: str, batch: int, prices: tuple, room: int, behind: int) -> int:
+        """The length of `kind` drafts for a sequence with `odds`, or its probe; `prices`: _prices's
+        plain step, round costs and floor, then the prior's two rates."""
+        plain, _, floor, first_prior, later_prior = prices
+        w, hits, misses = self.PRIOR_ROUNDS, odds.hits, odds.misses
+        first = (hits[FIRST] + w * first_prior) / (hits[FIRST] + misses[FIRST] + w)  # as _rates
+        catch_up = 0.0
+        if plain is not None and first >= floor:  # (below the floor no length pays: the usual case off)
+            later = (hits[LATER] + w * later_prior) / (hits[LATER] + misses[LATER] + w)
+            if kind == "layer":
+                catch_up = self._catch_up(room, behind)
+            d = self._best(prices, (first, later), batch, catch_up)
+            if d > 0:
+                return d
         odds.idle += 1
         if odds.idle < odds.wait:
             return 0
@@ -238,15 +289,28 @@ class DraftPlanner:
         # a probe: the length that would pay at the prior (recent sequences' rates), so that one
         # round says whether this one's is back; none where even those would not pay (chat alone,
         # or layer drafts on an exact 4-bit kernel on a CPU)
-        return self.best_length(self._prior(kind), batch, most, copy, catch_up)
+        if kind == "layer":
+            catch_up = self._catch_up(room, behind)
+        return self._best(prices, (first_prior, later_prior), batch, catch_up)
 
     def quiet(self, seq: Sequence) -> bool:
         """Whether `seq`, planned no drafts this round, will be planned none in the next as well,
         its rates and the costs staying as they are: it has been planned before, no probe of a kind
-        it may draft falls due, and the clock scales no stale cost at this round's end."""
-        mine = self._odds.get(seq.seq_id)
-        return mine is not None and not self.clock.changes_next_round() and \
-            all(self.max_length[kind] <= 0 or mine[kind].idle + 1 < mine[kind].wait for kind in KINDS)
+        it may draft falls due, and the clock scales no stale cost at this round's end (a sequence
+        that never drafts is quiet). `all_quiet` says it of a whole plan_all."""
+        return never_drafts(seq) or (not self.clock.changes_next_round() and
+                                     self._no_probe_next(self._odds.get(seq.seq_id)))
+
+    def _no_probe_next(self, mine: Optional[dict[str, _Odds]]) -> bool:
+        """A sequence with record `mine` has been planned, and planned at 0 next round no kind it
+        may draft probes."""
+        if mine is None:
+            return False
+        for kind in self._kinds:
+            odds = mine[kind]
+            if odds.idle + 1 >= odds.wait:
+                return False
+        return True
 
     # ---- learning ----------------------------------------------------------------------------
     def record(self, seq: Sequence, draft: Optional[Draft], accepted: int) -> None:

@@ -148,12 +148,15 @@ class DraftStack:
             return self.static.run(rows)  # a short catch-up (the last round's last draft): one graph
         return self._chunked(seqs, [(row.start, row.tokens) for row in rows])
 
-    def behind(self, seq: Sequence) -> int:
-        """Tokens the copy would run before the pending token in `seq`'s next first pass (as
+    def behind_all(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens the copy would run before the pending token in each sequence's next first pass (as
         _valid reckons it, without recording anything)."""
-        record = self._seen.get(seq.seq_id)
-        valid = 0 if record is None or record[0] != seq.num_preemptions else min(record[1], seq.num_computed_tokens)
-        return seq.num_computed_tokens - valid
+        out, seen = [], self._seen
+        for seq in seqs:
+            record, computed = seen.get(seq.seq_id), seq.num_computed_tokens
+            out.append(computed if record is None or record[0] != seq.num_preemptions else
+                       computed - min(record[1], computed))
+        return out
 
     def settle(self, seq: Sequence, agreed_end: int) -> None:
         """After verification: the written positions below `agreed_end` (the pending token and the

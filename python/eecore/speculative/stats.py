@@ -17,12 +17,13 @@ class RoundRecorder:
         self.layers = layers
         self.trees = trees
 
-    def plain(self, seq: Sequence) -> None:
-        """A round in which `seq` drafted nothing: one verify step of one token (what record counts
-        for it, without the rest; planned-out rounds come in long runs)."""
-        st = seq.stats
-        st["spec_steps"] += 1
-        st["spec_emitted"] += 1
+    def plain(self, seqs: list[Sequence]) -> None:
+        """A round in which `seqs` drafted nothing: one verify step of one token each (what record
+        counts for them, without the rest; planned-out rounds come in long runs)."""
+        for seq in seqs:
+            st = seq.stats
+            st["spec_steps"] += 1
+            st["spec_emitted"] += 1
 
     def record(self, seq: Sequence, draft: Optional[Draft], accepted: int, alternative_accepted: bool = False,
                layer_turn: Optional[bool] = None) -> None:
