@@ -19,6 +19,10 @@ equal to full depth's token), and its precision at a coverage:
 - `+ history`: `logistic + lookup` with what a sequence's past says: how often the copy agreed with
   full depth over the 8 positions before the last 4 (those full depth has checked by the time a
   round of 4 drafts decides), the previous position's top-1 probability, and the position;
+- `+ saturation` (with `--saturation L ...`): `logistic + lookup` and the MLP with what the copy's
+  earlier layers L say, each read through the draft head: whether its top-1 is the exit's token, and
+  its probability of that token (a prediction that settled early might be right more often, as
+  patience-based early exit assumes);
 - `perfect`: a decision that knows where the copy is right, whose coverage is the copy's agreement.
 
 The learned decisions are fit on code prompts of the training packages (the copy never saw the
@@ -34,7 +38,7 @@ eecore.speculative.exit_decision): the shipped one is
 python/eecore/data/smollm2-135m-instruct-exit-decision.json`.
 
     python bench/analysis/exit_decision_ceiling.py [--train-prompts 320] [--train-chat 0] [--eval-prompts 24]
-        [--eval-chat 0] [--max-tokens 96] [--write FILE] [--out-name exit-decision-ceiling]
+        [--eval-chat 0] [--max-tokens 96] [--saturation L ...] [--write FILE] [--out-name exit-decision-ceiling]
 
 writes bench/results/<machine>/<out-name>-<date>.json.
 """
@@ -94,6 +98,14 @@ def features(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         states.append(rec["states"].float())
         right.append((copy == full).float())
     return torch.cat(scalars), torch.cat(states), torch.cat(right)
+
+
+def saturation(records: list[dict], layers: tuple[int, ...]) -> torch.Tensor:
+    """[n, 2 len(layers)] per position: whether each tapped layer's top-1 is the exit's token, then
+    its probability of that token (`record(..., taps=layers)`); [n, 0] without layers."""
+    rows = [torch.tensor([rec[f"agree{L}"] for L in layers] + [rec[f"p{L}"] for L in layers]).reshape(
+        2 * len(layers), len(rec["full"])).T for rec in records]
+    return torch.cat(rows)
 
 
 def history(records: list[dict], lag: int = 4, window: int = 8) -> torch.Tensor:
@@ -165,16 +177,20 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=24)
     ap.add_argument("--eval-chat", type=int, default=0, help="held-out everyday requests")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--saturation", type=int, nargs="*", default=[], metavar="L",
+                    help="also decisions reading the copy's layers L (each below the exit) through the draft head")
     ap.add_argument("--write", default=None, metavar="FILE", help="save the logistic + lookup decision here")
     ap.add_argument("--out-name", default="exit-decision-ceiling")
     args = ap.parse_args()
 
-    train = record(0, args.max_tokens, texts=training_prompts(args.train_prompts), features=True)
+    taps = tuple(args.saturation)
+    train = record(0, args.max_tokens, texts=training_prompts(args.train_prompts), features=True, taps=taps)
     if args.train_chat:
         chat = [r.text for r in general_instruction_records(args.train_chat, "train")]
-        train += record(0, args.max_tokens, kind="everyday", texts=chat, features=True)
+        train += record(0, args.max_tokens, kind="everyday", texts=chat, features=True, taps=taps)
     x, h, y = features(train)
     past = history(train)
+    settled = saturation(train, taps)
     kept: dict = {}
     scorers = {
         "logistic": (lambda z, zh, f=fit(x[:, :3], y): f(z[:, :3])),
@@ -185,18 +201,25 @@ def main() -> None:
         "logistic + lookup + history": (lambda z, zh, zp, f=fit(torch.cat([x, past], 1), y):
                                         f(torch.cat([z, zp], 1))),
     }
+    if taps:  # these read the tapped layers' inputs where the others read the history
+        scorers["logistic + lookup + saturation"] = (lambda z, zh, zs, f=fit(torch.cat([x, settled], 1), y):
+                                                     f(torch.cat([z, zs], 1)))
+        scorers["MLP + lookup + saturation"] = (lambda z, zh, zs, f=fit(torch.cat([x, settled], 1), y, hidden=32):
+                                                f(torch.cat([z, zs], 1)))
     print(f"CPU: {cpu_model()}; {len(train)} training prompts ({len(y)} positions, copy agreement {y.mean():.3f})")
-    evals = {"held-out code": record(args.eval_prompts, args.max_tokens, features=True)}
+    evals = {"held-out code": record(args.eval_prompts, args.max_tokens, features=True, taps=taps)}
     if args.eval_chat:
-        evals["held-out everyday requests"] = record(args.eval_chat, args.max_tokens, kind="everyday", features=True)
+        evals["held-out everyday requests"] = record(args.eval_chat, args.max_tokens, kind="everyday", features=True,
+                                                     taps=taps)
     results = dict(model="SmolLM2-135M-Instruct", draft="the shipped exit-ready copy, exit 8", max_tokens=args.max_tokens,
-                   train_prompts=len(train), train_positions=len(y), train_agreement=y.mean().item(), evals={})
+                   train_prompts=len(train), train_positions=len(y), train_agreement=y.mean().item(),
+                   saturation_layers=list(taps), evals={})
     for name, held_out in evals.items():
         xe, he, ye = features(held_out)
-        pe = history(held_out)
+        extra = {"history": history(held_out), "saturation": saturation(held_out, taps)}
         agreement = ye.mean().item()
         decisions = {"top-1 probability": xe[:, 0], "top-2 gap": xe[:, 1], "negative entropy": -xe[:, 2],
-                     **{k: (f(xe, he, pe) if k.endswith("history") else f(xe, he)) for k, f in scorers.items()},
+                     **{k: f(xe, he, *[v for e, v in extra.items() if k.endswith(e)]) for k, f in scorers.items()},
                      "perfect": ye}
         rows = table(f"\n{name}: {len(held_out)} prompts, {len(ye)} positions, copy agreement {agreement:.3f}",
                      decisions, ye)

@@ -52,12 +52,14 @@ from common import PROMPT_KINDS, GreedyReplay, bench_prompt_ids, chat_prompt_ids
 
 @torch.no_grad()
 def record(num_prompts: int, max_tokens: int, kind: str = "code", texts: Optional[list[str]] = None,
-           features: bool = False) -> list[dict]:
+           features: bool = False, taps: tuple[int, ...] = ()) -> list[dict]:
     """Per prompt of `kind` (common.bench_prompt_ids: held-out code by default; or `texts`, raw
     prompts continued as code, or user messages in the chat template where `kind` is chat or everyday): its tokens, the full model's greedy continuation, and the exit-ready draft copy's
     teacher-forced top-1 token and probability for each continuation position. With `features`,
     also what an exit decision could read there: the second probability, the entropy over the draft
-    vocabulary, and the copy's layer-E states (fp16)."""
+    vocabulary, and the copy's layer-E states (fp16). `taps`: earlier layers of the copy whose states
+    are read through the draft head as well (`agree<L>`: its top-1 is the exit's token; `p<L>`: its
+    probability of that token)."""
     full = eecore.LLM(device="cpu", max_num_seqs=8)
     spec = eecore.LLM(device="cpu", max_num_seqs=8, exit_adapter=True,
                       speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
@@ -78,22 +80,36 @@ def record(num_prompts: int, max_tokens: int, kind: str = "code", texts: Optiona
         try:
             inputs = stack.runner.prepare([Row(seq, 0, ids)])
             hidden = stack.runner.embed(inputs)
-            stack.runner.run_layers(hidden, inputs.attn, 0, stack.exit_layer)
-            states = hidden[len(prompt) - 1: len(ids) - 1]  # the states that predict the continuation
-            # (the head's logits are a view of its own buffer: each chunk is read before the next)
-            probs = [stack.head.columns(states[i:i + 8]).softmax(-1) for i in range(0, states.shape[0], 8)]
-            top = [p.topk(2, dim=-1) for p in probs]
-            top_p = torch.cat([t.values[:, 0] for t in top])
-            rec = dict(prompt=prompt, full=list(out.token_ids), copy=stack.head.token_ids(
-                torch.cat([t.indices[:, 0] for t in top])).tolist(), copy_p=top_p.tolist())
+            continuation = slice(len(prompt) - 1, len(ids) - 1)  # the states that predict the continuation
+            tapped, done = {}, 0
+            for layer in sorted(taps):
+                stack.runner.run_layers(hidden, inputs.attn, done, layer)
+                tapped[layer], done = hidden[continuation].clone(), layer
+            stack.runner.run_layers(hidden, inputs.attn, done, stack.exit_layer)
+            states = hidden[continuation]
+            probs = head_probabilities(stack.head, states)
+            top = probs.topk(2, dim=-1)
+            columns = top.indices[:, 0]
+            rec = dict(prompt=prompt, full=list(out.token_ids), copy=stack.head.token_ids(columns).tolist(),
+                       copy_p=top.values[:, 0].tolist())
+            for layer, early in tapped.items():
+                early_probs = head_probabilities(stack.head, early)
+                rec[f"agree{layer}"] = (early_probs.argmax(-1) == columns).float().tolist()
+                rec[f"p{layer}"] = early_probs.gather(1, columns[:, None])[:, 0].tolist()
             if features:
-                rec.update(copy_p2=torch.cat([t.values[:, 1] for t in top]).tolist(),
-                           copy_entropy=torch.cat([-(p * p.clamp_min(1e-12).log()).sum(-1) for p in probs]).tolist(),
+                rec.update(copy_p2=top.values[:, 1].tolist(),
+                           copy_entropy=(-(probs * probs.clamp_min(1e-12).log()).sum(-1)).tolist(),
                            states=states.to(torch.float16).clone())
         finally:
             spec.engine.blocks.free(seq)
         records.append(rec)
     return records
+
+
+def head_probabilities(head, states: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """The draft head's probabilities over its vocabulary for each of `states` `[n, d]` -> `[n, K]`
+    (its logits are a view of its own buffer, so each chunk is read before the next)."""
+    return torch.cat([head.columns(states[i:i + chunk]).softmax(-1) for i in range(0, states.shape[0], chunk)])
 
 
 class Replay(GreedyReplay):
