@@ -116,3 +116,86 @@ def test_step_buffers_pack_a_step_for_one_copy():
         assert (buffers.device[name].flatten() - 1000 * i).tolist() == list(range(array.size)), name
     assert buffers.device["tables"].shape == (4, 7) and buffers.device["qsl"].dtype == torch.int32
     assert buffers.host_bytes.numel() <= nbytes
+
+
+def _fields(inputs) -> list:
+    a = inputs.attn
+    return [t.tolist() for t in (inputs.token_ids, a.positions, a.slot_mapping, a.block_table, a.seq_lens,
+                                 a.query_start_loc, inputs.last_rows)] + [inputs.row_lens, a.max_query_len]
+
+
+def test_an_advanced_step_is_the_step_built_anew():
+    """InputBuilder.advance (a draft chain's next pass from the last pass's arrays): random padded
+    one-token steps advanced pass after pass, rows crossing into blocks their tables held and
+    tables gaining blocks between passes, give the arrays of a fresh build of the same rows."""
+    rng = random.Random(5)
+    advanced = 0
+    for _ in range(60):
+        chain = InputBuilder(max_tokens=64, max_seqs=8, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK,
+                             device=torch.device("cpu"), pad_block=PAD_BLOCK)
+        fresh = InputBuilder(max_tokens=64, max_seqs=8, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK,
+                             device=torch.device("cpu"), pad_block=PAD_BLOCK)
+        seqs, starts = [], []
+        for _ in range(rng.randint(1, 6)):
+            seq = Sequence([1], eecore.SamplingParams(max_tokens=4))
+            start = rng.randint(0, MAX_BLOCKS * BLOCK - 6)
+            seq.block_table = rng.sample(range(PAD_BLOCK), rng.randint(start // BLOCK + 1, MAX_BLOCKS))
+            seqs.append(seq)
+            starts.append(start)
+        pad_to = rng.randint(len(seqs), 8)
+        rows = [Row(s, p, [rng.randrange(1000)]) for s, p in zip(seqs, starts)]
+        width = chain.table_width_bucket(rows)
+        chain.build(rows, pad_to=pad_to, table_width=width)
+        held = [len(s.block_table) for s in seqs]  # the blocks the built arrays' tables hold
+        for _ in range(4):
+            if rng.random() < 0.3:  # a table gains a block (held by the last pass's arrays or not)
+                seq = rng.choice(seqs)
+                if len(seq.block_table) < MAX_BLOCKS:
+                    seq.block_table.append(rng.choice([b for b in range(PAD_BLOCK) if b not in seq.block_table]))
+            rows = [Row(r.seq, r.start + 1, [rng.randrange(1000)]) for r in rows]
+            if any(r.start >= len(r.seq.block_table) * BLOCK for r in rows):
+                break
+            got = chain.advance(rows)
+            assert (got is None) == any(r.start // BLOCK >= n for r, n in zip(rows, held))
+            if got is None:  # past the blocks the built arrays' tables held: built anew
+                got = chain.build(rows, pad_to=pad_to, table_width=chain.table_width_bucket(rows)), None
+                held = [len(s.block_table) for s in seqs]
+            else:
+                advanced += 1
+            inputs, width = got
+            want = fresh.build(rows, pad_to=pad_to, table_width=width or fresh.table_width_bucket(rows))
+            fields = _fields(inputs)
+            # the advanced step's tables are the last pass's (a block appended since is not read)
+            for name, value, expected in zip(("tokens", "positions", "slots"), fields, _fields(want)):
+                assert value == expected, name
+            assert fields[4:] == _fields(want)[4:]
+    assert advanced > 100
+
+
+@pytest.mark.parametrize("change", ["other sequence", "other start", "two tokens", "a varlen build", "past its table"])
+def test_a_step_that_does_not_follow_the_last_is_not_advanced(change):
+    builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4,
+                           device=torch.device("cpu"), pad_block=9)
+    seqs = [Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=9)),
+            Sequence([6, 7, 8], eecore.SamplingParams(max_tokens=9))]
+    seqs[0].block_table, seqs[1].block_table = [2, 5], [7]
+    rows = [Row(seqs[0], 5, [11]), Row(seqs[1], 2, [12])]
+    builder.build(rows, pad_to=2, table_width=builder.table_width_bucket(rows))
+    following = [Row(seqs[0], 6, [21]), Row(seqs[1], 3, [22])]
+    if change == "other sequence":
+        other = Sequence([1, 2, 3, 4, 5, 6], eecore.SamplingParams(max_tokens=9))
+        other.block_table = [4, 6]
+        following[0] = Row(other, 6, [21])
+    elif change == "other start":
+        following[0] = Row(seqs[0], 7, [21])
+    elif change == "two tokens":
+        following[0] = Row(seqs[0], 6, [21, 23])
+    elif change == "a varlen build":
+        builder.build(rows)
+    else:
+        following[1] = Row(seqs[1], 4, [22])
+        rows = [rows[0], Row(seqs[1], 3, [12])]
+        builder.build(rows, pad_to=2, table_width=builder.table_width_bucket(rows))
+        seqs[1].block_table.append(3)  # position 4 starts a block the last pass's tables did not hold
+    assert builder.advance(following) is None
+    assert builder.advanced_steps == 0

@@ -943,3 +943,45 @@ def test_a_step_that_fails_midway_is_recovered_with_the_tokens_of_a_clean_run(ti
     assert [(engine.output(s).token_ids, s.finish_reason) for s in seqs] == \
         [(o.token_ids, o.finish_reason) for o in expected]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("source", ["copy", "copy, draft ahead", "shared layers"])
+def test_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_draft(tiny, source, monkeypatch):
+    """A round's later draft passes are built from the last pass's arrays (InputBuilder.advance):
+    with a draft copy (pass by pass, or chained on the device) the same drafts, accepted as often,
+    as with every pass built anew; with LayerSkip's shared layers, whose verify pass continues from
+    the draft passes' states, full depth's tokens for drafts that are full depth's own."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 30], seed=13)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = [greedy(10 + 3 * i) for i in range(len(prompts))]
+    if source != "shared layers":
+        monkeypatch.setenv("EECORE_DRAFT_AHEAD", "1" if source.endswith("ahead") else "0")
+    expected = {tuple(p): o.token_ids for p, o in zip(prompts, _llm(path, static=False).generate(prompts, params))}
+
+    def run(advance: bool):
+        if not advance:
+            monkeypatch.setattr(InputBuilder, "advance", lambda self, rows: None)
+        if source == "shared layers":
+            llm = _llm(path, static=False, speculative=eecore.SelfSpeculativeConfig(
+                num_speculations=3, layer=eecore.LayerDrafts(1, guard=None)))
+            _graph_shared_layer_passes(llm)
+            _draft_full_depths_tokens(llm.engine.strategy, expected)
+            builder = llm.engine.runner.builder
+        else:
+            llm = _llm(path, static=True, speculative=eecore.SelfSpeculativeConfig(
+                num_speculations=3, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
+            stack = llm.engine.strategy.draft_stack
+            stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
+                                                       max_width=CATCH_UP_WIDTH))
+            builder = stack.runner.builder
+        return llm.generate(prompts, params), builder.advanced_steps
+
+    advanced, steps = run(advance=True)
+    fresh, none = run(advance=False)  # (the fixture puts advance back)
+    assert steps > 10 and none == 0
+    assert [o.token_ids for o in advanced] == [expected[tuple(p)] for p in prompts] == [o.token_ids for o in fresh]
+    for a, f in zip(advanced, fresh):
+        assert (a.metrics["num_drafted_tokens"], a.metrics["num_accepted_tokens"]) == \
+            (f.metrics["num_drafted_tokens"], f.metrics["num_accepted_tokens"])
+    assert sum(o.metrics["num_drafted_tokens"] for o in advanced) > 0

@@ -24,6 +24,11 @@ same blocks unless one crosses into a new block. `prepare_decode` fills the next
 (all but the tokens, which the GPU has not sampled yet) while the GPU runs the current one;
 `build` then checks that the rows are the predicted ones and only writes the tokens and the rows
 that gained a block, instead of building the step from scratch while the GPU waits.
+
+Within a self-speculation round nothing is scheduled between a draft chain's passes: each pass
+runs the same sequences as the last, one position further, in blocks the round reserved. `advance`
+builds such a pass from the last one's arrays, which already hold every row's block table, so it
+touches no row in Python but to read its token (`build` copies each row's table).
 """
 from __future__ import annotations
 
@@ -98,6 +103,16 @@ class PreparedDecode:
     table_lens: list[int]     # the blocks each table held
     last_blocks: list[int]    # each table's last block then (a table shrinks and grows at its end)
     starts: list[int]
+    buffers: "StepBuffers"
+
+
+@dataclass
+class OneTokenStep:
+    """The last `build` when it was a padded step of one token a row (InputBuilder.advance)."""
+    key: tuple                # its buffers: (tokens, rows, table width, trees)
+    seqs: list[Sequence]
+    starts: np.ndarray        # each row's position
+    table_lens: np.ndarray    # the blocks each row's table held (what the buffers' tables hold)
     buffers: "StepBuffers"
 
 
@@ -179,6 +194,8 @@ class InputBuilder:
             lambda key: StepBuffers(self._host, self._device, *key))
         self._prepared: Optional[PreparedDecode] = None
         self.prepared_steps = 0  # builds that found their step prepared (tests and benchmarks read it)
+        self._one_token: Optional[OneTokenStep] = None  # the last build, where advance may follow it
+        self.advanced_steps = 0  # steps built by advance (tests and benchmarks read it)
 
     def table_width_bucket(self, rows: list[Row], width: int = 1) -> int:
         """The block-table width a static step over `rows` (padded to `width` tokens) takes: the
@@ -204,6 +221,7 @@ class InputBuilder:
         graph replay, this is most of the host's share of the step, which the GPU waits out
         (bench/host_overhead.py). The tensors returned are valid until the next `build`."""
         prepared, self._prepared = self._prepared, None  # the next build uses it or no build does
+        self._one_token = None
         if prepared is not None and width == 1 and pad_tokens_to is None:
             inputs = self._build_prepared(prepared, rows, pad_to, table_width)
             if inputs is not None:
@@ -277,7 +295,38 @@ class InputBuilder:
             h["positions"][T:padded_T] = 0
             h["slots"][T:padded_T] = self.pad_block * bs + np.arange(padded_T - T) % bs
         h["last"][:B] = qsl[1: B + 1] - 1
+        if pad_to is not None and used == n and T == B and padded_T == T and not has_tree:
+            self._one_token = OneTokenStep((padded_T, B, table_width, has_tree), [r.seq for r in rows], starts,
+                                           table_lens, buffers)
         return self._finish(buffers, rows, lens, B, width)
+
+    def advance(self, rows: list[Row]) -> Optional[tuple[StepInputs, int]]:
+        """The last build's step with its rows one position further, and its table width (see the
+        module doc): `rows` hold the last build's sequences in its order, each with one token at its
+        last position + 1, their block tables unchanged since but for blocks appended. None where the
+        last build was no padded one-token step, the rows are not its own, or a row's position lies
+        past the blocks its table held then: `build` it."""
+        last, self._one_token = self._one_token, None
+        n = len(rows)
+        if last is None or n != len(last.seqs) or \
+                any(r.seq is not s or len(r.tokens) != 1 or r.parents is not None for r, s in zip(rows, last.seqs)):
+            return None
+        bs = self.block_size
+        starts = np.fromiter((r.start for r in rows), np.int64, n)
+        block_index = starts // bs
+        if not np.array_equal(starts, last.starts + 1) or (block_index >= last.table_lens).any():
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the host buffers
+        h = last.buffers.arrays
+        h["tokens"][:n] = np.fromiter((r.tokens[0] for r in rows), np.int64, n)
+        h["positions"][:n] = starts
+        h["slots"][:n] = h["tables"][np.arange(n), block_index] * bs + starts % bs
+        h["seq_lens"][:n] = starts + 1
+        last.starts = starts
+        self._one_token = last
+        self.advanced_steps += 1
+        return self._finish(last.buffers, rows, [1] * n, last.key[1], 1), last.key[2]
 
     def _finish(self, buffers: StepBuffers, rows: list[Row], lens: list[int], B: int, width: int) -> StepInputs:
         """The filled arrays of a step as its tensors: copied to the device where there is one."""
@@ -302,7 +351,7 @@ class InputBuilder:
         launched, padded to `pad_to` rows): the same sequences, each one position further, in the
         blocks their tables hold now. The tokens stay for `build`, and so does the slot of a row
         whose next position lies past its table (the scheduler gives it the block first)."""
-        self._prepared = None
+        self._prepared = self._one_token = None
         n = len(rows)
         if not 0 < n <= pad_to or self.pad_block < 0 or pad_to > self.max_seqs or \
                 any(len(r.tokens) != 1 or r.parents is not None or not r.seq.block_table for r in rows):

@@ -60,15 +60,23 @@ class StaticPass:
     def padded_size(self, batch: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
-    def _run_padded(self, rows: list[Row], width: int) -> tuple[StepInputs, torch.Tensor]:
-        inputs, key = self._build(rows, width)
+    def _run_padded(self, rows: list[Row], width: int, continues: bool = False) -> tuple[StepInputs, torch.Tensor]:
+        inputs, key = self._build(rows, width, continues)
         return inputs, self._launch(key + (width,), inputs, self._step)
 
-    def _build(self, rows: list[Row], width: int = 1) -> tuple[StepInputs, tuple[int, int]]:
+    def _build(self, rows: list[Row], width: int = 1, continues: bool = False) -> tuple[StepInputs, tuple[int, int]]:
         """The rows' inputs padded to a capture size and a table-width bucket, and (P, table width):
-        the start of the pass's graph key."""
+        the start of the pass's graph key. `continues`: the rows are likely the last pass's, one
+        position further, with nothing scheduled since (a draft chain's next pass): built from that
+        pass's arrays where they are (InputBuilder.advance)."""
         builder = self.runner.builder
-        P, table_width = self.padded_size(len(rows)), builder.table_width_bucket(rows, width)
+        P = self.padded_size(len(rows))
+        if continues and width == 1:
+            advanced = builder.advance(rows)
+            if advanced is not None:
+                inputs, table_width = advanced
+                return inputs, (P, table_width)
+        table_width = builder.table_width_bucket(rows, width)
         return builder.build(rows, pad_to=P, width=width, table_width=table_width), (P, table_width)
 
     def _launch(self, key, inputs: StepInputs, step):
@@ -312,10 +320,11 @@ class StaticLayers(StaticPass):
         return (self.padded_size(len(rows)) * width <= builder.max_tokens
                 and all(r.start + width <= len(r.seq.block_table) * bs for r in rows))
 
-    def run(self, rows: list[Row]) -> torch.Tensor:
+    def run(self, rows: list[Row], continues: bool = False) -> torch.Tensor:
+        """`continues`: see StaticPass._build."""
         width = self._width(rows)
         if width == 1:
-            _, hidden = self._run_padded(rows, width)
+            _, hidden = self._run_padded(rows, width, continues)
             self._count(rows, width, self.layers)
             return hidden[: len(rows)]
         # each row's last token among the padded ones, copied before the launch (a copy from host
@@ -326,11 +335,11 @@ class StaticLayers(StaticPass):
         self._count(rows, width, self.layers)
         return torch.index_select(hidden, 0, last, out=self._last_states[: len(rows)])
 
-    def run_with_tokens(self, rows: list[Row], tokens: torch.Tensor) -> torch.Tensor:
+    def run_with_tokens(self, rows: list[Row], tokens: torch.Tensor, continues: bool = False) -> torch.Tensor:
         """`run` over one-token rows whose tokens are still on the device, not read back (`tokens`
         `[B]` int64: the rows' own tokens are placeholders). They go into the pass's inputs behind
         the inputs' copy, on the stream, as decode ahead's do."""
-        inputs, key = self._build(rows, 1)
+        inputs, key = self._build(rows, 1, continues)
         inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])
         hidden = self._launch(key + (1,), inputs, self._step)
         self._count(rows, 1, self.layers)

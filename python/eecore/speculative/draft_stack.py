@@ -99,12 +99,12 @@ class DraftStack:
         """A round's first pass: runs each sequence's unseen tokens, through its pending one and
         then its `drafts` so far (none by default), through the copy; returns the layer-E states
         of each sequence's last token `[B, d]`. Tokens beyond the step budget go in chunks."""
-        return self._advance(seqs, drafts, [self._valid(seq) for seq in seqs])
+        return self._advance(seqs, drafts, [self._valid(seq) for seq in seqs], continues=False)
 
     def next_pass(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
         """A later pass of the round: the drafts of each sequence the copy has not run yet (the
         newest one, for a chain of layer drafts; with lookup tokens, more), as first_pass."""
-        return self._advance(seqs, drafts, [self._seen[seq.seq_id][2] for seq in seqs])
+        return self._advance(seqs, drafts, [self._seen[seq.seq_id][2] for seq in seqs], continues=True)
 
     def chained_pass(self, seqs: list[Sequence], offsets: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A pass of drafts still on the device (`tokens` `[n]` int64, not read back): seqs[i]'s at
@@ -119,13 +119,17 @@ class DraftStack:
                                    f"position {record[2]}, the pass is at {position}")
             record[2] = position + 1
             rows.append(Row(seq, position, [0]))  # the token: tokens[i], on the device
-        return self.static.run_with_tokens(rows, tokens)
+        return self.static.run_with_tokens(rows, tokens, continues=True)  # (within a round: see _advance)
 
     def chains(self, n: int) -> bool:
         """Whether `n` sequences' drafts can go from pass to pass on the device (chained_pass)."""
         return self.static is not None and 0 < n <= self.static.max_batch
 
-    def _advance(self, seqs: list[Sequence], drafts: Optional[list[list[int]]], starts: list[int]) -> torch.Tensor:
+    def _advance(self, seqs: list[Sequence], drafts: Optional[list[list[int]]], starts: list[int],
+                 continues: bool) -> torch.Tensor:
+        """`continues`: a later pass of the round, so that a static pass over the same sequences as
+        the last one, one position further, may be built from that pass's inputs (nothing is
+        scheduled within a round: StaticPass._build)."""
         rows, one_token_each, seen = [], True, self._seen
         for b, (seq, start) in enumerate(zip(seqs, starts)):
             draft = drafts[b] if drafts is not None else []
@@ -142,7 +146,7 @@ class DraftStack:
             seen[seq.seq_id][2] = pending + 1 + len(draft)
             rows.append(Row(seq, start, tokens))
         if one_token_each:
-            return self._run(rows)
+            return self._run(rows, continues=continues)
         self.catch_up_tokens += sum(len(row.tokens) - 1 for row in rows if row.tokens)
         if self.static is not None and all(row.tokens for row in rows) and self.static.takes(rows):
             return self.static.run(rows)  # a short catch-up (the last round's last draft): one graph
@@ -173,13 +177,13 @@ class DraftStack:
             record = self._seen[seq.seq_id] = [seq.num_preemptions, 0, 0]
         return min(record[1], seq.num_computed_tokens)
 
-    def _run(self, rows: list[Row], every_token: bool = False) -> torch.Tensor:
+    def _run(self, rows: list[Row], every_token: bool = False, continues: bool = False) -> torch.Tensor:
         """The copy's layers over `rows`: the layer-E states of every token `[T, d]`, except that a
         static pass over rows of several tokens gives each row's last token only `[B, d]` (a round's
         catch-up, which needs no more); `every_token` keeps such rows off the static pass."""
         if self.static is not None and self.static.takes(rows) and \
                 not (every_token and any(len(row.tokens) > 1 for row in rows)):
-            return self.static.run(rows)
+            return self.static.run(rows, continues)
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)

@@ -56,7 +56,7 @@ class SharedLayerProposer:
                 rows = [Row(s, s.num_computed_tokens, [s.last_token_id] + d) for s, d in zip(seqs, lookup)]
             else:
                 rows = [Row(seqs[b], seqs[b].num_computed_tokens + k, [newest[b]]) for b in live]
-            hidden = self._layers_to_exit(rows)
+            hidden = self._layers_to_exit(rows, continues=k > 0)
             if k == 0 and hidden.shape[0] > len(seqs):  # lookup rows hold several positions
                 index = [b * width + j for b, d in enumerate(lookup) for j in range(len(d) + 1)]
                 states[: len(seqs)].view(len(seqs) * width, -1).index_copy_(
@@ -84,10 +84,11 @@ class SharedLayerProposer:
                     budgets[b] = len(drafts[b])  # its last pass writes the draft's layer-E state only
             live = kept
 
-    def _layers_to_exit(self, rows: list[Row]) -> torch.Tensor:
-        """Layers 0..E-1 over `rows`, writing the shared KV cache: their layer-E states `[T, d]`."""
+    def _layers_to_exit(self, rows: list[Row], continues: bool) -> torch.Tensor:
+        """Layers 0..E-1 over `rows`, writing the shared KV cache: their layer-E states `[T, d]`
+        (`continues`: a later pass of the round, see StaticPass._build)."""
         if self.static is not None and self.static.takes(rows):
-            return self.static.run(rows)  # a CUDA graph replay on a GPU
+            return self.static.run(rows, continues)  # a CUDA graph replay on a GPU
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
