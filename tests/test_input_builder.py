@@ -126,8 +126,9 @@ def _fields(inputs) -> list:
 
 def test_an_advanced_step_is_the_step_built_anew():
     """InputBuilder.advance (a draft chain's next pass from the last pass's arrays): random padded
-    one-token steps advanced pass after pass, rows crossing into blocks their tables held and
-    tables gaining blocks between passes, give the arrays of a fresh build of the same rows."""
+    one-token steps advanced pass after pass, rows crossing into blocks their tables held, tables
+    gaining blocks and chains ending between passes (the rest padded to another size), give the
+    arrays of a fresh build of the same rows."""
     rng = random.Random(5)
     advanced = 0
     for _ in range(60):
@@ -146,33 +147,43 @@ def test_an_advanced_step_is_the_step_built_anew():
         rows = [Row(s, p, [rng.randrange(1000)]) for s, p in zip(seqs, starts)]
         width = chain.table_width_bucket(rows)
         chain.build(rows, pad_to=pad_to, table_width=width)
-        held = [len(s.block_table) for s in seqs]  # the blocks the built arrays' tables hold
+        held = [len(s.block_table) for s in seqs]  # the blocks the built arrays' tables hold, by row
         for _ in range(4):
             if rng.random() < 0.3:  # a table gains a block (held by the last pass's arrays or not)
                 seq = rng.choice(seqs)
                 if len(seq.block_table) < MAX_BLOCKS:
                     seq.block_table.append(rng.choice([b for b in range(PAD_BLOCK) if b not in seq.block_table]))
+            if len(rows) > 1 and rng.random() < 0.4:  # some chains end: the others go on, in order
+                keep = sorted(rng.sample(range(len(rows)), rng.randint(1, len(rows) - 1)))
+                rows, held = [rows[i] for i in keep], [held[i] for i in keep]
+                pad_to = rng.randint(len(rows), pad_to)
             rows = [Row(r.seq, r.start + 1, [rng.randrange(1000)]) for r in rows]
             if any(r.start >= len(r.seq.block_table) * BLOCK for r in rows):
                 break
-            got = chain.advance(rows)
+            got = chain.advance(rows, pad_to)
             assert (got is None) == any(r.start // BLOCK >= n for r, n in zip(rows, held))
             if got is None:  # past the blocks the built arrays' tables held: built anew
                 got = chain.build(rows, pad_to=pad_to, table_width=chain.table_width_bucket(rows)), None
-                held = [len(s.block_table) for s in seqs]
+                held = [len(r.seq.block_table) for r in rows]
             else:
                 advanced += 1
             inputs, width = got
             want = fresh.build(rows, pad_to=pad_to, table_width=width or fresh.table_width_bucket(rows))
             fields = _fields(inputs)
-            # the advanced step's tables are the last pass's (a block appended since is not read)
             for name, value, expected in zip(("tokens", "positions", "slots"), fields, _fields(want)):
                 assert value == expected, name
             assert fields[4:] == _fields(want)[4:]
+            # the tables: each row's blocks as the last full build held them (a block appended since
+            # is read by no row of the pass), the padding rows' as built anew
+            tables, fresh_tables = fields[3], _fields(want)[3]
+            for i, (r, n) in enumerate(zip(rows, held)):
+                assert tables[i] == r.seq.block_table[:n] + [-1] * (len(tables[i]) - n)
+            assert tables[len(rows):] == fresh_tables[len(rows):]
     assert advanced > 100
 
 
-@pytest.mark.parametrize("change", ["other sequence", "other start", "two tokens", "a varlen build", "past its table"])
+@pytest.mark.parametrize("change", ["other sequence", "out of order", "other start", "two tokens", "a varlen build",
+                                    "past its table"])
 def test_a_step_that_does_not_follow_the_last_is_not_advanced(change):
     builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4,
                            device=torch.device("cpu"), pad_block=9)
@@ -186,6 +197,8 @@ def test_a_step_that_does_not_follow_the_last_is_not_advanced(change):
         other = Sequence([1, 2, 3, 4, 5, 6], eecore.SamplingParams(max_tokens=9))
         other.block_table = [4, 6]
         following[0] = Row(other, 6, [21])
+    elif change == "out of order":
+        following.reverse()
     elif change == "other start":
         following[0] = Row(seqs[0], 7, [21])
     elif change == "two tokens":
@@ -197,5 +210,5 @@ def test_a_step_that_does_not_follow_the_last_is_not_advanced(change):
         rows = [rows[0], Row(seqs[1], 3, [12])]
         builder.build(rows, pad_to=2, table_width=builder.table_width_bucket(rows))
         seqs[1].block_table.append(3)  # position 4 starts a block the last pass's tables did not hold
-    assert builder.advance(following) is None
+    assert builder.advance(following, 2) is None
     assert builder.advanced_steps == 0

@@ -945,24 +945,47 @@ def test_a_step_that_fails_midway_is_recovered_with_the_tokens_of_a_clean_run(ti
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("source", ["copy", "copy, draft ahead", "shared layers"])
+def _chains_ending_early(decoder) -> None:
+    """Each sequence's chain ends after 1 + seq_id % 3 drafts a round, so that a round's later
+    passes run fewer sequences than its first."""
+    drafted: dict[int, int] = {}
+    propose_round, propose_token = decoder.proposer.propose, decoder.picker.propose
+
+    def round_drafts(*args, **kwargs):
+        drafted.clear()
+        return propose_round(*args, **kwargs)
+
+    def ending(logits, seqs, *args, **kwargs):
+        proposal = propose_token(logits, seqs, *args, **kwargs)
+        for i, seq in enumerate(seqs):
+            k = drafted[seq.seq_id] = drafted.get(seq.seq_id, 0) + 1
+            if k > 1 + seq.seq_id % 3:
+                proposal.confident[i] = False
+        return proposal
+
+    decoder.proposer.propose, decoder.picker.propose = round_drafts, ending
+
+
+@pytest.mark.parametrize("source", ["copy", "copy, chains ending early", "copy, draft ahead", "shared layers",
+                                    "shared layers, chains ending early"])
 def test_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_draft(tiny, source, monkeypatch):
-    """A round's later draft passes are built from the last pass's arrays (InputBuilder.advance):
-    with a draft copy (pass by pass, or chained on the device) the same drafts, accepted as often,
-    as with every pass built anew; with LayerSkip's shared layers, whose verify pass continues from
-    the draft passes' states, full depth's tokens for drafts that are full depth's own."""
+    """A round's later draft passes are built from the last pass's arrays (InputBuilder.advance),
+    the chains that go on moved up where others ended: with a draft copy (pass by pass, or chained on
+    the device) the same drafts, accepted as often, as with every pass built anew; with LayerSkip's
+    shared layers, whose verify pass continues from the draft passes' states, full depth's tokens
+    for drafts that are full depth's own."""
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 30], seed=13)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]
     params = [greedy(10 + 3 * i) for i in range(len(prompts))]
-    if source != "shared layers":
+    if not source.startswith("shared layers"):
         monkeypatch.setenv("EECORE_DRAFT_AHEAD", "1" if source.endswith("ahead") else "0")
     expected = {tuple(p): o.token_ids for p, o in zip(prompts, _llm(path, static=False).generate(prompts, params))}
 
     def run(advance: bool):
         if not advance:
-            monkeypatch.setattr(InputBuilder, "advance", lambda self, rows: None)
-        if source == "shared layers":
+            monkeypatch.setattr(InputBuilder, "advance", lambda self, rows, pad_to: None)
+        if source.startswith("shared layers"):
             llm = _llm(path, static=False, speculative=eecore.SelfSpeculativeConfig(
                 num_speculations=3, layer=eecore.LayerDrafts(1, guard=None)))
             _graph_shared_layer_passes(llm)
@@ -975,6 +998,8 @@ def test_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_draft(tin
             stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
                                                        max_width=CATCH_UP_WIDTH))
             builder = stack.runner.builder
+        if source.endswith("ending early"):
+            _chains_ending_early(llm.engine.strategy)
         return llm.generate(prompts, params), builder.advanced_steps
 
     advanced, steps = run(advance=True)

@@ -106,6 +106,19 @@ class PreparedDecode:
     buffers: "StepBuffers"
 
 
+def _positions_among(seqs: list[Sequence], among: list[Sequence]) -> Optional[np.ndarray]:
+    """Where each of `seqs` is in `among`, if they are some of its sequences in its order; else None."""
+    index, j, end = [], 0, len(among)
+    for seq in seqs:
+        while j < end and among[j] is not seq:
+            j += 1
+        if j == end:
+            return None
+        index.append(j)
+        j += 1
+    return np.array(index, dtype=np.int64)
+
+
 @dataclass
 class OneTokenStep:
     """The last `build` when it was a padded step of one token a row (InputBuilder.advance)."""
@@ -300,33 +313,50 @@ class InputBuilder:
                                            table_lens, buffers)
         return self._finish(buffers, rows, lens, B, width)
 
-    def advance(self, rows: list[Row]) -> Optional[tuple[StepInputs, int]]:
-        """The last build's step with its rows one position further, and its table width (see the
-        module doc): `rows` hold the last build's sequences in its order, each with one token at its
-        last position + 1, their block tables unchanged since but for blocks appended. None where the
-        last build was no padded one-token step, the rows are not its own, or a row's position lies
-        past the blocks its table held then: `build` it."""
+    def advance(self, rows: list[Row], pad_to: int) -> Optional[tuple[StepInputs, int]]:
+        """The last build's step with its rows one position further, padded to `pad_to` rows, and its
+        table width (see the module doc): `rows` hold the last build's sequences in its order, or some
+        of them (the chains that go on), each with one token at its last position + 1, their block
+        tables unchanged since but for blocks appended. None where the last build was no padded
+        one-token step, the rows are not among its own, or a row's position lies past the blocks its
+        table held then: `build` it."""
         last, self._one_token = self._one_token, None
         n = len(rows)
-        if last is None or n != len(last.seqs) or \
-                any(r.seq is not s or len(r.tokens) != 1 or r.parents is not None for r, s in zip(rows, last.seqs)):
+        if last is None or not 0 < n <= pad_to or any(len(r.tokens) != 1 or r.parents is not None for r in rows):
             return None
+        index = _positions_among([r.seq for r in rows], last.seqs)
+        if index is None:
+            return None
+        same = index.size == len(last.seqs) and pad_to == last.key[1]  # then the rows stay where they are
         bs = self.block_size
         starts = np.fromiter((r.start for r in rows), np.int64, n)
+        table_lens = last.table_lens if same else last.table_lens[index]
         block_index = starts // bs
-        if not np.array_equal(starts, last.starts + 1) or (block_index >= last.table_lens).any():
+        if not np.array_equal(starts, (last.starts if same else last.starts[index]) + 1) or \
+                (block_index >= table_lens).any():
             return None
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the host buffers
-        h = last.buffers.arrays
+        key, buffers = last.key, last.buffers
+        if not same:  # the rows that go on, moved up; their tables copied out first (every shape's
+            # arrays share the one host buffer)
+            tables = buffers.arrays["tables"][index]
+            key = (pad_to, pad_to, key[2], False)
+            buffers = self._buffers(key)
+            h = buffers.arrays
+            h["tables"].fill(-1)
+            h["tables"][:n] = tables
+            h["qsl"][: n + 1] = np.arange(n + 1)
+            self._pad(n, pad_to, 1, h)
+            h["last"][:pad_to] = np.arange(pad_to)
+        h = buffers.arrays
         h["tokens"][:n] = np.fromiter((r.tokens[0] for r in rows), np.int64, n)
         h["positions"][:n] = starts
         h["slots"][:n] = h["tables"][np.arange(n), block_index] * bs + starts % bs
         h["seq_lens"][:n] = starts + 1
-        last.starts = starts
-        self._one_token = last
+        self._one_token = OneTokenStep(key, last.seqs if same else [r.seq for r in rows], starts, table_lens, buffers)
         self.advanced_steps += 1
-        return self._finish(last.buffers, rows, [1] * n, last.key[1], 1), last.key[2]
+        return self._finish(buffers, rows, [1] * n, pad_to, 1), key[2]
 
     def _finish(self, buffers: StepBuffers, rows: list[Row], lens: list[int], B: int, width: int) -> StepInputs:
         """The filled arrays of a step as its tensors: copied to the device where there is one."""

@@ -72,7 +72,7 @@ class StaticPass:
         builder = self.runner.builder
         P = self.padded_size(len(rows))
         if continues and width == 1:
-            advanced = builder.advance(rows)
+            advanced = builder.advance(rows, P)
             if advanced is not None:
                 inputs, table_width = advanced
                 return inputs, (P, table_width)
