@@ -109,7 +109,7 @@ class StaticPass:
 
     def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
         """Only the real rows' work counts (tests prove with it that no work is repeated)."""
-        n = sum(min(len(r.tokens), tokens_per_row) for r in rows)
+        n = len(rows) if tokens_per_row == 1 else sum(min(len(r.tokens), tokens_per_row) for r in rows)
         for i in layers or range(self.runner.num_layers):
             self.runner.layer_tokens[i] += n
 
@@ -320,9 +320,10 @@ class StaticLayers(StaticPass):
         return (self.padded_size(len(rows)) * width <= builder.max_tokens
                 and all(r.start + width <= len(r.seq.block_table) * bs for r in rows))
 
-    def run(self, rows: list[Row], continues: bool = False) -> torch.Tensor:
-        """`continues`: see StaticPass._build."""
-        width = self._width(rows)
+    def run(self, rows: list[Row], continues: bool = False, one_token_each: bool = False) -> torch.Tensor:
+        """`continues`: see StaticPass._build. `one_token_each`: the caller knows that every row holds
+        one token (no token trees), as `takes` would find (each check walks the rows)."""
+        width = 1 if one_token_each else self._width(rows)
         if width == 1:
             _, hidden = self._run_padded(rows, width, continues)
             self._count(rows, width, self.layers)

@@ -146,7 +146,9 @@ class DraftStack:
             seen[seq.seq_id][2] = pending + 1 + len(draft)
             rows.append(Row(seq, start, tokens))
         if one_token_each:
-            return self._run(rows, continues=continues)
+            if self.static is not None and 0 < len(rows) <= self.static.max_batch:  # (what static.takes checks)
+                return self.static.run(rows, continues, one_token_each=True)
+            return self._run(rows)
         self.catch_up_tokens += sum(len(row.tokens) - 1 for row in rows if row.tokens)
         if self.static is not None and all(row.tokens for row in rows) and self.static.takes(rows):
             return self.static.run(rows)  # a short catch-up (the last round's last draft): one graph
@@ -177,13 +179,13 @@ class DraftStack:
             record = self._seen[seq.seq_id] = [seq.num_preemptions, 0, 0]
         return min(record[1], seq.num_computed_tokens)
 
-    def _run(self, rows: list[Row], every_token: bool = False, continues: bool = False) -> torch.Tensor:
+    def _run(self, rows: list[Row], every_token: bool = False) -> torch.Tensor:
         """The copy's layers over `rows`: the layer-E states of every token `[T, d]`, except that a
         static pass over rows of several tokens gives each row's last token only `[B, d]` (a round's
         catch-up, which needs no more); `every_token` keeps such rows off the static pass."""
         if self.static is not None and self.static.takes(rows) and \
                 not (every_token and any(len(row.tokens) > 1 for row in rows)):
-            return self.static.run(rows, continues)
+            return self.static.run(rows)
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
