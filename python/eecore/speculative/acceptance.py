@@ -43,7 +43,24 @@ class Acceptor:
         # every greedy row's full-depth token in one op (per sequence, each op would cost tens of
         # microseconds here, right after the verify pass)
         top = argmax_rows(logits).tolist() if any(seq.params.greedy for seq in seqs) else None
+        L = self.num_layers
         for seq, draft, n in zip(seqs, drafts, widths):
+            params = seq.params
+            if params.greedy and params.logprobs is None and not draft.exits and not draft.alternatives:
+                # a greedy chain (a batch's usual row): its longest prefix equal to full depth's tokens,
+                # then full depth's own, without the general path's per-sequence objects
+                chain, target, agreed = draft.tokens, top[offset: offset + n], 0
+                while agreed < len(chain) and chain[agreed] == target[agreed]:
+                    agreed += 1
+                tokens = [Token(t, L) for t in target[: agreed + 1]]
+                offsets.append(offset)
+                offset += n
+                start = seq.num_computed_tokens
+                seq.num_computed_tokens = start + agreed + 1
+                if draft.copy_ran:
+                    self.draft_stack.settle(seq, start + agreed + 1)
+                out.append(Accepted(tokens, agreed, False))
+                continue
             # LayerDrafts.exit_threshold: the leading exits are emitted as they are (at layer E; their
             # logprobs are the exit's), and only the rows after them are accepted as usual
             k = len(draft.exits)
