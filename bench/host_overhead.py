@@ -94,14 +94,17 @@ def host_only_engine(folder: str, max_batch: int):
 
 
 def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: bool = False,
-                          failing: bool = False):
+                          failing: bool = False, acceptance: float = 1.0):
     """The exit-ready layer preset's round (a draft copy, d drafts a round) with every pass replaced
     by a buffer: the copy's layers return a state buffer, the draft head and the verify pass logits
     whose argmax is one letter for every row (perfect drafts: each round has d + 1 tokens, the most
     a round handles on the host). `gpu_preset`: with the GPU preset's rules as well (the chain's stop
     below 0.15, long_draft_acceptance, lengths from the draft planner), which read each draft's
     probability and time every round. `failing`: the draft head proposes another letter than the
-    verify pass emits, so every draft is rejected (the planner then plans plain rounds)."""
+    verify pass emits, so every draft is rejected (the planner then plans plain rounds). `acceptance`
+    below 1: each row of the verify pass's buffer emits another letter with probability 1 -
+    acceptance (drawn once, so the same rows reject every round): sequences accept different
+    numbers of drafts, so with the planner they draft different lengths, as in a real batch."""
     from eecore.engine.static_decode import StaticLayers, StaticVerify
     from eecore.speculative.draft_stack import CATCH_UP_WIDTH
 
@@ -114,16 +117,17 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
     stack, width = decoder.draft_stack, decoder.lookahead
     logits = torch.randn(max_batch * width, VOCAB)
     logits[:, 81] = 100.0  # "a"
+    if acceptance < 1.0:
+        rejecting = torch.rand(max_batch * width, generator=torch.Generator().manual_seed(0)) >= acceptance
+        logits[rejecting, 82] = 200.0  # "b": the verify pass disagrees with the draft there
     runner.static_decode = StaticDecode(runner, max_batch, capture=False)
     runner.static_verify = StaticVerify(runner, max_batch, capture=False, width=width)
     runner.static_decode._step = runner.static_verify._step = lambda inputs: logits[: inputs.num_tokens]
     states = torch.zeros(max_batch * CATCH_UP_WIDTH, stack.model.config.hidden_size)
     stack.static = StaticLayers(stack.runner, max_batch, capture=False, max_width=CATCH_UP_WIDTH)
     stack.static._step = lambda inputs: states[: inputs.num_tokens]
-    proposals = logits
-    if failing:
-        proposals = torch.randn(max_batch * width, VOCAB)
-        proposals[:, 82] = 100.0  # "b"
+    proposals = torch.randn(max_batch * width, VOCAB)
+    proposals[:, 82 if failing else 81] = 100.0  # the draft head's letter: "a" as the verify pass, or "b"
     stack.head.columns = lambda hidden: proposals[: hidden.shape[0]]  # a draft head that costs nothing
     return llm
 
@@ -183,6 +187,9 @@ def main() -> None:
                          "buffer, every draft accepted) instead of decode steps")
     ap.add_argument("--gpu-preset", action="store_true",
                     help="with --speculate: the GPU layer preset's rules too (stop rules, the draft planner)")
+    ap.add_argument("--acceptance", type=float, default=1.0,
+                    help="with --speculate: the share of the verify pass's rows that agree with the draft "
+                         "(drawn once; below 1, sequences accept, and with --gpu-preset draft, different lengths)")
     ap.add_argument("--failing-drafts", action="store_true",
                     help="with --speculate: every draft rejected (with --gpu-preset the planner turns drafting off)")
     ap.add_argument("--out-name", default=None, help="(default: host-overhead, or host-overhead-speculate)")
@@ -192,7 +199,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         tiny_checkpoint(folder, args.context)
         for batch in args.batch_sizes:
-            llm = host_only_copy_engine(folder, batch, args.speculate, args.gpu_preset, args.failing_drafts) if args.speculate else \
+            llm = host_only_copy_engine(folder, batch, args.speculate, args.gpu_preset, args.failing_drafts,
+                                        args.acceptance) if args.speculate else \
                 host_only_engine(folder, batch)
             row = measure(llm, batch, args.steps, args.context, args.text, args.speculate)
             if args.failing_drafts:
@@ -206,7 +214,7 @@ def main() -> None:
     name = args.out_name or ("host-overhead-speculate" if args.speculate else "host-overhead")
     path = save_results(name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
                                    speculate=args.speculate, gpu_preset=args.gpu_preset,
-                                   failing_drafts=args.failing_drafts, rows=rows))
+                                   failing_drafts=args.failing_drafts, acceptance=args.acceptance, rows=rows))
     print(f"wrote {path}")
 
 
