@@ -107,6 +107,16 @@ def test_host_overhead_of_the_gpu_preset_with_failing_drafts(tmp_path):
     assert result["rows"][0]["tokens_per_sequence_and_step"] == 1 and result["rows"][0]["steps"] == 6 * 4
 
 
+def test_host_overhead_of_the_gpu_preset_with_some_drafts_rejected(tmp_path):
+    """--acceptance below 1: some verify rows disagree, so rounds bring fewer than d + 1 tokens."""
+    done = run_bench("host_overhead.py", "--batch-sizes", "4", "--steps", "8", "--speculate", "3", "--gpu-preset",
+                     "--acceptance", "0.5", "--out-name", "smoke", results=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = written(str(tmp_path), "smoke-*.json")
+    # the requests ask for 8 rounds of 4 tokens: with drafts rejected, more than 8 rounds bring them
+    assert result["acceptance"] == 0.5 and result["rows"][0]["steps"] > 8
+
+
 @pytest.mark.parametrize("cell, message", [("1,2", "--cell: expected B,CTX,HQ,HKV,D"),
                                            ("1,256,32,8,128", "needs a CUDA device")])
 def test_decode_sweep_arguments(tmp_path, cell, message):
