@@ -415,6 +415,32 @@ def test_draft_ahead_with_graphs_drafts_what_the_pass_by_pass_chain_does(tiny, s
             assert [o.metrics[key] for o in ahead] == [o.metrics[key] for o in plain]
 
 
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_graphed_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_draft(tiny, ahead, monkeypatch):
+    """InputBuilder.advance on a GPU (pinned host arrays, one copy a pass, graph replays): a round's
+    later copy passes built from the last pass's arrays draft what passes built anew draft."""
+    from eecore.engine.inputs import InputBuilder
+    from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = greedy(20)
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, ahead)
+    runs = []
+    for advance in (True, False):
+        if not advance:
+            monkeypatch.setattr(InputBuilder, "advance", lambda self, rows, pad_to: None)
+        llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(
+            num_speculations=4, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
+        runs.append((llm.generate(prompts, params), llm.engine.strategy.draft_stack.runner.builder.advanced_steps))
+    (advanced, steps), (fresh, none) = runs
+    assert steps > 0 and none == 0
+    assert [o.token_ids for o in advanced] == [o.token_ids for o in fresh]
+    for key in ("num_drafted_tokens", "num_accepted_tokens"):
+        assert [o.metrics[key] for o in advanced] == [o.metrics[key] for o in fresh]
+
+
 def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, monkeypatch):
     """The chain's passes and draft head reads go out with nothing read back: under
     torch.cuda.set_sync_debug_mode("error") any op in them that synchronizes with the host raises
