@@ -158,10 +158,14 @@ class Sequence:
             self.times.first_token = time.perf_counter()
 
     def append_tokens(self, tokens) -> None:
-        """append_token for each of `tokens` (engine.decoding.Token), at once."""
-        self.output_token_ids += [int(t.token_id) for t in tokens]
-        self.exit_layers += [int(t.exit_layer) for t in tokens]
-        self.logprobs += [t.logprobs for t in tokens if t.logprobs is not None]
+        """append_token for each of `tokens` (engine.decoding.Token), at once (a loop: a step brings
+        one to a few tokens a sequence, too few for list comprehensions to pay their setup)."""
+        ids, layers = self.output_token_ids, self.exit_layers
+        for t in tokens:
+            ids.append(int(t.token_id))
+            layers.append(int(t.exit_layer))
+            if t.logprobs is not None:
+                self.logprobs.append(t.logprobs)
         if self.times.first_token is None and tokens:
             self.times.first_token = time.perf_counter()
 

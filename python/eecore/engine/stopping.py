@@ -59,8 +59,10 @@ class StopChecker:
         p = seq.params
         # tokens until max_tokens or the context is reached
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        # _stops_on, inlined: this runs for every sequence at every step
+        stop_ids, eos = p.stop_token_ids, (() if p.ignore_eos else self.eos)
         for i, token in enumerate(tokens):
-            if self._stops_on(p, token.token_id) or i + 1 >= room:
+            if token.token_id in stop_ids or token.token_id in eos or i + 1 >= room:
                 seq.append_tokens(tokens[: i + 1])
                 return self._token_reason(seq)
         seq.append_tokens(tokens)
