@@ -712,26 +712,35 @@ def test_graphed_shared_layer_verify_accepts_perfect_drafts(tiny):
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) == drafted
 
 
-def _draft_full_depths_tokens(decoder, expected: dict) -> None:
-    """Replace each layer draft's token by full depth's next one (`expected`: prompt -> greedy
-    output), after the draft passes have run."""
-    chain: dict[int, int] = {}  # drafts proposed so far this round, by sequence
+def _edit_proposals(decoder, edit) -> None:
+    """After each draft pass, `edit(proposal, i, seq, k)` for each row i: seq's k-th proposal of the
+    round (from 0)."""
+    made: dict[int, int] = {}  # proposals so far this round, by sequence
     propose_round, propose_token = decoder.proposer.propose, decoder.picker.propose
 
     def round_drafts(*args, **kwargs):
-        chain.clear()
+        made.clear()
         return propose_round(*args, **kwargs)
 
-    def perfect_token(logits, seqs, *args, **kwargs):
+    def edited(logits, seqs, *args, **kwargs):
         proposal = propose_token(logits, seqs, *args, **kwargs)
         for i, seq in enumerate(seqs):
-            k = chain[seq.seq_id] = chain.get(seq.seq_id, -1) + 1
-            wanted = expected[tuple(seq.prompt_token_ids)]
-            if len(seq.output_token_ids) + k < len(wanted):
-                proposal.tokens[i] = wanted[len(seq.output_token_ids) + k]
+            k = made[seq.seq_id] = made.get(seq.seq_id, -1) + 1
+            edit(proposal, i, seq, k)
         return proposal
 
-    decoder.proposer.propose, decoder.picker.propose = round_drafts, perfect_token
+    decoder.proposer.propose, decoder.picker.propose = round_drafts, edited
+
+
+def _draft_full_depths_tokens(decoder, expected: dict) -> None:
+    """Replace each layer draft's token by full depth's next one (`expected`: prompt -> greedy
+    output), after the draft passes have run."""
+    def perfect(proposal, i, seq, k):
+        wanted = expected[tuple(seq.prompt_token_ids)]
+        if len(seq.output_token_ids) + k < len(wanted):
+            proposal.tokens[i] = wanted[len(seq.output_token_ids) + k]
+
+    _edit_proposals(decoder, perfect)
 
 
 def test_graphed_shared_layer_passes_with_preemption(tiny):
@@ -948,22 +957,11 @@ def test_a_step_that_fails_midway_is_recovered_with_the_tokens_of_a_clean_run(ti
 def _chains_ending_early(decoder) -> None:
     """Each sequence's chain ends after 1 + seq_id % 3 drafts a round, so that a round's later
     passes run fewer sequences than its first."""
-    drafted: dict[int, int] = {}
-    propose_round, propose_token = decoder.proposer.propose, decoder.picker.propose
+    def ending(proposal, i, seq, k):
+        if k >= 1 + seq.seq_id % 3:
+            proposal.confident[i] = False
 
-    def round_drafts(*args, **kwargs):
-        drafted.clear()
-        return propose_round(*args, **kwargs)
-
-    def ending(logits, seqs, *args, **kwargs):
-        proposal = propose_token(logits, seqs, *args, **kwargs)
-        for i, seq in enumerate(seqs):
-            k = drafted[seq.seq_id] = drafted.get(seq.seq_id, 0) + 1
-            if k > 1 + seq.seq_id % 3:
-                proposal.confident[i] = False
-        return proposal
-
-    decoder.proposer.propose, decoder.picker.propose = round_drafts, ending
+    _edit_proposals(decoder, ending)
 
 
 @pytest.mark.parametrize("source", ["copy", "copy, chains ending early", "copy, draft ahead", "shared layers",
