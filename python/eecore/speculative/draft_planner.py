@@ -194,14 +194,16 @@ class DraftPlanner:
     def acceptance(self, seq: Sequence, kind: str) -> tuple[float, float]:
         """(a1, a2): the rates at which `seq`'s first and later drafts of `kind` are accepted."""
         mine = self._odds.get(seq.seq_id)
-        return self._rates(mine[kind] if mine else None, kind)
-
-    def _rates(self, odds: Optional[_Odds], kind: str) -> tuple[float, float]:
+        odds = mine[kind] if mine else None
         first, later = self._prior(kind)
+        return self._rate(odds, FIRST, first), self._rate(odds, LATER, later)
+
+    def _rate(self, odds: Optional[_Odds], place: int, prior: float) -> float:
+        """How often drafts at `place` are accepted: a sequence's own hits and misses (none: the
+        prior alone), with the prior counting as PRIOR_ROUNDS rounds."""
+        hits, misses = (odds.hits[place], odds.misses[place]) if odds is not None else (0.0, 0.0)
         w = self.PRIOR_ROUNDS
-        hits, misses = (odds.hits, odds.misses) if odds is not None else ((0.0, 0.0), (0.0, 0.0))
-        return ((hits[FIRST] + w * first) / (hits[FIRST] + misses[FIRST] + w),
-                (hits[LATER] + w * later) / (hits[LATER] + misses[LATER] + w))
+        return (hits + w * prior) / (hits + misses + w)
 
     def _prior(self, kind: str) -> tuple[float, float]:
         values = self._prior_values.get(kind)
@@ -271,11 +273,10 @@ class DraftPlanner:
         """The length of `kind` drafts for a sequence with `odds`, or its probe; `prices`: _prices's
         plain step, round costs and floor, then the prior's two rates."""
         plain, _, floor, first_prior, later_prior = prices
-        w, hits, misses = self.PRIOR_ROUNDS, odds.hits, odds.misses
-        first = (hits[FIRST] + w * first_prior) / (hits[FIRST] + misses[FIRST] + w)  # as _rates
+        first = self._rate(odds, FIRST, first_prior)
         catch_up = 0.0
         if plain is not None and first >= floor:  # (below the floor no length pays: the usual case off)
-            later = (hits[LATER] + w * later_prior) / (hits[LATER] + misses[LATER] + w)
+            later = self._rate(odds, LATER, later_prior)
             if kind == "layer":
                 catch_up = self._catch_up(room, behind)
             d = self._best(prices, (first, later), batch, catch_up)
