@@ -45,38 +45,30 @@ class Acceptor:
         top = argmax_rows(logits).tolist() if any(seq.params.greedy for seq in seqs) else None
         L = self.num_layers
         for seq, draft, n in zip(seqs, drafts, widths):
-            params = seq.params
-            if params.greedy and params.logprobs is None and not draft.exits and not draft.alternatives:
-                # a greedy chain (a batch's usual row): its longest prefix equal to full depth's tokens,
-                # then full depth's own, without the general path's per-sequence objects
+            params, k = seq.params, len(draft.exits)
+            if params.greedy and params.logprobs is None and not k and not draft.alternatives:
+                # a greedy chain (a batch's usual row): its longest prefix equal to full depth's
+                # tokens, then full depth's own, without _accept's per-sequence verdict objects
                 chain, target, agreed = draft.tokens, top[offset: offset + n], 0
                 while agreed < len(chain) and chain[agreed] == target[agreed]:
                     agreed += 1
-                tokens = [Token(t, L) for t in target[: agreed + 1]]
-                offsets.append(offset)
-                offset += n
-                start = seq.num_computed_tokens
-                seq.num_computed_tokens = start + agreed + 1
-                if draft.copy_ran:
-                    self.draft_stack.settle(seq, start + agreed + 1)
-                out.append(Accepted(tokens, agreed, False))
-                continue
-            # LayerDrafts.exit_threshold: the leading exits are emitted as they are (at layer E; their
-            # logprobs are the exit's), and only the rows after them are accepted as usual
-            k = len(draft.exits)
-            n -= k
-            # (a greedy row without logprobs reads only its argmax: no view of the logits, which
-            # costs the host about a microsecond a sequence)
-            rows = logits[offset: offset + n] if not seq.params.greedy or seq.params.logprobs is not None else None
-            chain, probs, alternatives = (draft.tokens[k:], draft.probs[k:], draft.alternatives[k:]) if k else \
-                (draft.tokens, draft.probs, draft.alternatives)
-            tokens, leaf, agreed = self._accept(seq, chain, probs, rows, alternatives,
-                                                None if top is None else top[offset: offset + n])
-            if k:
-                tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(draft.tokens[:k], draft.exits)] + tokens
-                agreed += k
-                if leaf >= 0:  # (trees and exits never meet: DraftCopy.top_k > 1 is refused with them)
-                    leaf += k
+                tokens, leaf = [Token(t, L) for t in target[: agreed + 1]], -1
+            else:
+                # LayerDrafts.exit_threshold: the leading exits are emitted as they are (at layer E;
+                # their logprobs are the exit's), and only the rows after them are accepted as usual
+                n -= k
+                # (a greedy row without logprobs reads only its argmax: no view of the logits, which
+                # costs the host about a microsecond a sequence)
+                rows = logits[offset: offset + n] if not params.greedy or params.logprobs is not None else None
+                chain, probs, alternatives = (draft.tokens[k:], draft.probs[k:], draft.alternatives[k:]) if k else \
+                    (draft.tokens, draft.probs, draft.alternatives)
+                tokens, leaf, agreed = self._accept(seq, chain, probs, rows, alternatives,
+                                                    None if top is None else top[offset: offset + n])
+                if k:
+                    tokens = [Token(t, self.exit_layer, lp) for t, lp in zip(draft.tokens[:k], draft.exits)] + tokens
+                    agreed += k
+                    if leaf >= 0:  # (trees and exits never meet: DraftCopy.top_k > 1 is refused with them)
+                        leaf += k
             offsets.append(offset)
             offset += n
             start = seq.num_computed_tokens
