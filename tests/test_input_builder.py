@@ -126,27 +126,31 @@ def _fields(inputs) -> list:
 
 def test_an_advanced_step_is_the_step_built_anew():
     """InputBuilder.advance (a draft chain's next pass from the last pass's arrays): random padded
-    one-token steps advanced pass after pass, rows crossing into blocks their tables held, tables
-    gaining blocks and chains ending between passes (the rest padded to another size), give the
-    arrays of a fresh build of the same rows."""
+    steps (the first of 1-5 tokens a row, padded to a width: a draft copy's catch-up) advanced pass
+    after pass, rows crossing into blocks their tables held, tables gaining blocks and chains
+    ending between passes (the rest padded to another size), give the arrays of a fresh build of
+    the same rows."""
     rng = random.Random(5)
     advanced = 0
-    for _ in range(60):
+    for _ in range(80):
         chain = InputBuilder(max_tokens=64, max_seqs=8, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK,
                              device=torch.device("cpu"), pad_block=PAD_BLOCK)
         fresh = InputBuilder(max_tokens=64, max_seqs=8, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK,
                              device=torch.device("cpu"), pad_block=PAD_BLOCK)
         seqs, starts = [], []
+        first_width = rng.choice([1, 1, 2, 3, 5])
         for _ in range(rng.randint(1, 6)):
             seq = Sequence([1], eecore.SamplingParams(max_tokens=4))
-            start = rng.randint(0, MAX_BLOCKS * BLOCK - 6)
-            seq.block_table = rng.sample(range(PAD_BLOCK), rng.randint(start // BLOCK + 1, MAX_BLOCKS))
+            start = rng.randint(0, MAX_BLOCKS * BLOCK - 6 - first_width)
+            seq.block_table = rng.sample(range(PAD_BLOCK),
+                                         rng.randint((start + first_width - 1) // BLOCK + 1, MAX_BLOCKS))
             seqs.append(seq)
             starts.append(start)
         pad_to = rng.randint(len(seqs), 8)
-        rows = [Row(s, p, [rng.randrange(1000)]) for s, p in zip(seqs, starts)]
-        width = chain.table_width_bucket(rows)
-        chain.build(rows, pad_to=pad_to, table_width=width)
+        rows = [Row(s, p, [rng.randrange(1000) for _ in range(rng.randint(1, first_width))])
+                for s, p in zip(seqs, starts)]
+        width = chain.table_width_bucket(rows, first_width)
+        chain.build(rows, pad_to=pad_to, width=first_width, table_width=width)
         held = [len(s.block_table) for s in seqs]  # the blocks the built arrays' tables hold, by row
         for _ in range(4):
             if rng.random() < 0.3:  # a table gains a block (held by the last pass's arrays or not)
@@ -157,7 +161,7 @@ def test_an_advanced_step_is_the_step_built_anew():
                 keep = sorted(rng.sample(range(len(rows)), rng.randint(1, len(rows) - 1)))
                 rows, held = [rows[i] for i in keep], [held[i] for i in keep]
                 pad_to = rng.randint(len(rows), pad_to)
-            rows = [Row(r.seq, r.start + 1, [rng.randrange(1000)]) for r in rows]
+            rows = [Row(r.seq, r.start + len(r.tokens), [rng.randrange(1000)]) for r in rows]
             if any(r.start >= len(r.seq.block_table) * BLOCK for r in rows):
                 break
             got = chain.advance(rows, pad_to)
@@ -179,11 +183,11 @@ def test_an_advanced_step_is_the_step_built_anew():
             for i, (r, n) in enumerate(zip(rows, held)):
                 assert tables[i] == r.seq.block_table[:n] + [-1] * (len(tables[i]) - n)
             assert tables[len(rows):] == fresh_tables[len(rows):]
-    assert advanced > 100
+    assert advanced > 130
 
 
 @pytest.mark.parametrize("change", ["other sequence", "out of order", "other start", "two tokens", "a varlen build",
-                                    "past its table"])
+                                    "past its table", "inside a wider step"])
 def test_a_step_that_does_not_follow_the_last_is_not_advanced(change):
     builder = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4,
                            device=torch.device("cpu"), pad_block=9)
@@ -205,6 +209,9 @@ def test_a_step_that_does_not_follow_the_last_is_not_advanced(change):
         following[0] = Row(seqs[0], 6, [21, 23])
     elif change == "a varlen build":
         builder.build(rows)
+    elif change == "inside a wider step":  # the last step ran two tokens a row: position 6 is its own
+        rows = [Row(seqs[0], 5, [11, 13]), Row(seqs[1], 2, [12])]
+        builder.build(rows, pad_to=2, width=2, table_width=builder.table_width_bucket(rows, 2))
     else:
         following[1] = Row(seqs[1], 4, [22])
         rows = [rows[0], Row(seqs[1], 3, [12])]

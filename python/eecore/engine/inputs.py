@@ -26,9 +26,11 @@ same blocks unless one crosses into a new block. `prepare_decode` fills the next
 that gained a block, instead of building the step from scratch while the GPU waits.
 
 Within a self-speculation round nothing is scheduled between a draft chain's passes: each pass
-runs the same sequences as the last, one position further, in blocks the round reserved. `advance`
-builds such a pass from the last one's arrays, which already hold every row's block table, so it
-touches no row in Python but to read its token (`build` copies each row's table).
+runs the same sequences as the last, one position past the last one's tokens, in blocks the round
+reserved. `advance` builds such a pass from the last one's arrays, which already hold every row's
+block table, so it touches no row in Python but to read its token (`build` copies each row's
+table). The last pass may have held several tokens a row (a draft copy's catch-up at the start of
+a round, padded to a width).
 """
 from __future__ import annotations
 
@@ -120,13 +122,17 @@ def _positions_among(seqs: list[Sequence], among: list[Sequence]) -> Optional[np
 
 
 @dataclass
-class OneTokenStep:
-    """The last `build` when it was a padded step of one token a row (InputBuilder.advance)."""
+class PaddedStep:
+    """The last `build` when it was a padded step without token trees (InputBuilder.advance)."""
     key: tuple                # its buffers: (tokens, rows, table width, trees)
     seqs: list[Sequence]
-    starts: np.ndarray        # each row's position
+    ends: np.ndarray          # each row's position after its last token
     table_lens: np.ndarray    # the blocks each row's table held (what the buffers' tables hold)
     buffers: "StepBuffers"
+
+    @property
+    def one_token_each(self) -> bool:
+        return self.key[0] == self.key[1]
 
 
 class StepBuffers:
@@ -207,7 +213,7 @@ class InputBuilder:
             lambda key: StepBuffers(self._host, self._device, *key))
         self._prepared: Optional[PreparedDecode] = None
         self.prepared_steps = 0  # builds that found their step prepared (tests and benchmarks read it)
-        self._one_token: Optional[OneTokenStep] = None  # the last build, where advance may follow it
+        self._last_padded: Optional[PaddedStep] = None  # the last build, where advance may follow it
         self.advanced_steps = 0  # steps built by advance (tests and benchmarks read it)
 
     def table_width_bucket(self, rows: list[Row], width: int = 1) -> int:
@@ -234,7 +240,7 @@ class InputBuilder:
         graph replay, this is most of the host's share of the step, which the GPU waits out
         (bench/host_overhead.py). The tensors returned are valid until the next `build`."""
         prepared, self._prepared = self._prepared, None  # the next build uses it or no build does
-        self._one_token = None
+        self._last_padded = None
         if prepared is not None and width == 1 and pad_tokens_to is None:
             inputs = self._build_prepared(prepared, rows, pad_to, table_width)
             if inputs is not None:
@@ -308,32 +314,32 @@ class InputBuilder:
             h["positions"][T:padded_T] = 0
             h["slots"][T:padded_T] = self.pad_block * bs + np.arange(padded_T - T) % bs
         h["last"][:B] = qsl[1: B + 1] - 1
-        if pad_to is not None and used == n and T == B and padded_T == T and not has_tree:
-            self._one_token = OneTokenStep((padded_T, B, table_width, has_tree), [r.seq for r in rows], starts,
-                                           table_lens, buffers)
+        if pad_to is not None and padded_T == T and not has_tree:
+            self._last_padded = PaddedStep((padded_T, B, table_width, has_tree), [r.seq for r in rows],
+                                           starts + np.array(real, dtype=np.int64), table_lens, buffers)
         return self._finish(buffers, rows, lens, B, width)
 
     def advance(self, rows: list[Row], pad_to: int) -> Optional[tuple[StepInputs, int]]:
-        """The last build's step with its rows one position further, padded to `pad_to` rows, and its
-        table width (see the module doc): `rows` hold the last build's sequences in its order, or some
-        of them (the chains that go on), each with one token at its last position + 1, their block
-        tables unchanged since but for blocks appended. None where the last build was no padded
-        one-token step, the rows are not among its own, or a row's position lies past the blocks its
-        table held then: `build` it."""
-        last, self._one_token = self._one_token, None
+        """The one-token step that follows the last build, padded to `pad_to` rows, and its table
+        width (see the module doc): `rows` hold the last build's sequences in its order, or some of
+        them (the chains that go on), each with one token at the position after its last one then,
+        their block tables unchanged since but for blocks appended. None where the last build was
+        no padded step without token trees, the rows are not among its own, or a row's position
+        lies past the blocks its table held then: `build` it."""
+        last, self._last_padded = self._last_padded, None
         n = len(rows)
         if last is None or not 0 < n <= pad_to or any(len(r.tokens) != 1 or r.parents is not None for r in rows):
             return None
         index = _positions_among([r.seq for r in rows], last.seqs)
         if index is None:
             return None
-        same = index.size == len(last.seqs) and pad_to == last.key[1]  # then the rows stay where they are
+        # then the rows stay where they are
+        same = index.size == len(last.seqs) and pad_to == last.key[1] and last.one_token_each
         bs = self.block_size
         starts = np.fromiter((r.start for r in rows), np.int64, n)
         table_lens = last.table_lens if same else last.table_lens[index]
         block_index = starts // bs
-        if not np.array_equal(starts, (last.starts if same else last.starts[index]) + 1) or \
-                (block_index >= table_lens).any():
+        if not np.array_equal(starts, last.ends if same else last.ends[index]) or (block_index >= table_lens).any():
             return None
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the host buffers
@@ -354,7 +360,8 @@ class InputBuilder:
         h["positions"][:n] = starts
         h["slots"][:n] = h["tables"][np.arange(n), block_index] * bs + starts % bs
         h["seq_lens"][:n] = starts + 1
-        self._one_token = OneTokenStep(key, last.seqs if same else [r.seq for r in rows], starts, table_lens, buffers)
+        self._last_padded = PaddedStep(key, last.seqs if same else [r.seq for r in rows], starts + 1, table_lens,
+                                       buffers)
         self.advanced_steps += 1
         return self._finish(buffers, rows, [1] * n, pad_to, 1), key[2]
 
@@ -381,7 +388,7 @@ class InputBuilder:
         launched, padded to `pad_to` rows): the same sequences, each one position further, in the
         blocks their tables hold now. The tokens stay for `build`, and so does the slot of a row
         whose next position lies past its table (the scheduler gives it the block first)."""
-        self._prepared = self._one_token = None
+        self._prepared = self._last_padded = None
         n = len(rows)
         if not 0 < n <= pad_to or self.pad_block < 0 or pad_to > self.max_seqs or \
                 any(len(r.tokens) != 1 or r.parents is not None or not r.seq.block_table for r in rows):
