@@ -105,8 +105,7 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
     below 1: each row of the verify pass's buffer emits another letter with probability 1 -
     acceptance (drawn once, so the same rows reject every round): sequences accept different
     numbers of drafts, so with the planner they draft different lengths, as in a real batch."""
-    from eecore.engine.static_decode import StaticLayers, StaticVerify
-    from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+    from eecore.engine.static_decode import StaticVerify
 
     rules = dict(stop_below=0.15, long_draft_acceptance=0.5) if gpu_preset else {}
     spec = eecore.SelfSpeculativeConfig(num_speculations=drafts, adaptive=gpu_preset,
@@ -123,12 +122,11 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
     runner.static_decode = StaticDecode(runner, max_batch, capture=False)
     runner.static_verify = StaticVerify(runner, max_batch, capture=False, width=width)
     runner.static_decode._step = runner.static_verify._step = lambda inputs: logits[: inputs.num_tokens]
-    states = torch.zeros(max_batch * CATCH_UP_WIDTH, stack.model.config.hidden_size)
-    stack.static = StaticLayers(stack.runner, max_batch, capture=False, max_width=CATCH_UP_WIDTH)
-    stack.static._step = lambda inputs: states[: inputs.num_tokens]
     proposals = torch.randn(max_batch * width, VOCAB)
     proposals[:, 82 if failing else 81] = 100.0  # the draft head's letter: "a" as the verify pass, or "b"
-    stack.head.columns = lambda hidden: proposals[: hidden.shape[0]]  # a draft head that costs nothing
+    stack.static = stack.static_pass(capture=False)
+    stack.static._step = lambda inputs: proposals[: inputs.last_rows.shape[0]]  # the copy's layers and head
+    stack.head.columns = lambda hidden: proposals[: hidden.shape[0]]  # the head after op-by-op passes
     return llm
 
 

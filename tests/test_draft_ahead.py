@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 import eecore
-from eecore.engine.static_decode import StaticLayers, StaticVerify
-from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+from eecore.engine.static_decode import StaticVerify
 from eecore.speculative.proposers import DRAFT_AHEAD_ENV
 from engine_utils import emulate_graphs, greedy, random_prompts
 from model_factory import make_tiny_hf_model
@@ -41,8 +40,7 @@ def _llm(path, config, ahead: bool, monkeypatch, num_blocks: int = 128):
     runner, decoder = llm.engine.runner, llm.engine.strategy
     rows = llm.engine.config.max_num_seqs
     runner.static_verify = emulate_graphs(StaticVerify(runner, rows, capture=False, width=decoder.lookahead))
-    decoder.draft_stack.static = emulate_graphs(StaticLayers(decoder.draft_stack.runner, rows, capture=False,
-                                                             max_width=CATCH_UP_WIDTH))
+    decoder.draft_stack.static = emulate_graphs(decoder.draft_stack.static_pass(capture=False, max_batch=rows))
     return llm
 
 

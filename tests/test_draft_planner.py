@@ -527,8 +527,7 @@ def test_rounds_that_record_a_cuda_graph_teach_the_clock_nothing(tiny, lora_file
     sleeps 50 ms): the clock learns nothing from such rounds, and outputs stay full depth's."""
     import time
 
-    from eecore.engine.static_decode import StaticDecode, StaticLayers, StaticVerify
-    from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+    from eecore.engine.static_decode import StaticDecode, StaticVerify
     from engine_utils import emulate_graphs
 
     path, _ = tiny
@@ -543,8 +542,7 @@ def test_rounds_that_record_a_cuda_graph_teach_the_clock_nothing(tiny, lora_file
     runner, strategy, rows = llm.engine.runner, llm.engine.strategy, llm.engine.config.max_num_seqs
     runner.static_decode = StaticDecode(runner, rows, capture=False)
     runner.static_verify = StaticVerify(runner, rows, capture=False, width=strategy.lookahead)
-    strategy.draft_stack.static = StaticLayers(strategy.draft_stack.runner, rows, capture=False,
-                                               max_width=CATCH_UP_WIDTH)
+    strategy.draft_stack.static = strategy.draft_stack.static_pass(capture=False, max_batch=rows)
     passes = (runner.static_decode, runner.static_verify, strategy.draft_stack.static)
     for static in passes:
         emulate_graphs(static)

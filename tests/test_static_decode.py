@@ -403,8 +403,7 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
             runner.static_verify = StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                 width=llm.engine.strategy.lookahead)
             if stack is not None:  # the copy's passes too
-                stack.static = StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
-                                            max_width=CATCH_UP_WIDTH)
+                stack.static = stack.static_pass(capture=False)
         return llm, llm.generate(prompts, params)
 
     plain_llm, plain = run(False)
@@ -433,8 +432,7 @@ def test_a_copy_catching_up_past_its_token_budget_with_static_passes(tiny):
                    max_num_batched_tokens=32)
         stack = llm.engine.strategy.draft_stack
         if static:
-            stack.static = StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
-                                        max_width=CATCH_UP_WIDTH)
+            stack.static = stack.static_pass(capture=False)
         return llm
 
     budget = llm_with(False).engine.strategy.draft_stack.runner.builder.max_tokens
@@ -489,10 +487,14 @@ def test_static_layers_take_rows_up_to_their_width_whose_padding_fits(tiny):
     llm.engine.blocks.free(seq)
 
 
-@pytest.mark.parametrize("longest", [2, 3])
-def test_a_few_token_static_pass_gives_the_varlen_pass(tiny, longest):
-    """Rows of one to `longest` tokens padded to 2 or 4: each row's last state and the K/V of every
-    real position are the varlen pass's, bit for bit."""
+@pytest.mark.parametrize("head", [False, True], ids=["states", "with a draft head"])
+@pytest.mark.parametrize("longest", [1, 2, 3])
+def test_a_few_token_static_pass_gives_the_varlen_pass(tiny, longest, head):
+    """Rows of one to `longest` tokens padded to 1, 2 or 4: each row's last state (or with a draft
+    head, the head's logits of it, computed inside the pass as a draft copy's are) and the K/V of
+    every real position are the varlen pass's, bit for bit."""
+    from eecore.models.exit_adapter import DraftHead
+
     path, hf = tiny
     llm = _llm(path, static=False)
     runner = llm.engine.runner
@@ -503,7 +505,7 @@ def test_a_few_token_static_pass_gives_the_varlen_pass(tiny, longest):
     prefix = [Row(s, 0, s.prompt_token_ids[:-3]) for s in seqs]
     inputs = runner.prepare(prefix)
     runner.run_layers(runner.embed(inputs), inputs.attn, 0, runner.num_layers)
-    lengths = [longest, 1, 2]
+    lengths = [longest, 1, min(2, longest)]
     rows = [Row(s, len(s.prompt_token_ids) - 3, s.prompt_token_ids[-3:][:n]) for s, n in zip(seqs, lengths)]
     inputs = runner.prepare(rows)
     hidden = runner.run_layers(runner.embed(inputs), inputs.attn, 0, runner.num_layers)
@@ -511,11 +513,14 @@ def test_a_few_token_static_pass_gives_the_varlen_pass(tiny, longest):
     slots = inputs.attn.slot_mapping.clone()
     kv = [(runner.kv.k(i).flatten(0, 1)[slots].clone(), runner.kv.v(i).flatten(0, 1)[slots].clone())
           for i in range(runner.num_layers)]
-    layers = StaticLayers(runner, 4, capture=False, max_width=CATCH_UP_WIDTH)
+    draft_head = DraftHead(runner.model, runner.num_layers, None, 4) if head else None
+    if head:
+        want = draft_head.columns(want).clone()
+    layers = StaticLayers(runner, 4, capture=False, max_width=CATCH_UP_WIDTH, head=draft_head)
     assert layers.takes(rows)
     got = layers.run(rows)
-    assert list(layers.outputs)[-1][-1] == (2 if longest == 2 else 4)  # the pass's width
-    assert torch.equal(got, want)
+    assert list(layers.outputs)[-1][-1] == {1: 1, 2: 2, 3: 4}[longest]  # the pass's width
+    assert got.shape == want.shape and torch.equal(got, want)
     for i, (k, v) in enumerate(kv):
         assert torch.equal(runner.kv.k(i).flatten(0, 1)[slots], k) and torch.equal(runner.kv.v(i).flatten(0, 1)[slots], v)
     for seq in seqs:
@@ -620,8 +625,7 @@ def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny):
             runner.static_verify = emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                                 width=llm.engine.strategy.lookahead))
             stack = llm.engine.strategy.draft_stack
-            stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
-                                                       max_width=CATCH_UP_WIDTH))
+            stack.static = emulate_graphs(stack.static_pass(capture=False))
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in eager]
         assert runner.static_decode.graphs or config is not None
 
@@ -640,9 +644,7 @@ def test_graphed_verify_accepts_perfect_drafts(tiny):
     runner, decoder = llm.engine.runner, llm.engine.strategy
     runner.static_verify = emulate_graphs(StaticVerify(runner, llm.engine.config.max_num_seqs, capture=False,
                                                         width=decoder.lookahead))
-    decoder.draft_stack.static = emulate_graphs(StaticLayers(decoder.draft_stack.runner,
-                                                              llm.engine.config.max_num_seqs, capture=False,
-                                                              max_width=CATCH_UP_WIDTH))
+    decoder.draft_stack.static = emulate_graphs(decoder.draft_stack.static_pass(capture=False))
     _draft_full_depths_tokens(decoder, expected)
     outs = llm.generate(prompts, params)
     assert runner.static_verify.graphs, "the verify pass was never replayed"
@@ -846,8 +848,7 @@ def _random_workload(r, seed: int, path, vocab_size: int, monkeypatch):
             if name != "none":
                 runner.static_verify = emulate_graphs(StaticVerify(runner, n, capture=False, width=strategy.lookahead))
                 if strategy.draft_stack is not None:
-                    strategy.draft_stack.static = emulate_graphs(StaticLayers(strategy.draft_stack.runner, n, capture=False,
-                                                                              max_width=CATCH_UP_WIDTH))
+                    strategy.draft_stack.static = emulate_graphs(strategy.draft_stack.static_pass(capture=False, max_batch=n))
         return llm
 
     return build, prompts, params, arrive_every
@@ -993,8 +994,7 @@ def test_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_draft(tin
             llm = _llm(path, static=True, speculative=eecore.SelfSpeculativeConfig(
                 num_speculations=3, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
             stack = llm.engine.strategy.draft_stack
-            stack.static = emulate_graphs(StaticLayers(stack.runner, llm.engine.config.max_num_seqs, capture=False,
-                                                       max_width=CATCH_UP_WIDTH))
+            stack.static = emulate_graphs(stack.static_pass(capture=False))
             builder = stack.runner.builder
         if source.endswith("ending early"):
             _chains_ending_early(llm.engine.strategy)

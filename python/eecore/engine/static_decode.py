@@ -297,14 +297,20 @@ class StaticLayers(StaticPass):
     copy catches up that way at the start of a round: on the last draft and the model's token after
     it when verification accepted every draft (a third of the layer preset's first passes), or on a
     round drafted by prompt lookup alone (the hybrid preset's, up to ~15 tokens); without it those
-    passes ran op by op."""
+    passes ran op by op.
 
-    def __init__(self, runner, max_batch: int, capture: bool, num_layers: Optional[int] = None, max_width: int = 1):
+    `head` (a draft copy's DraftHead): the pass ends with the head, and returns its column logits of
+    each row's last token `[B, K]` instead of the states, so that the head's half-dozen kernels are
+    in the graph rather than launched one by one after every replay."""
+
+    def __init__(self, runner, max_batch: int, capture: bool, num_layers: Optional[int] = None, max_width: int = 1,
+                 head=None):
         super().__init__(runner, max_batch, capture)
         self.layers = range(runner.num_layers if num_layers is None else num_layers)
         self.max_width = max_width
+        self.head = head
         model = runner.model
-        self._last_rows = torch.empty(max_batch, dtype=torch.int64, device=model.device)
+        self._last_rows = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
         self._last_states = torch.empty(max_batch, model.config.hidden_size, dtype=model.dtype, device=model.device)
 
     def takes(self, rows: list[Row]) -> bool:
@@ -325,16 +331,19 @@ class StaticLayers(StaticPass):
         one token (no token trees), as `takes` would find (each check walks the rows)."""
         width = 1 if one_token_each else self._width(rows)
         if width == 1:
-            _, hidden = self._run_padded(rows, width, continues)
+            _, out = self._run_padded(rows, width, continues)
             self._count(rows, width, self.layers)
-            return hidden[: len(rows)]
-        # each row's last token among the padded ones, copied before the launch (a copy from host
-        # memory after it would wait for the pass)
-        last = self._last_rows[: len(rows)]
-        last.copy_(torch.tensor([b * width + len(r.tokens) - 1 for b, r in enumerate(rows)]))
-        _, hidden = self._run_padded(rows, width)
+            return out[: len(rows)]
+        # each row's last token among the padded ones (a padding row's first), copied before the
+        # launch (a copy from host memory after it would wait for the pass)
+        P = self.padded_size(len(rows))
+        self._last_rows[:P].copy_(torch.tensor([b * width + len(r.tokens) - 1 for b, r in enumerate(rows)] +
+                                               [b * width for b in range(len(rows), P)]))
+        _, out = self._run_padded(rows, width)
         self._count(rows, width, self.layers)
-        return torch.index_select(hidden, 0, last, out=self._last_states[: len(rows)])
+        if self.head is not None:  # the head read the last tokens inside the pass
+            return out[: len(rows)]
+        return torch.index_select(out, 0, self._last_rows[: len(rows)], out=self._last_states[: len(rows)])
 
     def run_with_tokens(self, rows: list[Row], tokens: torch.Tensor, continues: bool = False) -> torch.Tensor:
         """`run` over one-token rows whose tokens are still on the device, not read back (`tokens`
@@ -353,7 +362,13 @@ class StaticLayers(StaticPass):
         return min(1 << (longest - 1).bit_length(), self.max_width)  # a few widths: a few graphs a batch size
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
-        return self._layers(self.runner.embed(inputs), inputs, self.layers)
+        hidden = self._layers(self.runner.embed(inputs), inputs, self.layers)
+        if self.head is None:
+            return hidden
+        P = inputs.last_rows.shape[0]
+        if hidden.shape[0] != P:  # rows of several tokens: each row's last (run sets _last_rows)
+            hidden = torch.index_select(hidden, 0, self._last_rows[:P], out=self._last_states[:P])
+        return self.head.columns(hidden)
 
 
 class StaticExitVerify(StaticVerify):

@@ -81,14 +81,19 @@ class DraftStack:
             max_tokens=builder.max_tokens, max_seqs=builder.max_seqs, max_logit_rows=1,
             max_blocks_per_seq=builder.max_blocks, max_model_len=main_runner.max_model_len)
         self.head = DraftHead(model, exit_layer, adapters, builder.max_seqs)
-        # the copy's one-token passes as CUDA graphs wherever the model's decode steps are graphs
+        # the copy's passes (and its draft head) as CUDA graphs wherever the model's decode steps are graphs
         self.static = None if main_runner.static_decode is None else \
-            StaticLayers(self.runner, builder.max_seqs, capture=main_runner.static_decode.capture,
-                         max_width=CATCH_UP_WIDTH)
+            self.static_pass(capture=main_runner.static_decode.capture)
         self._states = torch.empty(builder.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
         # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
         self._seen: dict[int, list[int]] = {}
         self.catch_up_tokens = 0  # tokens run beyond one a sequence and pass (the draft planner's clock)
+
+    def static_pass(self, capture: bool, max_batch: Optional[int] = None) -> StaticLayers:
+        """The copy's passes on static buffers, its draft head included (`capture`: as CUDA graphs), for
+        up to `max_batch` sequences (default: the engine's)."""
+        return StaticLayers(self.runner, max_batch or self.runner.builder.max_seqs, capture=capture,
+                            max_width=CATCH_UP_WIDTH, head=self.head)
 
     def weight_bytes(self) -> int:
         """Bytes a drafted token reads: the copy's E layers, then the draft head."""
@@ -97,8 +102,9 @@ class DraftStack:
     # ---- passes ------------------------------------------------------------------------------
     def first_pass(self, seqs: list[Sequence], drafts: Optional[list[list[int]]] = None) -> torch.Tensor:
         """A round's first pass: runs each sequence's unseen tokens, through its pending one and
-        then its `drafts` so far (none by default), through the copy; returns the layer-E states
-        of each sequence's last token `[B, d]`. Tokens beyond the step budget go in chunks."""
+        then its `drafts` so far (none by default), through the copy; returns the draft head's
+        column logits (DraftHead.columns) of each sequence's last token `[B, K]`. Tokens beyond the
+        step budget go in chunks."""
         return self._advance(seqs, drafts, [self._valid(seq) for seq in seqs], continues=False)
 
     def next_pass(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
@@ -109,7 +115,7 @@ class DraftStack:
     def chained_pass(self, seqs: list[Sequence], offsets: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A pass of drafts still on the device (`tokens` `[n]` int64, not read back): seqs[i]'s at
         position pending + offsets[i], the copy having run every position before it. Returns their
-        layer-E states `[n, d]`. Needs the static pass (`chains`)."""
+        draft head column logits `[n, K]`. Needs the static pass (`chains`)."""
         rows = []
         for seq, offset in zip(seqs, offsets):
             position = seq.num_computed_tokens + offset
@@ -148,11 +154,11 @@ class DraftStack:
         if one_token_each:
             if self.static is not None and 0 < len(rows) <= self.static.max_batch:  # (what static.takes checks)
                 return self.static.run(rows, continues, one_token_each=True)
-            return self._run(rows)
+            return self.head.columns(self._run(rows))
         self.catch_up_tokens += sum(len(row.tokens) - 1 for row in rows if row.tokens)
         if self.static is not None and all(row.tokens for row in rows) and self.static.takes(rows):
             return self.static.run(rows)  # a short catch-up (the last round's last draft): one graph
-        return self._chunked(seqs, [(row.start, row.tokens) for row in rows])
+        return self.head.columns(self._chunked(seqs, [(row.start, row.tokens) for row in rows]))
 
     def behind_all(self, seqs: list[Sequence]) -> list[int]:
         """Tokens the copy would run before the pending token in each sequence's next first pass (as
@@ -179,13 +185,8 @@ class DraftStack:
             record = self._seen[seq.seq_id] = [seq.num_preemptions, 0, 0]
         return min(record[1], seq.num_computed_tokens)
 
-    def _run(self, rows: list[Row], every_token: bool = False) -> torch.Tensor:
-        """The copy's layers over `rows`: the layer-E states of every token `[T, d]`, except that a
-        static pass over rows of several tokens gives each row's last token only `[B, d]` (a round's
-        catch-up, which needs no more); `every_token` keeps such rows off the static pass."""
-        if self.static is not None and self.static.takes(rows) and \
-                not (every_token and any(len(row.tokens) > 1 for row in rows)):
-            return self.static.run(rows)
+    def _run(self, rows: list[Row]) -> torch.Tensor:
+        """The copy's layers over `rows`, op by op: the layer-E states of every token `[T, d]`."""
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
@@ -207,7 +208,7 @@ class DraftStack:
                     queue.appendleft((b, start + take, tokens[take:]))
                 else:
                     finished.append((b, used - 1))
-            hidden = self._run(rows, every_token=True)  # indexed by token below
+            hidden = self._run(rows)  # indexed by token below
             if finished:
                 dev = hidden.device
                 out.index_copy_(0, torch.tensor([b for b, _ in finished], device=dev),

@@ -125,23 +125,23 @@ class CopyProposer:
             return
         for b in live:
             drafts[b].copy_ran = True
-        hidden = self.stack.first_pass([seqs[b] for b in live])
+        logits = self.stack.first_pass([seqs[b] for b in live])
         self.passes += 1
         length = self.picker.draft_length
         if self._chains(seqs, live) and (length is None or all(length.trusts(seqs[b]) for b in live)):
             # no sequence's first draft decides how far it drafts: the chain starts at the first pass
-            self._chain(seqs, drafts, budgets, live, opening=hidden)
+            self._chain(seqs, drafts, budgets, live, opening=logits)
             return
         for k in range(1, max(budgets[b] for b in live) + 1):
-            kept, ended = self.picker.take(self.picker.head.columns(hidden), live, seqs, drafts,
-                                           with_alternatives=True, opening=live if k == 1 else ())
+            kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
+                                           opening=live if k == 1 else ())
             live = [b for b in kept if len(drafts[b]) < budgets[b] and b not in ended]
             if not live:
                 break
             if self._chains(seqs, live):
                 self._chain(seqs, drafts, budgets, live)
                 return
-            hidden = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
+            logits = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
             self.passes += 1
 
     def _chains(self, seqs: list[Sequence], live: list[int]) -> bool:
@@ -153,7 +153,7 @@ class CopyProposer:
                opening: Optional[torch.Tensor] = None) -> None:
         """The rest of `live`'s drafts, pass after pass on the device, read back once: after each
         has drafted its first (read back to decide how far it goes), or from the round's first pass
-        (`opening`, its layer-E states) when nothing needs deciding."""
+        (`opening`, its draft head logits) when nothing needs deciding."""
         stop_below = self.picker.stop_below
         more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
         dev = self._chain_tokens.device
@@ -192,12 +192,12 @@ class CopyProposer:
             if kept:  # the rows that go on, out of the last pass's tokens
                 tokens = tokens.index_select(0, index[start + n: start + n + kept])
             if j == 0 and opening is not None:
-                hidden = opening
+                logits = opening
             else:
-                hidden = self.stack.chained_pass([seqs[live[i]] for i in rows],
+                logits = self.stack.chained_pass([seqs[live[i]] for i in rows],
                                                  [len(drafts[live[i]]) + j for i in rows], tokens)
                 self.passes += 1
-            _, p, columns = self.picker.top1(head.columns(hidden))
+            _, p, columns = self.picker.top1(logits)
             tokens = head.token_ids(columns)
             where = index[start: start + n]
             self._chain_tokens[:, j].index_copy_(0, where, tokens)
@@ -239,7 +239,7 @@ class TokenSwitchProposer:
         first = True
         while live:
             live_seqs, live_drafts = [seqs[b] for b in live], [drafts[b].tokens for b in live]
-            hidden = self.stack.first_pass(live_seqs, live_drafts) if first else \
+            logits = self.stack.first_pass(live_seqs, live_drafts) if first else \
                 self.stack.next_pass(live_seqs, live_drafts)
             self.passes += 1
             first = False
@@ -247,7 +247,7 @@ class TokenSwitchProposer:
             for b in live:
                 drafts[b].copy_ran = drafts[b].layer_turn = True
                 passes_left[b] -= 1
-            kept, ended = self.picker.take(self.picker.head.columns(hidden), live, seqs, drafts, opening=opening)
+            kept, ended = self.picker.take(logits, live, seqs, drafts, opening=opening)
             for b in kept:
                 if b in ended:
                     passes_left[b] = 0
