@@ -327,8 +327,9 @@ class StaticLayers(StaticPass):
                 and all(r.start + width <= len(r.seq.block_table) * bs for r in rows))
 
     def run(self, rows: list[Row], continues: bool = False, one_token_each: bool = False) -> torch.Tensor:
-        """`continues`: see StaticPass._build. `one_token_each`: the caller knows that every row holds
-        one token (no token trees), as `takes` would find (each check walks the rows)."""
+        """Each row's last state `[B, d]` (with `head`: the head's logits of it). `continues`: see
+        StaticPass._build. `one_token_each`: the caller knows that every row holds one token (no
+        token trees), as `takes` would find (each check walks the rows)."""
         width = 1 if one_token_each else self._width(rows)
         if width == 1:
             _, out = self._run_padded(rows, width, continues)
@@ -351,9 +352,9 @@ class StaticLayers(StaticPass):
         the inputs' copy, on the stream, as decode ahead's do."""
         inputs, key = self._build(rows, 1, continues)
         inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])
-        hidden = self._launch(key + (1,), inputs, self._step)
+        out = self._launch(key + (1,), inputs, self._step)
         self._count(rows, 1, self.layers)
-        return hidden[: len(rows)]
+        return out[: len(rows)]
 
     def _width(self, rows: list[Row]) -> int:
         longest = max(len(r.tokens) for r in rows)
