@@ -20,6 +20,13 @@ Each is fit on the training packages' code prompts and the training topics' ever
 exit decision's recipe), and scored on the held-out code prompts and held-out everyday requests
 (positions whose token lies outside the 8,192-token draft vocabulary count as misses for all).
 
+`--decision` asks the exit decision's question of the same state instead: does full depth's last
+state at the position before tell when the copy's draft is wrong? A logistic regression on the copy's
+top-1 probability, top-2 gap and entropy, and the same plus full depth's own three at the position
+before (read through the final norm and the draft vocabulary's LM-head rows), scored as
+bench/analysis/exit_decision_ceiling.py scores decisions (coverage at a precision, precision at a
+coverage).
+
     python bench/analysis/fused_first_draft.py [--train-prompts 320] [--train-chat 160] [--eval-prompts 24]
         [--eval-chat 24] [--max-tokens 96] [--steps 2000] [--rank 0] [--weight-decay 1e-4] [--cache FILE]
         [--variants fused "last state only"] [--out-name fused-first-draft]
@@ -40,11 +47,12 @@ import eecore
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import AdapterBlock, adapter_reference
+from eecore.exits.decision import distribution_inputs, fit_scorer
 from eecore.models.int8_weights import dense
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
 from common import bench_prompt_ids, chat_prompt_ids, cpu_model, save_results  # noqa: E402
-from exit_decision_ceiling import training_prompts  # noqa: E402
+from exit_decision_ceiling import table, training_prompts  # noqa: E402
 
 
 class Models:
@@ -163,6 +171,38 @@ def agreement(module, models: Models, data: dict) -> float:
     return hits / len(data["target"])
 
 
+@torch.no_grad()
+def decision_inputs(models: Models, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the copy's three distribution inputs `[n, 3]`, full depth's three at the position before
+    `[n, 3]`, whether the copy's draft is full depth's token `[n]`)."""
+    copy_in, last_in, right = [], [], []
+    for lo in range(0, len(data["target"]), 1024):
+        copy_probs = models.head_logits(data["copy"][lo: lo + 1024]).softmax(-1)
+        last = data["last"][lo: lo + 1024]
+        last_probs = (F.rms_norm(last, (last.shape[-1],), models.final_norm, models.eps) @ models.columns.t()).softmax(-1)
+        x, column = distribution_inputs(copy_probs)
+        copy_in.append(x)
+        last_in.append(distribution_inputs(last_probs)[0])
+        right.append((column == data["target"][lo: lo + 1024]).float())
+    return torch.cat(copy_in), torch.cat(last_in), torch.cat(right)
+
+
+def decision_tables(models: Models, data: dict, evals: dict) -> dict:
+    """Each held-out set's table: the copy's top-1 probability, a logistic regression on its three
+    inputs, and one on those and full depth's three at the position before."""
+    x, xl, y = decision_inputs(models, data)
+    copy_only = fit_scorer(x, y)
+    with_last = fit_scorer(torch.cat([x, xl], 1), y)
+    tables = {}
+    for name, held_out in evals.items():
+        xe, xle, ye = decision_inputs(models, held_out)
+        rows = table(f"\n{name}: {len(ye)} positions, copy agreement {ye.mean():.3f}", {
+            "top-1 probability": xe[:, 0], "logistic": copy_only(xe),
+            "logistic + full depth's previous state": with_last(torch.cat([xe, xle], 1)), "perfect": ye}, ye)
+        tables[name] = dict(positions=len(ye), agreement=ye.mean().item(), rows=rows)
+    return tables
+
+
 def main() -> None:
     from eecore.sources.general_chat_prompts import general_instruction_records
 
@@ -177,7 +217,8 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--cache", default=None, metavar="FILE",
                     help="keep the recorded states here (recorded once, read by later runs with the same prompts)")
-    ap.add_argument("--variants", nargs="+", default=["fused", "last state only"], choices=["fused", "last state only"])
+    ap.add_argument("--variants", nargs="*", default=["fused", "last state only"], choices=["fused", "last state only"])
+    ap.add_argument("--decision", action="store_true", help="also the exit decision table (see the module doc)")
     ap.add_argument("--out-name", default="fused-first-draft")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -215,12 +256,13 @@ def main() -> None:
                    **{k: agreement(module, models, v) for k, v in evals.items()})
         rows.append(row)
         print(f"{name:18} " + "  ".join(f"{k}: {v:.3f}" for k, v in row.items() if k != "variant"), flush=True)
+    decisions = decision_tables(models, data, evals) if args.decision else None
     results = dict(model="SmolLM2-135M-Instruct (Q4_1, exact kernel)", draft="the shipped exit-ready copy, exit 8",
                    max_tokens=args.max_tokens, train_prompts=args.train_prompts, train_chat=args.train_chat,
                    train_positions=len(data["target"]), steps=args.steps, rank=args.rank,
                    weight_decay=args.weight_decay, record_seconds=recorded,
                    train_seconds=seconds, eval_positions={k: len(v["target"]) for k, v in evals.items()},
-                   rows=rows)
+                   rows=rows, decisions=decisions)
     print(f"results: {save_results(args.out_name, results)}")
 
 
