@@ -29,7 +29,7 @@ coverage).
 
     python bench/analysis/fused_first_draft.py [--train-prompts 320] [--train-chat 160] [--eval-prompts 24]
         [--eval-chat 24] [--max-tokens 96] [--steps 2000] [--rank 0] [--weight-decay 1e-4] [--cache FILE]
-        [--variants fused "last state only"] [--out-name fused-first-draft]
+        [--variants fused "last state only"] [--decision] [--out-name fused-first-draft]
 
 writes bench/results/<machine>/<out-name>-<date>.json.
 """
