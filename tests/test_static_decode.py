@@ -419,12 +419,12 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
 
 
 def test_a_copy_catching_up_past_its_token_budget_with_static_passes(tiny):
-    """A prompt longer than a pass's token budget: the copy's first round catches up in chunks, and
-    where the last chunk is short enough for a static pass (a row of 2-16 tokens), that pass gives
-    each row's last state only, while the chunks are read by token. Read by token, that chunk
-    failed with an index error (or, with other rows beside it, took another row's state). One
-    sequence at a time, so that each first pass holds one prompt: its catch-up (the prompt and the
-    pending token) ends 2-9 tokens into a second chunk."""
+    """A prompt longer than a pass's token budget: the copy's first round catches up in chunks, read
+    by token, so every chunk runs op by op, the last one too however short (a static pass gives each
+    row's last token only: taken for a last chunk of 2-16 tokens, it once failed with an index error
+    or, with other rows beside it, took another row's state). One sequence at a time, so that each
+    first pass holds one prompt: its catch-up (the prompt and the pending token) ends 2-9 tokens
+    into a second chunk."""
     path, hf = tiny
 
     def llm_with(static: bool):

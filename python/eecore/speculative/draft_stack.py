@@ -193,7 +193,9 @@ class DraftStack:
 
     def _chunked(self, seqs: list[Sequence], pieces: list[tuple[int, list[int]]]) -> torch.Tensor:
         """first_pass with catch-up rows: each pass takes up to the runner's token budget, splitting
-        a row where it must, and the last position of each sequence is copied out when it runs."""
+        a row where it must, and the last position of each sequence is copied out when it runs (its
+        layer-E state `[B, d]`: the chunks run op by op, since a static pass gives only each row's
+        last token)."""
         out = self._states[: len(seqs)]
         budget = self.runner.builder.max_tokens
         queue = deque((b, start, tokens) for b, (start, tokens) in enumerate(pieces))
