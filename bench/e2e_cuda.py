@@ -44,7 +44,7 @@ import time
 import torch
 
 import eecore
-from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
 from common import (bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
                     timed)
 
@@ -104,9 +104,15 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
     return model.to(device).eval()
 
 
+# a draft copy's round: pass by pass, its chain on the device, and its verify pass behind the chain
+AHEAD_MODES = {"": {}, ", ahead": {DRAFT_AHEAD_ENV: "1"},
+               ", ahead, verify ahead": {DRAFT_AHEAD_ENV: "1", VERIFY_AHEAD_ENV: "1"}}
+
+
 def exit_configs(num_layers: int, d: int) -> dict:
     """Early exit and self-speculation at E = L/4 and L/2, by row name ("ahead": the draft copy's
-    chain on the device, EECORE_DRAFT_AHEAD=1; "adaptive": lengths from the draft planner)."""
+    chain on the device, EECORE_DRAFT_AHEAD=1; "verify ahead": its verify pass launched behind it,
+    EECORE_VERIFY_AHEAD=1; "adaptive": lengths from the draft planner)."""
     configs = {}
     for E in sorted({num_layers // 4, num_layers // 2}):
         configs[f"static exit E={E}"] = dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=E))
@@ -119,12 +125,13 @@ def exit_configs(num_layers: int, d: int) -> dict:
                 measure="softmax", threshold=threshold, min_exit_layer=E, check_every=num_layers))
         configs[f"layer drafts E={E} d={d}"] = dict(
             speculative=eecore.SelfSpeculativeConfig(num_speculations=d, layer=eecore.LayerDrafts(E)))
-        for perfect, ahead in ((False, False), (False, True), (True, False), (True, True)):
-            label = f"draft copy E={E} d={d}" + (", perfect drafts" if perfect else "") + (", ahead" if ahead else "")
-            configs[label] = dict(
-                speculative=eecore.SelfSpeculativeConfig(num_speculations=d,
-                                                         layer=eecore.LayerDrafts(E, copy=eecore.DraftCopy())),
-                perfect=perfect, env={DRAFT_AHEAD_ENV: "1"} if ahead else {})
+        for perfect in (False, True):
+            for ahead, env in AHEAD_MODES.items():
+                label = f"draft copy E={E} d={d}" + (", perfect drafts" if perfect else "") + ahead
+                configs[label] = dict(
+                    speculative=eecore.SelfSpeculativeConfig(num_speculations=d,
+                                                             layer=eecore.LayerDrafts(E, copy=eecore.DraftCopy())),
+                    perfect=perfect, env=env)
         # the draft planner on drafts that fail (random weights): it turns drafting off, and its
         # plain rounds launch their successors ahead as full depth's steps do
         configs[f"draft copy E={E} d={d}, adaptive"] = dict(speculative=eecore.SelfSpeculativeConfig(
@@ -140,7 +147,9 @@ def exit_ready_configs(device: str) -> dict:
     configs = {f"exit-ready {preset}": dict(exit_adapter=SHIPPED_DRAFT_FILE,
                                             speculative=eecore.SelfSpeculativeConfig.exit_ready(preset, device=device))
                for preset in ("layer", "hybrid")}
-    configs["exit-ready layer, ahead"] = dict(configs["exit-ready layer"], env={DRAFT_AHEAD_ENV: "1"})
+    for ahead, env in AHEAD_MODES.items():
+        if env:
+            configs["exit-ready layer" + ahead] = dict(configs["exit-ready layer"], env=env)
     return configs
 
 

@@ -253,12 +253,13 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
     tokens is continuation[m + k] (a prompt without one keeps the copy's drafts). The copy's passes,
     the draft head and the proposal's ops all still run; only the tokens they chose are replaced."""
     decoder = llm.engine.strategy
+    proposer = decoder.proposer
     chain: dict[int, int] = {}  # seq_id -> drafts proposed so far this round
-    copy_drafts, propose = decoder.proposer.propose, decoder.picker.propose
+    copy_drafts, propose = proposer.propose, decoder.picker.propose
 
-    def round_drafts(seqs, drafts, budgets):
+    def round_drafts(*args):
         chain.clear()
-        return copy_drafts(seqs, drafts, budgets)
+        return copy_drafts(*args)
 
     def oracle_propose(logits, seqs, *more, **named):
         proposal = propose(logits, seqs, *more, **named)
@@ -271,18 +272,31 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
                 proposal.tokens[i] = wanted[position]
         return proposal
 
-    decoder.proposer.propose, decoder.picker.propose = round_drafts, oracle_propose
-    chained = getattr(decoder.proposer, "_chain", None)
-    if chained is not None:  # draft ahead: the chain's drafts come back together, at its end
-        def oracle_chain(seqs, drafts, budgets, live):
-            chained(seqs, drafts, budgets, live)
-            for b in live:
-                wanted = continuations.get(tuple(seqs[b].prompt_token_ids), ())
-                done = len(seqs[b].output_token_ids)
-                tokens = drafts[b].tokens
-                for k in range(min(len(tokens), len(wanted) - done)):
-                    tokens[k] = wanted[done + k]
-        decoder.proposer._chain = oracle_chain
+    proposer.propose, decoder.picker.propose = round_drafts, oracle_propose
+    launch = getattr(proposer, "_launch_chain", None)
+    if launch is not None:  # draft ahead: the chain's drafts stay on the device until its read-back
+        def oracle_launch(seqs, drafts, live, passes, *rest):
+            launch(seqs, drafts, live, passes, *rest)
+            replace_chain(proposer, [seqs[b] for b in live], [len(drafts[b]) for b in live], len(passes),
+                          continuations)
+        proposer._launch_chain = oracle_launch
+
+
+def replace_chain(proposer, seqs, drafted: list[int], length: int, continuations: dict[tuple, list[int]]) -> None:
+    """A draft-ahead chain's drafts, still on the device, replaced by full depth's tokens: seqs[i]'s
+    draft j (it had drafted `drafted[i]` this round before the chain) is at position m + drafted[i] +
+    j of its output (where full depth's continuation ends, the copy's stays). Done on the device,
+    where both the chain's read-back and a verify pass launched behind it (EECORE_VERIFY_AHEAD=1)
+    read them; copied without waiting for the chain."""
+    wanted = []
+    for seq, before in zip(seqs, drafted):
+        text, at = continuations.get(tuple(seq.prompt_token_ids), ()), len(seq.output_token_ids) + before
+        wanted.append([text[at + j] if at + j < len(text) else -1 for j in range(length)])
+    tokens = proposer._chain_tokens[: len(seqs), :length]
+    values = torch.tensor(wanted, dtype=torch.int64)
+    if tokens.is_cuda:
+        values = values.pin_memory().to(tokens.device, non_blocking=True)
+    tokens.copy_(torch.where(values >= 0, values, tokens))
 
 
 def oracle(args) -> None:

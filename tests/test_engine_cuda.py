@@ -391,28 +391,35 @@ def test_graphed_copy_rounds_after_fully_accepted_ones(tiny):
     assert any(key[-1] == 2 for key in decoder.draft_stack.static.graphs)
 
 
+@pytest.mark.parametrize("verify_ahead", [False, True])
 @pytest.mark.parametrize("stops", [False, True])
-def test_draft_ahead_with_graphs_drafts_what_the_pass_by_pass_chain_does(tiny, stops, monkeypatch):
+def test_draft_ahead_with_graphs_drafts_what_the_pass_by_pass_chain_does(tiny, stops, verify_ahead, monkeypatch):
     """EECORE_DRAFT_AHEAD=1 on a GPU: the copy's passes take their tokens on the device, captured as
     graphs; the tokens are those of the pass-by-pass chain, and so are the drafts where no stop
-    rule makes the two run different batches."""
-    from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+    rule makes the two run different batches. EECORE_VERIFY_AHEAD=1: the verify pass as well, from
+    the chain's tokens on the device."""
+    from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
 
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]
     params = greedy(20)
     layer = eecore.LayerDrafts(1, stop_below=0.0045 if stops else None, copy=eecore.DraftCopy())
-    runs = []
+    monkeypatch.setenv(VERIFY_AHEAD_ENV, "1" if verify_ahead else "0")
+    runs, verified = [], []
     for ahead in ("0", "1"):
         monkeypatch.setenv(DRAFT_AHEAD_ENV, ahead)
         llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(num_speculations=4, layer=layer))
+        static = llm.engine.runner.static_verify
+        inner = static.run_with_tokens
+        static.run_with_tokens = lambda *args: verified.append(ahead) or inner(*args)
         runs.append(llm.generate(prompts, params))
     plain, ahead = runs
     assert [o.token_ids for o in ahead] == [o.token_ids for o in plain]
     if not stops:  # (with a stop rule the chain's later passes hold more rows, which may round otherwise)
         for key in ("num_drafted_tokens", "num_accepted_tokens"):
             assert [o.metrics[key] for o in ahead] == [o.metrics[key] for o in plain]
+    assert set(verified) == ({"1"} if verify_ahead else set())  # verified ahead: behind chains only
 
 
 @pytest.mark.parametrize("ahead", ["0", "1"])
@@ -441,31 +448,37 @@ def test_graphed_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_d
         assert [o.metrics[key] for o in advanced] == [o.metrics[key] for o in fresh]
 
 
-def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, monkeypatch):
-    """The chain's passes and draft head reads go out with nothing read back: under
+@pytest.mark.parametrize("verify_ahead", [False, True])
+def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, verify_ahead, monkeypatch):
+    """The chain's passes and draft head reads go out with nothing read back, and with
+    EECORE_VERIFY_AHEAD=1 so does the verify pass behind them: under
     torch.cuda.set_sync_debug_mode("error") any op in them that synchronizes with the host raises
     (the builder's wait for the previous pass's input copy is an event, which it does not count)."""
-    from eecore.speculative.proposers import DRAFT_AHEAD_ENV
+    from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
+    from eecore.speculative.verification import VerifyAhead
 
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5], seed=11)
     monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    monkeypatch.setenv(VERIFY_AHEAD_ENV, "1" if verify_ahead else "0")
     llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(num_speculations=4, layer=eecore.LayerDrafts(
         1, copy=eecore.DraftCopy())))
     llm.generate(prompts, greedy(16))  # captures the graphs (a capture synchronizes) that the run below replays
     proposer, launched = llm.engine.strategy.proposer, []
-    inner = proposer._launch_chain
 
-    def strict(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            inner(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        launched.append(True)
-    proposer._launch_chain = strict
+    def strict(inner, label):
+        def launch(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            launched.append(label)
+        return launch
+    proposer._launch_chain = strict(proposer._launch_chain, "chain")
+    monkeypatch.setattr(VerifyAhead, "launch", strict(VerifyAhead.launch, "verify"))  # (a method: self first)
     llm.generate(prompts, greedy(16))
-    assert launched
+    assert "chain" in launched and ("verify" in launched) == verify_ahead
 
 
 def test_plain_rounds_of_a_planner_that_stopped_drafting_launch_ahead_with_graphs(tiny, monkeypatch):

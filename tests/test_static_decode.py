@@ -826,6 +826,7 @@ def _random_workload(r, seed: int, path, vocab_size: int, monkeypatch):
     monkeypatch.setenv("EECORE_DECODE_AHEAD", r.choice("01"))
     monkeypatch.setenv("EECORE_DRAFT_AHEAD", r.choice("01"))
     monkeypatch.setenv("EECORE_PREPARE_NEXT_STEP", r.choice("01"))
+    monkeypatch.setenv("EECORE_VERIFY_AHEAD", "01"[seed % 2])  # (apart from `r`: the workloads stay as they were)
     piecewise, arrive_every = r.random() < 0.5, r.choice([0, 1, 3])
     num_blocks, max_len = r.choice([24, 48, 200]), r.choice([48, 160])
     kw = dict(num_blocks=num_blocks, max_num_seqs=r.choice([1, 3, 6]), max_model_len=max_len,
@@ -859,11 +860,11 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
     """Random engines and workloads, every pass a GPU engine captures as an emulated graph (decode
     steps, verify passes, the copy's passes, the pieces of prefill and mixed steps) against the
     eager engine: greedy outputs and finish reasons must be equal. Each seed draws a lossless
-    configuration, decode ahead, draft ahead and next-step preparation on or off, a KV cache small
-    enough to preempt or not, prefix caching, a step budget from 16 tokens, prompts up to 120 tokens
-    (longer than the budget: chunked prefills and catch-ups) arriving at once or while others
-    decode, repeated text for prompt lookup, stop tokens and log-probabilities. Found the catch-up
-    bug above."""
+    configuration, decode ahead, draft ahead (with the verify pass behind its chain or not) and
+    next-step preparation on or off, a KV cache small enough to preempt or not, prefix caching, a
+    step budget from 16 tokens, prompts up to 120 tokens (longer than the budget: chunked prefills
+    and catch-ups) arriving at once or while others decode, repeated text for prompt lookup, stop
+    tokens and log-probabilities. Found the catch-up bug above."""
     import random
 
     path, hf = tiny

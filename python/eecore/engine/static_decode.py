@@ -285,6 +285,19 @@ class StaticVerify(StaticPass):
         index = [b * W + k for b, r in enumerate(rows) for k in range(len(r.tokens))]
         return logits.index_select(0, torch.tensor(index, device=logits.device))
 
+    def run_with_tokens(self, rows: list[Row], values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """`run` with some tokens still on the device: `values` (int64, on the device) go to the
+        padded pass's token slots `where` (row b's token k is slot b * width + k) behind the inputs'
+        copy, on the stream, in place of the rows' placeholders. Returns every row's `width` logits
+        rows, padding included (`[len(rows) * width, V]`: picking the real ones out would take an
+        index from the host, which waits for the pass)."""
+        W = self.width
+        inputs, key = self._build(rows, W)
+        inputs.token_ids.index_copy_(0, where, values)
+        logits = self._launch(key + (W,), inputs, self._step)
+        self._count(rows, W)
+        return logits[: len(rows) * W]
+
 
 class StaticLayers(StaticPass):
     """The first `num_layers` layers of the runner's model (default: all) over one token a sequence,

@@ -52,7 +52,7 @@ from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.proposers import CopyProposer, SharedLayerProposer, TokenSwitchProposer
 from eecore.speculative.stats import RoundRecorder
 from eecore.speculative.token_tree import tree_row
-from eecore.speculative.verification import Verifier, logit_rows
+from eecore.speculative.verification import Verifier, VerifyAhead, logit_rows
 
 
 class SelfSpeculativeDecoder(DecodeStrategy):
@@ -151,18 +151,27 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             return self._plain_round(seqs, shadowed, start)  # no match, the guard, or last tokens
         for draft, n in zip(drafts, layer_budgets):
             draft.layer_turn = n > 0
-        drafting = self._draft_passes(lambda: self.proposer.propose(seqs, drafts, layer_budgets)) \
-            if any(layer_budgets) else 0.0
-        if any(layer_budgets) and self.proposer.verifies_from_exit_states:
+        ahead = VerifyAhead.for_round(self.runner.static_verify, seqs, drafts) \
+            if any(layer_budgets) and self.proposer.verifies_ahead and not shadowed else None
+        if ahead is not None:
+            drafting = self._draft_passes(lambda: self.proposer.propose(seqs, drafts, layer_budgets, ahead), ahead)
+        else:
+            drafting = self._draft_passes(lambda: self.proposer.propose(seqs, drafts, layer_budgets)) \
+                if any(layer_budgets) else 0.0
+        if ahead is not None and ahead.logits is not None:  # launched behind the chain: every row at full width
+            widths, logits, verified = [ahead.static.width] * len(seqs), ahead.logits, ahead.rows_verified
+        elif any(layer_budgets) and self.proposer.verifies_from_exit_states:
             widths = [len(d) + 1 for d in drafts]
             logits = self.verifier.from_exit_states(seqs, drafts, logit_rows(widths, drafts))
+            verified = sum(widths)
         else:  # lookup drafts or a separate copy's: one varlen pass through every layer
             rows = [tree_row(s, d.tokens, d.alternatives) for s, d in zip(seqs, drafts)]
             widths = [len(row.tokens) for row in rows]
             logits = self.verifier.full(rows, shadowed, logit_rows(widths, drafts))
+            verified = sum(widths)
         results, offsets = self._accept(seqs, drafts, widths, logits)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
-        self._clock_round(sum(widths), len(seqs), start, drafting)
+        self._clock_round(verified, len(seqs), start, drafting)
         return results
 
     def _plans(self, seqs: list[Sequence], budgets: list[int], rooms: list[int]) -> list[DraftPlan]:
@@ -174,18 +183,19 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         behinds = [0] * len(seqs) if stack is None else stack.behind_all(seqs)
         return self.planner.plan_all(seqs, len(seqs), budgets, rooms, behinds)
 
-    def _draft_passes(self, propose) -> float:
+    def _draft_passes(self, propose, ahead: Optional[VerifyAhead] = None) -> float:
         """Runs `propose` (a proposer's draft passes); returns its seconds. The planner's clock
         learns what one pass costs from rounds whose passes ran one token per sequence: a pass that
         catches the copy up on a prompt or on plain rounds' tokens is the price of starting to
-        draft, not of a draft."""
+        draft, not of a draft. `ahead`: the verify pass the passes launched, whose host time is the
+        verify pass's."""
         if self.planner is None:
             propose()
             return 0.0
         stack, clock = self.draft_stack, self.planner.clock
         passes, caught_up, begin = self.proposer.passes, stack.catch_up_tokens if stack else 0, time.perf_counter()
         propose()
-        seconds = time.perf_counter() - begin
+        seconds = time.perf_counter() - begin - (0.0 if ahead is None else ahead.seconds)
         passes, caught_up = self.proposer.passes - passes, (stack.catch_up_tokens if stack else 0) - caught_up
         if self._captures() != self._round_captures:  # a pass recorded its graph: a one-time cost
             return seconds

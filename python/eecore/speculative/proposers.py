@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 
 from eecore.engine.inputs import Row
@@ -24,6 +25,9 @@ from eecore.speculative.draft import Draft, DraftPicker
 
 # Draft ahead (CopyProposer): off until a GPU has timed it against the pass-by-pass chain.
 DRAFT_AHEAD_ENV = "EECORE_DRAFT_AHEAD"
+# With draft ahead, the round's verify pass launched from the chain's tokens before the chain is read
+# back (verification.VerifyAhead): off until a GPU has timed it as well.
+VERIFY_AHEAD_ENV = "EECORE_VERIFY_AHEAD"
 
 
 class SharedLayerProposer:
@@ -33,6 +37,7 @@ class SharedLayerProposer:
     positions at once), so the exit-query cache holds every position the verify pass needs."""
 
     verifies_from_exit_states = True
+    verifies_ahead = False  # (CopyProposer's draft ahead only)
 
     def __init__(self, runner, picker: DraftPicker, exit_layer: int, num_drafts: int, exit_states: torch.Tensor,
                  static=None):
@@ -114,12 +119,21 @@ class CopyProposer:
         self.picker = picker
         self.passes = 0  # copy passes run, for the draft planner's clock
         self.ahead = os.environ.get(DRAFT_AHEAD_ENV) == "1"
+        self.verifies_ahead = self.ahead and os.environ.get(VERIFY_AHEAD_ENV) == "1"
         if self.ahead:
             rows, dev = stack.runner.builder.max_seqs, stack.model.device
             self._chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
             self._chain_probs = torch.zeros(rows, max_drafts, dtype=torch.float32, device=dev)
+        if self.verifies_ahead and stack.model.device.type == "cuda":
+            # the chain's read-back goes out before the verify pass, into pinned memory, so that
+            # the host reads the chain while the GPU verifies it (a plain read would wait for both)
+            self._chain_host = (torch.empty(rows, max_drafts, dtype=torch.int64, pin_memory=True),
+                                torch.empty(rows, max_drafts, dtype=torch.float32, pin_memory=True))
+            self._chain_read = torch.cuda.Event()
 
-    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], verify_ahead=None) -> None:
+        """`verify_ahead` (a verification.VerifyAhead, with `verifies_ahead`): a chain launches the
+        round's verify pass behind its passes, before reading them back."""
         live = [b for b, n in enumerate(budgets) if n]
         if not live:
             return
@@ -130,7 +144,7 @@ class CopyProposer:
         length = self.picker.draft_length
         if self._chains(seqs, live) and (length is None or all(length.trusts(seqs[b]) for b in live)):
             # no sequence's first draft decides how far it drafts: the chain starts at the first pass
-            self._chain(seqs, drafts, budgets, live, opening=logits)
+            self._chain(seqs, drafts, budgets, live, opening=logits, verify_ahead=verify_ahead)
             return
         for k in range(1, max(budgets[b] for b in live) + 1):
             kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
@@ -139,7 +153,7 @@ class CopyProposer:
             if not live:
                 break
             if self._chains(seqs, live):
-                self._chain(seqs, drafts, budgets, live)
+                self._chain(seqs, drafts, budgets, live, verify_ahead=verify_ahead)
                 return
             logits = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
             self.passes += 1
@@ -150,10 +164,11 @@ class CopyProposer:
                 and self.stack.chains(len(live)) and all(seqs[b].params.greedy for b in live))
 
     def _chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
-               opening: Optional[torch.Tensor] = None) -> None:
+               opening: Optional[torch.Tensor] = None, verify_ahead=None) -> None:
         """The rest of `live`'s drafts, pass after pass on the device, read back once: after each
         has drafted its first (read back to decide how far it goes), or from the round's first pass
-        (`opening`, its draft head logits) when nothing needs deciding."""
+        (`opening`, its draft head logits) when nothing needs deciding. `verify_ahead`: the round's
+        verify pass goes out behind the chain, before the read-back."""
         stop_below = self.picker.stop_below
         more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
         dev = self._chain_tokens.device
@@ -168,9 +183,29 @@ class CopyProposer:
             kept = [] if j == 0 or rows == passes[j - 1] else [passes[j - 1].index(i) for i in rows]
             spans.append((len(flat), len(rows), len(kept)))
             flat += rows + kept
-        self._launch_chain(seqs, drafts, live, passes, spans, torch.tensor(flat, dtype=torch.int64).to(dev), opening)
-        chain = self._chain_tokens[: len(live), : max(more)].tolist()  # the round's one read-back of the chain
-        confidence = self._chain_probs[: len(live), : max(more)].tolist()
+        at, n = len(flat), sum(more)
+        if verify_ahead is None:
+            index = torch.tensor(flat, dtype=torch.int64).to(dev)
+        else:  # then the verify pass's slots of the chain's drafts, and where each is in the chain's buffer
+            counts = np.array(more)
+            row = np.repeat(np.arange(len(live)), counts)  # each draft's row of the chain, and its step
+            step = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+            slots = verify_ahead.chain_slots(np.array(live)[row], step)
+            index = torch.from_numpy(np.concatenate([np.array(flat, dtype=np.int64), slots,
+                                                     row * self._chain_tokens.shape[1] + step])).to(dev)
+        self._launch_chain(seqs, drafts, live, passes, spans, index, opening)
+        tokens, probs = self._chain_tokens[: len(live)], self._chain_probs[: len(live)]
+        if verify_ahead is not None:
+            if dev.type == "cuda":  # (whole rows: one contiguous copy each)
+                tokens, probs = (host[: len(live)].copy_(t, non_blocking=True) for host, t in
+                                 zip(self._chain_host, (tokens, probs)))
+                self._chain_read.record()
+            verify_ahead.launch(live, more, self._chain_tokens.view(-1).index_select(0, index[at + n: at + 2 * n]),
+                                index[at: at + n])
+            if dev.type == "cuda":
+                self._chain_read.synchronize()
+        # the round's one read-back of the chain
+        chain, confidence = tokens[:, : max(more)].tolist(), probs[:, : max(more)].tolist()
         for i, b in enumerate(live):
             seq, draft = seqs[b], drafts[b]
             seq.stats["layer_proposals"] += more[i]  # each ran, kept or not
@@ -212,6 +247,7 @@ class TokenSwitchProposer:
     draft's lookup tokens), until its budget, its copy passes, or a doubtful copy token."""
 
     verifies_from_exit_states = False
+    verifies_ahead = False
 
     def __init__(self, stack, picker: DraftPicker, lookup):
         self.stack = stack

@@ -9,8 +9,10 @@ and drafts (query length d + 1 per sequence, nothing padded):
 Only the rows a round reads go through the LM head (`logit_rows`)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from eecore.engine.inputs import Row
@@ -89,3 +91,56 @@ class Verifier:
         if rows is not None and len(rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
         return self.runner.logits(hidden)
+
+
+class VerifyAhead:
+    """A round's verify pass launched from its draft chain's tokens on the device, right behind the
+    chain's passes and before the host reads the chain back (draft ahead with EECORE_VERIFY_AHEAD=1,
+    CopyProposer). Without it the GPU idles while the host reads the chain, builds the verify pass
+    and launches it; with it the round has one host round trip, the chain and the verdict read back
+    together.
+
+    The host does not know the chain's tokens when the pass goes out, nor where a stop rule will
+    cut it, so the pass verifies each sequence's drafts at the length planned for it (the static
+    verify pass runs every row at its full width anyway), and acceptance reads the rows of the
+    drafts the chain kept: a row's logits depend only on the tokens up to it, so they are the same
+    whatever follows a cut, and the K/V written past it is overwritten later, as a rejected draft's
+    is. Greedy rounds only (the chain's own condition), without the guard's shadow check."""
+
+    def __init__(self, static, seqs: list[Sequence], drafts: list[Draft]):
+        self.static = static  # engine.static_decode.StaticVerify
+        self.seqs, self.drafts = seqs, drafts
+        self.logits: Optional[torch.Tensor] = None  # once launched: `width` rows a sequence, padding included
+        self.rows_verified = 0  # the real rows among them (what the round's verify pass cost is per row)
+        # the host's time in `launch` (building the pass, and on the CPU running it): the verify
+        # pass's share of the round, not the draft passes' (DraftPlanner's clock)
+        self.seconds = 0.0
+
+    @classmethod
+    def for_round(cls, static, seqs: list[Sequence], drafts: list[Draft]) -> Optional["VerifyAhead"]:
+        """One for this round where the static verify pass can take it: every sequence greedy, few
+        enough for the pass."""
+        if static is None or not 0 < len(seqs) <= static.max_batch or static.runner.model.is_encoder_decoder \
+                or not all(seq.params.greedy for seq in seqs):
+            return None
+        return cls(static, seqs, drafts)
+
+    def chain_slots(self, seq_of: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """The pass's token slots of chain drafts: draft `step[k]` of the chain of seqs[seq_of[k]]
+        (int64 arrays), after that sequence's pending token and the drafts it already holds."""
+        drafted = np.fromiter((len(draft) for draft in self.drafts), np.int64, len(self.drafts))
+        return seq_of * self.static.width + 1 + drafted[seq_of] + step
+
+    def launch(self, live: list[int], more: list[int], values: torch.Tensor, where: torch.Tensor) -> None:
+        """The pass, with the chain's drafts `values` (on the device) at `where` (chain_slots' slots,
+        on the device); each sequence's row the pending token, its drafts so far, and placeholders
+        for the chain's. Not launched (`logits` stays None) where the rows do not fit the pass."""
+        extra = dict(zip(live, more))
+        rows = [Row(seq, seq.num_computed_tokens, [seq.last_token_id] + draft.tokens + [0] * extra.get(b, 0))
+                for b, (seq, draft) in enumerate(zip(self.seqs, self.drafts))]
+        if not self.static.takes(rows):
+            return
+        begin = time.perf_counter()
+        self.rows_verified = sum(len(row.tokens) for row in rows)
+        self.logits = self.static.run_with_tokens(rows, values, where)
+        self.seconds = time.perf_counter() - begin
