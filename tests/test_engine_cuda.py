@@ -450,7 +450,7 @@ def test_graphed_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_d
 
 @pytest.mark.parametrize("verify_ahead", [False, True])
 def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, verify_ahead, monkeypatch):
-    """The chain's passes and draft head reads go out with nothing read back, and with
+    """The chain's indices, passes and draft head reads go out with nothing read back, and with
     EECORE_VERIFY_AHEAD=1 so does the verify pass behind them: under
     torch.cuda.set_sync_debug_mode("error") any op in them that synchronizes with the host raises
     (the builder's wait for the previous pass's input copy is an event, which it does not count)."""
@@ -470,15 +470,17 @@ def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, verify_ahead, 
         def launch(*args, **kwargs):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             launched.append(label)
+            return out
         return launch
+    proposer._to_device = strict(proposer._to_device, "indices")  # (queued behind the round's first pass)
     proposer._launch_chain = strict(proposer._launch_chain, "chain")
     monkeypatch.setattr(VerifyAhead, "launch", strict(VerifyAhead.launch, "verify"))  # (a method: self first)
     llm.generate(prompts, greedy(16))
-    assert "chain" in launched and ("verify" in launched) == verify_ahead
+    assert {"indices", "chain"} <= set(launched) and ("verify" in launched) == verify_ahead
 
 
 def test_plain_rounds_of_a_planner_that_stopped_drafting_launch_ahead_with_graphs(tiny, monkeypatch):

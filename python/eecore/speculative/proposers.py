@@ -124,6 +124,12 @@ class CopyProposer:
             rows, dev = stack.runner.builder.max_seqs, stack.model.device
             self._chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
             self._chain_probs = torch.zeros(rows, max_drafts, dtype=torch.float32, device=dev)
+            # the chain's indices (_chain): each row's first token, each pass's rows and the rows it
+            # keeps, the verify pass's slots and their sources; staged in pinned memory on a GPU
+            cuda = dev.type == "cuda"
+            most = rows * (1 + 4 * max_drafts)
+            self._index_host = torch.empty(most, dtype=torch.int64, pin_memory=cuda)
+            self._index = torch.empty(most, dtype=torch.int64, device=dev) if cuda else None
         if self.verifies_ahead and stack.model.device.type == "cuda":
             # the chain's read-back goes out before the verify pass, into pinned memory, so that
             # the host reads the chain while the GPU verifies it (a plain read would wait for both)
@@ -184,15 +190,14 @@ class CopyProposer:
             spans.append((len(flat), len(rows), len(kept)))
             flat += rows + kept
         at, n = len(flat), sum(more)
-        if verify_ahead is None:
-            index = torch.tensor(flat, dtype=torch.int64).to(dev)
-        else:  # then the verify pass's slots of the chain's drafts, and where each is in the chain's buffer
+        flat = np.array(flat, dtype=np.int64)
+        if verify_ahead is not None:  # then the verify pass's slots of the chain's drafts, and their sources
             counts = np.array(more)
             row = np.repeat(np.arange(len(live)), counts)  # each draft's row of the chain, and its step
             step = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
             slots = verify_ahead.chain_slots(np.array(live)[row], step)
-            index = torch.from_numpy(np.concatenate([np.array(flat, dtype=np.int64), slots,
-                                                     row * self._chain_tokens.shape[1] + step])).to(dev)
+            flat = np.concatenate([flat, slots, row * self._chain_tokens.shape[1] + step])
+        index = self._to_device(flat)
         self._launch_chain(seqs, drafts, live, passes, spans, index, opening)
         tokens, probs = self._chain_tokens[: len(live)], self._chain_probs[: len(live)]
         if verify_ahead is not None:
@@ -215,6 +220,15 @@ class CopyProposer:
                 draft.tokens.append(chain[i][j])
                 draft.probs.append(None)
                 draft.from_lookup.append(False)
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """The chain's indices `values` (int64) on its device, without waiting for the GPU: through
+        pinned memory, since a copy from pageable memory would first wait for every pass already
+        queued (the round's first pass, where the chain starts from it). The buffers are reused:
+        each round ends by reading its results back, after which the last copy has been read."""
+        host = self._index_host[: values.size]
+        host.numpy()[:] = values
+        return host if self._index is None else self._index[: values.size].copy_(host, non_blocking=True)
 
     def _launch_chain(self, seqs, drafts, live, passes, spans, index: torch.Tensor,
                       opening: Optional[torch.Tensor]) -> None:
