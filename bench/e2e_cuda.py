@@ -289,6 +289,9 @@ def main():
     ap.add_argument("--piecewise", action="store_true",
                     help="also time steps that carry prompt chunks with piecewise graphs against op by op")
     ap.add_argument("--no-hf", action="store_true", help="leave out HF generate (its figures change little)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the decode rows' sampling temperature (each request seeded, so that every engine draws "
+                         "the same numbers; no HF row): sampled steps, which decode ahead overlaps as well")
     ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE,...",
                     help="also run an engine with these environment variables set (comma-separated), against the "
                          "default; once per engine")
@@ -303,7 +306,7 @@ def main():
     for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             hf = random_checkpoint(name, folder, dtype, args.device)
-            if args.no_hf:
+            if args.no_hf or args.temperature > 0:
                 hf = None
             llm = eecore.LLM(folder, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes))
             # the same engine launching op by op: what the CUDA graphs of the decode step gain
@@ -313,6 +316,10 @@ def main():
             prompts = [torch.randint(0, SHAPES[name]["vocab_size"], (args.prompt_len,), generator=g).tolist()
                        for _ in range(max(args.batch_sizes))]
             params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+            sampled = args.temperature > 0
+            decode_params = [eecore.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                                   seed=i if sampled else None, ignore_eos=True)
+                             for i in range(max(args.batch_sizes))]
             # built under their switches too: some are read when the model is built
             ab = {text: with_env(variants[text], eecore.LLM, folder, dtype=args.dtype, device=args.device,
                                  max_num_seqs=max(args.batch_sizes))
@@ -329,19 +336,20 @@ def main():
                 # and the process's first use of the kernels the batch's shapes pick, which would
                 # otherwise fall on whichever engine ran first (the default's batch-64 run, 1.2-1.6x
                 # slower than switches that change nothing at 64 rows, on an H200)
-                llm.generate(prompts[:batch], params)
+                llm.generate(prompts[:batch], decode_params[:batch])
                 for text, engine in ab.items():
-                    with_env(variants[text], engine.generate, prompts[:batch], params)
+                    with_env(variants[text], engine.generate, prompts[:batch], decode_params[:batch])
                 # the engines alternate run by run, so a burst of load hits them alike
                 times: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": [], **{t: [] for t in ab}}
                 ab_outs = {}
                 for _ in range(args.repeats):
-                    outs, t = timed(llm.generate, prompts[:batch], params)
+                    outs, t = timed(llm.generate, prompts[:batch], decode_params[:batch])
                     times["graphs"].append(t)
                     for text, engine in ab.items():
-                        ab_outs[text], t = with_env(variants[text], timed, engine.generate, prompts[:batch], params)
+                        ab_outs[text], t = with_env(variants[text], timed, engine.generate, prompts[:batch],
+                                                    decode_params[:batch])
                         times[text].append(t)
-                    eager_outs, t = timed(eager.generate, prompts[:batch], params)
+                    eager_outs, t = timed(eager.generate, prompts[:batch], decode_params[:batch])
                     times["eager"].append(t)
                     if hf is not None:
                         hf_outs, t = timed(hf_generate_greedy, hf, prompts[:batch], args.max_tokens)

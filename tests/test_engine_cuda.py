@@ -186,6 +186,46 @@ def test_sampled_steps_launched_ahead_give_eager_tokens(tiny, monkeypatch):
     assert llm.engine.runner.static_decode.ahead_taken > 0
 
 
+def test_sampled_steps_launch_ahead_without_a_host_sync(tiny, monkeypatch):
+    """Temperature and top-k rows (seeded and not, beside a greedy one, some with logprobs): nothing
+    between a decode step's launch and its successor's waits for the GPU (the sampling parameters and
+    row indices reach the device through pinned memory: sampler.device_tensor), so decode ahead
+    overlaps sampled steps as it does greedy ones. Under torch.cuda.set_sync_debug_mode("error") a
+    synchronizing op in the draws, the log-probabilities' tensors or the launch raises."""
+    from eecore.engine import decoding
+
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [9, 3, 21, 14, 7], seed=18)
+    params = [eecore.SamplingParams(max_tokens=12, temperature=0.0 if i == 4 else 0.8, top_k=20 if i % 2 else 0,
+                                    logprobs=2 if i < 2 else None, seed=i if i < 3 else None, ignore_eos=True)
+              for i in range(len(prompts))]
+    monkeypatch.setenv("EECORE_DECODE_AHEAD", "1")
+    llm = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4)
+    expected = llm.generate(prompts, params)  # captures the graphs (a capture synchronizes)
+    checked = []
+
+    def strict(inner, label):
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checked.append(label)
+            return out
+        return call
+    decoder, static = llm.engine.strategy, llm.engine.runner.static_decode
+    decoder.sampler.draw_sampled = strict(decoder.sampler.draw_sampled, "draws")
+    static.launch_ahead = strict(static.launch_ahead, "launch")
+    monkeypatch.setattr(decoding, "logprob_tensors", strict(decoding.logprob_tensors, "logprobs"))
+    monkeypatch.setattr(decoding, "device_tensor", strict(decoding.device_tensor, "rows"))
+    outs = llm.generate(prompts, params)
+    assert {"draws", "launch", "logprobs", "rows"} <= set(checked)
+    same = (0, 1, 2, 4)  # the seeded rows and the greedy one (the unseeded row's draws go on from the first run)
+    assert [outs[i].token_ids for i in same] == [expected[i].token_ids for i in same]
+    assert static.ahead_taken > 0
+
+
 def test_the_argmax_op_gives_atens_tokens(tiny, monkeypatch):
     """Every greedy token from eecore's argmax op, the default on a GPU (graphs, a step launched
     ahead, verify-free full depth); the same tokens as ATen's max (EECORE_ARGMAX_KERNEL=aten) in

@@ -36,10 +36,12 @@ def test_gpu_check_is_valid_bash():
 
 
 def test_e2e_with_every_section(tmp_path):
-    """Decode against eager and against an engine under --ab-env, piecewise graphs, and the exit section (static exits, softmax checks,
-    LayerSkip drafts, a draft copy with and without perfect drafts) on a 4-layer shape."""
+    """Decode (sampled, seeded) against eager and against an engine under --ab-env, piecewise graphs, and the
+    exit section (static exits, softmax checks, LayerSkip drafts, a draft copy with and without perfect drafts)
+    on a 4-layer shape."""
     done = run_bench("e2e_cuda.py", "--device", "cpu", "--models", "tiny", "--exit-models", "tiny",
                      "--batch-sizes", "1", "2", "--max-tokens", "3", "--repeats", "1", "--piecewise", "--no-hf",
+                     "--temperature", "1",
                      "--dtype", "float32", "--ab-env", "EECORE_LINEAR_KERNEL=gemv,EECORE_SILU_AND_MUL_KERNEL=fused",
                      "--ab-env", "EECORE_PDL=1", results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

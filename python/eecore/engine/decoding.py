@@ -9,7 +9,8 @@ import torch
 from eecore import ops
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
-from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, logprob_dicts, logprob_tensors
+from eecore.engine.sampler import (Sampler, argmax_rows, device_tensor, eecore_argmax_selected, logprob_dicts,
+                                   logprob_tensors)
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import AheadStep, decode_ahead_enabled
 
@@ -127,7 +128,7 @@ class FullDepthDecoder(DecodeStrategy):
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         ks = [seqs[i].params.logprobs for i in wanted]
         if wanted and len(wanted) < len(seqs):
-            index = torch.tensor(wanted, device=logits.device)
+            index = device_tensor(wanted, logits.device)
             self._readback.start(*logprob_tensors(logits.index_select(0, index), tokens.index_select(0, index), ks))
         else:
             self._readback.start(*(logprob_tensors(logits, tokens, ks) if wanted else ()))

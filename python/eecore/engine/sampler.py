@@ -53,6 +53,17 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def device_tensor(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting for the GPU: a copy from pageable
+    memory first waits for every kernel already queued, so a sampled decode step's parameters would
+    make decode ahead wait for the very step it means to overlap. Staged in pinned memory (the
+    caching host allocator reuses it once the copy is done) and copied behind the queued work."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -95,12 +106,13 @@ class Sampler:
         if not sampled:
             return
         every = len(sampled) == len(seqs)
-        picked = draw_rows(logits if every else logits[sampled], [seqs[i].params for i in sampled],
+        index = None if every else device_tensor(sampled, logits.device)
+        picked = draw_rows(logits if every else logits.index_select(0, index), [seqs[i].params for i in sampled],
                            self.uniforms([seqs[i] for i in sampled]))
         if every:
             tokens.copy_(picked)
         else:
-            tokens[sampled] = picked.to(tokens.device)
+            tokens.index_copy_(0, index.to(tokens.device), picked.to(tokens.device))
 
     def uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform number in [0, 1) per sequence, `[n]` fp32 on the device: a seeded sequence's from
@@ -110,7 +122,8 @@ class Sampler:
             return torch.rand(len(seqs), generator=self._engine_generator, device=self.device)
         u = torch.empty(len(seqs), device=self.device)
         if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), generator=self._engine_generator, device=self.device)
+            u.index_copy_(0, device_tensor(unseeded, self.device),
+                          torch.rand(len(unseeded), generator=self._engine_generator, device=self.device))
         for j, s in enumerate(seqs):
             if s.params.seed is not None:
                 u[j] = torch.rand((), generator=self.generator_for(s), device=self.device)
@@ -126,7 +139,7 @@ class Sampler:
                 return weights
             if probs is None:
                 probs = torch.zeros(logits.shape, dtype=weights.dtype, device=logits.device)
-            index = torch.tensor(rows, device=logits.device)
+            index = device_tensor(rows, logits.device)
             if ids is not None:  # the kept tokens' weights, renormalized, in their places
                 weights = torch.zeros_like(probs[index]).scatter_(-1, ids, weights / weights.sum(dim=-1, keepdim=True))
             probs[index] = weights
@@ -152,7 +165,7 @@ def draw_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tenso
         if len(rows) == logits.shape[0]:
             picked = invert_cdf(weights, u)
             return picked if ids is None else ids.gather(-1, picked[:, None])[:, 0]
-        index = torch.tensor(rows, device=logits.device)
+        index = device_tensor(rows, logits.device)
         picked = invert_cdf(weights, u[index])
         tokens[index] = picked if ids is None else ids.gather(-1, picked[:, None])[:, 0]
     return tokens
@@ -175,7 +188,7 @@ def _candidate_groups(logits: torch.Tensor, params: list[SamplingParams]
     tokens that can be drawn, with weights proportional to their probability (zero for a token top-k
     or top-p drops); `ids` None means the whole vocabulary in order."""
     n, V = logits.shape
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    temps = device_tensor([p.temperature for p in params], logits.device)
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
     top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
     whole = [i for i, p in enumerate(params) if top_k[i] == V and p.top_p >= 1.0]
@@ -183,9 +196,11 @@ def _candidate_groups(logits: torch.Tensor, params: list[SamplingParams]
     nucleus = [i for i, p in enumerate(params) if top_k[i] == V and p.top_p < 1.0]
     groups = []
     if whole:
-        groups.append((whole, probs if len(whole) == n else probs[whole], None))
+        groups.append((whole, probs if len(whole) == n else probs.index_select(0, device_tensor(whole, probs.device)),
+                       None))
     if ranked:
-        weights, ids, _ = _filter(probs[ranked], [top_k[i] for i in ranked], [params[i].top_p for i in ranked],
+        weights, ids, _ = _filter(probs.index_select(0, device_tensor(ranked, probs.device)),
+                                  [top_k[i] for i in ranked], [params[i].top_p for i in ranked],
                                   max(top_k[i] for i in ranked))
         groups.append((ranked, weights, ids))
     width = min(FIRST_NUCLEUS_CANDIDATES, V)
@@ -211,7 +226,7 @@ def _filter(probs: torch.Tensor, top_k: list[int], top_p: list[float], width: in
         values, ids = probs.topk(width, dim=-1)  # most likely first
     else:
         values, ids = (t[:, :width] for t in probs.sort(dim=-1, descending=True))
-    k = torch.tensor(top_k, device=probs.device)
+    k = device_tensor(top_k, probs.device)
     in_k = torch.arange(width, device=probs.device)[None, :] < k[:, None]
     values = values * in_k
     # top-p applies to the top-k distribution renormalized; without top-k, to the model's own
@@ -219,7 +234,7 @@ def _filter(probs: torch.Tensor, top_k: list[int], top_p: list[float], width: in
     mass = values.sum(dim=-1, keepdim=True)
     q = torch.where(renormalize[:, None], values / mass, values)
     before = q.cumsum(dim=-1) - q
-    p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)
+    p = device_tensor(top_p, probs.device, probs.dtype)
     keep = in_k & (before < p[:, None])
     keep[:, 0] = True
     return q * keep, ids, mass[:, 0]
