@@ -189,7 +189,7 @@ def test_sampled_steps_launched_ahead_give_eager_tokens(tiny, monkeypatch):
 def test_sampled_steps_launch_ahead_without_a_host_sync(tiny, monkeypatch):
     """Temperature and top-k rows (seeded and not, beside a greedy one, some with logprobs): nothing
     between a decode step's launch and its successor's waits for the GPU (the sampling parameters and
-    row indices reach the device through pinned memory: sampler.device_tensor), so decode ahead
+    row indices reach the device through pinned memory: engine.transfer.device_tensor), so decode ahead
     overlaps sampled steps as it does greedy ones. Under torch.cuda.set_sync_debug_mode("error") a
     synchronizing op in the draws, the log-probabilities' tensors or the launch raises."""
     from eecore.engine import decoding

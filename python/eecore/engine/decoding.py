@@ -9,10 +9,10 @@ import torch
 from eecore import ops
 from eecore.engine.inputs import Row
 from eecore.engine.runner import ModelRunner
-from eecore.engine.sampler import (Sampler, argmax_rows, device_tensor, eecore_argmax_selected, logprob_dicts,
-                                   logprob_tensors)
+from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, logprob_dicts, logprob_tensors
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import AheadStep, decode_ahead_enabled
+from eecore.engine.transfer import device_tensor
 
 
 @dataclass

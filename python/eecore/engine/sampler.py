@@ -18,6 +18,7 @@ import torch
 
 from eecore import ops
 from eecore.engine.sequence import Sequence
+from eecore.engine.transfer import device_tensor
 from eecore.sampling_params import SamplingParams
 
 # A top-p row without top-k first looks for its nucleus among this many of its most likely tokens,
@@ -51,17 +52,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cuda" and logits.dim() == 2 and logits.stride(-1) == 1 and eecore_argmax_selected():
         return ops.argmax(logits)
     return logits.max(dim=-1).indices
-
-
-def device_tensor(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A small host list as a tensor on `device`, without waiting for the GPU: a copy from pageable
-    memory first waits for every kernel already queued, so a sampled decode step's parameters would
-    make decode ahead wait for the very step it means to overlap. Staged in pinned memory (the
-    caching host allocator reuses it once the copy is done) and copied behind the queued work."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:

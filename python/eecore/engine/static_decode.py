@@ -24,6 +24,7 @@ import torch
 
 from eecore.engine.inputs import Row, StepInputs
 from eecore.engine.sequence import Sequence
+from eecore.engine.transfer import device_tensor
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -257,7 +258,7 @@ class StaticDecode(StaticPass):
         self.ahead_taken += 1
         if index == list(range(len(rows))):
             return ahead.logits[: len(rows)]
-        return ahead.logits.index_select(0, torch.tensor(index, device=ahead.logits.device))
+        return ahead.logits.index_select(0, device_tensor(index, ahead.logits.device))
 
 
 class StaticVerify(StaticPass):
