@@ -69,28 +69,25 @@ def _chains(llm) -> list:
     return chains
 
 
-def _chained_passes(llm) -> list:
-    """Counts the passes that took their tokens on the device."""
-    stack, calls = llm.engine.strategy.draft_stack, []
-    inner = stack.chained_pass
+def _calls(owner, method: str) -> list:
+    """The batch size (rows or sequences: the first argument's length) of each call of owner.method."""
+    calls, inner = [], getattr(owner, method)
 
-    def counted(seqs, offsets, tokens):
-        calls.append(len(seqs))
-        return inner(seqs, offsets, tokens)
-    stack.chained_pass = counted
+    def counted(batch, *args):
+        calls.append(len(batch))
+        return inner(batch, *args)
+    setattr(owner, method, counted)
     return calls
+
+
+def _chained_passes(llm) -> list:
+    """The passes that took their tokens on the device."""
+    return _calls(llm.engine.strategy.draft_stack, "chained_pass")
 
 
 def _verified_ahead(llm) -> list:
-    """Counts the verify passes launched behind a chain."""
-    static, calls = llm.engine.runner.static_verify, []
-    inner = static.run_with_tokens
-
-    def counted(rows, values, where):
-        calls.append(len(rows))
-        return inner(rows, values, where)
-    static.run_with_tokens = counted
-    return calls
+    """The verify passes launched behind a chain."""
+    return _calls(llm.engine.runner.static_verify, "run_with_tokens")
 
 
 @pytest.mark.parametrize("verify_ahead", [False, True])

@@ -29,6 +29,20 @@ def _llm(path, device="cuda", dtype="float32", **kw):
     return eecore.LLM(path, dtype=dtype, device=device, num_blocks=128, block_size=8, **kw)
 
 
+def _without_sync(inner, label: str, calls: list):
+    """`inner` run under torch.cuda.set_sync_debug_mode("error"), where an op that synchronizes with the
+    host raises (an event's wait is not counted); appends `label` to `calls` each time it ran."""
+    def call(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(label)
+        return out
+    return call
+
+
 def test_default_device_is_cuda(tiny):
     path, _ = tiny
     llm = eecore.LLM(path, dtype="float32", num_blocks=16, block_size=8)
@@ -203,22 +217,11 @@ def test_sampled_steps_launch_ahead_without_a_host_sync(tiny, monkeypatch):
     llm = eecore.LLM(path, dtype="float32", device="cuda", num_blocks=64, block_size=4)
     expected = llm.generate(prompts, params)  # captures the graphs (a capture synchronizes)
     checked = []
-
-    def strict(inner, label):
-        def call(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = inner(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            checked.append(label)
-            return out
-        return call
     decoder, static = llm.engine.strategy, llm.engine.runner.static_decode
-    decoder.sampler.draw_sampled = strict(decoder.sampler.draw_sampled, "draws")
-    static.launch_ahead = strict(static.launch_ahead, "launch")
-    monkeypatch.setattr(decoding, "logprob_tensors", strict(decoding.logprob_tensors, "logprobs"))
-    monkeypatch.setattr(decoding, "device_tensor", strict(decoding.device_tensor, "rows"))
+    decoder.sampler.draw_sampled = _without_sync(decoder.sampler.draw_sampled, "draws", checked)
+    static.launch_ahead = _without_sync(static.launch_ahead, "launch", checked)
+    monkeypatch.setattr(decoding, "logprob_tensors", _without_sync(decoding.logprob_tensors, "logprobs", checked))
+    monkeypatch.setattr(decoding, "device_tensor", _without_sync(decoding.device_tensor, "rows", checked))
     outs = llm.generate(prompts, params)
     assert {"draws", "launch", "logprobs", "rows"} <= set(checked)
     same = (0, 1, 2, 4)  # the seeded rows and the greedy one (the unseeded row's draws go on from the first run)
@@ -505,20 +508,9 @@ def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, verify_ahead, 
         1, copy=eecore.DraftCopy())))
     llm.generate(prompts, greedy(16))  # captures the graphs (a capture synchronizes) that the run below replays
     proposer, launched = llm.engine.strategy.proposer, []
-
-    def strict(inner, label):
-        def launch(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = inner(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            launched.append(label)
-            return out
-        return launch
-    proposer._to_device = strict(proposer._to_device, "indices")  # (queued behind the round's first pass)
-    proposer._launch_chain = strict(proposer._launch_chain, "chain")
-    monkeypatch.setattr(VerifyAhead, "launch", strict(VerifyAhead.launch, "verify"))  # (a method: self first)
+    proposer._to_device = _without_sync(proposer._to_device, "indices", launched)  # (behind the round's first pass)
+    proposer._launch_chain = _without_sync(proposer._launch_chain, "chain", launched)
+    monkeypatch.setattr(VerifyAhead, "launch", _without_sync(VerifyAhead.launch, "verify", launched))  # (self first)
     llm.generate(prompts, greedy(16))
     assert {"indices", "chain"} <= set(launched) and ("verify" in launched) == verify_ahead
 
