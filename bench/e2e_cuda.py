@@ -4,10 +4,11 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
         [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-configs TEXT ...] [--exit-ready-model GGUF] [--piecewise]
-        [--no-hf] [--ab-env EECORE_LINEAR_KERNEL=gemv,... [--ab-env ...]]
+        [--no-hf] [--temperature T] [--ab-env EECORE_LINEAR_KERNEL=gemv,... [--ab-env ...]]
 
-Both engines get the same random prompts, decode greedily and ignore EOS; they alternate, and the
-medians are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
+Both engines get the same random prompts, decode greedily (with --temperature, the decode rows
+sample, each request seeded, and HF is left out) and ignore EOS; they alternate, and the medians
+are kept. eecore runs twice: as configured (CUDA graphs of the decode step) and with
 enforce_eager=True, so each row also says what the graphs gain. With --ab-env NAME=VALUE,... (once
 or more), another engine runs with those variables set around each of its calls (the kernel selectors, such
 as EECORE_LINEAR_KERNEL=gemv, are read at every launch and so at every capture): each row then
