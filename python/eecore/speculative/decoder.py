@@ -187,8 +187,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """Runs `propose` (a proposer's draft passes); returns its seconds. The planner's clock
         learns what one pass costs from rounds whose passes ran one token per sequence: a pass that
         catches the copy up on a prompt or on plain rounds' tokens is the price of starting to
-        draft, not of a draft. `ahead`: the verify pass the passes launched, whose host time is the
-        verify pass's."""
+        draft, not of a draft. `ahead`: the verify pass the passes launched (VerifyAhead.seconds is
+        its share of their time)."""
         if self.planner is None:
             propose()
             return 0.0

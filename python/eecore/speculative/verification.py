@@ -112,8 +112,10 @@ class VerifyAhead:
         self.seqs, self.drafts = seqs, drafts
         self.logits: Optional[torch.Tensor] = None  # once launched: `width` rows a sequence, padding included
         self.rows_verified = 0  # the real rows among them (what the round's verify pass cost is per row)
-        # the host's time in `launch` (building the pass, and on the CPU running it): the verify
-        # pass's share of the round, not the draft passes' (DraftPlanner's clock)
+        # what `launch` added to the draft passes' wall time, which is the verify pass's share of the
+        # round (DraftPlanner's clock): on the CPU the pass runs inside `launch`; on a GPU `launch`
+        # only builds and queues it while the chain's passes run, and the wait for the chain's
+        # read-back times the chain, so nothing is taken off
         self.seconds = 0.0
 
     @classmethod
@@ -143,4 +145,5 @@ class VerifyAhead:
         begin = time.perf_counter()
         self.rows_verified = sum(len(row.tokens) for row in rows)
         self.logits = self.static.run_with_tokens(rows, values, where)
-        self.seconds = time.perf_counter() - begin
+        if values.device.type != "cuda":
+            self.seconds = time.perf_counter() - begin
