@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 
 from eecore.engine.decoding import Token
-from eecore.engine.sampler import Sampler, argmax_rows
+from eecore.engine.sampler import Sampler, argmax_rows, logprobs_rows
 from eecore.engine.sequence import Sequence
+from eecore.engine.transfer import device_tensor
 from eecore.speculative.draft import Draft
 from eecore.speculative.rejection import rejection_sample
 from eecore.speculative.token_tree import accept_greedy
@@ -98,7 +99,9 @@ class Acceptor:
         tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
         if k is None:
             return [Token(t, L) for t in tokens], leaf, agreed
-        return [Token(t, L, Sampler.logprobs(logits[r], t, k)) for r, t in zip(rows, tokens)], leaf, agreed
+        # every new token's log-probabilities in one pass over its rows (one read-back on a GPU)
+        lps = logprobs_rows(logits.index_select(0, device_tensor(rows, logits.device)), tokens, [k] * len(tokens))
+        return [Token(t, L, lp) for t, lp in zip(tokens, lps)], leaf, agreed
 
     def _move_kv(self, moves: list[tuple[Sequence, int, int]]) -> None:
         """Every layer's K/V of accepted alternatives, from their leaf slots to their positions."""
