@@ -9,8 +9,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-import torch
-
 from eecore.device import apply_batch_invariance
 from eecore.engine.block_manager import BlockManager
 from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
@@ -176,13 +174,7 @@ class LLMEngine:
 
     def _probe(self, seq: Sequence) -> None:
         params = dataclasses.replace(seq.params)  # runs the validation again
-        logits = torch.zeros(1, self.model.config.vocab_size)
-        if not params.greedy:
-            self.sampler.draw(self.sampler.probabilities(logits, [params])[0], torch.Generator())
-        if params.seed is not None:
-            torch.Generator().manual_seed(params.seed)
-        if params.logprobs is not None:
-            self.sampler.logprobs(logits[0], 0, params.logprobs)
+        Sampler.probe(params, self.model.config.vocab_size)
         if seq.output_token_ids:
             self.stopper.detokenize(seq)
 

@@ -136,6 +136,20 @@ class Sampler:
         return probs
 
     @staticmethod
+    def probe(params: SamplingParams, vocab_size: int) -> None:
+        """A request's own sampling code (its draw, seed, log-probabilities) run once on dummy logits
+        of `vocab_size`, through the functions a step calls, with numbers of its own (the engine's
+        generator untouched): what raises here for one request would raise in a step for all
+        (LLMEngine.recover_from_failed_step)."""
+        logits = torch.zeros(1, vocab_size)
+        if not params.greedy:
+            draw_rows(logits, [params], torch.rand(1, generator=torch.Generator()))
+        if params.seed is not None:
+            torch.Generator().manual_seed(params.seed)
+        if params.logprobs is not None:
+            logprobs_rows(logits, [0], [params.logprobs])
+
+    @staticmethod
     def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
         """A draw from `probs [V]` (weights: they need not sum to 1) with one number from `generator`."""
         u = torch.rand(1, generator=generator, device=probs.device)
