@@ -143,7 +143,9 @@ class Sampler:
         (LLMEngine.recover_from_failed_step)."""
         logits = torch.zeros(1, vocab_size)
         if not params.greedy:
-            draw_rows(logits, [params], torch.rand(1, generator=torch.Generator()))
+            generator = torch.Generator()
+            draw_rows(logits, [params], torch.rand(1, generator=generator))  # a step's draws
+            Sampler.draw(Sampler.probabilities(logits, [params])[0], generator)  # rejection sampling's
         if params.seed is not None:
             torch.Generator().manual_seed(params.seed)
         if params.logprobs is not None:
