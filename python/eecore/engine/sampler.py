@@ -18,7 +18,7 @@ import torch
 
 from eecore import ops
 from eecore.engine.sequence import Sequence
-from eecore.engine.transfer import device_tensor
+from eecore.engine.transfer import device_tensor, read_back
 from eecore.sampling_params import SamplingParams
 
 # A top-p row without top-k first looks for its nucleus among this many of its most likely tokens,
@@ -249,14 +249,7 @@ def _filter(probs: torch.Tensor, top_k: list[int], top_p: list[float], width: in
 def logprobs_rows(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
     """Per row of `logits [n, V]`: the log-probabilities of its top-`ks[i]` tokens and of `tokens[i]`."""
     values, ids, chosen = logprob_tensors(logits, device_tensor(tokens, logits.device), ks)
-    if not logits.is_cuda:
-        return logprob_dicts(values.tolist(), ids.tolist(), chosen.tolist(), tokens, ks)
-    # one read-back for the three (each waits for the GPU): ids are exact in fp32 below 2**24
-    n, k = ids.shape
-    flat = torch.cat((values.reshape(-1), ids.reshape(-1).to(values.dtype), chosen)).tolist()
-    rows = lambda part: [part[i * k: (i + 1) * k] for i in range(n)]  # noqa: E731
-    return logprob_dicts(rows(flat[: n * k]), [[int(t) for t in row] for row in rows(flat[n * k: 2 * n * k])],
-                         flat[2 * n * k:], tokens, ks)
+    return logprob_dicts(*read_back(values, ids, chosen), tokens, ks)
 
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]

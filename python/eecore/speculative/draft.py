@@ -10,6 +10,7 @@ import torch
 
 from eecore.engine.sampler import Sampler, argmax_rows, invert_cdf
 from eecore.engine.sequence import Sequence
+from eecore.engine.transfer import read_back
 
 
 @dataclass
@@ -82,12 +83,7 @@ class DraftPicker:
         (the measure's lookup reads it)."""
         head = self.head
         probs, p, columns = self.top1(logits)
-        if p is not None and p.is_cuda:
-            # one read-back for both: each waits for the GPU (columns are exact in fp32: K < 2**24)
-            top1, columns = torch.stack((p, columns.to(p.dtype))).tolist()
-            columns = [int(c) for c in columns]
-        else:
-            top1, columns = None if p is None else p.tolist(), columns.tolist()
+        top1, columns = read_back(p, columns) if p is not None else (None, columns.tolist())
         tokens = head.token_id_list(columns)
         draws: list = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]

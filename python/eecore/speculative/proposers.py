@@ -20,6 +20,7 @@ import torch
 
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
+from eecore.engine.transfer import read_back
 from eecore.speculative.draft import Draft, DraftPicker
 
 
@@ -209,16 +210,9 @@ class CopyProposer:
                                 index[at: at + n])
             if dev.type == "cuda":
                 self._chain_read.synchronize()
-        # the round's one read-back of the chain (its probabilities only where a stop rule reads them;
-        # from the device in one copy: token ids are exact in fp32 below 2**24)
+        # the round's one read-back of the chain (its probabilities only where a stop rule reads them)
         tokens, probs = tokens[:, : max(more)], probs[:, : max(more)]
-        if stop_below is None:
-            chain, confidence = tokens.tolist(), None
-        elif tokens.is_cuda:
-            chain, confidence = torch.stack((tokens.to(probs.dtype), probs)).tolist()
-            chain = [[int(t) for t in row] for row in chain]
-        else:
-            chain, confidence = tokens.tolist(), probs.tolist()
+        chain, confidence = (tokens.tolist(), None) if stop_below is None else read_back(tokens, probs)
         for i, b in enumerate(live):
             seq, draft = seqs[b], drafts[b]
             seq.stats["layer_proposals"] += more[i]  # each ran, kept or not
