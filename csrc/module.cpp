@@ -54,6 +54,7 @@ namespace eecore {
 bool amx_bf16_available();  // linear/linear_cpu.cpp
 bool amx_int8_available();  // linear/linear_cpu.cpp
 bool gguf_q8_vectorized();  // linear/linear_gguf_q8_cpu.cpp
+int64_t gguf_stream_max_rows();  // linear/linear_gguf_cpu.cpp
 }  // namespace eecore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -64,6 +65,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether ops.linear runs weight-only int8 weights tiled for AMX-INT8 here (CPU, build and OS all allow it)");
   m.def("gguf_q8_vectorized", &eecore::gguf_q8_vectorized,
         "Whether linear_gguf_q8 runs its vector (AVX512-VNNI) kernel on the CPU, rather than scalar code");
+  m.def("gguf_stream_max_rows", &eecore::gguf_stream_max_rows,
+        "The most input rows linear_gguf streams through its register tiles on the CPU (more take a BLAS GEMM "
+        "per decoded slice of the weight): 96 with AVX-512, 10 with AVX2, 48 without either");
   m.def("build_info", &build_info,
         "How this eecore._C was built: CUDA or not, toolkit, archs, and which ops have CPU / CUDA kernels");
 }

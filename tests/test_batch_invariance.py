@@ -1,5 +1,7 @@
-"""EECORE_BATCH_INVARIANT on the CPU: nothing to change (every CPU kernel gives a row the same bits
-whatever shares its call), and torch's process-wide cuBLAS switch left alone. The GPU side is
+"""EECORE_BATCH_INVARIANT on the CPU: nothing to change (the CPU kernels give a row of a pass of a
+few rows a one-row step's bits: test_op_linear.py; a GGUF file's exact kernel, a lone row aside, the
+bits of any other streamed pass: test_op_linear_gguf.py), and torch's process-wide cuBLAS switch
+left alone. The GPU side is
 tested in test_cuda_vs_cpu.py (the ops) and test_engine_cuda.py (self-speculation = full depth)."""
 import torch
 

@@ -408,6 +408,8 @@ void embedding_gguf_cpu(at::Tensor& out, const at::Tensor& token_ids, const at::
 }
 
 }  // namespace
+
+int64_t gguf_stream_max_rows() { return kStreamMaxRows; }
 }  // namespace eecore
 
 TORCH_LIBRARY_IMPL(eecore, CPU, m) {
