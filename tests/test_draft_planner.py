@@ -579,3 +579,28 @@ def test_a_seeded_sampled_request_gives_its_output_whatever_the_timings(tiny, lo
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == full, name
         assert [o.metrics["num_drafted_tokens"] for o in outs] == [0, 0]
+
+
+def test_seeded_sampled_requests_beside_drafting_ones_get_full_depths_tokens(tiny, lora_file):
+    """Beside a greedy request that drafts, a seeded sampled one (which never drafts) takes its token
+    from a round's verify pass instead of a decode step: drawn there as a decode step draws it
+    (Sampler.draw_own), it stays full depth's for its seed. A top-k or top-p row used to be drawn
+    there from its distribution in vocabulary order, and in a decode step in rank order: the same law,
+    but another token for the same number, so its tokens depended on whether its neighbours drafted
+    (and so on the machine's timings)."""
+    path, _ = tiny
+    file, _ = lora_file
+    prompts = _prompts(4)
+    prompts[0] = prompts[0] + prompts[0] + prompts[0]  # repeated text: its lookup drafts are accepted
+    params = [greedy(30),
+              eecore.SamplingParams(max_tokens=30, temperature=1.0, top_k=3, seed=11, ignore_eos=True),
+              eecore.SamplingParams(max_tokens=30, temperature=1.5, top_p=0.5, seed=12, ignore_eos=True),
+              eecore.SamplingParams(max_tokens=30, temperature=0.7, top_k=20, top_p=0.9, seed=13, ignore_eos=True)]
+    full = [o.token_ids for o in eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(
+        prompts, params)]
+    llm = _adaptive(path, file)
+    llm.engine.strategy.planner.clock = StubClock(lambda rows: 1.0, copy=0.01)  # drafts are free: the greedy one drafts
+    outs = llm.generate(prompts, params)
+    assert outs[0].metrics["num_drafted_tokens"] > 0
+    assert [o.metrics["num_drafted_tokens"] for o in outs[1:]] == [0, 0, 0]
+    assert [o.token_ids for o in outs] == full

@@ -839,20 +839,38 @@ def _random_workload(r, seed: int, path, vocab_size: int, monkeypatch):
                      stop_token_ids=[r.randrange(vocab_size)] if r.random() < 0.3 else ())
               for _ in prompts]
 
-    def build(graphs: bool):
-        llm = _llm(path, static=graphs, speculative=LOSSLESS_CONFIGS[name](), **kw)
+    def build(graphs: bool, plain: bool = False):
+        """`plain`: full depth on the same cache and budgets."""
+        llm = _llm(path, static=graphs, speculative=None if plain else LOSSLESS_CONFIGS[name](), **kw)
         if graphs:
             runner, n, strategy = llm.engine.runner, llm.engine.config.max_num_seqs, llm.engine.strategy
             emulate_graphs(runner.static_decode)
             if piecewise:
                 runner.piecewise = emulate_graphs(PiecewiseForward(runner, runner.builder.max_tokens, capture=False))
-            if name != "none":
+            if name != "none" and not plain:
                 runner.static_verify = emulate_graphs(StaticVerify(runner, n, capture=False, width=strategy.lookahead))
                 if strategy.draft_stack is not None:
                     strategy.draft_stack.static = emulate_graphs(strategy.draft_stack.static_pass(capture=False, max_batch=n))
         return llm
 
     return build, prompts, params, arrive_every
+
+
+def _seeded_sampled(r, params: list) -> list:
+    """About half of `params` (greedy) made seeded sampled requests: temperature, top-k and top-p drawn from `r`."""
+    out = []
+    for p in params:
+        if r.random() < 0.5:
+            out.append(p)
+            continue
+        kw = dict(max_tokens=p.max_tokens, temperature=r.choice([0.5, 1.0, 1.5]), ignore_eos=True,
+                  seed=r.randrange(1 << 30), logprobs=p.logprobs, stop_token_ids=p.stop_token_ids)
+        if r.random() < 0.4:
+            kw["top_k"] = r.choice([1, 3, 20])
+        if r.random() < 0.4:
+            kw["top_p"] = r.choice([0.5, 0.9])
+        out.append(eecore.SamplingParams(**kw))
+    return out
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -884,6 +902,42 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
             assert step_a.keys() == step_b.keys()
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(100, 116))
+def test_random_sampled_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, monkeypatch):
+    """The random workloads above with seeded sampled requests beside the greedy ones: every output
+    graphed as eager (a seed draws the same numbers whichever passes run), and under the adaptive
+    presets, where a seeded sampled request never drafts, its tokens those full depth gives its seed
+    (up to the shorter output: a cache smaller than the context leaves a sequence under
+    self-speculation its verify width less room). Found top-k and top-p rows drawn in rank order by
+    decode steps and in vocabulary order by rounds with drafts (Sampler.draw_own)."""
+    import random
+
+    path, hf = tiny
+    build, prompts, params, arrive_every = _random_workload(random.Random(seed), seed, path, hf.config.vocab_size,
+                                                            monkeypatch)
+    params = _seeded_sampled(random.Random(seed * 7 + 1), params)
+
+    def run(graphs: bool, plain: bool = False):
+        llm = build(graphs, plain)
+        return llm, generate_arriving(llm, prompts, params, arrive_every) if arrive_every else \
+            llm.generate(prompts, params)
+
+    _, eager = run(False)
+    llm, graphed = run(True)
+    assert [(o.token_ids, o.finish_reason) for o in graphed] == [(o.token_ids, o.finish_reason) for o in eager]
+    for a, b in zip(graphed, eager):
+        for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    if getattr(llm.engine.strategy, "planner", None) is not None:  # the adaptive presets
+        _, full = run(False, plain=True)
+        for out, want, p in zip(eager, full, params):
+            if not p.greedy:
+                n = min(len(out.token_ids), len(want.token_ids))
+                assert out.token_ids[:n] == want.token_ids[:n]
 
 
 @pytest.mark.parametrize("seed", range(8))

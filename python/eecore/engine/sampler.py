@@ -104,6 +104,14 @@ class Sampler:
         else:
             tokens.index_copy_(0, index.to(tokens.device), picked.to(tokens.device))
 
+    def draw_own(self, logits_row: torch.Tensor, seq: Sequence) -> int:
+        """seq's token from one row of the full model's logits `[1, V]`, drawn as a decode step draws
+        it (draw_rows, at one number from its generator). Speculative rounds draw their last token
+        so: the same distribution as a draw from `probabilities`, but top-k and top-p rows map a
+        number to their candidates in rank order, not in vocabulary order, so a seeded sequence that
+        drafts nothing keeps the tokens its seed gives it in plain steps whatever the round around it."""
+        return int(draw_rows(logits_row, [seq.params], self.uniforms([seq]))[0])
+
     def uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform number in [0, 1) per sequence, `[n]` fp32 on the device: a seeded sequence's from
         its own generator, the others' from the engine's in one draw."""

@@ -95,7 +95,8 @@ class Acceptor:
             verdict = accept_greedy(drafts, alternatives, top)
         else:
             p = Sampler.probabilities(logits, [seq.params] * logits.shape[0])
-            verdict = rejection_sample(drafts, draft_probs, p, self.sampler.generator_for(seq), alternatives)
+            verdict = rejection_sample(drafts, draft_probs, p, self.sampler.generator_for(seq), alternatives,
+                                       draw_row=lambda row: self.sampler.draw_own(logits[row: row + 1], seq))
         tokens, rows, leaf, agreed = verdict.tokens, verdict.rows, verdict.leaf_row, verdict.chain_accepted
         if k is None:
             return [Token(t, L) for t in tokens], leaf, agreed

@@ -16,7 +16,7 @@ own verify row gives the bonus token.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -43,13 +43,20 @@ def _accepts(u: float, target: torch.Tensor, q: Optional[torch.Tensor], y: int) 
 
 def rejection_sample(chain: Sequence[int], draft_probs: Sequence[Optional[torch.Tensor]], p: torch.Tensor,
                      generator: Optional[torch.Generator],
-                     alternatives: Sequence[Sequence[int]] = ()) -> TreeAcceptance:
+                     alternatives: Sequence[Sequence[int]] = (),
+                     draw_row: Optional[Callable[[int], int]] = None) -> TreeAcceptance:
     """The tokens a round emits, with the verify rows that predicted them: the accepted drafts, then
     one drawn token (after an accepted alternative, two: it and its own row's draw).
     `draft_probs[i]` is q_i over the vocabulary (None: a lookup draft, which has no alternatives),
     `p` the full model's distributions over the round's verify rows in token_tree.tree_row's layout
-    (`[d + 1 + alternatives, V]`), `alternatives[i]` the other draws for chain[i]."""
+    (`[d + 1 + alternatives, V]`), `alternatives[i]` the other draws for chain[i]. `draw_row(r)`:
+    the full model's own token at verify row r, after every draft before it was accepted (default:
+    a draw from p[r] with one number from `generator`); the engine passes a plain step's draw, so
+    that a sequence that drafted nothing gets the token a plain step gives its seed."""
     tokens: list[int] = []
+    if draw_row is None:
+        def draw_row(row: int) -> int:
+            return Sampler.draw(p[row], generator)
 
     def rand() -> float:
         return float(torch.rand((), generator=generator, device=p.device))
@@ -64,10 +71,10 @@ def rejection_sample(chain: Sequence[int], draft_probs: Sequence[Optional[torch.
         for j, a in enumerate(alts):
             if _accepts(rand(), residual, q, a):
                 row = first_leaf + j
-                return TreeAcceptance(tokens + [a, Sampler.draw(p[row], generator)], list(range(i + 1)) + [row],
+                return TreeAcceptance(tokens + [a, draw_row(row)], list(range(i + 1)) + [row],
                                       leaf_row=row, chain_accepted=i)
             residual = _residual(residual, q, a)
         tokens.append(Sampler.draw(residual, generator))
         return TreeAcceptance(tokens, list(range(i + 1)), chain_accepted=i)
-    tokens.append(Sampler.draw(p[len(chain)], generator))
+    tokens.append(draw_row(len(chain)))
     return TreeAcceptance(tokens, list(range(len(chain) + 1)), chain_accepted=len(chain))
