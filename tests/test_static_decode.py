@@ -889,19 +889,27 @@ def test_random_workloads_on_emulated_graphs_give_the_eager_tokens(tiny, seed, m
     build, prompts, params, arrive_every = _random_workload(random.Random(seed), seed, path, hf.config.vocab_size,
                                                             monkeypatch)
 
-    def run(graphs: bool):
-        llm = build(graphs)
-        return llm, generate_arriving(llm, prompts, params, arrive_every) if arrive_every else \
-            llm.generate(prompts, params)
+    _assert_graphed_as_eager(build, prompts, params, arrive_every)
 
-    _, eager = run(False)
-    llm, graphed = run(True)
+
+def _run_workload(build, prompts, params, arrive_every, graphs: bool, plain: bool = False):
+    llm = build(graphs, plain)
+    return llm, generate_arriving(llm, prompts, params, arrive_every) if arrive_every else \
+        llm.generate(prompts, params)
+
+
+def _assert_graphed_as_eager(build, prompts, params, arrive_every):
+    """The workload's outputs, eager and on emulated graphs: equal tokens, finish reasons and
+    logprobs, every block free after. Returns (the graphed engine's LLM, the eager outputs)."""
+    _, eager = _run_workload(build, prompts, params, arrive_every, graphs=False)
+    llm, graphed = _run_workload(build, prompts, params, arrive_every, graphs=True)
     assert [(o.token_ids, o.finish_reason) for o in graphed] == [(o.token_ids, o.finish_reason) for o in eager]
     for a, b in zip(graphed, eager):
         for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):
             assert step_a.keys() == step_b.keys()
             assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    return llm, eager
 
 
 @pytest.mark.parametrize("seed", range(100, 116))
@@ -918,22 +926,9 @@ def test_random_sampled_workloads_on_emulated_graphs_give_the_eager_tokens(tiny,
     build, prompts, params, arrive_every = _random_workload(random.Random(seed), seed, path, hf.config.vocab_size,
                                                             monkeypatch)
     params = _seeded_sampled(random.Random(seed * 7 + 1), params)
-
-    def run(graphs: bool, plain: bool = False):
-        llm = build(graphs, plain)
-        return llm, generate_arriving(llm, prompts, params, arrive_every) if arrive_every else \
-            llm.generate(prompts, params)
-
-    _, eager = run(False)
-    llm, graphed = run(True)
-    assert [(o.token_ids, o.finish_reason) for o in graphed] == [(o.token_ids, o.finish_reason) for o in eager]
-    for a, b in zip(graphed, eager):
-        for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):
-            assert step_a.keys() == step_b.keys()
-            assert all(abs(step_a[t] - step_b[t]) < 1e-4 for t in step_a)
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    llm, eager = _assert_graphed_as_eager(build, prompts, params, arrive_every)
     if getattr(llm.engine.strategy, "planner", None) is not None:  # the adaptive presets
-        _, full = run(False, plain=True)
+        _, full = _run_workload(build, prompts, params, arrive_every, graphs=False, plain=True)
         for out, want, p in zip(eager, full, params):
             if not p.greedy:
                 n = min(len(out.token_ids), len(want.token_ids))
