@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import eecore
 from common import device_folder, device_slug, save_results
-from e2e_cuda import MODELS, SHAPES, exit_configs, random_checkpoint, with_env
+from e2e_cuda import MODELS, SHAPES, exit_configs, pick_configs, random_checkpoint, with_env
 from host_overhead import PartTimer
 
 
@@ -145,8 +145,9 @@ def main() -> None:
             configs.update({f"full depth, {text}": ({}, dict(item.split("=", 1) for item in text.split(",") if item))
                             for text in args.ab_env})
             configs.update({label: ({k: v for k, v in kw.items() if k not in ("perfect", "env")}, kw.get("env", {}))
-                            for label, kw in exit_configs(SHAPES[name]["num_hidden_layers"], 3).items()
-                            if not kw.get("perfect") and any(t in label for t in args.exit_configs)})
+                            for label, kw in pick_configs(exit_configs(SHAPES[name]["num_hidden_layers"], 3),
+                                                          args.exit_configs).items()
+                            if not kw.get("perfect")})
             for label, (config, env) in configs.items():
                 # built and run under the variables: some are read when the model is built
                 llm = with_env(env, eecore.LLM, folder, dtype=args.dtype, device=args.device,

@@ -3,7 +3,8 @@ weights of real model shapes (nothing is downloaded; decode speed does not depen
 
     PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
-        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-configs TEXT ...] [--exit-ready-model GGUF] [--piecewise]
+        [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-configs TEXT ...] [--exit-ready-model GGUF]
+        [--exit-ready-prompts code everyday] [--piecewise]
         [--no-hf] [--temperature T] [--ab-env EECORE_LINEAR_KERNEL=gemv,... [--ab-env ...]]
 
 Both engines get the same random prompts, decode greedily (with --temperature, the decode rows
@@ -31,12 +32,14 @@ one-row step, so near-ties of random weights can still reject a perfect draft).
 With --exit-ready-model (the SmolLM2-135M-Instruct GGUF, which a lent GPU gets in parts: see
 tools/gpu_train_exit_ready.sh), the exit-ready presets for a GPU (`SelfSpeculativeConfig.exit_ready(
 preset, device="cuda")` with the shipped draft layers) run against that model's full depth on
-held-out code prompts, at every batch size: real weights, real acceptance. Writes
+held-out prompts (--exit-ready-prompts: code, and "everyday" chat requests), at every batch size:
+real weights, real acceptance. --exit-configs filters these rows too. Writes
 bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import statistics
 import tempfile
@@ -46,7 +49,7 @@ import torch
 
 import eecore
 from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
-from common import (bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
+from common import (PROMPT_KINDS, bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
                     timed)
 
 MODELS = {  # HF LlamaConfig fields of the real checkpoints
@@ -140,6 +143,16 @@ def exit_configs(num_layers: int, d: int) -> dict:
     return configs
 
 
+def pick_configs(configs: dict, patterns) -> dict:
+    """The entries of `configs` whose label contains one of `patterns`, or matches it as a glob
+    ("*E=4*perfect*": a pattern without spaces, which a shell variable of arguments can carry);
+    None picks them all."""
+    if patterns is None:
+        return configs
+    return {label: config for label, config in configs.items()
+            if any(p in label or fnmatch.fnmatchcase(label, p) for p in patterns)}
+
+
 def exit_ready_configs(device: str) -> dict:
     """The exit-ready presets for `device`, with the shipped draft layers (eecore.speculative.presets)."""
     from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE
@@ -154,9 +167,12 @@ def exit_ready_configs(device: str) -> dict:
     return configs
 
 
-def against_full_depth(name: str, model: str, configs: dict, full, prompts, params, args, results: Results) -> None:
+def against_full_depth(name: str, model: str, configs: dict, full, prompt_sets: dict, params, args,
+                       results: Results) -> None:
     """Each of `configs` (label -> LLM keywords, "perfect": replace the drafts by full depth's
-    tokens) on `model` against the full-depth engine `full`, alternating run by run."""
+    tokens) on `model` against the full-depth engine `full`, alternating run by run, on each of
+    `prompt_sets` (kind -> prompts; a kind other than "" is named in the rows). One engine a config
+    serves every kind: its graph captures, not the decoding, take most of a row's time."""
     from spec_costs import install_oracle
 
     continuations: dict[tuple, list[int]] = {}
@@ -167,8 +183,10 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompts, para
                        max_num_seqs=max(args.batch_sizes), **config)
         if perfect:  # the copy's passes all run; its tokens are replaced by full depth's
             install_oracle(llm, continuations)
-        llm.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        for batch in args.batch_sizes:
+        first = next(iter(prompt_sets.values()))
+        llm.generate(first[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        for (kind, prompts), batch in ((k, b) for k in prompt_sets.items() for b in args.batch_sizes):
+            row_label = f"{label}, {kind} prompts" if kind else label
             if perfect:
                 # Full depth's output at this very batch: in bf16 on a GPU the rounding depends on
                 # the batch's shape, so another batch's greedy continuation soon differs.
@@ -186,11 +204,11 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompts, para
             same = sum(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
             tok_s = batch * args.max_tokens / statistics.median(t_exit)
             layers = statistics.mean(o.metrics.get("mean_layers_per_token", 0.0) for o in outs)
-            results.add("exits", dict(model=name, config=label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
+            results.add("exits", dict(model=name, config=row_label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
                                       drafted=drafted, accepted=accepted, mean_layers_per_token=layers,
                                       identical_to_full_depth=f"{same}/{batch}"))
             acceptance = f"   acceptance {accepted / drafted:.2f}" if drafted else ""
-            print(f"{name} {label} batch {batch}: {tok_s:8.1f} tok/s   {speedup:4.2f}x full depth{acceptance}   "
+            print(f"{name} {row_label} batch {batch}: {tok_s:8.1f} tok/s   {speedup:4.2f}x full depth{acceptance}   "
                   f"{layers:.1f} layers a token   identical to full depth {same}/{batch}", flush=True)
         del llm
         if args.device == "cuda":
@@ -282,11 +300,14 @@ def main():
     ap.add_argument("--exit-models", nargs="*", default=["llama-3.2-1b"], choices=list(SHAPES))
     ap.add_argument("--num-speculations", type=int, default=3)
     ap.add_argument("--exit-configs", nargs="*", default=None, metavar="TEXT",
-                    help="only the exit rows whose name contains one of these (default: all)")
+                    help="only the exit rows whose name contains one of these or matches it as a glob (default: all)")
     ap.add_argument("--exit-ready-model", default=None, metavar="GGUF",
                     help="also run the exit-ready presets (SelfSpeculativeConfig.exit_ready(device='cuda'), the "
                          "shipped draft layers) on this SmolLM2-135M-Instruct file against its full depth, on "
                          "held-out code prompts")
+    ap.add_argument("--exit-ready-prompts", nargs="+", default=["code"], choices=list(PROMPT_KINDS),
+                    help="the held-out prompts the exit-ready rows decode (bench/common.py's kinds; \"everyday\": "
+                         "chat requests in the chat template)")
     ap.add_argument("--piecewise", action="store_true",
                     help="also time steps that carry prompt chunks with piecewise graphs against op by op")
     ap.add_argument("--no-hf", action="store_true", help="leave out HF generate (its figures change little)")
@@ -381,21 +402,22 @@ def main():
             if args.piecewise:
                 piecewise_rows(name, folder, prompts, params, args, results)
             if name in args.exit_models:
-                configs = exit_configs(SHAPES[name]["num_hidden_layers"], args.num_speculations)
-                if args.exit_configs is not None:
-                    configs = {k: v for k, v in configs.items() if any(t in k for t in args.exit_configs)}
-                against_full_depth(name, folder, configs, llm, prompts, params, args, results)
+                configs = pick_configs(exit_configs(SHAPES[name]["num_hidden_layers"], args.num_speculations),
+                                       args.exit_configs)
+                against_full_depth(name, folder, configs, llm, {"": prompts}, params, args, results)
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     if args.exit_ready_model is not None:
         full = eecore.LLM(args.exit_ready_model, dtype=args.dtype, device=args.device,
                           max_num_seqs=max(args.batch_sizes))
-        prompts = bench_prompt_ids(full.tokenizer, "code", max(args.batch_sizes))
+        prompt_sets = {kind: bench_prompt_ids(full.tokenizer, kind, max(args.batch_sizes))
+                       for kind in args.exit_ready_prompts}
         params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        full.generate(prompts[:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        against_full_depth("smollm2-135m-instruct", args.exit_ready_model, exit_ready_configs(args.device), full,
-                           prompts, params, args, results)
+        full.generate(prompt_sets[args.exit_ready_prompts[0]][:1], eecore.SamplingParams(max_tokens=8, ignore_eos=True))
+        configs = pick_configs(exit_ready_configs(args.device), args.exit_configs)
+        against_full_depth("smollm2-135m-instruct", args.exit_ready_model, configs, full, prompt_sets, params, args,
+                           results)
         del full
     print(f"results: {results.path}")
 

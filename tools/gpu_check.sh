@@ -19,10 +19,16 @@
 #              selectors, and PDL, per call inside a CUDA graph -> bench/results/<gpu>/<device>-row-kernels-*
 #   ncurow     Nsight Compute on linear's few-row kernels at Llama-1B's QKV -> ncu-linear-*-rows.txt
 #   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
+#   real       the embedded SmolLM2 with its real weights: the exit-ready presets against full depth
+#              (bench/e2e_cuda.py --exit-ready-model; the model carried in two parts, below)
 # Usage: EECORE_GPU_STEPS="build engine profile sweep" tools/gpu_check.sh
 #        tools/gpu_check.sh pack-site   (here, before the call) copies the `gguf` package, which the
 #        device image lacks and the GGUF ops' tests import, to .gpu_payload/site (1.4 MB, git-ignored);
 #        a call that carries ".gpu_payload/site" runs those tests in the ops step.
+#        tools/gpu_check.sh pack-model  (here) the embedded model, xz-compressed and cut in two
+#        (.gpu_payload/model1, model2: ~45 MB each), for the real step: a call carries at most 64 MiB
+#        with the working tree, so two calls back to back each carry one part (an idle machine goes
+#        back after 30 s; the first part stays in the ignored folder there); the real step joins them.
 # Environment:
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
@@ -30,6 +36,7 @@
 #   EECORE_PROFILE_ARGS       arguments for bench/cuda_step_profile.py (e.g. --exit-configs none static)
 #   EECORE_ROWK_ARGS          arguments for bench/cuda_row_kernels.py
 #   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
+#   EECORE_REAL_ARGS          arguments for the real step's bench/e2e_cuda.py (after its defaults)
 #   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
 #                             "decode_mma or auto" for the kernels a change touched (default: all)
 #   EECORE_NCU_KERNELS        kernels Nsight Compute profiles, as the sweep names them (default: decode_mma)
@@ -51,6 +58,17 @@ if [ "${1:-}" = pack-site ]; then
   mkdir -p .gpu_payload/site
   cp -r "$(python -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" .gpu_payload/site/
   echo "carry [\".gpu_payload/site\"]"; exit 0
+fi
+if [ "${1:-}" = pack-model ]; then
+  gguf="$(python -c "from eecore.models.loader import default_model_path; print(default_model_path())")"
+  rm -rf .gpu_payload/model1 .gpu_payload/model2 && mkdir -p .gpu_payload/model1 .gpu_payload/model2
+  xz -T0 -6 -c "$gguf" > .gpu_payload/model.gguf.xz || exit 1  # Q4_1 blocks: xz saves ~8%
+  split -n 2 -d .gpu_payload/model.gguf.xz .gpu_payload/model.gguf.xz.part && rm .gpu_payload/model.gguf.xz
+  mv .gpu_payload/model.gguf.xz.part00 .gpu_payload/model1/ && mv .gpu_payload/model.gguf.xz.part01 .gpu_payload/model2/ \
+    || exit 1
+  sha256sum "$gguf" | cut -d' ' -f1 > .gpu_payload/model2/model.gguf.sha256
+  du -sh .gpu_payload/model1 .gpu_payload/model2
+  echo "carry [\".gpu_payload/model1\", \".gpu_payload/site\"], then [\".gpu_payload/model2\"]"; exit 0
 fi
 LOGS="${OUT:-${TMPDIR:-/tmp}/eecore-gpu-check}"
 WORK="$(mktemp -d)"
@@ -242,6 +260,21 @@ run_rowk() {
   grep -E "rows|layer chain|linear qkv|silu|Error" "$WORK/row-kernels.txt" | tail -16 | tee -a "$LOGS/summary.txt"
 }
 
+run_real() {
+  step "the embedded SmolLM2 on its real weights: exit-ready presets against full depth"
+  local model=.gpu_payload/model.gguf
+  if [ ! -f "$model" ]; then
+    for part in 1 2; do [ -d ".gpu_payload/model$part" ] || { echo "missing .gpu_payload/model$part: carry it" \
+      | tee -a "$LOGS/summary.txt"; status=1; return; }; done
+    cat .gpu_payload/model1/model.gguf.xz.part* .gpu_payload/model2/model.gguf.xz.part* | xz -dc > "$model.tmp" \
+      && [ "$(sha256sum "$model.tmp" | cut -d' ' -f1)" = "$(cat .gpu_payload/model2/model.gguf.sha256)" ] \
+      && mv "$model.tmp" "$model" || { echo "the model's parts do not join" | tee -a "$LOGS/summary.txt"; status=1; return; }
+  fi
+  (cd bench && limited 300 "$PY" e2e_cuda.py --models --exit-models --exit-ready-model "../$model" --no-hf \
+    --repeats 2 ${EECORE_REAL_ARGS:-}) > "$WORK/real.txt" 2>&1 || status=1
+  grep -E "smollm2|Error|error" "$WORK/real.txt" | tail -30 | tee -a "$LOGS/summary.txt"
+}
+
 run_bench() {
   step "op benchmarks"
   limited 60 "$PY" bench/bench_cuda.py --quick > "$WORK/bench.txt" 2>&1 || status=1
@@ -253,7 +286,7 @@ run_bench() {
 for name in $STEPS; do
   case "$name" in
     build) ;;
-    attn|engine|sweep|e2e|profile|ncu|ncurow|sanitize|ops|rowk|bench) "run_$name" ;;
+    attn|engine|sweep|e2e|profile|ncu|ncurow|sanitize|ops|rowk|bench|real) "run_$name" ;;
     *) echo "unknown step: $name" | tee -a "$LOGS/summary.txt"; status=1 ;;
   esac
 done

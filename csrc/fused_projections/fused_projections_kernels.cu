@@ -113,7 +113,7 @@ __device__ void normalize_rows(const LinearGemvParams& lin, const FusedNormParam
 template <typename T>
 __device__ __forceinline__ void normed_block_tile(const LinearGemvParams& lin, const FusedNormParams& norm,
                                                   int norm_threads, TileRows rows, T* normed,
-                                                  float (*partial)[kTile]) {
+                                                  TileSums& partial) {
   block_tile<T>(lin, rows, normed, norm_row_stride(lin.in_features),
                 [&] { normalize_rows<T>(lin, norm, norm_threads, normed); }, partial);
 }
@@ -125,7 +125,7 @@ __device__ __forceinline__ void normed_block_tile(const LinearGemvParams& lin, c
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 1) qkv_projection_kernel(const QkvProjectionParams p, int norm_threads) {
   extern __shared__ __align__(16) unsigned char smem_bytes[];
-  __shared__ float partial[kWarps][kTile];
+  __shared__ TileSums partial;
   T* normed = reinterpret_cast<T*>(smem_bytes);
   const LinearGemvParams& lin = p.linear;
   const int32_t D = p.rot.head_dim, half = D / 2;
@@ -190,7 +190,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) gate_up_projection_kernel(const GateUpProjectionParams p,
                                                                         int norm_threads) {
   extern __shared__ __align__(16) unsigned char smem_bytes[];
-  __shared__ float partial[kWarps][kTile];
+  __shared__ TileSums partial;
   T* normed = reinterpret_cast<T*>(smem_bytes);
   const LinearGemvParams& lin = p.linear;
   const int64_t inter = lin.out_features / 2;
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) gate_up_projection_kernel(const G
 // ---- linear_residual -----------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) linear_residual_kernel(const LinearResidualParams p) {
-  __shared__ float partial[kWarps][kTile];
+  __shared__ TileSums partial;
   const LinearGemvParams& lin = p.linear;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kFeatures;
   block_tile<T>(lin, plain_tile_rows(first, lin.out_features), static_cast<const T*>(lin.input), lin.input_stride,

@@ -14,8 +14,8 @@
 namespace eecore::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kSimtWarps = 4;
+constexpr int kSimtThreads = kSimtWarps * kWarpSize;
 
 // Writes out[row, n] = y (+ bias), or adds y to it, rounded as cuBLAS's path rounds.
 template <typename T>
@@ -33,12 +33,12 @@ __device__ __forceinline__ void store_result(const LinearGemvParams& p, int row,
 }
 
 template <typename T, int ROWS>
-__global__ void __launch_bounds__(kThreads) linear_gemv_kernel(const LinearGemvParams p) {
+__global__ void __launch_bounds__(kSimtThreads) linear_gemv_kernel(const LinearGemvParams p) {
   pdl_wait();
   pdl_launch_dependents();
   constexpr int V = kVec16<T>;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kSimtWarps + threadIdx.x / kWarpSize;
   if (n >= p.out_features) return;  // a whole warp leaves together: no shuffle misses a lane
   const T* w = static_cast<const T*>(p.weight) + n * p.in_features;
   const T* x = static_cast<const T*>(p.input);
@@ -73,8 +73,8 @@ cudaError_t launch_rows(const LinearGemvParams& p, cudaStream_t stream) {
   if constexpr (ROWS > 1) {
     if (p.rows < ROWS) return launch_rows<T, ROWS - 1>(p, stream);
   }
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, kWarps)));
-  return launch_kernel(linear_gemv_kernel<T, ROWS>, grid, kThreads, 0, stream, p);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.out_features, kSimtWarps)));
+  return launch_kernel(linear_gemv_kernel<T, ROWS>, grid, kSimtThreads, 0, stream, p);
 }
 
 // ---- the few-row kernel on tensor cores (EECORE_LINEAR_KERNEL=gemv_mma) --------------------------
@@ -86,7 +86,7 @@ cudaError_t launch_rows(const LinearGemvParams& p, cudaStream_t stream) {
 template <typename T>
 __global__ void __launch_bounds__(gemv_mma::kThreads, 1) linear_gemv_mma_kernel(const LinearGemvParams p) {
   using namespace gemv_mma;
-  __shared__ float partial[kWarps][kTile];
+  __shared__ TileSums partial;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kFeatures;
   block_tile<T>(p, plain_tile_rows(first, p.out_features), static_cast<const T*>(p.input), p.input_stride, [] {},
                 partial);
@@ -115,7 +115,7 @@ cudaError_t launch_linear_gemv_mma(const LinearGemvParams& p, cudaStream_t strea
 
 bool linear_gemv_supported(const LinearGemvParams& p) {
   if (p.rows < 1 || p.rows > kLinearGemvMaxRows || p.out_features < 1) return false;
-  if (ceil_div(p.out_features, kWarps) > INT32_MAX) return false;
+  if (ceil_div(p.out_features, kSimtWarps) > INT32_MAX) return false;
   const int64_t elem = p.dtype == DType::kFloat32 ? 4 : 2;
   const int64_t vec = 16 / elem;
   return p.in_features % vec == 0 && rows_aligned16({p.weight, p.input}, {p.input_stride}, elem);

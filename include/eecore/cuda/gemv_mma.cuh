@@ -30,6 +30,11 @@ constexpr int kRows = 8;       // its N: input rows
 constexpr int kChunk = 32;     // elements of k a warp consumes a step: 4 lanes x 8
 constexpr int kTile = kFeatures * kRows;
 
+// Where a block's warps meet: every warp's sums of its tile, in shared memory. Passed by reference,
+// not as a pointer, so that a buffer of another shape does not compile: a kernel whose own kWarps
+// shadowed this one once declared 4 warps' rows, and its warps 4-7 wrote past them.
+using TileSums = float[kWarps][kTile];
+
 // Chunks a warp loads before it multiplies them: 24 16-byte loads in flight a lane, a whole row's
 // share in one round at K <= 2048 (Llama-1B's and SmolLM2's projections but the down ones).
 // Kernels built on this need __launch_bounds__(kThreads, 1): without it ptxas kept to 56 registers
@@ -75,7 +80,7 @@ __device__ __forceinline__ void warp_tile(float (&c)[4], const T* w_lo, const T*
 // The warps' sums of a tile meet in `partial` (shared): afterwards tile_sum(partial, i) is the
 // whole sum of tile element i = feature * kRows + row, features 0-7 being the lo weight rows of
 // groups 0-7 and 8-15 their hi rows. Every thread of the block calls it.
-__device__ __forceinline__ void share_tile(const float (&c)[4], float (*partial)[kTile]) {
+__device__ __forceinline__ void share_tile(const float (&c)[4], TileSums& partial) {
   const int lane = threadIdx.x % kWarpSize;
   const int group = lane / 4, tig = lane % 4;
   // c[0], c[1]: weight row lo, input rows 2tig and 2tig + 1; c[2], c[3]: weight row hi.
@@ -129,7 +134,7 @@ __device__ __forceinline__ TileRows plain_tile_rows(int64_t first, int64_t out_f
 // in `partial` for tile_sum.
 template <typename T, typename Prepare>
 __device__ __forceinline__ void block_tile(const LinearGemvParams& p, TileRows rows, const T* x, int64_t stride,
-                                           Prepare prepare, float (*partial)[kTile]) {
+                                           Prepare prepare, TileSums& partial) {
   const int lane = threadIdx.x % kWarpSize;
   const int group = lane / 4, tig = lane % 4;
   const T* w_lo = static_cast<const T*>(p.weight) + rows.lo * p.in_features + tig * 8;
@@ -147,7 +152,7 @@ __device__ __forceinline__ void block_tile(const LinearGemvParams& p, TileRows r
   share_tile(c, partial);
 }
 
-__device__ __forceinline__ float tile_sum(const float (*partial)[kTile], int i) {
+__device__ __forceinline__ float tile_sum(const TileSums& partial, int i) {
   float y = partial[0][i];
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) y += partial[w][i];
