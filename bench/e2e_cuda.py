@@ -201,13 +201,19 @@ def against_full_depth(name: str, model: str, configs: dict, full, prompt_sets: 
             speedup = statistics.median(t_full) / statistics.median(t_exit)
             drafted = sum(o.metrics.get("num_drafted_tokens", 0) for o in outs)
             accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
+            # the rounds the sequences took, and the draft layers' proposals, kept or not (a chain's
+            # drafts under its stop rule are proposals that are never drafted, and still cost passes)
+            rounds = sum(o.metrics.get("num_verify_steps", 0) for o in outs)
+            proposals = sum(o.metrics.get("num_layer_proposals", 0) for o in outs)
             same = sum(o.token_ids == f.token_ids for o, f in zip(outs, full_outs))
             tok_s = batch * args.max_tokens / statistics.median(t_exit)
             layers = statistics.mean(o.metrics.get("mean_layers_per_token", 0.0) for o in outs)
             results.add("exits", dict(model=name, config=row_label, batch=batch, tok_s=tok_s, vs_full_depth=speedup,
-                                      drafted=drafted, accepted=accepted, mean_layers_per_token=layers,
+                                      drafted=drafted, accepted=accepted, rounds=rounds, layer_proposals=proposals,
+                                      mean_layers_per_token=layers,
                                       identical_to_full_depth=f"{same}/{batch}"))
             acceptance = f"   acceptance {accepted / drafted:.2f}" if drafted else ""
+            acceptance += f"   {proposals} layer proposals in {rounds} rounds" if rounds else ""
             print(f"{name} {row_label} batch {batch}: {tok_s:8.1f} tok/s   {speedup:4.2f}x full depth{acceptance}   "
                   f"{layers:.1f} layers a token   identical to full depth {same}/{batch}", flush=True)
         del llm

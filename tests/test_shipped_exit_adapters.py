@@ -198,9 +198,10 @@ def test_exit_ready_outputs_are_full_depths(preset):
 
 
 
-def test_exit_ready_presets_on_a_gpu_draft_at_every_batch_in_the_model_dtype(monkeypatch):
-    """device="cuda": no CPU batch limits, the copy in the model's dtype (CUDA widens int8 weights on
-    every call), the planner on; options still override. Built without a GPU: only the config."""
+def test_exit_ready_presets_on_a_gpu_use_the_model_dtype_and_the_gpu_batch_limits(monkeypatch):
+    """device="cuda": no CPU batch limits (the hybrid preset's own GPU limit, measured on an H200),
+    the copy in the model's dtype (CUDA widens int8 weights on every call), the planner on; options
+    still override. Built without a GPU: only the config."""
     from eecore.speculative import presets
     monkeypatch.setattr(presets, "preset_device", lambda device: "cuda" if device == "cuda" else "cpu")
     layer = eecore.SelfSpeculativeConfig.exit_ready("layer", device="cuda")
@@ -208,7 +209,8 @@ def test_exit_ready_presets_on_a_gpu_draft_at_every_batch_in_the_model_dtype(mon
         num_speculations=4, adaptive=True,
         layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5, copy=eecore.DraftCopy()))
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", device="cuda", draft_dtype="float16")
-    assert hybrid.disable_by_batch_size is None and hybrid.layer.disable_by_batch_size is None
+    assert hybrid.disable_by_batch_size == presets.HYBRID_PRESET_GPU_MAX_BATCH == 2
+    assert hybrid.layer.disable_by_batch_size is None
     assert hybrid.layer.copy == eecore.DraftCopy(dtype="float16") and hybrid.hybrid_switch == "token"
     assert eecore.SelfSpeculativeConfig.exit_ready("layer", device="cpu").layer.copy == eecore.DraftCopy(dtype="int8")
 

@@ -24,8 +24,14 @@ every number are in docs/exit-ready.md and docs/draft-layers-history.md.
 
 On a GPU neither CPU limit holds: a verify pass of several rows a sequence costs about what one row
 costs up to large batches, and the int8 copy is a CPU format (CUDA widens its weights on every
-call). There the presets draft at every batch size, with the copy in the model's dtype, and leave
-the lengths to the planner, which prices the rounds it times on that device.
+call). There the copy runs in the model's dtype and the planner, which prices the rounds it times
+on that device, sets the lengths. The layer preset drafts at every batch size (where its rounds do
+not pay the planner turns drafting off: 0.91-1.08x full depth at batch 8 and 64 on an H200). The
+hybrid preset stops above 2 running sequences: on an H200 it ran 1.41x / 1.37x full depth at batch
+1 on code / chat and 0.70x / 0.61x at batch 8 (a round's host work grows with the batch, a decode
+step's GPU time barely does); a line through those two puts the break-even near 3.7 sequences, and
+2 keeps the predicted gain above 1.2x
+(bench/results/nvidia-h200/nvidia-h200-2026-11-28-real-weights.md).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from eecore.speculative.options import DraftCopy, LayerDrafts, LookupDrafts
 PRESETS = ("layer", "hybrid")
 LAYER_PRESET_AMX_MAX_BATCH = 4
 HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH = 8
+HYBRID_PRESET_GPU_MAX_BATCH = 2
 
 
 def preset_device(device) -> str:
@@ -63,7 +70,7 @@ def exit_ready_preset(config_cls, preset: str, device=None):
         return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **stops),
                           disable_by_batch_size=limit, adaptive=True)
     if gpu:
-        lookup_limit, layer_limit = None, None
+        lookup_limit, layer_limit = HYBRID_PRESET_GPU_MAX_BATCH, None
     elif amx_available(torch.bfloat16):
         lookup_limit, layer_limit = HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH, 4
     else:
