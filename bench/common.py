@@ -247,7 +247,7 @@ class GreedyReplay:
     lookup's n-gram index over the context so far, as the decoder would hold it."""
 
     def __init__(self, prompt: list[int], continuation: list[int], min_n: int, max_n: int):
-        from eecore.speculative.drafters import NgramIndex
+        from eecore.text.ngram_index import NgramIndex
 
         self.prompt, self.continuation, self.pos = prompt, continuation, 0  # pos: tokens emitted so far
         self.index = NgramIndex(min_n, max_n)

@@ -24,7 +24,7 @@ import argparse
 import statistics
 
 import eecore
-from eecore.evaluation.rouge import rouge_l
+from eecore.text.rouge import rouge_l
 from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, ensure_classifier, save_results, timed
 from roofline import weight_bytes_ideal_speedup
 

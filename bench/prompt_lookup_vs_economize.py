@@ -118,7 +118,7 @@ def eecore_runner(llm, max_new_tokens: int, stats: dict):
 
 def sweep_ngrams(args, prompts_ids):
     """Tokens per verify round of lookup drafts, simulated exactly on full-depth greedy outputs."""
-    from eecore.speculative.drafters import lookup_reference
+    from eecore.text.ngram_index import lookup_reference
 
     llm = eecore.LLM(dtype="float32", device="cpu", max_num_seqs=len(prompts_ids))
     outs = llm.generate(prompts_ids, eecore.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))

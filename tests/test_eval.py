@@ -14,7 +14,7 @@ from eecore import cli
 from eecore.evaluation.metrics import compare_outputs, token_matches
 from eecore.outputs import RequestOutput
 from eecore.evaluation.prompt_sets import EvalPrompt, PromptFileError, load_prompt_set, read_prompt_file
-from eecore.evaluation.rouge import rouge_l
+from eecore.text.rouge import rouge_l
 from engine_utils import greedy
 from model_factory import make_tiny_hf_model
 

@@ -72,7 +72,7 @@ def test_the_lookup_inputs_read_the_sequence_and_the_draft_so_far():
     has_weight.release(seq)
     assert len(has_weight.lookup) == 0
     # the decoder's lookup is shared only with the n-grams the model was fit with
-    from eecore.speculative.drafters import PromptLookup
+    from eecore.text.ngram_index import PromptLookup
     same, other_ngrams = PromptLookup(2, 4), PromptLookup(1, 3)
     assert AgreementMeasure(_model([0.0] * N), same).lookup is same
     assert AgreementMeasure(_model([0.0] * N), other_ngrams).lookup is not other_ngrams

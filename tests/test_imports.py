@@ -1,6 +1,11 @@
-"""The package's module graph has no cycles: every `import` in a module, at its top level or inside a
-function, is an edge (a function-level import only hides a cycle until the function runs), and a
-cycle among them fails with its path."""
+"""The package's import graph has no cycles, neither between modules nor between eecore's subpackages:
+every `import` in a module, at its top level or inside a function, is an edge (a function-level
+import only hides a cycle until the function runs), and a cycle fails with its path.
+
+The package graph has one node per subpackage (eecore.exits, eecore.engine, ...) and per top-level
+module (eecore.llm, eecore.ops, ...); a module's import of another node's module is an edge between
+their nodes. Without a cycle there the packages layer: a utility two packages share lives in a
+package below both (eecore.text: the n-gram index, ROUGE-L), not in one of them."""
 from __future__ import annotations
 
 import ast
@@ -71,6 +76,47 @@ def test_no_import_cycles():
     assert len(graph) > 50 and graph["eecore.llm"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def package_of(module: str) -> str:
+    """A module's node in the package graph: eecore.exits.agreement -> eecore.exits, eecore.llm ->
+    eecore.llm, eecore itself -> eecore."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    graph = module_graph() if graph is None else graph
+    packages: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for module, imported in graph.items():
+        packages[package_of(module)].update(package_of(m) for m in imported if package_of(m) != package_of(module))
+    return packages
+
+
+# Packages that import no other eecore package or module.
+LEAF_PACKAGES = ["eecore.text"]
+
+
+def test_package_of():
+    assert package_of("eecore.exits.agreement") == "eecore.exits"
+    assert package_of("eecore.speculative") == "eecore.speculative"
+    assert package_of("eecore.llm") == "eecore.llm"
+    graph = {"eecore.a.x": {"eecore.b.y"}, "eecore.b.y": {"eecore.b.z"}, "eecore.b.z": {"eecore.a"}, "eecore.a": set()}
+    assert package_graph(graph) == {"eecore.a": {"eecore.b"}, "eecore.b": {"eecore.a"}}
+    assert find_cycle(package_graph(graph)) == ["eecore.a", "eecore.b", "eecore.a"]
+
+
+def test_no_package_cycles():
+    graph = package_graph()
+    assert {"eecore.exits", "eecore.speculative", "eecore.evaluation", "eecore.engine"} <= set(graph)
+    assert "eecore.engine" in graph["eecore.exits"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle)
+
+
+def test_leaf_packages_import_no_other_package():
+    graph = package_graph()
+    for leaf in LEAF_PACKAGES:
+        assert not graph[leaf], f"{leaf} imports {sorted(graph[leaf])}"
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:

@@ -7,7 +7,7 @@ import torch
 import eecore
 from engine_utils import first_two_token_counts, greedy, law_p_value
 from model_factory import make_tiny_hf_model
-from eecore.speculative.drafters import NgramIndex, PromptLookup, lookup_reference
+from eecore.text.ngram_index import NgramIndex, PromptLookup, lookup_reference
 
 NUM_LAYERS = 4
 

@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 from eecore.exits.decision import fit_logistic, fit_scorer
-from eecore.speculative.drafters import NgramIndex
+from eecore.text.ngram_index import NgramIndex
 from hybrid_policy_replay import record
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import eecore
 from eecore.evaluation.prompts import heldout_code_prompts
-from eecore.evaluation.rouge import rouge_l
+from eecore.text.rouge import rouge_l
 from eecore.train.exit_adapter import TeacherPass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py

@@ -12,7 +12,7 @@ prompt-lookup and copy drafts would have had accepted, round by round:
   far ends in a match, one copy token where it does not (at most `layer` copy passes a round).
 
 Both stop a copy run at a token below the draft threshold (not drafted; its pass is paid). The
-lookup is eecore's own (eecore.speculative.drafters.NgramIndex). The speed column models a round's
+lookup is eecore's own (eecore.text.ngram_index.NgramIndex). The speed column models a round's
 cost in one-row full-depth steps: a verify pass of r rows costs `--verify-costs`[r-1] and a copy
 pass `--copy-pass-cost` (defaults: `bench/spec_costs.py verify-rows` on 2 EPYC cores, 2026-11-25:
 1-5 and 7 rows 1.00 1.08 1.12 1.17 1.22 and 1.51, 6 rows interpolated as 1.36, a one-row pass of

@@ -3,7 +3,7 @@ timing: greedy output does not depend on the drafts, so one full-depth greedy ru
 what any drafter would have had accepted in every round.
 
 Drafters compared (SmolLM2-135M, held-out prompts of `--prompts` kind, `--max-tokens` greedy tokens):
-- `prompt`: eecore's prompt lookup (eecore.speculative.drafters.NgramIndex, min/max n-gram 1/3),
+- `prompt`: eecore's prompt lookup (eecore.text.ngram_index.NgramIndex, min/max n-gram 1/3),
   d tokens per round;
 - `prompt, k candidates`: the k most recent distinct continuations of the matched n-grams, all
   verified at once (tree verification), counted as the best of them: what multi-candidate lookup

@@ -9,7 +9,7 @@ Definitions (the JSON fields of a result row):
   reaches disagrees). All generated tokens count, the first one too: it is what the user gets.
   1.0 when both outputs are empty.
 - exact_match: the fraction of prompts whose token ids equal full depth's exactly.
-- rouge_l_to_full: mean over prompts of ROUGE-L F1 (eecore.evaluation.rouge) of the text against full depth's.
+- rouge_l_to_full: mean over prompts of ROUGE-L F1 (eecore.text.rouge) of the text against full depth's.
 - rouge_l_to_reference / full_rouge_l_to_reference: the same against the prompt set's reference
   outputs, for the strategy and for full depth, over the prompts that have one (None when none do).
 - strategy_metrics: the mean over outputs of each metric the strategy reports (e.g. acceptance_rate).
@@ -20,7 +20,7 @@ import statistics
 from typing import Optional, Sequence
 
 from eecore.outputs import RequestOutput
-from eecore.evaluation.rouge import rouge_l
+from eecore.text.rouge import rouge_l
 
 __all__ = ["token_matches", "decode_depth", "compare_outputs", "strategy_metrics"]
 

@@ -38,7 +38,7 @@ from eecore.exits.decision import (INPUTS, LOOKUP_NGRAMS, LogisticDecision, dist
                                    optional_lookup)
 from eecore.exits.thresholds_file import (ThresholdsFileError, adapter_identity, check_model, file_sha256,
                                          model_identity, read_json_object)
-from eecore.speculative.drafters import NgramIndex, PromptLookup
+from eecore.text.ngram_index import NgramIndex, PromptLookup
 
 FORMAT = "eecore-exit-decision-layers-1"
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",

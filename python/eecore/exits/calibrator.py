@@ -41,8 +41,8 @@ from eecore.exits.calibration_data import CalibrationRecord, full_thresholds, la
 from eecore.exits.agreement import decision_sha256
 from eecore.exits.config import EarlyExitConfig
 from eecore.exits.thresholds_file import CALIBRATED_MEASURES, adapter_identity, file_sha256, model_identity
-from eecore.evaluation.rouge import rouge_l
 from eecore.sampling_params import SamplingParams
+from eecore.text.rouge import rouge_l
 
 CONSISTENCY = ("token", "text")
 TEXT_LOSSES = ("rouge-l", "exact")
@@ -242,7 +242,7 @@ def _maybe_binarize(losses: torch.Tensor, s: CalibrationSettings) -> torch.Tenso
 # ---- text consistency -------------------------------------------------------------------------
 
 def rouge_l_f1(a: list[int], b: list[int]) -> float:
-    """ROUGE-L F1 of two token-id sequences (eecore.evaluation.rouge on the ids written as words): token ids,
+    """ROUGE-L F1 of two token-id sequences (eecore.text.rouge on the ids written as words): token ids,
     not text, so that two outputs that decode alike but differ in tokens still count as different."""
     return rouge_l(" ".join(map(str, a)), " ".join(map(str, b)))
 

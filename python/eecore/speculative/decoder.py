@@ -2,7 +2,7 @@
 paged engine. A round, for every running sequence at once:
 
 1. propose: a prompt-lookup draft where the sequence has an n-gram match (`draft="lookup"` or
-   `"hybrid"`; eecore.speculative.drafters), else a layer draft from one of the proposers of
+   `"hybrid"`; eecore.text.ngram_index), else a layer draft from one of the proposers of
    eecore.speculative.proposers (the model's own layers 0..E-1, a separate copy of them, or both
    sources switched per token), each drafted token picked off the draft head by
    eecore.speculative.draft.DraftPicker;
@@ -46,13 +46,13 @@ from eecore.speculative.draft import Draft, DraftPicker
 from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.draft_planner import DraftPlan, DraftPlanner
 from eecore.speculative.draft_stack import DraftStack
-from eecore.speculative.drafters import PromptLookup
 from eecore.speculative.exit_decision import agreement_measure
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.proposers import CopyProposer, SharedLayerProposer, TokenSwitchProposer
 from eecore.speculative.stats import RoundRecorder
 from eecore.speculative.token_tree import tree_row
 from eecore.speculative.verification import Verifier, VerifyAhead, logit_rows
+from eecore.text.ngram_index import PromptLookup
 
 
 class SelfSpeculativeDecoder(DecodeStrategy):

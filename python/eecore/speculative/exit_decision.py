@@ -31,7 +31,7 @@ from eecore.engine.sequence import Sequence
 from eecore.exits.decision import (INPUTS, LOOKUP_NGRAMS, LogisticDecision, distribution_inputs, lookup_inputs,
                                    optional_lookup)
 from eecore.exits.thresholds_file import file_sha256
-from eecore.speculative.drafters import PromptLookup
+from eecore.text.ngram_index import PromptLookup
 
 FORMAT = "eecore-exit-decision-1"
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",

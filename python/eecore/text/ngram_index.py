@@ -1,4 +1,6 @@
-"""Drafters that run no layer: prompt lookup (n-gram) drafts, vLLM's `ngram` method.
+"""The prompt-lookup (n-gram) index, vLLM's `ngram` method: self-speculation's drafts that run no
+layer (eecore.speculative), and an input of the exit decision (eecore.exits.decision, .agreement).
+This package imports no other eecore package.
 
 A sequence drafts the tokens that followed the most recent earlier occurrence of its last n tokens,
 in its prompt and output so far, trying n from `max_ngram` down to `min_ngram`. On text that
