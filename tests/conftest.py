@@ -5,12 +5,12 @@ import zlib
 import pytest
 import torch
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from cuda_tests import DEVICES
 
 
 def pytest_generate_tests(metafunc):
-    # Every test that takes a `device` argument runs on each available device; CUDA tests are
-    # simply absent (not failing) where no GPU is visible.
+    # Every test that takes a `device` argument runs on the CPU and on CUDA; where no GPU (or no CUDA
+    # build) is there, its CUDA case is collected and skipped with the reason (cuda_tests.py).
     if "device" in metafunc.fixturenames and not any(m.name == "parametrize" and "device" in m.args[0]
                                                      for m in metafunc.definition.iter_markers()):
         metafunc.parametrize("device", DEVICES)

@@ -16,9 +16,10 @@ import torch
 
 from eecore import ops
 from eecore.testing import reference
+from cuda_tests import CUDA_MARKS
 from op_utils import DTYPES, assert_within_torch_error, poison, random_block_tables, tol
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = CUDA_MARKS
 
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 import eecore
-from eecore import _C
+from cuda_tests import CUDA_MARKS
 from engine_utils import generate_arriving, greedy, hf_greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and _C.build_info().get("cuda")),
-                                reason="needs a CUDA device and an eecore built with CUDA kernels")
+pytestmark = CUDA_MARKS
 
 NUM_LAYERS = 4
 

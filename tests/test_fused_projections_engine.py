@@ -9,13 +9,11 @@ import pytest
 import torch
 
 import eecore
-from eecore import _C
 from eecore.models.llama import LlamaModel
 from eecore.models.loader import load_model
+from cuda_tests import DEVICES
 from engine_utils import generate_arriving, greedy, random_prompts
 from model_factory import make_tiny_hf_model
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.build_info().get("cuda") else [])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: biases on the QKV projection

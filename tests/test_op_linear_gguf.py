@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eecore import _C, ops
 from eecore.testing import reference
+from cuda_tests import needs_cuda
 
 TYPES = ops.GGUF_QUANT_TYPES
 # byte offsets of each block's fp16 fields (scales, and the minimums of Q4_1, Q5_1 and the K formats)
@@ -180,7 +181,7 @@ def test_fake_shapes():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("name", list(TYPES))
 def test_cuda_matches_the_cpu(name):
     k = features(name, 1)

@@ -12,6 +12,7 @@ import torch
 
 from eecore import ops
 from eecore.testing import reference
+from cuda_tests import needs_cuda
 from op_utils import DTYPES, poison, random_block_tables, tol
 
 # (query heads, KV heads): GQA ratios 1, 2, 4 and 8.
@@ -410,7 +411,8 @@ def test_opcheck_tree_mask(q_lens):
     torch.library.opcheck(torch.ops.eecore.paged_attention.default, case.args(torch.empty_like(case.query)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
 @pytest.mark.parametrize("head_dim", [64, 20])

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from eecore import ops
+from cuda_tests import needs_cuda
 
 
 @pytest.mark.parametrize("numel, offset, max_bytes", [(1, 0, None), (4099, 1, None), (1 << 20, 3, 1000),
@@ -34,7 +35,8 @@ def test_prefetch_l2_bad_arguments(device, make, message):
         torch.ops.eecore.prefetch_l2(weight, max_bytes)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@needs_cuda
 def test_prefetch_l2_on_a_cuda_side_stream_in_a_graph():
     """The fork and join the model makes around attention: captured, replayed, values unchanged."""
     weight = torch.randn(4 << 20, device="cuda").to(torch.bfloat16)
