@@ -46,6 +46,23 @@ def hf_model_from_loaded(loaded, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
+def hf_model_from_gguf(path, dtype=torch.float32):
+    """transformers' own loading of a GGUF file (dequantized, eval mode): the HF baseline as an HF user
+    would build it from the same file, independent of eecore's loader (hf_model_from_loaded shares
+    eecore's weights instead)."""
+    from unittest import mock
+
+    import transformers
+    import transformers.modeling_utils as modeling_utils
+
+    dirname, basename = os.path.split(str(path))
+    # transformers refuses GGUF files unless `accelerate` is installed, although its dequantizing
+    # path does not use it; lift the gate so the comparison also runs where accelerate is absent.
+    with mock.patch.object(modeling_utils, "is_accelerate_available", return_value=True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(dirname, gguf_file=basename, dtype=dtype)
+    return model.eval()
+
+
 def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, **extra) -> list[list[int]]:
     """Greedy HF generation of exactly max_new_tokens per prompt (left-padded batch)."""
     import copy

@@ -2,8 +2,8 @@
 CPU, batch 1) and held-out code prompts, 64 new tokens, greedy.
 
 Configurations, all on the same weights and measured side by side in one run:
-- `hf`: plain HF transformers `generate` (the model built from the default GGUF with
-  tests/model_factory.py's hf_model_from_gguf);
+- `hf`: plain HF transformers `generate` (the model transformers itself loads from the default GGUF:
+  bench/common.py's hf_model_from_gguf);
 - `economize`: economize.apply(that model, LookupConfig(max_ngram, min_ngram), DecodeConfig(cycle_length=d+1))
   and its `generate` (PyPI package `economize`, for HF causal LMs). economize 0.3.2 refuses the
   `cache` model input that transformers 5.24 passes to its generate ("cannot forward the model
@@ -37,12 +37,11 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 
 import torch
 
 import eecore
-from common import cpu_model, save_results, timed
+from common import cpu_model, hf_model_from_gguf, save_results, timed
 from eecore.evaluation.prompts import heldout_code_prompts
 
 def _version(package: str):
@@ -55,9 +54,6 @@ def _version(package: str):
 
 
 def hf_model():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from model_factory import hf_model_from_gguf
-
     from eecore.models.loader import default_model_path
 
     return hf_model_from_gguf(default_model_path())

@@ -182,8 +182,10 @@ def verify_rows(args) -> None:
         runner.run_layers(hidden, inputs.attn, 0, runner.num_layers)
         runner.logits(hidden)
 
-    def draft() -> None:
-        stack.head.columns(stack._run([Row(seq, start, [300]) for seq in seqs]))
+    def draft() -> None:  # the copy's layers op by op, then its draft head (DraftStack's one-token pass)
+        copy = stack.runner
+        inputs = copy.prepare([Row(seq, start, [300]) for seq in seqs])
+        stack.head.columns(copy.run_layers(copy.embed(inputs), inputs.attn, 0, stack.exit_layer))
 
     cases = {("verify", n, False): (lambda n=n: verify(n, False)) for n in args.rows}
     cases.update({("verify", n, True): (lambda n=n: verify(n, True)) for n in args.rows if n > 1})

@@ -41,6 +41,12 @@ from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, save_results  # no
 CHUNK = 8  # rows a head call takes (the runners' logits buffers hold at least this many)
 
 
+def normed_draft_state(head, states: torch.Tensor) -> torch.Tensor:
+    """The draft head's input to its projection: layer-E `states` through the head's adapter block
+    and the model's final norm (what DraftHead.columns projects onto its K columns)."""
+    return head.model.final_norm_(head.adapted(states), torch.empty_like(states))
+
+
 @torch.no_grad()
 def teacher_forced(full, spec, ids: list[int], first: int, whole_vocabulary: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +70,8 @@ def teacher_forced(full, spec, ids: list[int], first: int, whole_vocabulary: boo
             elif whole_vocabulary:
                 head = layers.head
                 rows = [project(torch.empty(min(CHUNK, states.shape[0] - i), head.model.config.vocab_size,
-                                            dtype=states.dtype), head._normed(states[i:i + CHUNK]), head.model.lm_head)
+                                            dtype=states.dtype), normed_draft_state(head, states[i:i + CHUNK]),
+                                head.model.lm_head)
                         for i in range(0, states.shape[0], CHUNK)]
             else:
                 head = layers.head
