@@ -137,7 +137,7 @@ def test_static_exit_against_generate_by_hand(tiny, prompt_file, tmp_path):
 
 
 def test_self_speculation_row_matches_full_depth(tiny, prompt_file, tmp_path):
-    # greedy self-speculation writes exactly the full model's tokens (DESIGN.md)
+    # greedy self-speculation writes exactly the full model's tokens (docs/architecture.md)
     data = run_eval(tiny, tmp_path, "--prompts", prompt_file, "--chat", "off", "--speculate", "--exit-layer", "1",
                     "--num-speculations", "2")
     (row,) = data["rows"]

@@ -96,7 +96,7 @@ def test_the_warning_names_the_flat_keywords_and_points_at_the_caller():
      SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2), lookup=LookupDrafts())),
 ], ids=["E", "E-d", "E-d-batch", "E-lookup"])
 def test_the_exit_layer_short_form_is_not_deprecated(kwargs, nested):
-    """SelfSpeculativeConfig(exit_layer=E, num_speculations=d), the design document's form, stays
+    """SelfSpeculativeConfig(exit_layer=E, num_speculations=d), the form docs/architecture.md gives, stays
     as the short form of layer=LayerDrafts(exit_layer=E), with no warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -1,4 +1,4 @@
-"""`eecore.LLM` and `eecore.generate`: the public entry points (names as in DESIGN.md)."""
+"""`eecore.LLM` and `eecore.generate`: the public entry points (docs/architecture.md, "The public API")."""
 from __future__ import annotations
 
 import inspect

@@ -11,7 +11,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    # per generated token: the layers that ran for it (L = full depth; see DESIGN.md)
+    # per generated token: the layers that ran for it (L = full depth; docs/architecture.md, "Exit layers")
     exit_layers: list[int]
     # per generated token, when SamplingParams.logprobs is set: {token_id: logprob}
     logprobs: Optional[list[dict[int, float]]]

@@ -1,6 +1,6 @@
 """Paged KV bookkeeping: a free list of physical blocks and each sequence's block table.
 
-One block table per sequence serves every layer (see DESIGN.md), so the bookkeeping is per token
+One block table per sequence serves every layer (docs/architecture.md), so the bookkeeping is per token
 position, never per layer. No tensor code here.
 
 An encoder-decoder request (T5) also holds cross-attention blocks (`seq.cross_block_table`, one

@@ -1,5 +1,5 @@
 """A sequence's block table: the list of the physical blocks that hold its K/V, one per
-`block_size` positions (DESIGN.md), with the same blocks kept in a numpy array.
+`block_size` positions (docs/architecture.md), with the same blocks kept in a numpy array.
 
 Why the array: every step copies the block tables of its rows into the step's input arrays
 (engine.inputs). Flattening the lists for that walked every block of every row in Python: at

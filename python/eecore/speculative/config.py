@@ -7,7 +7,7 @@
     SelfSpeculativeConfig.exit_ready("hybrid")                                   the tuned presets
 
 The parts are in eecore.speculative.options. `exit_layer=E` stays as the short form of
-`layer=LayerDrafts(exit_layer=E)`, the form the design document gives; the other flat keyword
+`layer=LayerDrafts(exit_layer=E)`, the form docs/architecture.md gives; the other flat keyword
 arguments of earlier releases still work, with a DeprecationWarning (eecore.speculative.flat_options).
 """
 from __future__ import annotations
