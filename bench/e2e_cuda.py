@@ -48,7 +48,6 @@ import time
 import torch
 
 import eecore
-from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
 from common import (PROMPT_KINDS, bench_prompt_ids, device_folder, device_slug, hf_generate_greedy, save_results,
                     timed)
 
@@ -109,8 +108,8 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
 
 
 # a draft copy's round: pass by pass, its chain on the device, and its verify pass behind the chain
-AHEAD_MODES = {"": {}, ", ahead": {DRAFT_AHEAD_ENV: "1"},
-               ", ahead, verify ahead": {DRAFT_AHEAD_ENV: "1", VERIFY_AHEAD_ENV: "1"}}
+AHEAD_MODES = {"": {}, ", ahead": {"EECORE_DRAFT_AHEAD": "1"},
+               ", ahead, verify ahead": {"EECORE_DRAFT_AHEAD": "1", "EECORE_VERIFY_AHEAD": "1"}}
 
 
 def exit_configs(num_layers: int, d: int) -> dict:
@@ -240,7 +239,7 @@ def piecewise_rows(name: str, folder: str, prompts, params, args, results: Resul
     """Steps that carry prompt chunks with everything but attention as CUDA graphs (the default,
     eecore.engine.piecewise) against the same steps launched op by op (EECORE_PIECEWISE_GRAPHS=0;
     decode steps are graphs in both): a batch's prefill alone, and requests arriving every 2 steps."""
-    from eecore.engine.piecewise import PIECEWISE_GRAPHS_ENV
+    PIECEWISE_GRAPHS_ENV = "EECORE_PIECEWISE_GRAPHS"
 
     engines = {}
     for on in (False, True):

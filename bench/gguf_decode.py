@@ -31,7 +31,6 @@ import torch
 
 import eecore
 from common import PROMPTS, chat_prompt_ids, cpu_model, save_results
-from eecore.models.gguf_weights import ACTIVATIONS_ENV_VAR
 from eecore.models.loader import default_model_path
 from roofline import decode_weight_bytes, read_bandwidth_gbs
 
@@ -87,9 +86,9 @@ def write_variant(source: str, target: str, recipe: str) -> str:
 class EecoreRunner:
     def __init__(self, path: str, q8_activations: bool = False, **kwargs):
         # EECORE_GGUF_ACTIVATIONS is read as the model is built
-        os.environ[ACTIVATIONS_ENV_VAR] = "q8" if q8_activations else "exact"
+        os.environ["EECORE_GGUF_ACTIVATIONS"] = "q8" if q8_activations else "exact"
         self.llm = eecore.LLM(path, device="cpu", max_num_seqs=1, **kwargs)
-        os.environ.pop(ACTIVATIONS_ENV_VAR)
+        os.environ.pop("EECORE_GGUF_ACTIVATIONS")
 
     def decode(self, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
         params = eecore.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

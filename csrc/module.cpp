@@ -9,6 +9,8 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "eecore/switches.h"
+
 #define EECORE_STRINGIFY_(...) #__VA_ARGS__
 #define EECORE_STRINGIFY(...) EECORE_STRINGIFY_(__VA_ARGS__)
 
@@ -58,6 +60,12 @@ int64_t gguf_stream_max_rows();  // linear/linear_gguf_cpu.cpp
 }  // namespace eecore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def(
+      "set_batch_invariant", [](bool on) { eecore::switches::batch_invariant_override().store(on ? 1 : 0); },
+      "Batch-invariant GPU kernels for the whole process (LLM(batch_invariant=True)), whatever "
+      "EECORE_BATCH_INVARIANT says");
+  m.def("batch_invariant", &eecore::switches::batch_invariant,
+        "Whether the GPU kernels run batch-invariant (eecore/batch_invariant.h)");
   m.doc() = "eecore compiled ops; see torch.ops.eecore";
   m.def("amx_bf16_available", &eecore::amx_bf16_available,
         "Whether ops.linear runs bf16 weights tiled for AMX-BF16 here (CPU, build and OS all allow it)");

@@ -13,7 +13,6 @@ import pytest
 
 import eecore
 from eecore.engine.static_decode import StaticVerify
-from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
 from engine_utils import emulate_graphs, greedy, random_prompts
 from model_factory import make_tiny_hf_model
 
@@ -43,8 +42,8 @@ CONFIGS = {
 
 
 def _llm(path, config, ahead: bool, monkeypatch, num_blocks: int = 128, verify_ahead: bool = False):
-    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1" if ahead else "0")
-    monkeypatch.setenv(VERIFY_AHEAD_ENV, "1" if verify_ahead else "0")
+    monkeypatch.setenv("EECORE_DRAFT_AHEAD", "1" if ahead else "0")
+    monkeypatch.setenv("EECORE_VERIFY_AHEAD", "1" if verify_ahead else "0")
     llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=num_blocks, block_size=4, max_num_seqs=8,
                      speculative=config)
     runner, decoder = llm.engine.runner, llm.engine.strategy

@@ -440,17 +440,16 @@ def test_draft_ahead_with_graphs_drafts_what_the_pass_by_pass_chain_does(tiny, s
     graphs; the tokens are those of the pass-by-pass chain, and so are the drafts where no stop
     rule makes the two run different batches. EECORE_VERIFY_AHEAD=1: the verify pass as well, from
     the chain's tokens on the device."""
-    from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
 
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]
     params = greedy(20)
     layer = eecore.LayerDrafts(1, stop_below=0.0045 if stops else None, copy=eecore.DraftCopy())
-    monkeypatch.setenv(VERIFY_AHEAD_ENV, "1" if verify_ahead else "0")
+    monkeypatch.setenv("EECORE_VERIFY_AHEAD", "1" if verify_ahead else "0")
     runs, verified = [], []
     for ahead in ("0", "1"):
-        monkeypatch.setenv(DRAFT_AHEAD_ENV, ahead)
+        monkeypatch.setenv("EECORE_DRAFT_AHEAD", ahead)
         llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(num_speculations=4, layer=layer))
         static = llm.engine.runner.static_verify
         inner = static.run_with_tokens
@@ -469,13 +468,12 @@ def test_graphed_draft_passes_built_from_the_last_pass_draft_what_fresh_builds_d
     """InputBuilder.advance on a GPU (pinned host arrays, one copy a pass, graph replays): a round's
     later copy passes built from the last pass's arrays draft what passes built anew draft."""
     from eecore.engine.inputs import InputBuilder
-    from eecore.speculative.proposers import DRAFT_AHEAD_ENV
 
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]
     params = greedy(20)
-    monkeypatch.setenv(DRAFT_AHEAD_ENV, ahead)
+    monkeypatch.setenv("EECORE_DRAFT_AHEAD", ahead)
     runs = []
     for advance in (True, False):
         if not advance:
@@ -496,13 +494,12 @@ def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, verify_ahead, 
     EECORE_VERIFY_AHEAD=1 so does the verify pass behind them: under
     torch.cuda.set_sync_debug_mode("error") any op in them that synchronizes with the host raises
     (the builder's wait for the previous pass's input copy is an event, which it does not count)."""
-    from eecore.speculative.proposers import DRAFT_AHEAD_ENV, VERIFY_AHEAD_ENV
     from eecore.speculative.verification import VerifyAhead
 
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5], seed=11)
-    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
-    monkeypatch.setenv(VERIFY_AHEAD_ENV, "1" if verify_ahead else "0")
+    monkeypatch.setenv("EECORE_DRAFT_AHEAD", "1")
+    monkeypatch.setenv("EECORE_VERIFY_AHEAD", "1" if verify_ahead else "0")
     llm = _llm(path, speculative=eecore.SelfSpeculativeConfig(num_speculations=4, layer=eecore.LayerDrafts(
         1, copy=eecore.DraftCopy())))
     llm.generate(prompts, greedy(16))  # captures the graphs (a capture synchronizes) that the run below replays

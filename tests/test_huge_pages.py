@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from eecore.models.huge_pages import ENV_VAR, HUGE_PAGE_BYTES, huge_pages_enabled, place_in_huge_pages, weight_buffer
+from eecore.models.huge_pages import HUGE_PAGE_BYTES, huge_pages_enabled, place_in_huge_pages, weight_buffer
 from eecore.models.gguf_weights import GGUFWeight
 from eecore.models.int8_weights import Int8Weight
 
@@ -51,7 +51,7 @@ def _holder(**attributes) -> _Holder:
 
 @linux_thp
 def test_place_copies_each_tensor_once_aligned(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("EECORE_HUGE_PAGES", raising=False)
     a, b = torch.randn(300, 7), torch.randint(-127, 128, (5, 33), dtype=torch.int8)
     c = torch.randn(3, dtype=torch.bfloat16)
     h = _holder(a=a, pair=[b, a], c=(c,))
@@ -70,7 +70,7 @@ def test_place_copies_each_tensor_once_aligned(monkeypatch):
 
 @linux_thp
 def test_place_leaves_what_was_written_in_place(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("EECORE_HUGE_PAGES", raising=False)
     buffer = weight_buffer(4096)
     inside, outside = buffer[64:128], torch.randn(16)
     h = _holder(inside=inside, outside=outside)
@@ -87,12 +87,12 @@ def test_place_refuses_strided_or_non_cpu_tensors():
 
 
 def test_disabled_or_empty_places_nothing(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_HUGE_PAGES", "0")
     assert not huge_pages_enabled()
     w = torch.randn(8)
     h = _holder(w=w)
     assert not place_in_huge_pages((h, ("w",))) and h.w is w
-    monkeypatch.delenv(ENV_VAR)
+    monkeypatch.delenv("EECORE_HUGE_PAGES")
     assert not place_in_huge_pages((_holder(w=None), ("w",)))
     assert not place_in_huge_pages((_holder(w=torch.empty(0)), ("w",)))
 
@@ -107,9 +107,9 @@ def test_llama_weights_live_in_one_advised_mapping(tmp_path, monkeypatch, weight
     path, _ = make_tiny_hf_model(tmp_path, num_layers=2, vocab_size=200, tie=True, with_tokenizer=False)
     loaded = load_model(path, dtype=torch.float32)
     cpu = torch.device("cpu")
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_HUGE_PAGES", "0")
     plain = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=weight_dtype)
-    monkeypatch.delenv(ENV_VAR)
+    monkeypatch.delenv("EECORE_HUGE_PAGES")
     packed = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, weight_dtype=weight_dtype)
 
     def tensors(model):
@@ -146,7 +146,7 @@ def test_generation_is_the_same_with_and_without_huge_pages(tmp_path, monkeypatc
     params = eecore.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = []
     for setting in ("0", "1"):
-        monkeypatch.setenv(ENV_VAR, setting)
+        monkeypatch.setenv("EECORE_HUGE_PAGES", setting)
         llm = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16, block_size=8)
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
@@ -156,14 +156,14 @@ def test_generation_is_the_same_with_and_without_huge_pages(tmp_path, monkeypatc
 def test_zeros_in_huge_pages(monkeypatch):
     from eecore.models.huge_pages import zeros_in_huge_pages
 
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("EECORE_HUGE_PAGES", raising=False)
     t = zeros_in_huge_pages((3, 5, 7), torch.bfloat16)
     assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % HUGE_PAGE_BYTES == 0 and not t.any()
     t[1, 2, 3] = 2.5
     assert t.sum() == 2.5
     assert zeros_in_huge_pages((0, 4), torch.float32) is None  # nothing to map
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_HUGE_PAGES", "0")
     assert zeros_in_huge_pages((4,), torch.float32) is None
 
 
@@ -171,7 +171,7 @@ def test_zeros_in_huge_pages(monkeypatch):
 def test_kv_cache_lives_in_huge_pages(monkeypatch):
     from eecore.engine.kv_cache import KVCache
 
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("EECORE_HUGE_PAGES", raising=False)
     kv = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert kv.tensor.shape == (2, 2, 7, 4, 2, 8) and not kv.tensor.any()  # 6 blocks and the pad block
     start, end, fields = _smaps_entry(kv.tensor.data_ptr())
@@ -181,7 +181,7 @@ def test_kv_cache_lives_in_huge_pages(monkeypatch):
     kv.k(1)[3, 2] = 1.0  # the per-layer views write into the one tensor
     kv.copy_slots(torch.tensor([3 * 4 + 2]), torch.tensor([0]))
     assert torch.equal(kv.k(1)[0, 0], torch.ones(2, 8)) and kv.tensor.sum() == 2 * 16
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_HUGE_PAGES", "0")
     plain = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert not plain.tensor.any() and plain.tensor.shape == kv.tensor.shape
 
@@ -195,7 +195,7 @@ def test_t5_weights_live_in_one_mapping(tmp_path, monkeypatch, variant):
     from eecore.models.huge_pages import _tensors_in
     from t5_factory import make_tiny_t5
 
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("EECORE_HUGE_PAGES", raising=False)
     path, _ = make_tiny_t5(tmp_path, variant)
     model = eecore.LLM(path, dtype="float32", device="cpu", num_blocks=16, block_size=4).model
     weights = _tensors_in([model.embed, model.lm_head, model.final_norm, model.layers, model.cross_kv_weight,

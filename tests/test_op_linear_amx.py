@@ -7,7 +7,7 @@ import torch
 from eecore import _C, ops
 
 from eecore.testing import reference
-from eecore.models.amx_weights import ENV_VAR, amx_available, can_tile, tile, untile
+from eecore.models.amx_weights import amx_available, can_tile, tile, untile
 from op_utils import poison, tol
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 on this CPU (or build, or OS)")
@@ -141,7 +141,7 @@ def test_tiled_weight_is_refused_on_cuda():
 
 
 def test_env_var_turns_tiling_off(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_AMX", "0")
     assert not amx_available() and not amx_available(torch.int8)
 
 
@@ -157,7 +157,7 @@ def test_bf16_llama_runs_its_projections_in_tiles(tmp_path, monkeypatch):
                                  tie=True, with_tokenizer=False)
     loaded = load_model(path, dtype=BF16)
     tiled = LlamaModel(loaded.config, loaded.state_dict, BF16, torch.device("cpu"))
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_AMX", "0")
     plain = LlamaModel(loaded.config, loaded.state_dict, BF16, torch.device("cpu"))
     for w, p in zip(tiled.layers, plain.layers):
         for name in ("qkv", "o_proj", "gate_up", "down"):
@@ -181,7 +181,7 @@ def test_bf16_t5_runs_its_decoder_projections_in_tiles(tmp_path, monkeypatch):
     def model():
         return eecore.LLM(path, dtype="bfloat16", device="cpu", num_blocks=16, block_size=4).model
     tiled = model()
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_AMX", "0")
     plain = model()
     for w, p in zip(tiled.layers, plain.layers, strict=True):
         for name in ("qkv", "self_o", "cross_q", "cross_o", "wi"):

@@ -7,7 +7,7 @@ import torch
 from eecore import _C, ops
 
 from eecore.testing import reference
-from eecore.models.amx_weights import ENV_VAR, amx_available, tile, tiled, untile
+from eecore.models.amx_weights import amx_available, tile, tiled, untile
 from eecore.models.int8_weights import Int8Weight
 from op_utils import poison, tol
 
@@ -127,7 +127,7 @@ def test_tiled_int8_weight_without_amx_int8_is_refused():
 def test_tiled_leaves_what_it_cannot_tile(monkeypatch):
     odd = Int8Weight.quantize(torch.randn(40, 128))  # N % 16
     assert tiled(odd) is odd
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_AMX", "0")
     w = Int8Weight.quantize(torch.randn(48, 128))
     assert tiled(w) is w
 
@@ -146,7 +146,7 @@ def test_int8_draft_copy_runs_on_tiles_and_drafts_the_same(tmp_path, monkeypatch
     loaded = load_model(path, dtype=torch.float32)
     cpu = torch.device("cpu")
     tiles = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, torch.int8)
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_AMX", "0")
     plain = LlamaModel(loaded.config, loaded.state_dict, torch.float32, cpu, torch.int8)
     for w, p in zip(tiles.layers, plain.layers):
         for name in ("qkv", "o_proj", "gate_up", "down"):

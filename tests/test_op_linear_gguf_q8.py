@@ -9,7 +9,6 @@ import torch
 
 import eecore
 from eecore import ops
-from eecore.models.gguf_weights import ACTIVATIONS_ENV_VAR
 from eecore.testing import reference
 from test_op_linear_gguf import TYPES, random_blocks
 
@@ -86,7 +85,7 @@ def test_model_with_8_bit_activations_decodes_close_to_exact(tmp_path, monkeypat
     path, hf = make_tiny_hf_model(tmp_path, "llama", hidden_size=64, intermediate_size=128, vocab_size=320)
     gguf_path = write_gguf(hf, tmp_path / "tiny.gguf", tokenizer_dir=path, qtype="Q4_1")
     exact = eecore.LLM(gguf_path, device="cpu", num_blocks=32)
-    monkeypatch.setenv(ACTIVATIONS_ENV_VAR, "q8")
+    monkeypatch.setenv("EECORE_GGUF_ACTIVATIONS", "q8")
     q8 = eecore.LLM(gguf_path, device="cpu", num_blocks=32)
     assert q8.model.layers[0].qkv.packed is not None and exact.model.layers[0].qkv.packed is None
     assert (exact.weight_format, q8.weight_format) == ("Q4_1", "Q4_1, 8-bit activations")
@@ -96,8 +95,8 @@ def test_model_with_8_bit_activations_decodes_close_to_exact(tmp_path, monkeypat
         shared = a.logprobs[0].keys() & b.logprobs[0].keys()
         assert len(shared) >= 10
         assert max(abs(a.logprobs[0][t] - b.logprobs[0][t]) for t in shared) < 0.05
-    monkeypatch.setenv(ACTIVATIONS_ENV_VAR, "int4")
-    with pytest.raises(ValueError, match="EECORE_GGUF_ACTIVATIONS must be 'exact' or 'q8'"):
+    monkeypatch.setenv("EECORE_GGUF_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="EECORE_GGUF_ACTIVATIONS must be one of exact, q8"):
         eecore.LLM(gguf_path, device="cpu", num_blocks=32)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import eecore
-from eecore.models.amx_weights import ENV_VAR, amx_available
+from eecore.models.amx_weights import amx_available
 from eecore.models.exit_adapter import SHIPPED_FILE, DraftHead, ExitAdapters
 from eecore.models.int8_weights import dense
 from engine_utils import greedy
@@ -81,7 +81,7 @@ def test_the_draft_layers_file_loads_and_leaves_full_depth_alone():
 def test_layer_preset_drafts_up_to_2_sequences_without_amx_int8(monkeypatch):
     """Without the copy on AMX-INT8 tiles (EECORE_AMX=0 here) the layer preset stops drafting above 2
     running sequences, where d = 4 stopped paying on CPUs without them; an override still wins."""
-    monkeypatch.setenv(ENV_VAR, "0")
+    monkeypatch.setenv("EECORE_AMX", "0")
     assert eecore.SelfSpeculativeConfig.exit_ready().disable_by_batch_size == 2
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid")
     assert (hybrid.disable_by_batch_size, hybrid.layer.disable_by_batch_size) == (4, None)

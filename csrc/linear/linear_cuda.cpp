@@ -18,8 +18,6 @@
 // lost, 21.9 against 18.3 us for the gate/up); not yet timed end to end.
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 
 #include "common/cuda_glue.h"
 #include "eecore/batch_invariant.h"
@@ -39,11 +37,10 @@ constexpr int64_t kAutoMaxWeightBytes = int64_t{32} << 20;
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
 LinearKernel selected_kernel() {
   if (batch_invariant_enabled()) return LinearKernel::kCublas;  // see eecore/batch_invariant.h
-  const char* v = std::getenv("EECORE_LINEAR_KERNEL");
-  if (v == nullptr) return LinearKernel::kCublas;
-  if (std::strcmp(v, "gemv") == 0) return LinearKernel::kGemv;
-  if (std::strcmp(v, "gemv_mma") == 0) return LinearKernel::kGemvMma;
-  if (std::strcmp(v, "auto") == 0) return LinearKernel::kAuto;
+  using namespace switches;
+  if (is(kLinearKernel, "gemv")) return LinearKernel::kGemv;
+  if (is(kLinearKernel, "gemv_mma")) return LinearKernel::kGemvMma;
+  if (is(kLinearKernel, "auto")) return LinearKernel::kAuto;
   return LinearKernel::kCublas;
 }
 

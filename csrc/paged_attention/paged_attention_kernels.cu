@@ -175,27 +175,25 @@ inline int64_t decode_mma_row_blocks(const PagedAttentionParams& p) {
 // flight per warp (D <= 64, where two such CTAs still fit an SM's shared memory: 50% more bytes in
 // flight per SM than three stages).
 inline int decode_mma_stages(const PagedAttentionParams& p) {
-  const char* v = std::getenv("EECORE_DECODE_MMA_STAGES");
-  if (v == nullptr) return attention::decode_mma::kDefaultStages;
-  if (std::strcmp(v, "2") == 0 && decode_mma_m_tiles(p) == 1 && decode_mma_head_dim(p.head_dim) <= 128) return 2;
-  if (std::strcmp(v, "4") == 0 && decode_mma_head_dim(p.head_dim) == 64) return 4;
+  using namespace switches;
+  if (is(kDecodeMmaStages, "2") && decode_mma_m_tiles(p) == 1 && decode_mma_head_dim(p.head_dim) <= 128) return 2;
+  if (is(kDecodeMmaStages, "4") && decode_mma_head_dim(p.head_dim) == 64) return 4;
   return attention::decode_mma::kDefaultStages;
 }
 
 // EECORE_DECODE_MMA_LDMATRIX=1 / 0: decode_mma v2 (ldmatrix fragments and the changes
 // EECORE_DECODE_MMA_V2_FLAGS selects) or its first version (unset: attention::decode_mma::kDefaultLdmatrix).
 inline bool decode_mma_ldmatrix() {
-  const char* v = std::getenv("EECORE_DECODE_MMA_LDMATRIX");
-  if (v == nullptr || *v == '\0') return attention::decode_mma::kDefaultLdmatrix;
-  return std::strcmp(v, "0") != 0;
+  if (switches::value(switches::kDecodeMmaLdmatrix) == nullptr) return attention::decode_mma::kDefaultLdmatrix;
+  return !switches::is(switches::kDecodeMmaLdmatrix, "0");
 }
 
 // EECORE_DECODE_MMA_V2_FLAGS: which of v2's changes run (attention::decode_mma::kWholeTileCopy | ...;
 // default kDefaultV2Flags), so that each can be timed alone.
 inline int32_t decode_mma_v2_flags() {
-  const char* v = std::getenv("EECORE_DECODE_MMA_V2_FLAGS");
-  if (v == nullptr || *v == '\0') return attention::decode_mma::kDefaultV2Flags;
-  return static_cast<int32_t>(std::strtol(v, nullptr, 10)) & attention::decode_mma::kKnownV2Flags;
+  namespace dm = attention::decode_mma;
+  const long flags = switches::integer(switches::kDecodeMmaV2Flags, dm::kDefaultV2Flags, 0, 0xffff);
+  return static_cast<int32_t>(flags) & dm::kKnownV2Flags;
 }
 
 inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
@@ -257,14 +255,13 @@ cudaError_t launch_decode_mma(const PagedAttentionParams& p, const PagedAttentio
 
 // EECORE_PAGED_ATTENTION_KERNEL=decode|decode_mma|mma|rows forces a kernel wherever it applies (benchmarks
 // and tests compare them on identical inputs); unset, empty or "auto" lets the planner choose.
-// Read on every call: a getenv is cheap next to a launch, and tests switch it within one process.
+// Read on every call (eecore/switches.h): tests switch it within one process.
 inline int forced_kernel() {
-  const char* v = std::getenv("EECORE_PAGED_ATTENTION_KERNEL");
-  if (v == nullptr) return -1;
-  if (std::strcmp(v, "rows") == 0) return static_cast<int>(PagedAttentionKernel::kRows);
-  if (std::strcmp(v, "mma") == 0) return static_cast<int>(PagedAttentionKernel::kMma);
-  if (std::strcmp(v, "decode") == 0) return static_cast<int>(PagedAttentionKernel::kDecode);
-  if (std::strcmp(v, "decode_mma") == 0) return static_cast<int>(PagedAttentionKernel::kDecodeMma);
+  using namespace switches;
+  if (is(kPagedAttentionKernel, "rows")) return static_cast<int>(PagedAttentionKernel::kRows);
+  if (is(kPagedAttentionKernel, "mma")) return static_cast<int>(PagedAttentionKernel::kMma);
+  if (is(kPagedAttentionKernel, "decode")) return static_cast<int>(PagedAttentionKernel::kDecode);
+  if (is(kPagedAttentionKernel, "decode_mma")) return static_cast<int>(PagedAttentionKernel::kDecodeMma);
   return -1;
 }
 
@@ -273,13 +270,7 @@ inline int forced_kernel() {
 // its own keys: at B = 1, 8 KV heads and 256 keys an H200 ran decode_mma's 8 CTAs for 17-19 us
 // (one warp a scheduler issuing every 10 cycles, the whole CTA's work one latency chain), against
 // SDPA's 7 us; shorter splits spread those keys over more CTAs, for a combine pass after them.
-inline int64_t min_split_tokens() {
-  constexpr int64_t kDefault = 256;
-  const char* v = std::getenv("EECORE_DECODE_MIN_SPLIT_TOKENS");
-  if (v == nullptr || *v == '\0') return kDefault;
-  const long tokens = std::strtol(v, nullptr, 10);
-  return tokens >= 16 && tokens <= 4096 ? tokens : kDefault;
-}
+inline int64_t min_split_tokens() { return switches::integer(switches::kDecodeMinSplitTokens, 256, 16, 4096); }
 
 // Context splits for a kernel whose natural grid has `ctas` CTAs, `slots` of which fit on the GPU
 // at once, each covering up to `max_context` keys. Models the time as waves of CTAs, each CTA

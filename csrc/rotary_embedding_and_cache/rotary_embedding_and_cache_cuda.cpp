@@ -5,9 +5,8 @@
 // cache.py, passed on an H200).
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 
+#include "eecore/switches.h"
 #include "reshape_and_cache/reshape_and_cache_params.h"
 #include "rotary_embedding/rotary_embedding_params.h"
 #include "rotary_embedding_and_cache/rotary_embedding_and_cache_checks.h"
@@ -16,10 +15,7 @@ namespace eecore {
 namespace {
 
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
-bool separate_launches_selected() {
-  const char* v = std::getenv("EECORE_ROTARY_AND_CACHE_KERNEL");
-  return v != nullptr && std::strcmp(v, "separate") == 0;
-}
+bool separate_launches_selected() { return switches::is(switches::kRotaryAndCacheKernel, "separate"); }
 
 void rotary_embedding_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                                      const at::Tensor& value, const at::Tensor& cos_sin_cache, bool is_neox,

@@ -7,10 +7,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 
 #include "common/cuda_glue.h"
+#include "eecore/switches.h"
 #include "eecore/launch/silu_and_mul.h"
 #include "silu_and_mul/silu_and_mul_checks.h"
 
@@ -18,10 +17,7 @@ namespace eecore {
 namespace {
 
 // Read on every call, as EECORE_PAGED_ATTENTION_KERNEL is: tests switch it within one process.
-bool aten_selected() {
-  const char* v = std::getenv("EECORE_SILU_AND_MUL_KERNEL");
-  return v != nullptr && std::strcmp(v, "aten") == 0;
-}
+bool aten_selected() { return switches::is(switches::kSiluAndMulKernel, "aten"); }
 
 void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
   const int64_t rows = check_silu_and_mul_args(out, input);

@@ -9,20 +9,17 @@
 //   linear           cuBLAS only (the few-row kernels are row-count invariant only up to 8 rows),
 //                    on cuBLASLt with split-K turned off (eecore.device.apply_batch_invariance sets
 //                    torch's switches: it refuses split-K off on the cuBLAS backend).
-// Read on every call, like the other selectors: tests switch it within one process.
+// Read on every call, like the other selectors: tests switch it within one process; LLM(batch_invariant=
+// True) sets it for the process (eecore/switches.h).
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
+#include "eecore/switches.h"
 
 namespace eecore {
 
 constexpr int kBatchInvariantSplitTokens = 512;
 constexpr int kBatchInvariantMaxQueryLen = 16;
 
-inline bool batch_invariant_enabled() {
-  const char* v = std::getenv("EECORE_BATCH_INVARIANT");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
+inline bool batch_invariant_enabled() { return switches::batch_invariant(); }
 
 }  // namespace eecore

@@ -1,9 +1,10 @@
 """Which device an engine runs on: `LLM(device=...)`, and the presets tuned per kind of device."""
 from __future__ import annotations
 
-import os
 
 import torch
+
+from eecore import envs
 
 
 def resolve_device(device) -> torch.device:
@@ -29,17 +30,17 @@ def resolve_device(device) -> torch.device:
 # at any batch size. cuBLAS must not split K for that, which torch allows only on the cuBLASLt
 # backend: both switches are process-wide, so they are set when an engine is built on a GPU with
 # the variable set, and stay set. The cost is in docs/cuda.md "Batch invariance".
-BATCH_INVARIANT_ENV = "EECORE_BATCH_INVARIANT"
-
-
 def apply_batch_invariance(device: torch.device) -> bool:
     """Turns cuBLAS's split-K off for bf16 and fp16 where EECORE_BATCH_INVARIANT=1 on a GPU; whether
     it did."""
-    if device.type != "cuda" or os.environ.get(BATCH_INVARIANT_ENV) != "1":
+    if device.type != "cuda" or not envs.flag("EECORE_BATCH_INVARIANT"):
         return False
     # torch honours allow_splitk=False only on the cuBLASLt backend, and refuses it elsewhere.
     torch.backends.cuda.preferred_blas_library("cublaslt")
     matmul = torch.backends.cuda.matmul
     matmul.allow_bf16_reduced_precision_reduction = (False, False)
     matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    from eecore import _C
+
+    _C.set_batch_invariant(True)  # the kernels' side, where LLM(batch_invariant=True) set it
     return True

@@ -6,6 +6,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
+from eecore import envs
 from eecore.device import resolve_device
 from eecore.engine.llm_engine import EngineConfig, LLMEngine
 from eecore.engine.streaming import DeltaTracker
@@ -63,6 +64,22 @@ def _quantize(loaded, type_name: str) -> None:
     quantize_state_dict(loaded.state_dict, type_name)
 
 
+def runtime_switches(**options) -> dict[str, str]:
+    """LLM's run-time options as the values of the environment switches they stand for (only those
+    given: None leaves the switch to the environment)."""
+    values = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "gguf_activations":
+            if value not in ("exact", "q8"):
+                raise ValueError(f"LLM: 'gguf_activations' must be 'exact' or 'q8', got {value!r}")
+        elif not isinstance(value, bool):
+            raise ValueError(f"LLM: '{name}' must be a bool or None, got {value!r}")
+        values[envs.switch_for_option(name).name] = value if isinstance(value, str) else str(int(value))
+    return values
+
+
 class LLM:
     """An early-exit-capable LLM on the paged engine.
 
@@ -86,6 +103,16 @@ class LLM:
     `enforce_eager=True` launches every kernel from Python on a GPU instead of replaying CUDA graphs
     of the decode steps, verify passes, draft-copy passes and early-exit segments (vLLM's switch of
     the same name).
+    How it runs (each None: the environment's switch, else the default; docs/configuration.md):
+    decode_ahead: a decode step launches the next before its tokens are read back (default: on a
+        GPU). draft_ahead / verify_ahead: a draft copy's chain on the device, read back once a round,
+        and the verify pass launched behind it (default off). fused_projections: Llama layers run
+        the fused projection ops (default off; changes rounding on a GPU). gguf_activations: "exact"
+        (default) or "q8", GGUF projections on the CPU with 8-bit activations (llama.cpp's arithmetic:
+        faster, changes outputs). batch_invariant: on a GPU, each row's result independent of the
+        rows beside it, so greedy self-speculation equals full depth at any batch (slower; for the
+        whole process once on, as cuBLAS's switch it needs is). huge_pages / amx: CPU weights in
+        huge pages / tiled for AMX where available (default on).
     """
 
     def __init__(self, model: Optional[str] = None, dtype="auto", device=None,
@@ -95,7 +122,27 @@ class LLM:
                  block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_memory_fraction: float = 0.3,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, max_model_len: Optional[int] = None,
                  mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, decode_ahead: Optional[bool] = None,
+                 draft_ahead: Optional[bool] = None, verify_ahead: Optional[bool] = None,
+                 fused_projections: Optional[bool] = None, gguf_activations: Optional[str] = None,
+                 batch_invariant: Optional[bool] = None, huge_pages: Optional[bool] = None,
+                 amx: Optional[bool] = None):
+        envs.check_all()
+        switches = runtime_switches(decode_ahead=decode_ahead, draft_ahead=draft_ahead, verify_ahead=verify_ahead,
+                                    fused_projections=fused_projections, gguf_activations=gguf_activations,
+                                    batch_invariant=batch_invariant, huge_pages=huge_pages, amx=amx)
+        engine_config = EngineConfig(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            mixed_steps=mixed_steps, enable_prefix_caching=enable_prefix_caching, seed=seed,
+            enforce_eager=enforce_eager, decode_ahead=decode_ahead)
+        # the options are read where the environment's switches are, while the model and the engine
+        # are built (eecore.envs.overridden); decode ahead, read at every step, goes with the engine
+        with envs.overridden(switches):
+            self._build(model, dtype, device, early_exit, speculative, exit_adapter, quantization, engine_config)
+
+    def _build(self, model, dtype, device, early_exit, speculative, exit_adapter, quantization,
+               engine_config: EngineConfig) -> None:
         from eecore.models.build import build_model
         from eecore.models.config import ModelConfig
         from eecore.models.exit_adapter import load_exit_adapters
@@ -153,12 +200,7 @@ class LLM:
         del loaded
         strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,
                                         self.model, draft_model)
-        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            mixed_steps=mixed_steps, enable_prefix_caching=enable_prefix_caching, seed=seed,
-            enforce_eager=enforce_eager),
-            strategy=strategy, lookahead=lookahead)
+        self.engine = LLMEngine(self.model, self.tokenizer, engine_config, strategy=strategy, lookahead=lookahead)
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Prompts, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -13,8 +13,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
+
+#include "eecore/switches.h"
 
 namespace eecore::cuda {
 
@@ -39,8 +39,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Whether launch_kernel uses PDL: EECORE_PDL=1 (read at every launch, as the kernel selectors are)
 // on a device of compute capability 9.0 or newer (cached per device).
 inline bool pdl_enabled() {
-  const char* v = std::getenv("EECORE_PDL");
-  if (v == nullptr || std::strcmp(v, "1") != 0) return false;
+  if (!switches::is(switches::kPdl, "1")) return false;
   constexpr int kMaxDevices = 64;
   static std::atomic<int> major[kMaxDevices] = {};
   int device = 0;

@@ -162,6 +162,33 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(a system prompt) is computed once (default: off; eecore serve: on)")
     b.add_argument("--enforce-eager", action="store_true",
                    help="launch every kernel from Python: no CUDA graphs of the decode step (on a GPU they are on)")
+    add_runtime_flags(p)
+
+
+# LLM's run-time options (each also an EECORE_* switch: eecore.envs); a flag left out leaves the option
+# to the environment and its default.
+RUNTIME_OPTIONS = ("decode_ahead", "draft_ahead", "verify_ahead", "fused_projections", "gguf_activations",
+                   "batch_invariant", "huge_pages", "amx")
+
+
+def add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    from eecore import envs
+
+    g = p.add_argument_group("how it runs (docs/configuration.md)")
+    for option in RUNTIME_OPTIONS:
+        switch = envs.switch_for_option(option)
+        flag = "--" + option.replace("_", "-")
+        default = {"0": "off", "1": "on", "": "on a GPU only"}.get(switch.default, switch.default)
+        text = f"{switch.effect} (default: {switch.name} if set, else {default})"
+        if option == "gguf_activations":
+            g.add_argument(flag, choices=switch.choices, default=None, help=text)
+        else:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+
+
+def runtime_options(args) -> dict:
+    """LLM keyword arguments of the run-time flags that were given."""
+    return {name: getattr(args, name) for name in RUNTIME_OPTIONS if getattr(args, name, None) is not None}
 
 
 def threshold_arg(text: str):
@@ -219,7 +246,8 @@ def build_llm(args, num_blocks=None):
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks=args.num_blocks if args.num_blocks is not None else num_blocks,
                           block_size=args.block_size,
-                          enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
+                          enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                          **runtime_options(args))
     except (ThresholdsFileError, DecisionFileError) as exc:  # a file made for another model: a message
         raise SystemExit(f"eecore: {exc}") from None
 

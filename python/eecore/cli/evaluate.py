@@ -147,7 +147,8 @@ def cmd_eval(args) -> int:
     def load(speculative=None):
         return eecore.LLM(args.model, dtype=args.dtype, device=args.device, exit_adapter=args.exit_adapter,
                           quantization=args.quantization, speculative=speculative, max_num_seqs=args.max_num_seqs,
-                          num_blocks=args.num_blocks, block_size=args.block_size, enforce_eager=args.enforce_eager)
+                          num_blocks=args.num_blocks, block_size=args.block_size, enforce_eager=args.enforce_eager,
+                          **cli_args.runtime_options(args))
 
     # Rows with separate draft layers load the model each (evaluate.evaluate_strategy). The flags
     # are the same for every row, so either all rows do or none; then the base is the first row's

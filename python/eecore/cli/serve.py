@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import signal
 
+from eecore import envs
 from eecore.cli.args import add_model_flags, build_llm
 
 # Serving defaults: latency over throughput. Each running sequence makes a CPU decode step longer
@@ -33,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("EECORE_API_KEY"),
+    g.add_argument("--api-key", default=envs.raw("EECORE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EECORE_API_KEY, else none)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="sequences that may wait for a place in the batch; beyond it requests get 503")

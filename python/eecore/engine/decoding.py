@@ -92,7 +92,7 @@ class FullDepthDecoder(DecodeStrategy):
         self._readback: Optional[TokenReadback] = None
 
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
-        if self.allow_ahead and decode_ahead_enabled(self.runner.model.device):
+        if self.allow_ahead and decode_ahead_enabled(self.runner.model.device, self.runner.decode_ahead):
             tokens = self._decode_ahead(seqs)
             if tokens is not None:
                 return tokens

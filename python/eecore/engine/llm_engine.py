@@ -44,6 +44,9 @@ class EngineConfig:
     seed: int = 0                               # for sampled requests without their own seed
     # run every step op by op: no CUDA graphs of the decode step (they are on by default on a GPU)
     enforce_eager: bool = False
+    # a decode step launches the next before its tokens are read back; None: EECORE_DECODE_AHEAD,
+    # else on a GPU only (eecore.engine.static_decode.decode_ahead_enabled)
+    decode_ahead: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -53,6 +56,8 @@ class EngineConfig:
         for name in ("mixed_steps", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"'{name}' must be a bool, got {getattr(self, name)!r}")
+        if self.decode_ahead is not None and not isinstance(self.decode_ahead, bool):
+            raise ValueError(f"'decode_ahead' must be a bool or None, got {self.decode_ahead!r}")
 
 
 StrategyBuilder = Callable[[ModelRunner, Sampler], DecodeStrategy]
@@ -88,6 +93,7 @@ class LLMEngine:
             max_seqs=config.max_num_seqs, max_logit_rows=config.max_num_seqs * lookahead,
             max_blocks_per_seq=-(-(self.max_model_len + lookahead) // config.block_size),
             max_model_len=self.max_model_len)
+        self.runner.decode_ahead = config.decode_ahead
         self.runner.static_decode = maybe_static_decode(self.runner, config.max_num_seqs, config.enforce_eager)
         self.runner.static_verify = maybe_static_verify(self.runner, config.max_num_seqs, lookahead,
                                                         config.enforce_eager)

@@ -16,11 +16,11 @@ cache's pad block, and attention never reads them. Their rows of the residual st
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
+from eecore import envs
 from eecore.engine.inputs import Row, StepInputs
 from eecore.engine.static_decode import StaticPass
 
@@ -80,15 +80,10 @@ class PiecewiseForward(StaticPass):
         return [self.runner.ws.hidden[: key[0]]]  # a piece adds its layer's output to the residual stream
 
 
-# EECORE_PIECEWISE_GRAPHS=0 launches steps with prompt chunks op by op, to time what the graphs
-# gain (tests/test_engine_cuda.py holds them to eager mode on a GPU).
-PIECEWISE_GRAPHS_ENV = "EECORE_PIECEWISE_GRAPHS"
-
-
 def maybe_piecewise(runner, enforce_eager: bool) -> Optional[PiecewiseForward]:
     """Piecewise graphs of the varlen passes on a CUDA device, for decoder-only models, unless
     `enforce_eager` or EECORE_PIECEWISE_GRAPHS=0; none on the CPU."""
     if (enforce_eager or runner.model.device.type != "cuda" or runner.model.is_encoder_decoder
-            or os.environ.get(PIECEWISE_GRAPHS_ENV) == "0"):
+            or not envs.flag("EECORE_PIECEWISE_GRAPHS")):
         return None
     return PiecewiseForward(runner, runner.builder.max_tokens, capture=True)

@@ -41,6 +41,8 @@ class ModelRunner:
         self.static_verify: Optional[StaticVerify] = None
         # every other pass through all layers with all but attention graphed (engine.piecewise)
         self.piecewise: Optional[PiecewiseForward] = None
+        # EngineConfig.decode_ahead (None: the environment's switch, else by device)
+        self.decode_ahead: Optional[bool] = None
 
     def prepare(self, rows: list[Row]) -> StepInputs:
         inputs = self.builder.build(rows)

@@ -10,13 +10,12 @@ step of the model itself.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
-from eecore import ops
+from eecore import envs, ops
 from eecore.engine.sequence import Sequence
 from eecore.engine.transfer import device_tensor, read_back
 from eecore.sampling_params import SamplingParams
@@ -32,11 +31,8 @@ NUCLEUS_GROWTH = 16
 # Rows on a GPU take eecore's argmax op rather than ATen's max over a dim: on an H200 it took 6-13
 # against 12-27 us a call (SmolLM2's and Llama-1B's vocabularies, 1-8 rows; bench/cuda_row_kernels.py)
 # with ATen's tokens. EECORE_ARGMAX_KERNEL=aten selects ATen's.
-ARGMAX_KERNEL_ENV = "EECORE_ARGMAX_KERNEL"
-
-
 def eecore_argmax_selected() -> bool:
-    return os.environ.get(ARGMAX_KERNEL_ENV) != "aten"
+    return envs.value("EECORE_ARGMAX_KERNEL") != "aten"
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,12 @@ how the CPU tests check it: same tokens as the plain step, buffers reused, nothi
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from eecore import envs
 from eecore.engine.inputs import Row, StepInputs
 from eecore.engine.sequence import Sequence
 from eecore.engine.transfer import device_tensor
@@ -154,17 +154,15 @@ class StaticPass:
 # step. On an H200 it gave 1.13-1.21x end to end at batch 1-8 on SmolLM2's and Llama-1B's shapes,
 # same tokens (docs/cuda.md), so it is on for a GPU; on the CPU a step runs on the host's own
 # threads, nothing overlaps, and a step launched ahead is only lost work when the batch changes.
-# EECORE_DECODE_AHEAD=1 or 0 forces it either way.
-DECODE_AHEAD_ENV = "EECORE_DECODE_AHEAD"
-
-
-def decode_ahead_enabled(device: torch.device) -> bool:
-    """Whether decode steps on `device` launch their successor ahead (read at each step, like the
-    kernel selectors)."""
-    switch = os.environ.get(DECODE_AHEAD_ENV)
-    if switch in ("0", "1"):
-        return switch == "1"
-    return device.type == "cuda"
+# LLM(decode_ahead=...) or EECORE_DECODE_AHEAD=1 / 0 forces it either way.
+def decode_ahead_enabled(device: torch.device, option: Optional[bool] = None) -> bool:
+    """Whether decode steps on `device` launch their successor ahead: `option` (the LLM's) where
+    given, else the environment's switch (read at each step, like the kernel selectors), else
+    on a GPU only."""
+    if option is not None:
+        return option
+    switch = envs.raw("EECORE_DECODE_AHEAD")
+    return switch == "1" if switch is not None else device.type == "cuda"
 
 
 @dataclass
@@ -183,7 +181,6 @@ class AheadStep:
 # inputs (InputBuilder.prepare_decode), so the next step only writes its tokens before its replay.
 # Off: decode ahead, the default on a GPU, prepares its own steps (alone this gave 0.99-1.12x at
 # batch 1-8 on an H200; bench/results/nvidia-h200/nvidia-h200-2026-11-27-switches.md).
-PREPARE_NEXT_STEP_ENV = "EECORE_PREPARE_NEXT_STEP"
 
 
 class StaticDecode(StaticPass):
@@ -212,7 +209,7 @@ class StaticDecode(StaticPass):
     def prepare_next(self, rows: list[Row]) -> None:
         """The inputs of the step after `rows`' (run just now) filled in ahead, if `prepare`. On the
         CPU the step's inputs are those host arrays: call this once they are no longer read."""
-        on = os.environ.get(PREPARE_NEXT_STEP_ENV) == "1" if self.prepare is None else self.prepare
+        on = envs.flag("EECORE_PREPARE_NEXT_STEP", self.prepare)
         if on:
             self.runner.builder.prepare_decode(rows, self.padded_size(len(rows)))
 
@@ -420,7 +417,6 @@ def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional
 
 # EECORE_LAYERSKIP_GRAPHS=0 runs LayerSkip's passes eagerly beside graphed decode steps, to time
 # what their graphs gain (tests/test_engine_cuda.py holds the graphs to eager mode on a GPU).
-LAYERSKIP_GRAPHS_ENV = "EECORE_LAYERSKIP_GRAPHS"
 
 
 def maybe_static_layerskip(runner, max_batch: int, exit_layer: int, width: int, exit_states: torch.Tensor
@@ -429,7 +425,7 @@ def maybe_static_layerskip(runner, max_batch: int, exit_layer: int, width: int, 
     exit-query cache `exit_states` as CUDA graphs, wherever the decode steps are graphs (unless
     EECORE_LAYERSKIP_GRAPHS=0); (None, None) otherwise."""
     static = runner.static_decode
-    if static is None or os.environ.get(LAYERSKIP_GRAPHS_ENV) == "0":
+    if static is None or not envs.flag("EECORE_LAYERSKIP_GRAPHS"):
         return None, None
     return (StaticLayers(runner, max_batch, capture=static.capture, num_layers=exit_layer),
             StaticExitVerify(runner, max_batch, static.capture, width, exit_layer, exit_states))

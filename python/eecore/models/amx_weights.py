@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import os
 from typing import Iterable
 
 import torch
 
+from eecore import envs
+
 TILE_ROWS, TILE_BYTES = 16, 64
-ENV_VAR = "EECORE_AMX"
 _KERNELS = {torch.bfloat16: "amx_bf16_available", torch.int8: "amx_int8_available"}
 
 
@@ -40,7 +40,7 @@ def amx_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this process runs weights of `dtype` (bf16, or int8 for weight-only int8) tiled: the
     CPU has the AMX unit for it, the extension was built for it, Linux grants the tile state, and
     EECORE_AMX=0 is not set."""
-    if os.environ.get(ENV_VAR, "1") == "0" or dtype not in _KERNELS:
+    if not envs.flag("EECORE_AMX") or dtype not in _KERNELS:
         return False
     from eecore import _C
 

@@ -8,27 +8,23 @@ A GGUFWeight may also carry its repacking for 8-bit activations (EECORE_GGUF_ACT
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from eecore import ops
+from eecore import envs, ops
 
 
-# EECORE_GGUF_ACTIVATIONS=q8: GGUF projections compute with 8-bit activations (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several
-# rows, but not the dequantized model's values); "exact" (the default): ops.linear_gguf. Read when a
-# model is built.
-ACTIVATIONS_ENV_VAR = "EECORE_GGUF_ACTIVATIONS"
+# LLM(gguf_activations="q8") or EECORE_GGUF_ACTIVATIONS=q8: GGUF projections compute with 8-bit
+# activations (ops.linear_gguf_q8, llama.cpp's arithmetic: faster, most of all for several rows, but
+# not the dequantized model's values); "exact" (the default): ops.linear_gguf. Read when a model is
+# built.
 _Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def q8_activations() -> bool:
-    value = os.environ.get(ACTIVATIONS_ENV_VAR, "exact")
-    if value not in ("exact", "q8"):
-        raise ValueError(f"{ACTIVATIONS_ENV_VAR} must be 'exact' or 'q8', got {value!r}")
-    return value == "q8"
+    return envs.value("EECORE_GGUF_ACTIVATIONS") == "q8"
 
 
 @dataclass(frozen=True)

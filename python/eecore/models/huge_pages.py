@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import os
 import weakref
 from typing import Any
 
 import torch
 
+from eecore import envs
+
 HUGE_PAGE_BYTES = 2 << 20
 _ALIGNMENT = 64  # the CPU kernels' weight alignment (eecore.models.weights.WEIGHT_ALIGNMENT)
-ENV_VAR = "EECORE_HUGE_PAGES"
 
 
 def huge_pages_enabled() -> bool:
     """Whether weights are packed into huge pages: Linux (MADV_HUGEPAGE exists) and not disabled
     by EECORE_HUGE_PAGES=0."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(ENV_VAR, "1") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and envs.flag("EECORE_HUGE_PAGES")
 
 
 def _aligned(nbytes: int) -> int:

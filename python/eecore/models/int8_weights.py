@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from eecore import ops
+from eecore import envs, ops
 from eecore.models.amx_weights import amx_available, untile
 from eecore.models.gguf_weights import GGUFWeight, StackedWeight, gguf_rows, project_gguf, with_q8_activations
 
@@ -125,8 +124,6 @@ def eight_bit(weight: Weight) -> Weight:
 
 # EECORE_EIGHT_BIT=q8_0 or int8 fixes eight_bit's form where both exist (to time one against the
 # other); unset, the process measures which is faster (_q8_blocks_read_faster).
-EIGHT_BIT_ENV = "EECORE_EIGHT_BIT"
-EIGHT_BIT_FORMS = ("q8_0", "int8")
 
 
 def integer_gguf_kernel() -> bool:
@@ -135,10 +132,8 @@ def integer_gguf_kernel() -> bool:
 
     if not _C.gguf_q8_vectorized() or amx_available(torch.int8):
         return False
-    forced = os.environ.get(EIGHT_BIT_ENV)
-    if forced:
-        if forced not in EIGHT_BIT_FORMS:
-            raise ValueError(f"{EIGHT_BIT_ENV} must be one of {', '.join(EIGHT_BIT_FORMS)}, got {forced!r}")
+    forced = envs.raw("EECORE_EIGHT_BIT")
+    if forced is not None:
         return forced == "q8_0"
     return _q8_blocks_read_faster()
 

@@ -10,13 +10,12 @@ stream after layer E-1, and `kv_fill` starts from it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from eecore import ops
+from eecore import envs, ops
 from eecore.models.amx_weights import tile_projections
 from eecore.models.config import ModelConfig
 from eecore.models.huge_pages import place_in_huge_pages
@@ -27,11 +26,11 @@ from eecore.models.weight_prefetch import WeightPrefetch
 from eecore.models.weights import weight_taker
 from eecore.models.workspace import RowViewCache
 
-# EECORE_FUSED_PROJECTIONS=1: each layer runs the fused projection ops (ops.qkv_projection,
-# linear_residual, gate_up_projection: five launches a decode layer on a GPU instead of nine, the
-# norms, RoPE with the cache write, the residual add and the activation folded into the
-# projections). Off by default until a GPU has timed it; on a CPU the ops run the separate ones.
-FUSED_PROJECTIONS_ENV = "EECORE_FUSED_PROJECTIONS"
+# Fused projections (LLM(fused_projections=True) or EECORE_FUSED_PROJECTIONS=1): each layer runs the
+# fused projection ops (ops.qkv_projection, linear_residual, gate_up_projection: five launches a
+# decode layer on a GPU instead of nine, the norms, RoPE with the cache write, the residual add and
+# the activation folded into the projections). Off by default until a GPU has shown them correct and
+# faster; on a CPU the ops run the separate ones.
 
 
 @dataclass
@@ -173,7 +172,7 @@ class LlamaModel:
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self.prefetch = WeightPrefetch.for_device(self.device)  # EECORE_PREFETCH_WEIGHTS=1 on a GPU
-        self.fused_projections = os.environ.get(FUSED_PROJECTIONS_ENV) == "1" and all(
+        self.fused_projections = envs.flag("EECORE_FUSED_PROJECTIONS") and all(
             _is_dense(getattr(w, name), dtype) for w in self.layers for name in ("qkv", "o_proj", "gate_up", "down"))
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 

@@ -15,15 +15,11 @@ gate/up 18.1 and 18.4 us at batch 1) and end to end it gave 0.99-1.03x at batch 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from eecore import ops
-
-PREFETCH_ENV = "EECORE_PREFETCH_WEIGHTS"
-MAX_ROWS_ENV = "EECORE_PREFETCH_MAX_ROWS"
+from eecore import envs, ops
 
 
 class WeightPrefetch:
@@ -36,9 +32,9 @@ class WeightPrefetch:
     @classmethod
     def for_device(cls, device: torch.device) -> Optional["WeightPrefetch"]:
         """A prefetcher where EECORE_PREFETCH_WEIGHTS=1 and the device is a GPU, else None."""
-        if device.type != "cuda" or os.environ.get(PREFETCH_ENV) != "1":
+        if device.type != "cuda" or not envs.flag("EECORE_PREFETCH_WEIGHTS"):
             return None
-        max_rows = int(os.environ.get(MAX_ROWS_ENV, str(2 ** 31)))
+        max_rows = envs.integer("EECORE_PREFETCH_MAX_ROWS")
         return cls(device, torch.cuda.get_device_properties(device).L2_cache_size // 2, max_rows)
 
     def takes(self, rows: int) -> bool:

@@ -12,23 +12,22 @@ Prompt lookup itself is `eecore.speculative.drafters.PromptLookup`.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from eecore import envs
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.engine.transfer import read_back
 from eecore.speculative.draft import Draft, DraftPicker
 
 
-# Draft ahead (CopyProposer): off until a GPU has timed it against the pass-by-pass chain.
-DRAFT_AHEAD_ENV = "EECORE_DRAFT_AHEAD"
-# With draft ahead, the round's verify pass launched from the chain's tokens before the chain is read
-# back (verification.VerifyAhead): off until a GPU has timed it as well.
-VERIFY_AHEAD_ENV = "EECORE_VERIFY_AHEAD"
+# Draft ahead (CopyProposer) and, with it, verify ahead (the round's verify pass launched from the
+# chain's tokens before the chain is read back: verification.VerifyAhead): off by default. On an
+# H200 they gained 1.27x / 1.56x at batch 1 / 8 with perfect drafts, but the layer preset's plain
+# rounds ran slower beside them at batch 8-64 (docs/cuda.md).
 
 
 class SharedLayerProposer:
@@ -119,8 +118,8 @@ class CopyProposer:
         self.stack = stack
         self.picker = picker
         self.passes = 0  # copy passes run, for the draft planner's clock
-        self.ahead = os.environ.get(DRAFT_AHEAD_ENV) == "1"
-        self.verifies_ahead = self.ahead and os.environ.get(VERIFY_AHEAD_ENV) == "1"
+        self.ahead = envs.flag("EECORE_DRAFT_AHEAD")
+        self.verifies_ahead = self.ahead and envs.flag("EECORE_VERIFY_AHEAD")
         if self.ahead:
             rows, dev = stack.runner.builder.max_seqs, stack.model.device
             self._chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
