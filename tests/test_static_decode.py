@@ -13,8 +13,10 @@ import eecore
 from eecore.engine.inputs import InputBuilder, Row
 from eecore.engine.llm_engine import EngineConfig
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import StaticDecode, StaticExitVerify, StaticLayers, StaticVerify, capture_sizes
+from eecore.engine.static_decode import StaticDecode, StaticVerify
+from eecore.engine.static_pass import capture_sizes
 from eecore.speculative.draft_stack import CATCH_UP_WIDTH
+from eecore.speculative.static_passes import StaticExitVerify, StaticLayers
 from eecore.engine.piecewise import PiecewiseForward
 from eecore.exits.static_segments import StaticExitSegments
 from engine_utils import assert_same_outputs, emulate_graphs, generate_arriving, greedy, random_prompts

@@ -22,7 +22,7 @@ import torch
 
 from eecore import envs
 from eecore.engine.inputs import Row, StepInputs
-from eecore.engine.static_decode import StaticPass
+from eecore.engine.static_pass import StaticPass
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 from eecore import ops
 from eecore.engine.inputs import Row, StepInputs
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import StaticPass
+from eecore.engine.static_pass import StaticPass
 
 
 class StaticExitSegments(StaticPass):

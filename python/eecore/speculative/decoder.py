@@ -38,7 +38,6 @@ from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import maybe_static_layerskip
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.speculative.acceptance import Acceptor
 from eecore.speculative.config import BREAK_EVEN, SelfSpeculativeConfig
@@ -49,6 +48,7 @@ from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.exit_decision import agreement_measure
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.proposers import CopyProposer, SharedLayerProposer, TokenSwitchProposer
+from eecore.speculative.static_passes import maybe_static_layerskip
 from eecore.speculative.stats import RoundRecorder
 from eecore.speculative.token_tree import tree_row
 from eecore.speculative.verification import Verifier, VerifyAhead, logit_rows

@@ -34,10 +34,10 @@ from eecore.engine.inputs import Row
 from eecore.engine.kv_cache import KVCache
 from eecore.engine.runner import ModelRunner
 from eecore.engine.sequence import Sequence
-from eecore.engine.static_decode import StaticLayers
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.models.lora import LoraDeltas, layer_index
 from eecore.speculative.guard import layer_weight_bytes
+from eecore.speculative.static_passes import StaticLayers
 
 
 def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype: torch.dtype,
