@@ -103,7 +103,7 @@ def test_a_row_past_its_block_table_is_refused():
 def test_step_buffers_pack_a_step_for_one_copy():
     """A step's arrays lie one after another in one buffer, so one copy of its bytes fills the
     device's tensors (a CPU tensor stands in for the device buffer here); no two arrays overlap."""
-    from eecore.engine.inputs import StepBuffers
+    from eecore.engine.step_buffers import StepBuffers
 
     nbytes = StepBuffers.nbytes_of(max_tokens=64, max_seqs=8, max_blocks=10, has_tree=True)
     host, device = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
