@@ -6,7 +6,7 @@ range at a time.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -70,11 +70,19 @@ class ModelRunner:
         """The residual stream `[T, d]` of this step, initialized with the token embeddings."""
         return self.model.embed_tokens(inputs.token_ids, self.ws.hidden[: inputs.num_tokens])
 
-    def run_layers(self, hidden: torch.Tensor, attn: AttentionInputs, start: int, end: int) -> torch.Tensor:
-        """Layers start..end-1 over the rows of `hidden` (in place), writing their K/V."""
+    def run_layers(self, hidden: torch.Tensor, attn: AttentionInputs, start: int, end: int, *,
+                   count: bool = True, before: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+        """Layers start..end-1 over the rows of `hidden` (in place), writing their K/V: the one layer
+        loop, which every pass runs (eager and static). `count`: add the rows to `layer_tokens`
+        (a static pass counts its real rows itself, not its padding); `before(i)`: called before
+        layer i runs (early exit's static segments keep the stream a check compares with there)."""
+        model, kv, ws = self.model, self.kv, self.ws
         for i in range(start, end):
-            self.model.layer(i, hidden, attn, self.kv.k(i), self.kv.v(i), self.ws)
-            self.layer_tokens[i] += hidden.shape[0]
+            if before is not None:
+                before(i)
+            model.layer(i, hidden, attn, kv.k(i), kv.v(i), ws)
+            if count:
+                self.layer_tokens[i] += hidden.shape[0]
         return hidden
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

@@ -95,16 +95,10 @@ class StaticPass:
         return self.runner.logits(self._all_layers(inputs))
 
     def _all_layers(self, inputs: StepInputs) -> torch.Tensor:
-        """Embedding and every layer over the padded rows: the final residual stream."""
-        return self._layers(self.runner.embed(inputs), inputs, range(self.runner.num_layers))
-
-    def _layers(self, hidden: torch.Tensor, inputs: StepInputs, layers: range) -> torch.Tensor:
-        """`layers` over the padded rows of `hidden`, in place (their work is counted by `_count`,
-        on the real rows only)."""
+        """Embedding and every layer over the padded rows: the final residual stream (the rows' work
+        is counted by `_count`, on the real rows only)."""
         runner = self.runner
-        for i in layers:
-            runner.model.layer(i, hidden, inputs.attn, runner.kv.k(i), runner.kv.v(i), runner.ws)
-        return hidden
+        return runner.run_layers(runner.embed(inputs), inputs.attn, 0, runner.num_layers, count=False)
 
     def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
         """Only the real rows' work counts (tests prove with it that no work is repeated)."""

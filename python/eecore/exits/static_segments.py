@@ -77,11 +77,14 @@ class StaticExitSegments(StaticPass):
         hidden = runner.embed(inputs) if start == 0 else runner.ws.hidden[:P]
         status, wasted = dec._status[:P], dec._wasted[:P]
         previous = None
-        for E in range(start + 1, end + 1):
-            if dec.measure is not None:
-                wasted += status  # rows already confident run this layer for nothing
-                previous = dec._remember(hidden, E)
-            runner.model.layer(E - 1, hidden, inputs.attn, runner.kv.k(E - 1), runner.kv.v(E - 1), runner.ws)
+
+        def before(i: int) -> None:  # the check's bookkeeping before layer i, i.e. at exit layer E = i + 1
+            nonlocal wasted, previous
+            wasted += status  # rows already confident run this layer for nothing
+            previous = dec._remember(hidden, i + 1)
+
+        runner.run_layers(hidden, inputs.attn, start, end, count=False,
+                          before=None if dec.measure is None else before)
         if not checked:
             last = j == len(self.segments) - 1
             return None, None, runner.logits(hidden) if last and self.final_logits else None

@@ -93,7 +93,8 @@ class StaticLayers(StaticPass):
         return min(1 << (longest - 1).bit_length(), self.max_width)  # a few widths: a few graphs a batch size
 
     def _step(self, inputs: StepInputs) -> torch.Tensor:
-        hidden = self._layers(self.runner.embed(inputs), inputs, self.layers)
+        hidden = self.runner.run_layers(self.runner.embed(inputs), inputs.attn, self.layers.start, self.layers.stop,
+                                        count=False)
         if self.head is None:
             return hidden
         P = inputs.last_rows.shape[0]
@@ -123,7 +124,7 @@ class StaticExitVerify(StaticVerify):
         n = inputs.num_tokens  # padded batch x W
         hidden = runner.ws.hidden[:n]
         hidden.copy_(self.exit_states[: n // self.width].view(n, -1))
-        return runner.logits(self._layers(hidden, inputs, range(self.exit_layer, runner.num_layers)))
+        return runner.logits(runner.run_layers(hidden, inputs.attn, self.exit_layer, runner.num_layers, count=False))
 
 
 # EECORE_LAYERSKIP_GRAPHS=0 runs LayerSkip's passes eagerly beside graphed decode steps, to time
