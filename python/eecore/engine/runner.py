@@ -3,6 +3,13 @@
 The runner owns the buffers (workspace, step inputs, logits) and the KV cache; it knows nothing
 of scheduling. Decoding strategies (full depth, early exit, self-speculation) drive it one layer
 range at a time.
+
+What a strategy uses of it: `prepare`, `embed`, `run_layers`, `logits`, `forward` and
+`mark_computed` to run passes; the engine's passes on static buffers, `static_decode` and
+`static_verify` (None where there are none); and the few facts and operations below
+"what strategies read" (the step limits, the KV cache's block size and device, whether static
+passes are graphs, the residual-stream workspace, copying and filling K/V). The KV cache, the
+input builder and the workspace themselves (`kv`, `builder`, `ws`) are the engine's.
 """
 from __future__ import annotations
 
@@ -44,6 +51,61 @@ class ModelRunner:
         # EngineConfig.decode_ahead (None: the environment's switch, else by device)
         self.decode_ahead: Optional[bool] = None
 
+    # ---- what strategies read (module doc) -------------------------------------------------
+    @property
+    def max_seqs(self) -> int:
+        """Sequences a step may hold."""
+        return self.builder.max_seqs
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens a step may hold (the workspace's rows)."""
+        return self.builder.max_tokens
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks a sequence's block table may hold."""
+        return self.builder.max_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens a KV block holds."""
+        return self.kv.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks sequences may own (the pad block not counted)."""
+        return self.kv.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV cache, the workspace and the step inputs are."""
+        return self.kv.tensor.device
+
+    @property
+    def graph_capture(self) -> Optional[bool]:
+        """How a strategy builds its own passes on static buffers: None where the engine has none
+        (the CPU, enforce_eager: every pass runs op by op), else whether they are recorded as CUDA
+        graphs (True) or run eagerly on their buffers (False: how the CPU tests drive them), as the
+        engine's decode step is."""
+        return None if self.static_decode is None else self.static_decode.capture
+
+    def hidden_workspace(self, n: int) -> torch.Tensor:
+        """The first `n` rows `[n, d]` of the residual-stream workspace, where `embed` starts a pass
+        and the layers leave it (a static pass's state lives there between its graphs)."""
+        return self.ws.hidden[:n]
+
+    def copy_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of slots `src` copied to slots `dst` (int64 on the device)."""
+        self.kv.copy_slots(src, dst)
+
+    def fill_kv(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                start_layer: torch.Tensor) -> None:
+        """The K/V of layers start_layer[t]..L-1 of each token t, computed from its residual stream
+        `hidden[t]` (early exit's skipped layers; ops.kv_fill)."""
+        self.model.fill_kv(self.kv.tensor, hidden, positions, slot_mapping, start_layer)
+
+    # ---- passes -----------------------------------------------------------------------------
     def prepare(self, rows: list[Row]) -> StepInputs:
         inputs = self.builder.build(rows)
         if self.model.is_encoder_decoder:
@@ -68,7 +130,7 @@ class ModelRunner:
 
     def embed(self, inputs: StepInputs) -> torch.Tensor:
         """The residual stream `[T, d]` of this step, initialized with the token embeddings."""
-        return self.model.embed_tokens(inputs.token_ids, self.ws.hidden[: inputs.num_tokens])
+        return self.model.embed_tokens(inputs.token_ids, self.hidden_workspace(inputs.num_tokens))
 
     def run_layers(self, hidden: torch.Tensor, attn: AttentionInputs, start: int, end: int, *,
                    count: bool = True, before: Optional[Callable[[int], None]] = None) -> torch.Tensor:

@@ -81,7 +81,7 @@ class EarlyExitDecoder(DecodeStrategy):
                  adapters: Optional[ExitAdapters] = None):
         super().__init__(runner, sampler)
         model = runner.model
-        rows = runner.builder.max_seqs
+        rows = runner.max_seqs
         dev = model.device
         self.config = config
         self.draft_heads = {} if adapters is None else \
@@ -104,8 +104,8 @@ class EarlyExitDecoder(DecodeStrategy):
         # decode iterations as CUDA graphs of their segments wherever the decode steps are graphs
         # (rule "compact" changes the batch's shape mid-iteration: it stays eager)
         self.static = None
-        if runner.static_decode is not None and (self.measure is None or config.batch_rule == "all"):
-            self.static = StaticExitSegments(self, rows, capture=runner.static_decode.capture)
+        if runner.graph_capture is not None and (self.measure is None or config.batch_rule == "all"):
+            self.static = StaticExitSegments(self, rows, capture=runner.graph_capture)
 
     # ---- the iteration ---------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
@@ -137,8 +137,7 @@ class EarlyExitDecoder(DecodeStrategy):
         if exit_layers is None:
             exit_layers = exit_layer.tolist()
         if min(exit_layers) < self.num_layers:
-            self.runner.model.fill_kv(self.runner.kv.tensor, exit_hidden, attn.positions[:B],
-                                      attn.slot_mapping[:B], exit_layer)
+            self.runner.fill_kv(exit_hidden, attn.positions[:B], attn.slot_mapping[:B], exit_layer)
         tokens, logprobs = self._tokens(seqs, exit_hidden, exit_layers, logits)
         return [[Token(t, e, lp)] for t, e, lp in zip(tokens, exit_layers, logprobs)]
 
@@ -214,8 +213,7 @@ class EarlyExitDecoder(DecodeStrategy):
             row.seq.num_computed_tokens = row.start + len(row.tokens)
         exit_layers = exit_layer.tolist()
         if ran < L:
-            self.runner.model.fill_kv(self.runner.kv.tensor, hidden[:B], attn.positions[:B], attn.slot_mapping[:B],
-                                      exit_layer)
+            self.runner.fill_kv(hidden[:B], attn.positions[:B], attn.slot_mapping[:B], exit_layer)
         tokens, logprobs = self._tokens(seqs, hidden[:B], exit_layers)
         decoded = [[Token(t, e, lp)] for t, e, lp in zip(tokens, exit_layers, logprobs)]
         # chunks that complete their prompt: the first output token, from full depth

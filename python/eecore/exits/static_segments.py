@@ -60,12 +60,12 @@ class StaticExitSegments(StaticPass):
             remaining, top1, logits = self._launch(key + (j,), inputs, lambda inp, j=j: self._segment(j, inp))
             self._count(rows, 1, range(start, end))
             if checked and int(remaining) == 0:  # the one host sync of a check
-                return inputs, self.runner.ws.hidden[:B], end, top1, None
-        return inputs, self.runner.ws.hidden[:B], self.segments[-1][1], None, None if logits is None else logits[:B]
+                return inputs, self.runner.hidden_workspace(B), end, top1, None
+        return inputs, self.runner.hidden_workspace(B), self.segments[-1][1], None, None if logits is None else logits[:B]
 
     def _state(self, key) -> list[torch.Tensor]:
         P = key[0]
-        return [self.runner.ws.hidden[:P], self.decoder._status[:P], self.decoder._wasted[:P]]
+        return [self.runner.hidden_workspace(P), self.decoder._status[:P], self.decoder._wasted[:P]]
 
     def _segment(self, j: int, inputs: StepInputs):
         """Layers start..end-1 and the check at `end` over the padded rows: kernels on static
@@ -74,7 +74,7 @@ class StaticExitSegments(StaticPass):
         start, end, checked = self.segments[j]
         dec, runner = self.decoder, self.runner
         P = inputs.attn.seq_lens.shape[0]
-        hidden = runner.embed(inputs) if start == 0 else runner.ws.hidden[:P]
+        hidden = runner.embed(inputs) if start == 0 else runner.hidden_workspace(P)
         status, wasted = dec._status[:P], dec._wasted[:P]
         previous = None
 

@@ -106,12 +106,12 @@ class Acceptor:
 
     def _move_kv(self, moves: list[tuple[Sequence, int, int]]) -> None:
         """Every layer's K/V of accepted alternatives, from their leaf slots to their positions."""
-        bs = self.runner.kv.block_size
+        bs = self.runner.block_size
 
         def slot(seq, pos):
             return seq.block_table[pos // bs] * bs + pos % bs
 
-        device = self.runner.kv.tensor.device
+        device = self.runner.device
         src = torch.tensor([slot(seq, a) for seq, a, _ in moves], dtype=torch.int64, device=device)
         dst = torch.tensor([slot(seq, b) for seq, _, b in moves], dtype=torch.int64, device=device)
-        self.runner.kv.copy_slots(src, dst)
+        self.runner.copy_kv_slots(src, dst)

@@ -72,7 +72,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._plain.allow_ahead = False
         self.plain_above = config.plain_above
         self.layers_above = config.layers_above  # more decoding: lookup drafts alone
-        rows = runner.builder.max_seqs
+        rows = runner.max_seqs
         self.lookup = PromptLookup(config.lookup.min_ngram, config.lookup.max_ngram) if config.uses_lookup else None
         # lookup-only: no layer drafts, so no exit-query cache, draft head or guard
         self.exit_layer = config.exit_layer

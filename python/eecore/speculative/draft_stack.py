@@ -70,21 +70,21 @@ class DraftStack:
     its draft head, and which positions of each sequence its cache holds."""
 
     def __init__(self, model, main_runner: ModelRunner, adapters: Optional[ExitAdapters], exit_layer: int):
-        c, kv, builder = model.config, main_runner.kv, main_runner.builder
+        c = model.config
         if model.num_layers != exit_layer:
             raise ValueError(f"DraftStack: the draft model has {model.num_layers} layers, exit_layer is {exit_layer}")
         self.model = model
         self.exit_layer = exit_layer
         self.runner = ModelRunner(
-            model, KVCache(exit_layer, kv.num_blocks, kv.block_size, c.num_kv_heads, c.head_dim, model.dtype,
-                           model.device),
-            max_tokens=builder.max_tokens, max_seqs=builder.max_seqs, max_logit_rows=1,
-            max_blocks_per_seq=builder.max_blocks, max_model_len=main_runner.max_model_len)
-        self.head = DraftHead(model, exit_layer, adapters, builder.max_seqs)
+            model, KVCache(exit_layer, main_runner.num_blocks, main_runner.block_size, c.num_kv_heads, c.head_dim,
+                           model.dtype, model.device),
+            max_tokens=main_runner.max_tokens, max_seqs=main_runner.max_seqs, max_logit_rows=1,
+            max_blocks_per_seq=main_runner.max_blocks_per_seq, max_model_len=main_runner.max_model_len)
+        self.head = DraftHead(model, exit_layer, adapters, main_runner.max_seqs)
         # the copy's passes (and its draft head) as CUDA graphs wherever the model's decode steps are graphs
-        self.static = None if main_runner.static_decode is None else \
-            self.static_pass(capture=main_runner.static_decode.capture)
-        self._states = torch.empty(builder.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
+        self.static = None if main_runner.graph_capture is None else \
+            self.static_pass(capture=main_runner.graph_capture)
+        self._states = torch.empty(main_runner.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
         # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
         self._seen: dict[int, list[int]] = {}
         self.catch_up_tokens = 0  # tokens run beyond one a sequence and pass (the draft planner's clock)
@@ -92,7 +92,7 @@ class DraftStack:
     def static_pass(self, capture: bool, max_batch: Optional[int] = None) -> StaticLayers:
         """The copy's passes on static buffers, its draft head included (`capture`: as CUDA graphs), for
         up to `max_batch` sequences (default: the engine's)."""
-        return StaticLayers(self.runner, max_batch or self.runner.builder.max_seqs, capture=capture,
+        return StaticLayers(self.runner, max_batch or self.runner.max_seqs, capture=capture,
                             max_width=CATCH_UP_WIDTH, head=self.head)
 
     def weight_bytes(self) -> int:
@@ -197,7 +197,7 @@ class DraftStack:
         layer-E state `[B, d]`: the chunks run op by op, since a static pass gives only each row's
         last token)."""
         out = self._states[: len(seqs)]
-        budget = self.runner.builder.max_tokens
+        budget = self.runner.max_tokens
         queue = deque((b, start, tokens) for b, (start, tokens) in enumerate(pieces))
         while queue:
             rows, finished, used = [], [], 0

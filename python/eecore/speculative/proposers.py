@@ -121,7 +121,7 @@ class CopyProposer:
         self.ahead = envs.flag("EECORE_DRAFT_AHEAD")
         self.verifies_ahead = self.ahead and envs.flag("EECORE_VERIFY_AHEAD")
         if self.ahead:
-            rows, dev = stack.runner.builder.max_seqs, stack.model.device
+            rows, dev = stack.runner.max_seqs, stack.model.device
             self._chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
             self._chain_probs = torch.zeros(rows, max_drafts, dtype=torch.float32, device=dev)
             # the chain's indices (_chain): each row's first token, each pass's rows and the rows it

@@ -51,9 +51,9 @@ class StaticLayers(StaticPass):
             return width == 1
         # the padded pass must fit the runner's workspace, and a shorter row's padding (K/V written
         # past its tokens, into positions nothing has read yet) must lie in its blocks
-        builder = self.runner.builder
-        bs = builder.block_size
-        return (self.padded_size(len(rows)) * width <= builder.max_tokens
+        runner = self.runner
+        bs = runner.block_size
+        return (self.padded_size(len(rows)) * width <= runner.max_tokens
                 and all(r.start + width <= len(r.seq.block_table) * bs for r in rows))
 
     def run(self, rows: list[Row], continues: bool = False, one_token_each: bool = False) -> torch.Tensor:
@@ -122,7 +122,7 @@ class StaticExitVerify(StaticVerify):
     def _step(self, inputs: StepInputs) -> torch.Tensor:
         runner = self.runner
         n = inputs.num_tokens  # padded batch x W
-        hidden = runner.ws.hidden[:n]
+        hidden = runner.hidden_workspace(n)
         hidden.copy_(self.exit_states[: n // self.width].view(n, -1))
         return runner.logits(runner.run_layers(hidden, inputs.attn, self.exit_layer, runner.num_layers, count=False))
 
@@ -136,8 +136,8 @@ def maybe_static_layerskip(runner, max_batch: int, exit_layer: int, width: int, 
     """LayerSkip's draft passes (layers 0..E-1, one token a sequence) and its verify pass from the
     exit-query cache `exit_states` as CUDA graphs, wherever the decode steps are graphs (unless
     EECORE_LAYERSKIP_GRAPHS=0); (None, None) otherwise."""
-    static = runner.static_decode
-    if static is None or not envs.flag("EECORE_LAYERSKIP_GRAPHS"):
+    capture = runner.graph_capture
+    if capture is None or not envs.flag("EECORE_LAYERSKIP_GRAPHS"):
         return None, None
-    return (StaticLayers(runner, max_batch, capture=static.capture, num_layers=exit_layer),
-            StaticExitVerify(runner, max_batch, static.capture, width, exit_layer, exit_states))
+    return (StaticLayers(runner, max_batch, capture=capture, num_layers=exit_layer),
+            StaticExitVerify(runner, max_batch, capture, width, exit_layer, exit_states))
