@@ -254,7 +254,7 @@ def test_a_round_counts_every_draft_up_to_the_first_rejected_one(sources):
             seen.add(kind)
             expected[kind][place + (0 if i < accepted else 1)] += 1
         for kind, (first_hit, first_miss, later_hits, later_misses) in expected.items():
-            odds = planner._odds[seq.seq_id][kind]
+            odds = planner.states.slot(seq, "odds")[kind]
             assert (odds.hits, odds.misses) == ([first_hit, later_hits], [first_miss, later_misses]), (kind, accepted)
 
 

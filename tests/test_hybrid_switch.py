@@ -46,10 +46,9 @@ def _record_chains(llm) -> list[list[bool]]:
     strategy, chains = llm.engine.strategy, []
     original = strategy.proposer.propose
 
-    def spy(seqs, budgets, layers):
-        drafts = original(seqs, budgets, layers)
+    def spy(seqs, drafts, budgets, *rest):
+        original(seqs, drafts, budgets, *rest)
         chains.extend(d.from_lookup for d in drafts if d.from_lookup)
-        return drafts
 
     strategy.proposer.propose = spy
     return chains
@@ -77,7 +76,7 @@ def test_greedy_is_full_depth_with_both_sources_in_one_chain(tiny, lora_file, st
             assert m["num_accepted_tokens"] == m["num_lookup_accepted_tokens"] + m["num_layer_accepted_tokens"]
         every_chain += chains
         assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
-        assert not llm.engine.strategy.draft_stack._seen
+        assert llm.engine.strategy.draft_stack.tracked() == 0
     # a layer token followed by a lookup continuation, and a lookup run continued by the copy
     assert any(c[i] is False and c[i + 1] is True for c in every_chain for i in range(len(c) - 1))
     assert any(c[i] is True and c[i + 1] is False for c in every_chain for i in range(len(c) - 1))
@@ -225,7 +224,7 @@ def test_layer_drafts_stop_above_their_batch_size_while_lookup_drafts_go_on(tiny
                                                   disable_by_batch_size=2)))
     strategy = llm.engine.strategy
     decoding, copy_steps, lookup_steps = [], [], []
-    decode, first_pass, propose = strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.propose
+    decode, first_pass, propose = strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.continuation
 
     def decode_spy(seqs):
         decoding.append(len(seqs))
@@ -241,7 +240,7 @@ def test_layer_drafts_stop_above_their_batch_size_while_lookup_drafts_go_on(tiny
             lookup_steps.append(decoding[-1])
         return found
 
-    strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.propose = decode_spy, first_pass_spy, propose_spy
+    strategy.decode, strategy.draft_stack.first_pass, strategy.lookup.continuation = decode_spy, first_pass_spy, propose_spy
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
     assert copy_steps and max(copy_steps) <= 2

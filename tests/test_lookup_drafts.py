@@ -79,11 +79,11 @@ def test_prompt_lookup_follows_a_growing_sequence():
         output_token_ids: list = []
 
     lookup, seq = PromptLookup(1, 2), Seq()
-    assert lookup.propose(seq, 3) == [5, 6, 4]
+    assert lookup.continuation(seq, 3) == [5, 6, 4]
     seq.output_token_ids = [5, 8]
-    assert lookup.propose(seq, 3) == []  # "5 8", "8": new
+    assert lookup.continuation(seq, 3) == []  # "5 8", "8": new
     seq.output_token_ids = [5, 8, 4, 5]
-    assert lookup.propose(seq, 3) == [8, 4, 5]  # "4 5" most recently at 3
+    assert lookup.continuation(seq, 3) == [8, 4, 5]  # "4 5" most recently at 3
     lookup.release(seq)
     assert len(lookup) == 0
 
@@ -146,9 +146,9 @@ def test_hybrid_mixes_lookup_and_layer_drafts_in_one_round(tiny):
     strategy, mixed = llm.engine.strategy, []
     propose = strategy.proposer.propose
 
-    def spy(seqs, drafts, budgets):
-        mixed.append(any(drafts) and any(budgets))  # the drafts hold the lookup tokens on the way in
-        return propose(seqs, drafts, budgets)
+    def spy(seqs, drafts, budgets, *rest):
+        mixed.append(any(drafts) and any(budgets.tokens))  # the drafts hold the lookup tokens on the way in
+        return propose(seqs, drafts, budgets, *rest)
     strategy.proposer.propose = spy
     outs = llm.generate(prompts, greedy(16))
     assert [o.token_ids for o in outs] == expected
@@ -168,10 +168,10 @@ def test_hybrid_layer_drafts_have_their_own_length(tiny):
     strategy, layer_lengths, lookup_lengths = llm.engine.strategy, [], []
     propose = strategy.proposer.propose
 
-    def spy(seqs, drafts, budgets):
+    def spy(seqs, drafts, budgets, *rest):
         lookup_lengths.extend(len(d) for d in drafts)  # the lookup tokens, before the layers add theirs
-        layered = [b for b, n in enumerate(budgets) if n]
-        propose(seqs, drafts, budgets)
+        layered = [b for b, n in enumerate(budgets.tokens) if n]
+        propose(seqs, drafts, budgets, *rest)
         layer_lengths.extend(len(drafts[b]) for b in layered)
     strategy.proposer.propose = spy
     assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == expected

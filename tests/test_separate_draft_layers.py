@@ -177,7 +177,7 @@ def test_blocks_come_back(tiny, lora_file):
     llm = _separate(path, 2, 3, lora_file[0], num_blocks=30, max_num_seqs=4)
     llm.generate(random_prompts(VOCAB, [4, 9, 13, 6, 7], seed=2), [greedy(6 + i) for i in range(5)])
     assert llm.engine.blocks.num_free_blocks == 30
-    assert not llm.engine.strategy.draft_stack._seen  # released with their sequences
+    assert llm.engine.strategy.draft_stack.tracked() == 0  # released with their sequences
 
 
 def test_break_even_of_a_copy(tiny):

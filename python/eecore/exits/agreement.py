@@ -165,7 +165,7 @@ class LayerAgreement(ConfidenceMeasure):
     def start_iteration(self, seqs: list[Sequence], num_rows: Optional[int] = None) -> None:
         """Prompt lookup's next token for each sequence's row (rows past len(seqs): padding, none)."""
         n = len(seqs) if num_rows is None else num_rows
-        self._set([optional_lookup(self.lookup.propose(seq, 1)) for seq in seqs] + [-1] * (n - len(seqs)))
+        self._set([optional_lookup(self.lookup.continuation(seq, 1)) for seq in seqs] + [-1] * (n - len(seqs)))
 
     def start_positions(self, ids: list[int], start: int, end: int) -> None:
         self._set(position_proposals(ids, start, end))

@@ -5,10 +5,15 @@ full model in one pass.
     options.py       its parts: LayerDrafts (DraftCopy, AcceptanceGuard), LookupDrafts
     flat_options.py  the options by flat name (CLI flags, preset overrides, deprecated keywords)
     presets.py       the exit-ready presets of the embedded model
-    decoder.py       SelfSpeculativeDecoder: propose -> verify -> accept -> record
-    proposers.py     one proposer per layer-draft source (prompt lookup: eecore.text.ngram_index)
+    decoder.py       SelfSpeculativeDecoder: plan -> propose -> verify -> accept -> record
+    proposers.py     the Proposer interface, one per draft source (prompt lookup, shared layers, a copy,
+                     the token switch): the seam a new draft source plugs into
+    policy.py        DraftPolicy: each round's budgets per sequence and source, and what a round
+                     teaches (the planner, the guard, the draft-length rule): the other seam
+    state.py         SequenceState: everything kept about a sequence between rounds, in one object
     draft.py, verification.py, acceptance.py, stats.py: the steps of a round
-    guard.py, draft_length.py: what stops a sequence's layer drafts where they lose
+    guard.py, draft_length.py, draft_planner.py, pass_clock.py: the policy's parts
+    static_passes.py LayerSkip's draft and verify passes as CUDA graphs
 """
 from eecore.speculative.config import DRAFT_MODES, SelfSpeculativeConfig
 from eecore.speculative.decoder import SelfSpeculativeDecoder

@@ -37,6 +37,20 @@ class Draft:
 
 
 @dataclass
+class Budgets:
+    """What a round lets a proposer draft (eecore.speculative.policy): up to `tokens[b]` tokens for
+    sequence b; `copy_passes[b]`, for a source that mixes lookup and copy tokens (token switch), the
+    most copy passes among them; `shadowed`: sequences the acceptance guard shadow-checks instead of
+    letting them draft."""
+    tokens: list[int]
+    copy_passes: Optional[list[int]] = None
+    shadowed: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any(self.tokens)
+
+
+@dataclass
 class Proposal:
     """Draft tokens for a batch of rows of draft-head logits (DraftPicker.propose)."""
     tokens: list[int]

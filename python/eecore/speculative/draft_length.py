@@ -26,7 +26,10 @@ model's law and greedy outputs stay full depth's.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from eecore.engine.sequence import Sequence
+from eecore.speculative.state import SequenceStates
 
 
 class DraftLength:
@@ -34,9 +37,10 @@ class DraftLength:
     # sequence whose drafts pay (code), short enough to react within a chat reply's first rounds.
     DECAY = 0.85
 
-    def __init__(self, min_acceptance: float):
+    def __init__(self, min_acceptance: float, states: Optional[SequenceStates] = None):
         self.min_acceptance = min_acceptance
-        self._running: dict[int, float] = {}  # seq_id -> running rate of accepted first drafts
+        # each sequence's running rate of accepted first drafts (SequenceState.first_draft_rate)
+        self.states = SequenceStates() if states is None else states
 
     def goes_on(self, seq: Sequence, first_confidence: float) -> bool:
         """Whether `seq`'s chain goes past its round's first layer draft, whose top-1 probability
@@ -45,18 +49,19 @@ class DraftLength:
 
     def trusts(self, seq: Sequence) -> bool:
         """Whether `seq`'s chain goes past its first draft however sure that draft is."""
-        running = self._running.get(seq.seq_id)
+        running = self.states.slot(seq, "first_draft_rate")
         return running is None or running >= self.min_acceptance
 
     def record(self, seq: Sequence, first_accepted: bool) -> None:
         """A round in which `seq` drafted with the layers: whether its first layer draft was made and
         accepted."""
         hit = 1.0 if first_accepted else 0.0
-        running = self._running.get(seq.seq_id)
-        self._running[seq.seq_id] = hit if running is None else self.DECAY * running + (1 - self.DECAY) * hit
+        state = self.states.of(seq)
+        running = state.first_draft_rate
+        state.first_draft_rate = hit if running is None else self.DECAY * running + (1 - self.DECAY) * hit
 
     def release(self, seq: Sequence) -> None:
-        self._running.pop(seq.seq_id, None)
+        self.states.clear_slot(seq, "first_draft_rate")
 
     def __len__(self) -> int:
-        return len(self._running)
+        return self.states.count("first_draft_rate")

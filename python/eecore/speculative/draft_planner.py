@@ -50,6 +50,7 @@ from typing import NamedTuple, Optional
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft import Draft
 from eecore.speculative.pass_clock import PassClock
+from eecore.speculative.state import SequenceStates
 
 KINDS = ("layer", "lookup")
 
@@ -134,12 +135,13 @@ class DraftPlanner:
     MAX_PROBE_WAIT = 128
     RELAX = 0.998            # per round: the released sequences' rates are back near hopeful after ~1,000 rounds
 
-    def __init__(self, max_layer: int, max_lookup: int):
+    def __init__(self, max_layer: int, max_lookup: int, states: Optional[SequenceStates] = None):
         self.max_length = {"layer": max_layer, "lookup": max_lookup}
         self._kinds = [kind for kind in KINDS if self.max_length[kind] > 0]  # the kinds it plans
         self.clock = PassClock()
         self._priors = {kind: (_Prior(), _Prior()) for kind in KINDS}
-        self._odds: dict[int, dict[str, _Odds]] = {}
+        # each sequence's acceptance odds by kind (SequenceState.odds: kind -> _Odds)
+        self.states = SequenceStates() if states is None else states
         self._prices_stamp: tuple = (None, -1)  # the clock and its version _price_list was derived at
         self._price_list: dict[tuple, tuple] = {}
         self._prior_values: dict[str, tuple[float, float]] = {}  # _prior's answers until a prior changes
@@ -161,14 +163,14 @@ class DraftPlanner:
         prices, the priors) once: a round plans every running sequence, and at large batches the
         planning would otherwise cost the host more than the plain step it so often decides on.
         Also sets `all_quiet` (see `quiet`) for these sequences."""
-        plans, shared, kinds, records = [], {}, self._kinds, self._odds
+        plans, shared, kinds, states = [], {}, self._kinds, self.states
         quiet = not self.clock.changes_next_round()
         for seq, budget, room, behind in zip(seqs, budgets, rooms, behinds):
             if never_drafts(seq):
                 plans.append(NO_DRAFTS)
                 continue
             lookup = layer = 0
-            mine = records.get(seq.seq_id)
+            mine = states.slot(seq, "odds")
             for kind in kinds:
                 most = min(budget, self.max_length[kind])
                 if most > 0:
@@ -193,7 +195,7 @@ class DraftPlanner:
 
     def acceptance(self, seq: Sequence, kind: str) -> tuple[float, float]:
         """(a1, a2): the rates at which `seq`'s first and later drafts of `kind` are accepted."""
-        mine = self._odds.get(seq.seq_id)
+        mine = self.states.slot(seq, "odds")
         odds = mine[kind] if mine else None
         first, later = self._prior(kind)
         return self._rate(odds, FIRST, first), self._rate(odds, LATER, later)
@@ -300,7 +302,7 @@ class DraftPlanner:
         it may draft falls due, and the clock scales no stale cost at this round's end (a sequence
         that never drafts is quiet). `all_quiet` says it of a whole plan_all."""
         return never_drafts(seq) or (not self.clock.changes_next_round() and
-                                     self._no_probe_next(self._odds.get(seq.seq_id)))
+                                     self._no_probe_next(self.states.slot(seq, "odds")))
 
     def _no_probe_next(self, mine: Optional[dict[str, _Odds]]) -> bool:
         """A sequence with record `mine` has been planned, and planned at 0 next round no kind it
@@ -358,18 +360,19 @@ class DraftPlanner:
             odds.idle = 0
 
     def _seq(self, seq: Sequence) -> dict[str, _Odds]:
-        odds = self._odds.get(seq.seq_id)
-        if odds is None:
-            odds = self._odds[seq.seq_id] = {kind: _Odds(wait=self.FIRST_PROBE_WAIT) for kind in KINDS}
-        return odds
+        state = self.states.of(seq)
+        if state.odds is None:
+            state.odds = {kind: _Odds(wait=self.FIRST_PROBE_WAIT) for kind in KINDS}
+        return state.odds
 
     def release(self, seq: Sequence) -> None:
-        mine = self._odds.pop(seq.seq_id, None)
+        mine = self.states.clear_slot(seq, "odds")
         if mine is not None:
             self._prior_values.clear()
+            last = self.states.count("odds") == 0
             for kind, odds in mine.items():
                 for place in (FIRST, LATER):
-                    self._priors[kind][place].release(odds.shares[place], last=not self._odds)
+                    self._priors[kind][place].release(odds.shares[place], last=last)
 
     def __len__(self) -> int:
-        return len(self._odds)
+        return self.states.count("odds")

@@ -37,6 +37,7 @@ from eecore.engine.sequence import Sequence
 from eecore.models.exit_adapter import DraftHead, ExitAdapters
 from eecore.models.lora import LoraDeltas, layer_index
 from eecore.speculative.guard import layer_weight_bytes
+from eecore.speculative.state import SequenceStates
 from eecore.speculative.static_passes import StaticLayers
 
 
@@ -69,7 +70,8 @@ class DraftStack:
     """The draft copy at inference: its runner (workspace, inputs, KV cache on the model's blocks),
     its draft head, and which positions of each sequence its cache holds."""
 
-    def __init__(self, model, main_runner: ModelRunner, adapters: Optional[ExitAdapters], exit_layer: int):
+    def __init__(self, model, main_runner: ModelRunner, adapters: Optional[ExitAdapters], exit_layer: int,
+                 states: Optional[SequenceStates] = None):
         c = model.config
         if model.num_layers != exit_layer:
             raise ValueError(f"DraftStack: the draft model has {model.num_layers} layers, exit_layer is {exit_layer}")
@@ -85,8 +87,9 @@ class DraftStack:
         self.static = None if main_runner.graph_capture is None else \
             self.static_pass(capture=main_runner.graph_capture)
         self._states = torch.empty(main_runner.max_seqs, c.hidden_size, dtype=model.dtype, device=model.device)
-        # seq_id -> [num_preemptions when recorded, positions with right draft K/V, positions written]
-        self._seen: dict[int, list[int]] = {}
+        # each sequence's [num_preemptions when recorded, positions with right draft K/V, positions
+        # written] (SequenceState.copy)
+        self.states = SequenceStates() if states is None else states
         self.catch_up_tokens = 0  # tokens run beyond one a sequence and pass (the draft planner's clock)
 
     def static_pass(self, capture: bool, max_batch: Optional[int] = None) -> StaticLayers:
@@ -110,7 +113,7 @@ class DraftStack:
     def next_pass(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
         """A later pass of the round: the drafts of each sequence the copy has not run yet (the
         newest one, for a chain of layer drafts; with lookup tokens, more), as first_pass."""
-        return self._advance(seqs, drafts, [self._seen[seq.seq_id][2] for seq in seqs], continues=True)
+        return self._advance(seqs, drafts, [self.states.slot(seq, "copy")[2] for seq in seqs], continues=True)
 
     def chained_pass(self, seqs: list[Sequence], offsets: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A pass of drafts still on the device (`tokens` `[n]` int64, not read back): seqs[i]'s at
@@ -119,7 +122,7 @@ class DraftStack:
         rows = []
         for seq, offset in zip(seqs, offsets):
             position = seq.num_computed_tokens + offset
-            record = self._seen[seq.seq_id]
+            record = self.states.slot(seq, "copy")
             if record[2] != position:
                 raise RuntimeError(f"DraftStack.chained_pass: sequence {seq.seq_id} has its draft K/V up to "
                                    f"position {record[2]}, the pass is at {position}")
@@ -136,7 +139,7 @@ class DraftStack:
         """`continues`: a later pass of the round, so that a static pass over the same sequences as
         the last one, one position further, may be built from that pass's inputs (nothing is
         scheduled within a round: StaticPass._build)."""
-        rows, one_token_each, seen = [], True, self._seen
+        rows, one_token_each, states = [], True, self.states
         for b, (seq, start) in enumerate(zip(seqs, starts)):
             draft = drafts[b] if drafts is not None else []
             pending = seq.num_computed_tokens  # the position of the pending token; drafts follow it
@@ -149,7 +152,7 @@ class DraftStack:
             else:
                 tokens = draft[start - pending - 1:]
             one_token_each = one_token_each and len(tokens) == 1
-            seen[seq.seq_id][2] = pending + 1 + len(draft)
+            states.slot(seq, "copy")[2] = pending + 1 + len(draft)
             rows.append(Row(seq, start, tokens))
         if one_token_each:
             if self.static is not None and 0 < len(rows) <= self.static.max_batch:  # (what static.takes checks)
@@ -163,9 +166,9 @@ class DraftStack:
     def behind_all(self, seqs: list[Sequence]) -> list[int]:
         """Tokens the copy would run before the pending token in each sequence's next first pass (as
         _valid reckons it, without recording anything)."""
-        out, seen = [], self._seen
+        out, states = [], self.states
         for seq in seqs:
-            record, computed = seen.get(seq.seq_id), seq.num_computed_tokens
+            record, computed = states.slot(seq, "copy"), seq.num_computed_tokens
             out.append(computed if record is None or record[0] != seq.num_preemptions else
                        computed - min(record[1], computed))
         return out
@@ -173,16 +176,21 @@ class DraftStack:
     def settle(self, seq: Sequence, agreed_end: int) -> None:
         """After verification: the written positions below `agreed_end` (the pending token and the
         drafts the model agreed with) keep their draft K/V."""
-        record = self._seen[seq.seq_id]
+        record = self.states.slot(seq, "copy")
         record[1] = min(record[2], agreed_end, seq.num_computed_tokens)
 
     def release(self, seq: Sequence) -> None:
-        self._seen.pop(seq.seq_id, None)
+        self.states.clear_slot(seq, "copy")
+
+    def tracked(self) -> int:
+        """Sequences the copy keeps K/V bookkeeping for."""
+        return self.states.count("copy")
 
     def _valid(self, seq: Sequence) -> int:
-        record = self._seen.get(seq.seq_id)
+        state = self.states.of(seq)
+        record = state.copy
         if record is None or record[0] != seq.num_preemptions:  # new, or its blocks were freed
-            record = self._seen[seq.seq_id] = [seq.num_preemptions, 0, 0]
+            record = state.copy = [seq.num_preemptions, 0, 0]
         return min(record[1], seq.num_computed_tokens)
 
     def _run(self, rows: list[Row]) -> torch.Tensor:

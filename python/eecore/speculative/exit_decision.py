@@ -73,7 +73,7 @@ class AgreementMeasure:
                    ) -> list[float]:
         """Per row: `probs` the draft head's probabilities `[n, K]`, `tokens[i]` the draft token of
         seqs[i], `drafted[i]` the tokens it drafted before this one this round."""
-        looked = [optional_lookup(self.lookup.propose(seq, 1, after=before)) for seq, before in zip(seqs, drafted)]
+        looked = [optional_lookup(self.lookup.continuation(seq, 1, after=before)) for seq, before in zip(seqs, drafted)]
         lookup = lookup_inputs(torch.tensor(looked), torch.tensor(tokens))
         inputs = torch.cat([distribution_inputs(probs.float())[0], lookup], 1)
         return self.model.probability(inputs).tolist()

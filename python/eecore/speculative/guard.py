@@ -31,6 +31,7 @@ import torch
 
 from eecore.engine.sequence import Sequence
 from eecore.models.int8_weights import weight_rows
+from eecore.speculative.state import SequenceStates
 
 
 def weight_bytes(t) -> int:
@@ -98,15 +99,19 @@ class SpeculationGuard:
     # sequence with good drafts loses only these few rounds of speed-up.
     FIRST_LOOK = 4
 
-    def __init__(self, model, max_rows: int, min_acceptance: float, probe_every: int, draft_head=None):
+    def __init__(self, model, max_rows: int, min_acceptance: float, probe_every: int, draft_head=None,
+                 states: Optional[SequenceStates] = None):
         self.floor = min_acceptance
         self.probe_every = probe_every
         self.shadow = ShadowCheck(model, max_rows, draft_head)
-        self._seqs: dict[int, _SequenceGuard] = {}
+        self.states = SequenceStates() if states is None else states  # SequenceState.guard: a _SequenceGuard
 
     def allows(self, seq: Sequence) -> bool:
         """Whether `seq` drafts this round. Call once per round and sequence."""
-        g = self._seqs.setdefault(seq.seq_id, _SequenceGuard(min(self.FIRST_LOOK, self.probe_every)))
+        state = self.states.of(seq)
+        if state.guard is None:
+            state.guard = _SequenceGuard(min(self.FIRST_LOOK, self.probe_every))
+        g = state.guard
         g.wants_shadow = False
         if g.running_acceptance is not None and g.running_acceptance >= self.floor:
             g.probe_interval = self.probe_every
@@ -124,14 +129,14 @@ class SpeculationGuard:
 
     def wants_shadow(self, seq: Sequence) -> bool:
         """Whether this round should run the shadow check for `seq` (which does not draft)."""
-        g = self._seqs.get(seq.seq_id)
+        g = self.states.slot(seq, "guard")
         return g is not None and g.wants_shadow
 
     def record_round(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A round in which `seq` was allowed to draft. A round whose first draft the draft
         threshold dropped counts as a rate of 0: it paid for a draft LM head and got nothing."""
         rate = min(accepted, drafted) / drafted if drafted else 0.0
-        g = self._seqs[seq.seq_id]
+        g = self.states.slot(seq, "guard")
         g.running_acceptance = rate if g.running_acceptance is None else \
             self.ACCEPTANCE_DECAY * g.running_acceptance + (1 - self.ACCEPTANCE_DECAY) * rate
 
@@ -141,15 +146,15 @@ class SpeculationGuard:
         if not seqs:
             return
         for seq, agrees in zip(seqs, self.shadow.agreement(exit_states, logits)):
-            g = self._seqs[seq.seq_id]
+            g = self.states.slot(seq, "guard")
             g.shadow_checks += 1
             g.shadow_hits += int(agrees)
 
     def release(self, seq: Sequence) -> None:
-        self._seqs.pop(seq.seq_id, None)
+        self.states.clear_slot(seq, "guard")
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return self.states.count("guard")
 
 
 class ShadowCheck:

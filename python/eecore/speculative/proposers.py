@@ -1,14 +1,16 @@
-"""Where layer drafts come from, one class per source. Each `propose` adds layer tokens to the
-sequences' `Draft`s (some may already hold prompt-lookup tokens) within per-sequence budgets:
+"""Where drafts come from: one `Proposer` per source, each adding tokens to the sequences' `Draft`s
+within the budgets the round's policy gives it (eecore.speculative.policy). A round runs its
+proposers in order, prompt lookup first; a later one drafts where the earlier ones left a sequence
+without tokens (the policy sees to it). A new draft source is a new Proposer.
 
+- `LookupProposer` (`LookupDrafts`): prompt lookup, the continuation of the sequence's last n-gram
+  where it occurred before (eecore.text.ngram_index); no layer runs.
 - `SharedLayerProposer` (LayerSkip): the model's own layers 0..E-1, writing the shared KV cache;
   each pass's layer-E states go to the exit-query cache, from which verification continues.
 - `CopyProposer` (`LayerDrafts.copy`): a copy of layers 0..E-1 with a KV cache of its own;
   verification runs the whole model.
 - `TokenSwitchProposer` (draft="hybrid", hybrid_switch="token"): each drafted position from a
   lookup continuation where the draft so far ends in a match, from the copy where it does not.
-
-Prompt lookup itself is `eecore.speculative.drafters.PromptLookup`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from eecore import envs
 from eecore.engine.inputs import Row
 from eecore.engine.sequence import Sequence
 from eecore.engine.transfer import read_back
-from eecore.speculative.draft import Draft, DraftPicker
+from eecore.speculative.draft import Budgets, Draft, DraftPicker
+from eecore.speculative.state import SequenceStates
+from eecore.text.ngram_index import NgramIndex
 
 
 # Draft ahead (CopyProposer) and, with it, verify ahead (the round's verify pass launched from the
@@ -30,14 +34,65 @@ from eecore.speculative.draft import Draft, DraftPicker
 # rounds ran slower beside them at batch 8-64 (docs/cuda.md).
 
 
-class SharedLayerProposer:
+class Proposer:
+    """A draft source (see the module doc). `propose` adds to drafts[b] at most budgets.tokens[b]
+    tokens for seqs[b]; `verify_ahead` (a verification.VerifyAhead), where `verifies_ahead`, is the
+    round's verify pass, which the proposer launches behind its passes."""
+
+    kind = "layer"                     # the policy's name for its budget: "lookup", "layer" or "hybrid"
+    verifies_from_exit_states = False  # verification continues from layer E's states (shared layers)
+    verifies_ahead = False             # it launches the verify pass behind its own passes
+    # a round in which it ran passes and drafted nothing still verifies its rows (shared layers: the
+    # pending token's layer-E state is in the exit-query cache; a copy: as any round of its)
+    verifies_empty_drafts = True
+    passes = 0                         # draft passes run so far (the draft planner's clock)
+
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: Budgets, verify_ahead=None) -> None:
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` has finished or was aborted."""
+
+
+class LookupProposer(Proposer):
+    """Prompt lookup: each sequence's n-gram index lives in its SequenceState (`index`) and follows
+    its tokens round by round; `continuation` is also what the token switch and the exit decision
+    (exit_decision.AgreementMeasure) ask of it."""
+
+    kind = "lookup"
+
+    def __init__(self, min_ngram: int, max_ngram: int, states: Optional[SequenceStates] = None):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.states = SequenceStates() if states is None else states
+
+    def continuation(self, seq: Sequence, max_tokens: int, after: list[int] = ()) -> list[int]:
+        """Up to `max_tokens` tokens that followed `seq`'s last n-gram (with `after`, the tokens
+        already drafted past it) where it occurred before; none without a match."""
+        state = self.states.of(seq)
+        if state.index is None:
+            state.index = NgramIndex(self.min_ngram, self.max_ngram)
+        state.index.follow(seq.prompt_token_ids, seq.output_token_ids)
+        return state.index.propose(max_tokens, after)
+
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: Budgets, verify_ahead=None) -> None:
+        for seq, draft, n in zip(seqs, drafts, budgets.tokens):
+            if n:
+                draft.add_lookup(self.continuation(seq, n))
+
+    def release(self, seq: Sequence) -> None:
+        self.states.clear_slot(seq, "index")
+
+    def __len__(self) -> int:
+        return self.states.count("index")
+
+
+class SharedLayerProposer(Proposer):
     """Pass k (k = 0..d) runs the newest token (the pending one, then each draft) through layers
     0..E-1 only and stores its layer-E state in the exit-query cache; passes k < d also read a draft
     token off the draft head. Lookup drafts join pass 0 as one more varlen row each (all their
     positions at once), so the exit-query cache holds every position the verify pass needs."""
 
     verifies_from_exit_states = True
-    verifies_ahead = False  # (CopyProposer's draft ahead only)
 
     def __init__(self, runner, picker: DraftPicker, exit_layer: int, num_drafts: int, exit_states: torch.Tensor,
                  static=None):
@@ -46,9 +101,10 @@ class SharedLayerProposer:
         self.exit_layer = exit_layer
         self.num_drafts = num_drafts
         self.exit_states = exit_states  # [rows, verify width, d]: layer-E state of each drafted position
-        self.static = static  # engine.static_decode.StaticLayers over layers 0..E-1: one-token passes as graphs
+        self.static = static  # speculative.static_passes.StaticLayers over layers 0..E-1: one-token passes as graphs
 
-    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: Budgets, verify_ahead=None) -> None:
+        budgets = list(budgets.tokens)  # (a sequence whose chain ends keeps its length as its budget)
         states = self.exit_states
         width = states.shape[1]
         lookup = [list(d.tokens) for d in drafts]  # what lookup drafted: run in pass 0, with the pending token
@@ -99,7 +155,7 @@ class SharedLayerProposer:
         return self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
 
 
-class CopyProposer:
+class CopyProposer(Proposer):
     """The separate draft stack: pass 0 runs what the copy has not seen through the pending token,
     pass k draft k; the last draft needs no pass (verification runs it through the model).
 
@@ -111,8 +167,6 @@ class CopyProposer:
     (where `long_draft_acceptance` lets a sequence's first draft decide how far it goes, that draft
     is read back first; a draft under `stop_below` ends its chain at the same place), but a chain
     that ends early has run its remaining passes all the same."""
-
-    verifies_from_exit_states = False
 
     def __init__(self, stack, picker: DraftPicker, max_drafts: int):
         self.stack = stack
@@ -137,9 +191,10 @@ class CopyProposer:
                                 torch.empty(rows, max_drafts, dtype=torch.float32, pin_memory=True))
             self._chain_read = torch.cuda.Event()
 
-    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], verify_ahead=None) -> None:
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: Budgets, verify_ahead=None) -> None:
         """`verify_ahead` (a verification.VerifyAhead, with `verifies_ahead`): a chain launches the
         round's verify pass behind its passes, before reading them back."""
+        budgets = budgets.tokens
         live = [b for b, n in enumerate(budgets) if n]
         if not live:
             return
@@ -255,31 +310,31 @@ class CopyProposer:
                 self._chain_probs[:, j].index_copy_(0, where, p)
 
 
-class TokenSwitchProposer:
+class TokenSwitchProposer(Proposer):
     """hybrid_switch="token": each sequence's draft grows by lookup continuations while it ends in
     an n-gram match, and by one copy token where it does not (one copy pass for all such sequences
     at once, which first runs what the copy has not seen: its catch-up, the pending token and the
     draft's lookup tokens), until its budget, its copy passes, or a doubtful copy token."""
 
-    verifies_from_exit_states = False
-    verifies_ahead = False
+    kind = "hybrid"
+    verifies_empty_drafts = False  # nothing drafted: a plain step, the copy's pending K/V settled
 
-    def __init__(self, stack, picker: DraftPicker, lookup):
+    def __init__(self, stack, picker: DraftPicker, lookup: LookupProposer):
         self.stack = stack
         self.picker = picker
         self.lookup = lookup
         self.passes = 0
 
-    def propose(self, seqs: list[Sequence], budgets: list[int], copy_passes: list[int]) -> list[Draft]:
-        """`copy_passes[b]`: the most copy passes seqs[b] may draft with this round (0: the guard,
-        the batch limit of layer drafts or the planner keep the copy off; a draft is then a lookup
-        run alone)."""
-        drafts = [Draft() for _ in seqs]
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: Budgets, verify_ahead=None) -> None:
+        """`budgets.copy_passes[b]`: the most copy passes seqs[b] may draft with this round (0: the
+        guard, the batch limit of layer drafts or the planner keep the copy off; a draft is then a
+        lookup run alone)."""
+        budgets, copy_passes = budgets.tokens, budgets.copy_passes
         passes_left = [p if n else 0 for p, n in zip(copy_passes, budgets)]
 
         def extend_by_lookup(b: int) -> None:
             while len(drafts[b]) < budgets[b]:
-                more = self.lookup.propose(seqs[b], budgets[b] - len(drafts[b]), after=drafts[b].tokens)
+                more = self.lookup.continuation(seqs[b], budgets[b] - len(drafts[b]), after=drafts[b].tokens)
                 if not more:
                     return
                 drafts[b].add_lookup(more)
@@ -304,4 +359,3 @@ class TokenSwitchProposer:
                     passes_left[b] = 0
                 extend_by_lookup(b)
             live = [b for b in kept if len(drafts[b]) < budgets[b] and passes_left[b]]
-        return drafts

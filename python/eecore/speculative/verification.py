@@ -45,7 +45,7 @@ class Verifier:
         self.runner = runner
         self.exit_layer = exit_layer
         self.exit_states = exit_states  # [rows, verify width, d] (shared layer drafts), else None
-        self.static_from_exit_states = static_from_exit_states  # engine.static_decode.StaticExitVerify
+        self.static_from_exit_states = static_from_exit_states  # speculative.static_passes.StaticExitVerify
         self.num_layers = runner.num_layers
 
     def from_exit_states(self, seqs: list[Sequence], drafts: list[Draft],

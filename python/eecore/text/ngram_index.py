@@ -42,6 +42,14 @@ class NgramIndex:
                     self.tables[j][tuple(toks[stop - n: stop])] = stop - n
         self.indexed = max(self.indexed, end)
 
+    def follow(self, prompt: Seq[int], output: Seq[int]) -> None:
+        """Index what a sequence of `prompt` then `output` gained since the last call."""
+        have = len(self.tokens)
+        if have < len(prompt):
+            self.extend(prompt[have:])
+            have = len(prompt)
+        self.extend(output[have - len(prompt):])
+
     def propose(self, max_tokens: int, after: Seq[int] = ()) -> list[int]:
         """Up to `max_tokens` draft tokens (none without a match). `after`: tokens drafted past the
         sequence already; the n-gram to match then ends with them (its occurrences are still looked
@@ -78,17 +86,13 @@ class PromptLookup:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self._index: dict[int, NgramIndex] = {}
 
-    def propose(self, seq, max_tokens: int, after: Seq[int] = ()) -> list[int]:
+    def continuation(self, seq, max_tokens: int, after: Seq[int] = ()) -> list[int]:
         """Draft tokens for `seq` (an engine Sequence) from its prompt and output so far; `after`:
         tokens already drafted past it this round (see NgramIndex.propose)."""
         index = self._index.get(seq.seq_id)
         if index is None:
             index = self._index[seq.seq_id] = NgramIndex(self.min_ngram, self.max_ngram)
-        have, prompt = len(index.tokens), seq.prompt_token_ids
-        if have < len(prompt):
-            index.extend(prompt[have:])
-            have = len(prompt)
-        index.extend(seq.output_token_ids[have - len(prompt):])
+        index.follow(seq.prompt_token_ids, seq.output_token_ids)
         return index.propose(max_tokens, after)
 
     def release(self, seq) -> None:
