@@ -56,7 +56,7 @@ import torch
 import eecore
 from eecore.cli.args import parse_min_acceptance
 from eecore.evaluation.metrics import compare_outputs
-from eecore.speculative.flat_options import from_flat
+from eecore.cli.speculative_flags import from_flat
 from eecore.speculative.guard import break_even_acceptance
 from common import PROMPT_KINDS, bench_prompt_ids, cpu_model, hf_generate_greedy, hf_model_from_loaded, save_results, timed
 
@@ -108,9 +108,11 @@ def alternate(llm, full, prompts, params, batch, repeats):
 
 
 def speculative_config(args, E, d, threshold, draft_dtype, top_k, exit_threshold):
-    """The config of one row, from the flags by their flat names (eecore.speculative.flat_options)."""
+    """The config of one row, from the flags by their flat names (eecore.cli.speculative_flags)."""
+    if args.accept == "confident" and exit_threshold is None:
+        exit_threshold = threshold  # drafts at least the draft threshold sure exit unverified
     options = dict(exit_layer=E, num_speculations=d, draft_threshold=threshold, min_acceptance=args.min_acceptance,
-                   draft=args.draft, hybrid_switch=args.hybrid_switch, accept=args.accept,
+                   draft=args.draft, hybrid_switch=args.hybrid_switch,
                    exit_threshold=exit_threshold, exit_measure=args.exit_measure,
                    disable_by_batch_size=args.disable_by_batch_size,
                    layer_disable_by_batch_size=args.layer_disable_by_batch_size,

@@ -4,6 +4,7 @@ round while they are not; outputs stay full depth's."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
@@ -143,8 +144,9 @@ def test_presets_and_cli_flag(tiny, capsys):
 
     for preset in ("layer", "hybrid"):
         assert eecore.SelfSpeculativeConfig.exit_ready(preset).layer.long_draft_acceptance == 0.5
-        assert eecore.SelfSpeculativeConfig.exit_ready(preset, long_draft_acceptance=0.0).layer.long_draft_acceptance \
-            == 0.0
+        config = eecore.SelfSpeculativeConfig.exit_ready(preset)
+        changed = replace(config, layer=replace(config.layer, long_draft_acceptance=0.0))
+        assert changed.layer.long_draft_acceptance == 0.0
     args = parse_args(["generate", "x", "--exit-ready", "--long-draft-acceptance", "0.3"])
     assert speculative_config(args).layer.long_draft_acceptance == 0.3
     path, _ = tiny

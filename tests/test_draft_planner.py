@@ -477,7 +477,9 @@ def test_cli_flag_and_preset_override(tiny):
     assert on_off("off") is False and on_off("ON") is True
     with pytest.raises(SystemExit):
         main(["generate", "Hello", "--model", path, "--speculate", "--draft", "lookup", "--adaptive-drafts", "maybe"])
-    assert eecore.SelfSpeculativeConfig.exit_ready("hybrid", adaptive_drafts=False).adaptive is False
+    from eecore.cli.speculative_flags import preset_with
+
+    assert preset_with(eecore.SelfSpeculativeConfig.exit_ready("hybrid"), dict(adaptive_drafts=False)).adaptive is False
 
 
 @pytest.mark.parametrize("verify, drafts", [(lambda rows: float(rows), False), (lambda rows: 1.0 + 0.3 * rows, True)],

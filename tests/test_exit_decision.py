@@ -187,10 +187,13 @@ def test_exits_and_adaptive_lengths_are_refused_together():
     with pytest.raises(ValueError, match="'adaptive' does not combine with LayerDrafts 'exit_threshold'"):
         eecore.SelfSpeculativeConfig(adaptive=True, layer=eecore.LayerDrafts(exit_layer=2, exit_threshold=0.8,
                                                                              copy=eecore.DraftCopy()))
-    # the presets give up their adaptive lengths for exits, unless told otherwise
-    assert not eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=0.8).adaptive
+    # the presets' flags give up their adaptive lengths for exits, unless told otherwise
+    from eecore.cli.speculative_flags import preset_with
+
+    layer = eecore.SelfSpeculativeConfig.exit_ready("layer")
+    assert not preset_with(layer, dict(exit_threshold=0.8)).adaptive
     with pytest.raises(ValueError, match="'adaptive' does not combine"):
-        eecore.SelfSpeculativeConfig.exit_ready("layer", exit_threshold=0.8, adaptive_drafts=True)
+        preset_with(layer, dict(exit_threshold=0.8, adaptive_drafts=True))
 
 
 def test_cli_calibrates_the_exit_ready_exits(tmp_path, capsys):

@@ -85,28 +85,33 @@ def test_layer_preset_drafts_up_to_2_sequences_without_amx_int8(monkeypatch):
     assert eecore.SelfSpeculativeConfig.exit_ready().disable_by_batch_size == 2
     hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid")
     assert (hybrid.disable_by_batch_size, hybrid.layer.disable_by_batch_size) == (4, None)
-    assert eecore.SelfSpeculativeConfig.exit_ready(disable_by_batch_size=6).disable_by_batch_size == 6
+    from eecore.cli.speculative_flags import preset_with
+
+    assert preset_with(eecore.SelfSpeculativeConfig.exit_ready(), dict(disable_by_batch_size=6)).disable_by_batch_size == 6
 
 
 @pytest.mark.skipif(not amx_available(torch.bfloat16), reason="no AMX-BF16 on this CPU (or build, or OS)")
 def test_hybrid_preset_goes_on_with_lookup_drafts_up_to_8_sequences_on_amx_bf16():
     """Where bf16 verify rows run on AMX-BF16 tiles, the hybrid preset's layer drafts stop above 4
-    running sequences and its lookup drafts above 8; an overall limit given alone lowers both."""
-    C = eecore.SelfSpeculativeConfig
-    hybrid = C.exit_ready("hybrid")
+    running sequences and its lookup drafts above 8; an overall limit given alone (--disable-by-batch-size)
+    lowers both."""
+    from eecore.cli.speculative_flags import preset_with
+
+    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid")
     assert (hybrid.disable_by_batch_size, hybrid.layer.disable_by_batch_size) == (8, 4)
-    low = C.exit_ready("hybrid", disable_by_batch_size=2)
+    low = preset_with(hybrid, dict(disable_by_batch_size=2))
     assert (low.disable_by_batch_size, low.layer.disable_by_batch_size) == (2, 2)
-    high = C.exit_ready("hybrid", disable_by_batch_size=16)
+    high = preset_with(hybrid, dict(disable_by_batch_size=16))
     assert (high.disable_by_batch_size, high.layer.disable_by_batch_size) == (16, 4)
-    both = C.exit_ready("hybrid", disable_by_batch_size=6, layer_disable_by_batch_size=1)
+    both = preset_with(hybrid, dict(disable_by_batch_size=6, layer_disable_by_batch_size=1))
     assert (both.disable_by_batch_size, both.layer.disable_by_batch_size) == (6, 1)
 
 
 def test_exit_ready_presets():
-    """SelfSpeculativeConfig.exit_ready: the shipped draft layers' settings, overridable, and the CLI's
+    """SelfSpeculativeConfig.exit_ready: the shipped draft layers' settings, and the CLI's
     --exit-ready stands for --speculate --exit-adapter with them (flags given as well win)."""
     from eecore import cli
+    from eecore.cli.speculative_flags import preset_with
     layer = eecore.SelfSpeculativeConfig.exit_ready()
     # drafting stops above 2 running sequences, or 4 where the int8 copy runs on AMX-INT8 tiles
     assert (layer.exit_layer, layer.num_speculations, layer.layer.stop_below, layer.layer.copy, layer.draft,
@@ -116,17 +121,17 @@ def test_exit_ready_presets():
         num_speculations=4, disable_by_batch_size=4 if amx_available(torch.int8) else 2, adaptive=True,
         layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5,
                                  copy=eecore.DraftCopy(dtype="int8")))
-    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
+    hybrid = preset_with(eecore.SelfSpeculativeConfig.exit_ready("hybrid"), dict(num_speculations=6))
     assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer.max_length,
             hybrid.lookup.min_ngram, hybrid.lookup.max_ngram, hybrid.layer.stop_below) == \
         ("hybrid", "token", 6, 3, 2, 4, 0.15)
     assert hybrid.layer.copy == eecore.DraftCopy(dtype="int8") and hybrid.layer.long_draft_acceptance == 0.5
-    assert hybrid.adaptive and not eecore.SelfSpeculativeConfig.exit_ready("hybrid", adaptive_drafts=False).adaptive
+    assert hybrid.adaptive and not preset_with(hybrid, dict(adaptive_drafts=False)).adaptive
     with pytest.raises(ValueError, match="'preset' must be one of layer, hybrid, got 'tree'"):
         eecore.SelfSpeculativeConfig.exit_ready("tree")
     with pytest.raises(ValueError, match=r"LayerDrafts: 'stop_below' \(--draft-threshold\) must be a number in "
                                          r"\[0, 1\] or None, got 2.0"):
-        eecore.SelfSpeculativeConfig.exit_ready(draft_threshold=2.0)
+        preset_with(eecore.SelfSpeculativeConfig.exit_ready(), dict(draft_threshold=2.0))
 
     def parsed(*flags):
         return cli.parse_args(["generate", "hello", *flags])
@@ -136,7 +141,7 @@ def test_exit_ready_presets():
     assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig.exit_ready("layer")
     args = parsed("--exit-ready", "hybrid", "--num-speculations", "6", "--exit-adapter", "my.safetensors")
     assert args.exit_adapter == "my.safetensors"
-    assert cli.speculative_config(args) == eecore.SelfSpeculativeConfig.exit_ready("hybrid", num_speculations=6)
+    assert cli.speculative_config(args) == hybrid
     args = parsed("--exit-ready", "--draft-threshold", "0.3", "--exit-threshold", "0.9")
     config = cli.speculative_config(args)
     assert (config.layer.stop_below, config.trusts_drafts, config.layer.exit_threshold, config.layer.copy.dtype) == \
@@ -208,10 +213,10 @@ def test_exit_ready_presets_on_a_gpu_use_the_model_dtype_and_the_gpu_batch_limit
     assert layer == eecore.SelfSpeculativeConfig(
         num_speculations=4, adaptive=True,
         layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5, copy=eecore.DraftCopy()))
-    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", device="cuda", draft_dtype="float16")
+    hybrid = eecore.SelfSpeculativeConfig.exit_ready("hybrid", device="cuda")
     assert hybrid.disable_by_batch_size == presets.HYBRID_PRESET_GPU_MAX_BATCH == 2
     assert hybrid.layer.disable_by_batch_size is None
-    assert hybrid.layer.copy == eecore.DraftCopy(dtype="float16") and hybrid.hybrid_switch == "token"
+    assert hybrid.layer.copy == eecore.DraftCopy() and hybrid.hybrid_switch == "token"
     assert eecore.SelfSpeculativeConfig.exit_ready("layer", device="cpu").layer.copy == eecore.DraftCopy(dtype="int8")
 
 

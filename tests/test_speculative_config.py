@@ -1,6 +1,6 @@
-"""`SelfSpeculativeConfig` and its parts (eecore.speculative.options): the nested form, the
-deprecated flat keyword arguments that still build it, the `eecore generate` flags derived from the
-fields, the error messages (class, field and flag) and the checks that span parts."""
+"""`SelfSpeculativeConfig` and its parts (eecore.speculative.options): the nested form, the flat
+(flag) names of the `eecore` command that build it (eecore.cli.speculative_flags), the flags derived
+from the fields, the error messages (class, field and flag) and the checks that span parts."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ import pytest
 
 import eecore
 from eecore import AcceptanceGuard, DraftCopy, LayerDrafts, LookupDrafts, SelfSpeculativeConfig
-from eecore.speculative.flat_options import flat_name, walk
+from eecore.cli.speculative_flags import flat_name, from_flat, preset_with, walk
 
 PARTS = (SelfSpeculativeConfig, LayerDrafts, DraftCopy, AcceptanceGuard, LookupDrafts)
 
@@ -24,7 +24,7 @@ def test_the_parts_are_exported():
         assert name in eecore.__all__
 
 
-# ---- the deprecated flat keyword arguments ------------------------------------------------------
+# ---- the flat (flag) names -------------------------------------------------------------------------
 
 FLAT_AND_NESTED = {
     "layer-threshold": (
@@ -43,14 +43,14 @@ FLAT_AND_NESTED = {
         SelfSpeculativeConfig(
             num_speculations=4, hybrid_switch="token", disable_by_batch_size=4, lookup=LookupDrafts(min_ngram=2),
             layer=LayerDrafts(exit_layer=8, max_length=3, copy=DraftCopy(dtype="int8"), disable_by_batch_size=2))),
-    "confident": (
-        dict(exit_layer=2, num_speculations=3, draft_threshold=0.2, accept="confident"),
+    "exits": (
+        dict(exit_layer=2, num_speculations=3, draft_threshold=0.2, exit_threshold=0.2),
         SelfSpeculativeConfig(num_speculations=3, layer=LayerDrafts(exit_layer=2, stop_below=0.2, exit_threshold=0.2))),
-    "confident-exit-threshold": (
-        dict(exit_layer=2, draft_threshold=0.2, accept="confident", exit_threshold=0.6, draft_layers="separate"),
+    "exits-through-a-copy": (
+        dict(exit_layer=2, draft_threshold=0.2, exit_threshold=0.6, draft_layers="separate"),
         SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2, stop_below=0.2, exit_threshold=0.6, copy=DraftCopy()))),
-    "verified": (
-        dict(exit_layer=2, draft_threshold=0.2, accept="verified", draft_layers="shared"),
+    "shared": (
+        dict(exit_layer=2, draft_threshold=0.2, draft_layers="shared"),
         SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2, stop_below=0.2))),
     "break-even-guard": (
         dict(exit_layer=3, num_speculations=2, min_acceptance="break-even", probe_every=16),
@@ -70,21 +70,23 @@ FLAT_AND_NESTED = {
 
 
 @pytest.mark.parametrize("flat, nested", list(FLAT_AND_NESTED.values()), ids=list(FLAT_AND_NESTED))
-def test_flat_keywords_warn_and_build_the_nested_config(flat, nested):
-    with pytest.warns(DeprecationWarning, match="flat keyword arguments are deprecated"):
-        config = SelfSpeculativeConfig(**flat)
+def test_flat_names_build_the_nested_config(flat, nested):
+    config = from_flat(SelfSpeculativeConfig, flat)
     assert config == nested
     assert (config.draft, config.exit_layer, config.verify_width) == (nested.draft, nested.exit_layer,
                                                                        nested.verify_width)
 
 
-def test_the_warning_names_the_flat_keywords_and_points_at_the_caller():
-    with pytest.warns(DeprecationWarning) as record:
-        SelfSpeculativeConfig(exit_layer=2, draft_threshold=0.3, draft_layers="separate")
-    (warning,) = [w for w in record if issubclass(w.category, DeprecationWarning)]
-    assert "draft_layers, draft_threshold" in str(warning.message)
-    assert "LayerDrafts" in str(warning.message)
-    assert warning.filename == __file__  # stacklevel: the line that built the config
+def test_the_flat_keyword_arguments_are_gone():
+    """One way to build a config in Python: its parts (the flat names are the command line's)."""
+    with pytest.raises(TypeError, match="draft_threshold"):
+        SelfSpeculativeConfig(exit_layer=2, draft_threshold=0.3)
+    with pytest.raises(TypeError):
+        SelfSpeculativeConfig.exit_ready("layer", draft_threshold=0.3)
+    with pytest.raises(ValueError, match="'draft' must be one of layer, lookup, hybrid"):
+        from_flat(SelfSpeculativeConfig, dict(exit_layer=2, draft="ngram"))
+    with pytest.raises(TypeError, match="unknown option\\(s\\) accept"):  # accept="confident" is exit_threshold now
+        from_flat(SelfSpeculativeConfig, dict(exit_layer=2, accept="confident"))
 
 
 @pytest.mark.parametrize("kwargs, nested", [
@@ -95,30 +97,18 @@ def test_the_warning_names_the_flat_keywords_and_points_at_the_caller():
     (dict(exit_layer=2, lookup=LookupDrafts(), hybrid_switch="round"),
      SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2), lookup=LookupDrafts())),
 ], ids=["E", "E-d", "E-d-batch", "E-lookup"])
-def test_the_exit_layer_short_form_is_not_deprecated(kwargs, nested):
-    """SelfSpeculativeConfig(exit_layer=E, num_speculations=d), the form docs/architecture.md gives, stays
-    as the short form of layer=LayerDrafts(exit_layer=E), with no warning."""
+def test_the_exit_layer_short_form(kwargs, nested):
+    """SelfSpeculativeConfig(exit_layer=E, num_speculations=d), the form docs/architecture.md gives: the
+    short form of layer=LayerDrafts(exit_layer=E), with no warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert SelfSpeculativeConfig(**kwargs) == nested
-        # nor do the presets' overrides, which keep their flat (flag) names
-        preset = SelfSpeculativeConfig.exit_ready("hybrid", draft_threshold=0.3, lookup_max_ngram=5)
-    assert (preset.layer.stop_below, preset.lookup.max_ngram) == (0.3, 5)
-
-
-def test_short_form_and_flat_keywords_do_not_mix_with_the_parts():
     with pytest.raises(ValueError, match="give 'exit_layer' \\(the short form\\) or 'layer', not both"):
         SelfSpeculativeConfig(exit_layer=2, layer=LayerDrafts(exit_layer=3))
-    with pytest.warns(DeprecationWarning), \
-            pytest.raises(ValueError, match=r"give 'layer'/'lookup' or the deprecated flat keyword arguments "
-                                            r"\(draft_threshold\), not both"):
-        SelfSpeculativeConfig(layer=LayerDrafts(exit_layer=2), draft_threshold=0.5)
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="unknown option\\(s\\) draft_treshold"):
-        SelfSpeculativeConfig(exit_layer=2, draft_treshold=0.5)
 
 
-# Flat combinations that the parts cannot express any more (an option of a part the config does not
-# have): the deprecated path still refuses them, saying which part is missing.
+# Flag combinations that name an option of a part the config does not have: refused, saying which
+# part is missing.
 FLAT_ONLY_ERRORS = {
     "dtype-without-copy": (dict(exit_layer=2, draft_dtype="bfloat16"),
                            "SelfSpeculativeConfig: 'draft_dtype' applies to a draft copy (draft_layers='separate'), "
@@ -134,17 +124,6 @@ FLAT_ONLY_ERRORS = {
                          "SelfSpeculativeConfig: 'draft_threshold' applies to layer drafts"),
     "lookup-draft-length": (dict(draft="lookup", long_draft_acceptance=0.5),
                             "SelfSpeculativeConfig: 'long_draft_acceptance' applies to layer drafts"),
-    "lookup-confident": (dict(draft="lookup", accept="confident"),
-                         "SelfSpeculativeConfig: accept='confident' applies to layer drafts"),
-    "confident-without-threshold": (dict(exit_layer=2, accept="confident"),
-                                    "SelfSpeculativeConfig: accept='confident' needs 'draft_threshold'"),
-    "verified-exit-threshold": (dict(exit_layer=2, accept="verified", draft_threshold=0.5, exit_threshold=0.9),
-                                "SelfSpeculativeConfig: 'exit_threshold' applies to accept='confident' only, "
-                                "got 0.9 with accept='verified'"),
-    "exit-threshold-without-accept": (dict(exit_layer=2, draft_threshold=0.5, exit_threshold=0.9),
-                                      "'exit_threshold' applies to accept='confident' only"),
-    "unknown-accept": (dict(exit_layer=2, accept="trusting"),
-                       "SelfSpeculativeConfig: 'accept' must be one of verified, confident, got 'trusting'"),
     "unknown-draft-layers": (dict(exit_layer=2, draft_layers="own"),
                              "SelfSpeculativeConfig: 'draft_layers' must be one of shared, separate, got 'own'"),
     "unknown-draft": (dict(exit_layer=2, draft="ngram"),
@@ -155,27 +134,21 @@ FLAT_ONLY_ERRORS = {
 
 
 @pytest.mark.parametrize("flat, message", list(FLAT_ONLY_ERRORS.values()), ids=list(FLAT_ONLY_ERRORS))
-def test_the_flat_path_still_refuses_what_the_parts_cannot_express(flat, message):
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=escape(message)):
-        SelfSpeculativeConfig(**flat)
+def test_flags_of_a_missing_part_are_refused(flat, message):
+    with pytest.raises(ValueError, match=escape(message)):
+        from_flat(SelfSpeculativeConfig, flat)
 
 
-def test_the_flat_path_still_ignores_what_it_ignored():
-    """Options the flat keywords took without effect keep having none (rather than raising)."""
-    with pytest.warns(DeprecationWarning):
-        assert SelfSpeculativeConfig(exit_layer=2, probe_every=8) == SelfSpeculativeConfig(layer=LayerDrafts(2))
-    with pytest.warns(DeprecationWarning):
-        assert SelfSpeculativeConfig(exit_layer=2, draft_top_k=1) == SelfSpeculativeConfig(layer=LayerDrafts(2))
-
-
-def test_exit_ready_overrides_can_unset_options():
-    config = SelfSpeculativeConfig.exit_ready("layer", draft_threshold=None, long_draft_acceptance=None,
-                                              disable_by_batch_size=None, min_acceptance=None)
+def test_preset_flags_can_unset_options():
+    layer = SelfSpeculativeConfig.exit_ready("layer")
+    config = preset_with(layer, dict(draft_threshold=None, long_draft_acceptance=None, disable_by_batch_size=None,
+                                     min_acceptance=None))
     assert config.layer.stop_below is None and config.layer.long_draft_acceptance is None
     assert config.disable_by_batch_size is None and config.layer.guard is None
-    guarded = SelfSpeculativeConfig.exit_ready("layer", min_acceptance=0.4)
-    assert guarded.layer.guard == AcceptanceGuard(0.4)
-    assert SelfSpeculativeConfig.exit_ready("layer", min_acceptance=None) == SelfSpeculativeConfig.exit_ready("layer")
+    assert preset_with(layer, dict(min_acceptance=0.4)).layer.guard == AcceptanceGuard(0.4)
+    assert preset_with(layer, dict(min_acceptance=None)) == layer
+    hybrid = preset_with(SelfSpeculativeConfig.exit_ready("hybrid"), dict(draft_threshold=0.3, lookup_max_ngram=5))
+    assert (hybrid.layer.stop_below, hybrid.lookup.max_ngram) == (0.3, 5)
 
 
 # ---- the command line ---------------------------------------------------------------------------
@@ -271,7 +244,7 @@ def test_the_flag_sets_above_use_every_flag():
 def test_each_flag_lands_on_its_field():
     """Every leaf's flag sets that field and nothing else (against the config the same flags build
     without it)."""
-    from eecore.speculative.flat_options import tree_of
+    from eecore.cli.speculative_flags import tree_of
 
     base = ["--draft", "hybrid", "--exit-layer", "2", "--num-speculations", "5", "--draft-layers", "separate",
             "--min-acceptance", "0.5"]

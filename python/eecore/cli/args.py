@@ -108,7 +108,7 @@ def add_speculation_flags(p: argparse.ArgumentParser) -> None:
     one flag per field of SelfSpeculativeConfig's parts, named and explained in the field's metadata
     (eecore.speculative.options)."""
     from eecore.speculative.config import SelfSpeculativeConfig
-    from eecore.speculative.flat_options import walk
+    from eecore.cli.speculative_flags import walk
 
     s = p.add_argument_group("self-speculation, advanced (--exit-ready sets these)")
     s.add_argument("--draft-layers", choices=["shared", "separate"], default=None,
@@ -264,7 +264,7 @@ def speculative_config(args):
     """The SelfSpeculativeConfig of the self-speculation flags (a bad combination exits with a message)."""
     import eecore
 
-    from eecore.speculative.flat_options import PART_CHOICES, from_flat, option_paths
+    from eecore.cli.speculative_flags import PART_CHOICES, from_flat, option_paths, preset_with
 
     # every option with a flag; a flag left out (None) keeps the config's default, or --exit-ready's
     names = [*option_paths(eecore.SelfSpeculativeConfig), *PART_CHOICES]
@@ -276,7 +276,8 @@ def speculative_config(args):
         raise SystemExit(f"eecore: {which} needs --exit-layer E (only --draft lookup runs without one)")
     try:
         if preset is not None:
-            return eecore.SelfSpeculativeConfig.exit_ready(preset, device=getattr(args, "device", None), **given)
+            return preset_with(eecore.SelfSpeculativeConfig.exit_ready(preset, device=getattr(args, "device", None)),
+                               given)
         return from_flat(eecore.SelfSpeculativeConfig, given)
     except ValueError as exc:
         raise SystemExit(f"eecore: {exc}") from None

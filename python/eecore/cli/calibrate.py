@@ -121,6 +121,7 @@ def _calibrate_draft_exits(args) -> int:
 
     import eecore
     from eecore.cli.args import prompt_input
+    from eecore.cli.speculative_flags import preset_with
     from eecore.evaluation.prompt_sets import read_prompt_file
     from eecore.speculative.exit_calibration import calibrate_exit_threshold
 
@@ -135,8 +136,8 @@ def _calibrate_draft_exits(args) -> int:
             if args.candidates < 2:
                 raise ValueError(f"--candidates must be >= 2, got {args.candidates}")
             candidates = [1.0 - i / (args.candidates - 1) for i in range(args.candidates)]
-        spec = eecore.SelfSpeculativeConfig.exit_ready("layer", device=args.device, exit_threshold=1.0,
-                                                       exit_measure=args.exit_measure)
+        spec = preset_with(eecore.SelfSpeculativeConfig.exit_ready("layer", device=args.device),
+                           dict(exit_threshold=1.0, exit_measure=args.exit_measure))
         texts = [p.prompt for p in read_prompt_file(args.prompts)]
         llm = eecore.LLM(dtype=args.dtype, device=args.device, exit_adapter=True, quantization=args.quantization,
                          max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, block_size=args.block_size,

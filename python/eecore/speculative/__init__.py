@@ -3,7 +3,6 @@ full model in one pass.
 
     config.py        SelfSpeculativeConfig: the draft sources, their length and batch limits
     options.py       its parts: LayerDrafts (DraftCopy, AcceptanceGuard), LookupDrafts
-    flat_options.py  the options by flat name (CLI flags, preset overrides, deprecated keywords)
     presets.py       the exit-ready presets of the embedded model
     decoder.py       SelfSpeculativeDecoder: plan -> propose -> verify -> accept -> record
     proposers.py     the Proposer interface, one per draft source (prompt lookup, shared layers, a copy,

@@ -6,22 +6,21 @@
                           hybrid_switch="token")                                 both, per token
     SelfSpeculativeConfig.exit_ready("hybrid")                                   the tuned presets
 
-The parts are in eecore.speculative.options. `exit_layer=E` stays as the short form of
-`layer=LayerDrafts(exit_layer=E)`, the form docs/architecture.md gives; the other flat keyword
-arguments of earlier releases still work, with a DeprecationWarning (eecore.speculative.flat_options).
+The parts are in eecore.speculative.options; `exit_layer=E` is the short form of
+`layer=LayerDrafts(exit_layer=E)`, the form docs/architecture.md gives. A config is changed with
+`dataclasses.replace` (a preset too); the `eecore` command's flags name the same fields by flat
+names (eecore.cli.speculative_flags).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 from eecore.engine.inputs import MAX_TREE_TOKENS
 from eecore.models.exit_adapter import ExitAdapters
-from eecore.speculative.flat_options import from_deprecated_keywords
 from eecore.speculative.options import (BREAK_EVEN, DRAFT_MODES, AcceptanceGuard, DraftCopy, LayerDrafts,
                                         LookupDrafts, invalid, is_int, option)
-from eecore.speculative.presets import exit_ready_config
+from eecore.speculative.presets import exit_ready_preset
 
 HYBRID_SWITCHES = ("round", "token")
 
@@ -77,19 +76,7 @@ class SelfSpeculativeConfig:
     def __init__(self, num_speculations: int = 4, layer: Optional[LayerDrafts] = None,
                  lookup: Optional[LookupDrafts] = None, hybrid_switch: str = "round",
                  disable_by_batch_size: Optional[int] = None, adaptive: bool = False, *,
-                 exit_layer: Optional[int] = None, **flat):
-        if flat:
-            warnings.warn(f"SelfSpeculativeConfig({', '.join(sorted(flat))}=...): flat keyword arguments are "
-                          f"deprecated; set them on layer=LayerDrafts(...), lookup=LookupDrafts(...) "
-                          f"(eecore.speculative.options)", DeprecationWarning, stacklevel=2)
-            given = dict(flat, num_speculations=num_speculations, hybrid_switch=hybrid_switch,
-                         disable_by_batch_size=disable_by_batch_size, adaptive_drafts=adaptive, exit_layer=exit_layer)
-            if layer is not None or lookup is not None:
-                raise ValueError("SelfSpeculativeConfig: give 'layer'/'lookup' or the deprecated flat keyword "
-                                 f"arguments ({', '.join(sorted(flat))}), not both")
-            built = from_deprecated_keywords(SelfSpeculativeConfig, {k: v for k, v in given.items() if v is not None})
-            self.__dict__.update(built.__dict__)
-            return
+                 exit_layer: Optional[int] = None):
         if exit_layer is not None:
             if layer is not None:
                 raise ValueError("SelfSpeculativeConfig: give 'exit_layer' (the short form) or 'layer', not both")
@@ -100,15 +87,14 @@ class SelfSpeculativeConfig:
         self._check()
 
     @classmethod
-    def exit_ready(cls, preset: str = "layer", device=None, **options) -> "SelfSpeculativeConfig":
+    def exit_ready(cls, preset: str = "layer", device=None) -> "SelfSpeculativeConfig":
         """The embedded model's exit-ready self-speculation (eecore.speculative.presets): "layer"
         drafts with the shipped draft layers alone, "hybrid" with prompt lookup first. Use it with
-        `LLM(exit_adapter=True)`, which loads those layers (CLI: `--exit-ready [layer|hybrid]`).
-        `device`: the LLM's (None: LLM's default); the CPU presets draft with an int8 copy and stop
-        at small batches, the GPU ones do neither. `options` change the preset, named as their
-        command-line flags (`stop_below` is `draft_threshold`, `layer.copy.dtype` is `draft_dtype`,
-        ...: eecore.speculative.flat_options)."""
-        return exit_ready_config(cls, preset, options, device)
+        `LLM(exit_adapter=True)`, which loads those layers (CLI: `--exit-ready [layer|hybrid]`, whose
+        other flags change the preset). `device`: the LLM's (None: LLM's default); the CPU presets
+        draft with an int8 copy and stop at small batches, the GPU ones do not. Change a preset with
+        `dataclasses.replace`, e.g. `replace(preset, layer=replace(preset.layer, stop_below=0.3))`."""
+        return exit_ready_preset(cls, preset, device)
 
     def _check(self) -> None:
         if not is_int(self.num_speculations) or self.num_speculations < 1:

@@ -7,9 +7,8 @@
 
 Each field is meaningful wherever it can be set: an option that only applies to a copy lives in
 `DraftCopy`, one that only applies to layer drafts in `LayerDrafts`, and so on. Every field names
-its command-line flag in its metadata (`option`), so `eecore generate`'s flags and the deprecated
-flat keyword arguments of `SelfSpeculativeConfig` are derived from these classes
-(eecore.speculative.flat_options).
+its command-line flag in its metadata (`option`), from which the `eecore` command's flags are derived
+(eecore.cli.speculative_flags).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ DRAFT_MODES = ("layer", "lookup", "hybrid")  # which of SelfSpeculativeConfig's 
 
 def option(default, flag: str, help: str, nested: Optional[type] = None, choices=None):
     """A config field with its command-line flag (`--flag`, whose underscored name is also the
-    field's deprecated flat keyword) and help; `nested`: the field holds that dataclass."""
+    field's name in eecore.cli.speculative_flags) and help; `nested`: the field holds that dataclass."""
     return field(default=default, metadata={"flag": flag, "help": help, "nested": nested, "choices": choices})
 
 

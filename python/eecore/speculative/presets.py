@@ -39,7 +39,6 @@ import torch
 
 from eecore.device import resolve_device
 from eecore.models.amx_weights import amx_available
-from eecore.speculative.flat_options import from_flat
 from eecore.speculative.options import DraftCopy, LayerDrafts, LookupDrafts
 
 PRESETS = ("layer", "hybrid")
@@ -80,17 +79,3 @@ def exit_ready_preset(config_cls, preset: str, device=None):
         lookup=LookupDrafts(min_ngram=2, max_ngram=4), hybrid_switch="token", disable_by_batch_size=lookup_limit,
         adaptive=True)
 
-
-def exit_ready_config(config_cls, preset: str, options: dict, device=None):
-    """The preset for `device` with `options` (flat names, eecore.speculative.flat_options) applied."""
-    base = exit_ready_preset(config_cls, preset, device)
-    options = dict(options)
-    exits = options.get("exit_threshold") is not None or options.get("accept") == "confident"
-    if exits and options.get("adaptive_drafts") is None:
-        options["adaptive_drafts"] = False  # exits need fixed lengths (SelfSpeculativeConfig.adaptive)
-    limit = options.get("disable_by_batch_size")
-    if limit is not None and base.layer is not None and base.layer.disable_by_batch_size is not None \
-            and "layer_disable_by_batch_size" not in options:
-        # a lower overall limit given alone lowers the layer drafts' with it
-        options["layer_disable_by_batch_size"] = min(base.layer.disable_by_batch_size, limit)
-    return from_flat(config_cls, options, base)

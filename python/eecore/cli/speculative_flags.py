@@ -1,24 +1,22 @@
-"""Self-speculation options by flat name, the names of `eecore generate`'s flags: `draft_threshold`
-is `--draft-threshold`, and sets `layer.stop_below`. The CLI builds its flags from this table, the
-exit-ready presets take their overrides in it, and `SelfSpeculativeConfig`'s deprecated flat keyword
-arguments are read through it. The table is derived from the fields' metadata
-(eecore.speculative.options.option), so a new field gets its flag by being declared.
+"""Self-speculation options by flat name, the names of the `eecore` command's flags: `draft_threshold`
+is `--draft-threshold`, and sets `layer.stop_below`. The CLI builds its flags from this table and
+applies them to a fresh config or to an exit-ready preset (`preset_with`); in Python a config is
+built from its parts (eecore.speculative.options) and changed with `dataclasses.replace`. The table
+is derived from the fields' metadata (eecore.speculative.options.option), so a new field gets its
+flag by being declared.
 
-Three flat names choose parts rather than set a field:
+Two flat names choose parts rather than set a field:
     draft="layer" | "lookup" | "hybrid"     which of `layer` and `lookup` there are
     draft_layers="shared" | "separate"      whether `layer.copy` is there
-    accept="confident"                      (deprecated) exits at `draft_threshold`: exit_threshold's
-                                            default; accept="verified" means no exit_threshold
 """
 from __future__ import annotations
 
 from dataclasses import MISSING, Field, fields, is_dataclass
-from typing import Iterator, Optional
+from typing import Iterator
 
 from eecore.speculative.options import DRAFT_MODES
 
-PART_CHOICES = {"draft": DRAFT_MODES, "draft_layers": ("shared", "separate"),
-                "accept": ("verified", "confident")}
+PART_CHOICES = {"draft": DRAFT_MODES, "draft_layers": ("shared", "separate")}
 # the parts a flat option needs, by the field that holds them, and what its absence means to a user
 PART_NAMES = {"layer": "layer drafts (draft='layer' or 'hybrid', with exit_layer)",
               "lookup": "lookup drafts (draft='lookup' or 'hybrid')",
@@ -67,13 +65,11 @@ def from_flat(config_cls, options: dict, base=None):
                              f"got {options[name]!r}")
     tree = {"layer": None, "lookup": None} if base is None else tree_of(base)
     _choose_parts(tree, options, base is None)
-    accept = options.pop("accept", None)
     if tree["layer"] is None:
         options.pop("exit_layer", None)  # lookup drafts only: the depth of layer drafts has no use
     for name, value in options.items():
         if name not in PART_CHOICES:
             _set(tree, paths[name][0], value, name)
-    _apply_accept(tree, accept, options)
     return _build(config_cls, tree)
 
 
@@ -111,23 +107,6 @@ def _set(tree: dict, path: tuple[str, ...], value, name: str) -> None:
     node[path[-1]] = value
 
 
-def _apply_accept(tree: dict, accept: Optional[str], options: dict) -> None:
-    layer = tree["layer"]
-    if accept == "confident":
-        if layer is None:
-            raise ValueError(f"SelfSpeculativeConfig: accept='confident' applies to {PART_NAMES['layer']}")
-        if layer.get("stop_below") is None:
-            raise ValueError("SelfSpeculativeConfig: accept='confident' needs 'draft_threshold' (the exit "
-                             "confidence: a draft's top-1 probability at layer E)")
-        if layer.get("exit_threshold") is None:
-            layer["exit_threshold"] = layer["stop_below"]
-    elif accept == "verified" and options.get("exit_threshold") is not None:
-        raise ValueError("SelfSpeculativeConfig: 'exit_threshold' makes sure drafts exit unverified, and "
-                         "accept='verified' asks for every draft to be verified")
-    elif accept == "verified" and layer is not None:
-        layer["exit_threshold"] = None
-
-
 def _build(cls, tree: dict):
     kwargs = {}
     for f in fields(cls):
@@ -140,16 +119,17 @@ def _build(cls, tree: dict):
     return cls(**kwargs)
 
 
-def from_deprecated_keywords(config_cls, options: dict):
-    """`SelfSpeculativeConfig(**flat)` of earlier releases, with their meaning: options they took
-    and ignored stay ignored, and an exit threshold still needs accept='confident'."""
+def preset_with(preset, options: dict):
+    """An exit-ready preset (`SelfSpeculativeConfig.exit_ready`) with the flags `options` (flat
+    names) applied, as `--exit-ready` and its flags build it: exits (`exit_threshold`) turn the
+    planner off unless `adaptive_drafts` is given (exits need fixed lengths:
+    SelfSpeculativeConfig.adaptive), and a lower overall batch limit given alone lowers the layer
+    drafts' with it."""
     options = dict(options)
-    if options.get("min_acceptance") is None:
-        options.pop("probe_every", None)  # the guard's, and there was no guard
-    if options.get("draft_top_k") == 1 and options.get("draft_layers") != "separate":
-        options.pop("draft_top_k")
-    if options.get("exit_threshold") is not None and options.get("accept") != "confident":
-        raise ValueError(f"SelfSpeculativeConfig: 'exit_threshold' applies to accept='confident' only, "
-                         f"got {options['exit_threshold']!r} with accept={options.get('accept', 'verified')!r}")
-    return from_flat(config_cls, options)
-
+    if options.get("exit_threshold") is not None and options.get("adaptive_drafts") is None:
+        options["adaptive_drafts"] = False
+    limit = options.get("disable_by_batch_size")
+    if limit is not None and preset.layer is not None and preset.layer.disable_by_batch_size is not None \
+            and "layer_disable_by_batch_size" not in options:
+        options["layer_disable_by_batch_size"] = min(preset.layer.disable_by_batch_size, limit)
+    return from_flat(type(preset), options, preset)
