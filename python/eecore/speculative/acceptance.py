@@ -34,6 +34,10 @@ class Acceptor:
         self.num_layers = num_layers
         self.exit_layer = exit_layer
         self.draft_stack = draft_stack
+        # Benchmarks only (eecore.testing.accept_every_draft): a greedy chain is accepted whole,
+        # whatever the verify pass says, so a round costs what it costs when every draft is right.
+        # The output is then the drafts' text, not the model's.
+        self.accepts_every_draft = False
 
     def accept_all(self, seqs: list[Sequence], drafts: list[Draft], widths: list[int],
                    logits: torch.Tensor) -> tuple[list[Accepted], list[int]]:
@@ -51,6 +55,9 @@ class Acceptor:
                 # a greedy chain (a batch's usual row): its longest prefix equal to full depth's
                 # tokens, then full depth's own, without _accept's per-sequence verdict objects
                 chain, target, agreed = draft.tokens, top[offset: offset + n], 0
+                if self.accepts_every_draft:
+                    agreed = len(chain)
+                    target = chain + target[agreed: agreed + 1]
                 while agreed < len(chain) and chain[agreed] == target[agreed]:
                     agreed += 1
                 tokens, leaf = [Token(t, L) for t in target[: agreed + 1]], -1
