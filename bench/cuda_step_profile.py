@@ -81,10 +81,11 @@ def host_parts(llm, prompts, params, per_step: int, device: str) -> dict:
     attributes wrap the engine's methods for this run only)."""
     engine = llm.engine
     timer = PartTimer()
-    wrapped = [(engine.scheduler, "schedule"), (engine.runner.builder, "build"),
-               (engine.runner.builder, "prepare_decode"), (engine.sampler, "sample"), (engine, "_append")]
-    for owner, method in wrapped:
-        timer.wrap(owner, method, method.strip("_"))
+    wrapped = [(engine.scheduler, "schedule", "schedule"), (engine.runner.builder, "build", "build"),
+               (engine.runner.builder, "prepare_decode", "prepare_decode"), (engine.sampler, "sample", "sample"),
+               (engine, "append_tokens", "append")]
+    for owner, method, label in wrapped:
+        timer.wrap(owner, method, label)
     try:
         start = time.perf_counter()
         llm.generate(prompts, params)
@@ -92,7 +93,7 @@ def host_parts(llm, prompts, params, per_step: int, device: str) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     finally:
-        for owner, method in wrapped:
+        for owner, method, _ in wrapped:
             delattr(owner, method)
     return dict(unprofiled_wall_us_per_step=wall / per_step * 1e6,
                 host_us_per_step={label: seconds / per_step * 1e6 for label, seconds in timer.reset().items()})

@@ -88,7 +88,7 @@ def host_only_engine(folder: str, max_batch: int):
     logits = torch.randn(max_batch, VOCAB)
     # each sequence repeats one letter: ids 81..106 are "a".."z" in SmolLM2's vocabulary (--text)
     logits[torch.arange(max_batch), 81 + torch.arange(max_batch) % 26] = 100.0
-    static._step = lambda inputs: logits  # a graph replay that costs the host nothing
+    static.step = lambda inputs: logits  # a graph replay that costs the host nothing
     runner.static_decode = static
     return llm
 
@@ -121,11 +121,11 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
         logits[rejecting, 82] = 200.0  # "b": the verify pass disagrees with the draft there
     runner.static_decode = StaticDecode(runner, max_batch, capture=False)
     runner.static_verify = StaticVerify(runner, max_batch, capture=False, width=width)
-    runner.static_decode._step = runner.static_verify._step = lambda inputs: logits[: inputs.num_tokens]
+    runner.static_decode.step = runner.static_verify.step = lambda inputs: logits[: inputs.num_tokens]
     proposals = torch.randn(max_batch * width, VOCAB)
     proposals[:, 82 if failing else 81] = 100.0  # the draft head's letter: "a" as the verify pass, or "b"
     stack.static = stack.static_pass(capture=False)
-    stack.static._step = lambda inputs: proposals[: inputs.last_rows.shape[0]]  # the copy's layers and head
+    stack.static.step = lambda inputs: proposals[: inputs.last_rows.shape[0]]  # the copy's layers and head
     stack.head.columns = lambda hidden: proposals[: hidden.shape[0]]  # the head after op-by-op passes
     return llm
 
@@ -136,7 +136,7 @@ def measure(llm, batch: int, steps: int, context: int, text: bool = False, draft
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.builder, "build", "build")
     timer.wrap(engine.sampler, "sample", "sample")
-    timer.wrap(engine, "_append", "append")
+    timer.wrap(engine, "append_tokens", "append")
     if drafts:  # a self-speculation round's own parts (each includes the builds and samples inside it)
         decoder = engine.strategy
         timer.wrap(decoder.draft_stack, "first_pass", "copy pass")
@@ -144,7 +144,7 @@ def measure(llm, batch: int, steps: int, context: int, text: bool = False, draft
         timer.wrap(decoder.picker, "take", "pick drafts")
         timer.wrap(decoder.verifier, "full", "verify")
         timer.wrap(decoder.acceptor, "accept_all", "accept")
-        timer.wrap(decoder.proposer, "_chain", "chained passes")  # draft ahead (EECORE_DRAFT_AHEAD=1)
+        timer.wrap(decoder.proposer, "chain", "chained passes")  # draft ahead (EECORE_DRAFT_AHEAD=1)
     params = eecore.SamplingParams(max_tokens=steps * (drafts + 1) + 1, temperature=0.0, ignore_eos=True,
                                    stop=["never in the output"] if text else None)
     tracker = None

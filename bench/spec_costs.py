@@ -275,13 +275,13 @@ def install_oracle(llm, continuations: dict[tuple, list[int]]) -> None:
         return proposal
 
     proposer.propose, decoder.picker.propose = round_drafts, oracle_propose
-    launch = getattr(proposer, "_launch_chain", None)
+    launch = getattr(proposer, "launch_chain", None)
     if launch is not None:  # draft ahead: the chain's drafts stay on the device until its read-back
         def oracle_launch(seqs, drafts, live, passes, *rest):
             launch(seqs, drafts, live, passes, *rest)
             replace_chain(proposer, [seqs[b] for b in live], [len(drafts[b]) for b in live], len(passes),
                           continuations)
-        proposer._launch_chain = oracle_launch
+        proposer.launch_chain = oracle_launch
 
 
 def replace_chain(proposer, seqs, drafted: list[int], length: int, continuations: dict[tuple, list[int]]) -> None:
@@ -294,7 +294,7 @@ def replace_chain(proposer, seqs, drafted: list[int], length: int, continuations
     for seq, before in zip(seqs, drafted):
         text, at = continuations.get(tuple(seq.prompt_token_ids), ()), len(seq.output_token_ids) + before
         wanted.append([text[at + j] if at + j < len(text) else -1 for j in range(length)])
-    tokens = proposer._chain_tokens[: len(seqs), :length]
+    tokens = proposer.chain_tokens[: len(seqs), :length]
     values = torch.tensor(wanted, dtype=torch.int64)
     if tokens.is_cuda:
         values = values.pin_memory().to(tokens.device, non_blocking=True)

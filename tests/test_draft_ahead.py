@@ -57,14 +57,14 @@ def _chains(llm) -> list:
     """Records each chain: whether it began at the round's first pass (no first draft read back),
     and whether a stop rule dropped drafts its passes had run."""
     proposer, chains = llm.engine.strategy.proposer, []
-    inner = proposer._chain
+    inner = proposer.chain
 
     def chain(seqs, drafts, budgets, live, opening=None, **named):
         before = sum(len(drafts[b]) for b in live)
         inner(seqs, drafts, budgets, live, opening, **named)
         ran = sum(budgets[b] for b in live) - before
         chains.append((opening is not None, ran > sum(len(drafts[b]) for b in live) - before))
-    proposer._chain = chain
+    proposer.chain = chain
     return chains
 
 

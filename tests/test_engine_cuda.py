@@ -505,7 +505,7 @@ def test_draft_ahead_launches_its_chain_without_a_host_sync(tiny, verify_ahead, 
     llm.generate(prompts, greedy(16))  # captures the graphs (a capture synchronizes) that the run below replays
     proposer, launched = llm.engine.strategy.proposer, []
     proposer._to_device = _without_sync(proposer._to_device, "indices", launched)  # (behind the round's first pass)
-    proposer._launch_chain = _without_sync(proposer._launch_chain, "chain", launched)
+    proposer.launch_chain = _without_sync(proposer.launch_chain, "chain", launched)
     monkeypatch.setattr(VerifyAhead, "launch", _without_sync(VerifyAhead.launch, "verify", launched))  # (self first)
     llm.generate(prompts, greedy(16))
     assert {"indices", "chain"} <= set(launched) and ("verify" in launched) == verify_ahead

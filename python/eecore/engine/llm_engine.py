@@ -199,7 +199,7 @@ class LLMEngine:
         else:
             results = self.strategy.decode(step.decodes)
         for seq, tokens in zip(step.decodes, results):
-            self._append(seq, tokens)
+            self.append_tokens(seq, tokens)
             if not seq.is_finished and self.strategy.lookahead > 1:
                 self.blocks.shrink(seq, seq.num_tokens)  # give back blocks of rejected drafts
         return step.decodes
@@ -208,10 +208,10 @@ class LLMEngine:
         """Decodes and prefill chunks in one pass (a strategy with `supports_mixed_steps`)."""
         results, firsts = self.strategy.decode_mixed(decodes, self._chunk_rows(prefills, counts))
         for seq, tokens in zip(decodes, results):
-            self._append(seq, tokens)
+            self.append_tokens(seq, tokens)
         started = [(s, t) for s, t in zip(prefills, firsts) if t is not None]
         for seq, token in started:
-            self._append(seq, [token])
+            self.append_tokens(seq, [token])
         return decodes + [s for s, _ in started]
 
     @staticmethod
@@ -229,10 +229,11 @@ class LLMEngine:
         finished = [seqs[i] for i in done]
         tokens, logprobs = self.sampler.sample(self.runner.logits(hidden.index_select(0, last)), finished)
         for seq, token, lp in zip(finished, tokens, logprobs):
-            self._append(seq, [Token(token, self.model.num_layers, lp)])
+            self.append_tokens(seq, [Token(token, self.model.num_layers, lp)])
         return finished
 
-    def _append(self, seq: Sequence, tokens: list[Token]) -> None:
+    def append_tokens(self, seq: Sequence, tokens: list[Token]) -> None:
+        """A step's last part: `tokens` join `seq`, which finishes where a stop rule says so."""
         reason = self.stopper.append(seq, tokens)
         if reason is not None:
             self._finish(seq, reason)

@@ -104,7 +104,7 @@ class StaticDecode(StaticPass):
             return None
         inputs, table_width = built
         inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])  # behind the inputs' copy, on the stream
-        logits = self._launch((self.padded_size(len(rows)), table_width, 1), inputs, self._step)
+        logits = self._launch((self.padded_size(len(rows)), table_width, 1), inputs, self.step)
         bs = builder.block_size
         return AheadStep(seqs=[r.seq for r in rows], starts=[r.start + 1 for r in rows],
                          tables=[r.seq.block_table for r in rows],
@@ -171,7 +171,7 @@ class StaticVerify(StaticPass):
         W = self.width
         inputs, key = self._build(rows, W)
         inputs.token_ids.index_copy_(0, where, values)
-        logits = self._launch(key + (W,), inputs, self._step)
+        logits = self._launch(key + (W,), inputs, self.step)
         self._count(rows, W)
         return logits[: len(rows) * W]
 

@@ -36,8 +36,10 @@ class StaticPass:
     """A pass over a step's rows on static buffers: the batch padded to a capture size P and every
     row to `width` tokens, the pass's output a buffer at a fixed address. `capture=True` (CUDA only)
     records each (P, width)'s pass as a CUDA graph the first time it runs and replays it from then
-    on. Subclasses say what the pass computes (`_step`: only kernels on preallocated buffers,
-    nothing that allocates, synchronizes or branches on data)."""
+    on. Subclasses say what the pass computes (`step`: only kernels on preallocated buffers,
+    nothing that allocates, synchronizes or branches on data). `step` is what a graph records and
+    a replay repeats; a benchmark of the host's part of a step (bench/host_overhead.py) replaces it
+    on an instance with a buffer that costs nothing."""
 
     def __init__(self, runner, max_batch: int, capture: bool, sizes: Optional[list[int]] = None):
         """`sizes`: the padded sizes, ascending (default: capture_sizes(max_batch), batch sizes)."""
@@ -61,7 +63,7 @@ class StaticPass:
 
     def _run_padded(self, rows: list[Row], width: int, continues: bool = False) -> tuple[StepInputs, torch.Tensor]:
         inputs, key = self._build(rows, width, continues)
-        return inputs, self._launch(key + (width,), inputs, self._step)
+        return inputs, self._launch(key + (width,), inputs, self.step)
 
     def _build(self, rows: list[Row], width: int = 1, continues: bool = False) -> tuple[StepInputs, tuple[int, int]]:
         """The rows' inputs padded to a capture size and a table-width bucket, and (P, table width):
@@ -90,7 +92,7 @@ class StaticPass:
             self.outputs[key] = step(inputs)
         return self.outputs[key]
 
-    def _step(self, inputs: StepInputs) -> torch.Tensor:
+    def step(self, inputs: StepInputs) -> torch.Tensor:
         """Every layer, final norm and LM head: fp32 logits of every padded row."""
         return self.runner.logits(self._all_layers(inputs))
 

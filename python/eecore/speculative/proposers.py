@@ -176,9 +176,9 @@ class CopyProposer(Proposer):
         self.verifies_ahead = self.ahead and envs.flag("EECORE_VERIFY_AHEAD")
         if self.ahead:
             rows, dev = stack.runner.max_seqs, stack.model.device
-            self._chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
+            self.chain_tokens = torch.empty(rows, max_drafts, dtype=torch.int64, device=dev)
             self._chain_probs = torch.zeros(rows, max_drafts, dtype=torch.float32, device=dev)
-            # the chain's indices (_chain): each row's first token, each pass's rows and the rows it
+            # the chain's indices (chain): each row's first token, each pass's rows and the rows it
             # keeps, the verify pass's slots and their sources; staged in pinned memory on a GPU
             cuda = dev.type == "cuda"
             most = rows * (1 + 4 * max_drafts)
@@ -205,7 +205,7 @@ class CopyProposer(Proposer):
         length = self.picker.draft_length
         if self._chains(seqs, live) and (length is None or all(length.trusts(seqs[b]) for b in live)):
             # no sequence's first draft decides how far it drafts: the chain starts at the first pass
-            self._chain(seqs, drafts, budgets, live, opening=logits, verify_ahead=verify_ahead)
+            self.chain(seqs, drafts, budgets, live, opening=logits, verify_ahead=verify_ahead)
             return
         for k in range(1, max(budgets[b] for b in live) + 1):
             kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
@@ -214,7 +214,7 @@ class CopyProposer(Proposer):
             if not live:
                 break
             if self._chains(seqs, live):
-                self._chain(seqs, drafts, budgets, live, verify_ahead=verify_ahead)
+                self.chain(seqs, drafts, budgets, live, verify_ahead=verify_ahead)
                 return
             logits = self.stack.next_pass([seqs[b] for b in live], [drafts[b].tokens for b in live])
             self.passes += 1
@@ -224,7 +224,7 @@ class CopyProposer(Proposer):
         return (self.ahead and picker.top_k == 1 and picker.exit_threshold is None and picker.measure is None
                 and self.stack.chains(len(live)) and all(seqs[b].params.greedy for b in live))
 
-    def _chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
+    def chain(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
                opening: Optional[torch.Tensor] = None, verify_ahead=None) -> None:
         """The rest of `live`'s drafts, pass after pass on the device, read back once: after each
         has drafted its first (read back to decide how far it goes), or from the round's first pass
@@ -232,7 +232,7 @@ class CopyProposer(Proposer):
         verify pass goes out behind the chain, before the read-back."""
         stop_below = self.picker.stop_below
         more = [budgets[b] - len(drafts[b]) for b in live]  # drafts each may still take
-        dev = self._chain_tokens.device
+        dev = self.chain_tokens.device
         # Which rows (indices into `live`) each pass runs is known now, so every index the chain
         # needs goes to the device in one copy, while the GPU is idle: a copy from a host list inside
         # the loop would wait for the pass just launched, and the chain would run pass by pass again.
@@ -251,16 +251,16 @@ class CopyProposer(Proposer):
             row = np.repeat(np.arange(len(live)), counts)  # each draft's row of the chain, and its step
             step = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
             slots = verify_ahead.chain_slots(np.array(live)[row], step)
-            flat = np.concatenate([flat, slots, row * self._chain_tokens.shape[1] + step])
+            flat = np.concatenate([flat, slots, row * self.chain_tokens.shape[1] + step])
         index = self._to_device(flat)
-        self._launch_chain(seqs, drafts, live, passes, spans, index, opening)
-        tokens, probs = self._chain_tokens[: len(live)], self._chain_probs[: len(live)]
+        self.launch_chain(seqs, drafts, live, passes, spans, index, opening)
+        tokens, probs = self.chain_tokens[: len(live)], self._chain_probs[: len(live)]
         if verify_ahead is not None:
             if dev.type == "cuda":  # (whole rows: one contiguous copy each)
                 tokens, probs = (host[: len(live)].copy_(t, non_blocking=True) for host, t in
                                  zip(self._chain_host, (tokens, probs)))
                 self._chain_read.record()
-            verify_ahead.launch(live, more, self._chain_tokens.view(-1).index_select(0, index[at + n: at + 2 * n]),
+            verify_ahead.launch(live, more, self.chain_tokens.view(-1).index_select(0, index[at + n: at + 2 * n]),
                                 index[at: at + n])
             if dev.type == "cuda":
                 self._chain_read.synchronize()
@@ -286,7 +286,7 @@ class CopyProposer(Proposer):
         host.numpy()[:] = values
         return host if self._index is None else self._index[: values.size].copy_(host, non_blocking=True)
 
-    def _launch_chain(self, seqs, drafts, live, passes, spans, index: torch.Tensor,
+    def launch_chain(self, seqs, drafts, live, passes, spans, index: torch.Tensor,
                       opening: Optional[torch.Tensor]) -> None:
         """The chain's passes and draft head reads, launched one after another with nothing read back
         (on a GPU: no host synchronization; tests/test_engine_cuda.py holds it to that)."""
@@ -305,7 +305,7 @@ class CopyProposer(Proposer):
             _, p, columns = self.picker.top1(logits)
             tokens = head.token_ids(columns)
             where = index[start: start + n]
-            self._chain_tokens[:, j].index_copy_(0, where, tokens)
+            self.chain_tokens[:, j].index_copy_(0, where, tokens)
             if p is not None:
                 self._chain_probs[:, j].index_copy_(0, where, p)
 

@@ -82,7 +82,7 @@ class StaticLayers(StaticPass):
         the inputs' copy, on the stream, as decode ahead's do."""
         inputs, key = self._build(rows, 1, continues)
         inputs.token_ids[: len(rows)].copy_(tokens[: len(rows)])
-        out = self._launch(key + (1,), inputs, self._step)
+        out = self._launch(key + (1,), inputs, self.step)
         self._count(rows, 1, self.layers)
         return out[: len(rows)]
 
@@ -92,7 +92,7 @@ class StaticLayers(StaticPass):
             return longest
         return min(1 << (longest - 1).bit_length(), self.max_width)  # a few widths: a few graphs a batch size
 
-    def _step(self, inputs: StepInputs) -> torch.Tensor:
+    def step(self, inputs: StepInputs) -> torch.Tensor:
         hidden = self.runner.run_layers(self.runner.embed(inputs), inputs.attn, self.layers.start, self.layers.stop,
                                         count=False)
         if self.head is None:
@@ -119,7 +119,7 @@ class StaticExitVerify(StaticVerify):
     def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
         super()._count(rows, tokens_per_row, range(self.exit_layer, self.runner.num_layers))
 
-    def _step(self, inputs: StepInputs) -> torch.Tensor:
+    def step(self, inputs: StepInputs) -> torch.Tensor:
         runner = self.runner
         n = inputs.num_tokens  # padded batch x W
         hidden = runner.hidden_workspace(n)
