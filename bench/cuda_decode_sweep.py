@@ -18,7 +18,7 @@ pre-gathered and contiguous, for free. Every timing is the median per call over 
 of 10 calls, so launch gaps do not hide the kernels of small cells. Outputs are checked against
 SDPA's before any timing.
 
-Writes bench/results/<gpu>/<device>-decode-sweep-<date>.json and .md (bench_cuda.py names both). --headline-only runs only
+Writes bench/results/<gpu>/<device>-decode-sweep-<date>.json and .md (cuda_ops.py names both). --headline-only runs only
 B=64, context 4096, 32/8 heads, D=128 (the cell the issue's goal names), e.g. under ncu; --cell
 B,CTX,HQ,HKV,D runs another one cell (neither writes results). --sequential-blocks gives each
 sequence its blocks in order instead of a random permutation: what scattered blocks cost.
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda import copy_bandwidth  # noqa: E402
+from cuda_ops import copy_bandwidth  # noqa: E402
 
 KERNEL_ENV = "EECORE_PAGED_ATTENTION_KERNEL"
 STAGES_ENV = "EECORE_DECODE_MMA_STAGES"

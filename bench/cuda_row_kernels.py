@@ -31,7 +31,7 @@ import statistics
 import torch
 
 from common import device_folder, device_slug, save_results
-from e2e_cuda import MODELS, SHAPES, with_env
+from cuda_e2e import MODELS, SHAPES, with_env
 
 FLAGGED = {"EECORE_LINEAR_KERNEL": "gemv_mma"}
 

@@ -10,7 +10,7 @@ the time the GPU was busy (the sum of kernel durations), how many kernels ran, a
 that took the most time, with their count per step and mean duration. Wall time far above busy
 time says the host is the limit (scheduling, input building, sampling, the sync that reads the
 tokens); busy time spread over hundreds of few-microsecond kernels says the kernel count is.
-With --exit-configs, the early-exit and self-speculation configurations of bench/e2e_cuda.py whose
+With --exit-configs, the early-exit and self-speculation configurations of bench/cuda_e2e.py whose
 names contain one of the words (e.g. `none static` for a softmax check that no row passes and a
 static exit) are profiled the same way after full depth, each a row of its own (figures per
 generated token: a step, except for self-speculation, whose round yields several). With --ab-env
@@ -32,8 +32,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import eecore
 from common import device_folder, device_slug, save_results
-from e2e_cuda import MODELS, SHAPES, exit_configs, pick_configs, random_checkpoint, with_env
-from host_overhead import PartTimer
+from cuda_e2e import MODELS, SHAPES, exit_configs, pick_configs, random_checkpoint, with_env
+from cost_host import PartTimer
 
 
 def kernel_times(prof, device: str) -> dict[str, tuple[int, float]]:
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--enforce-eager", action="store_true", help="launch op by op (no CUDA graphs)")
     ap.add_argument("--exit-configs", nargs="*", default=[], metavar="TEXT",
-                    help="also profile bench/e2e_cuda.py's exit configurations whose names contain one of these")
+                    help="also profile bench/cuda_e2e.py's exit configurations whose names contain one of these")
     ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE,...",
                     help="also profile full depth with these variables set (repeatable), e.g. "
                          "EECORE_PREFETCH_WEIGHTS=1 to see its side stream beside attention")

@@ -18,7 +18,7 @@ from model_factory import make_tiny_hf_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from spec_costs import install_oracle  # noqa: E402 (the benchmarks' perfect drafts, e2e_cuda.py's too)
+from cost_round import install_oracle  # noqa: E402 (the benchmarks' perfect drafts, cuda_e2e.py's too)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_adaptive_lengths_down_the_chain_keep_full_depths_tokens(tiny, verify_ah
 
 @pytest.mark.parametrize("verify_ahead", [False, True])
 def test_perfect_drafts_go_down_the_chain(tiny, verify_ahead, monkeypatch):
-    """Drafts replaced by full depth's own tokens (spec_costs.install_oracle, which replaces a
+    """Drafts replaced by full depth's own tokens (cost_round.install_oracle, which replaces a
     chain's drafts on the device, where a verify pass launched behind it reads them): every draft
     accepted, full depth's tokens, and the rounds' later passes chained."""
     path, hf = tiny

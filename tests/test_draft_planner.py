@@ -169,7 +169,7 @@ def test_verify_rows_that_cost_a_step_each_never_pay():
 
 @pytest.mark.parametrize("acceptance", [(0.3, 0.5), (0.75, 0.9), (0.9, 0.95), (0.5, 0.3)])
 def test_the_choice_is_the_best_rate_at_the_costs_measured_on_a_cpu(acceptance):
-    # bench/spec_costs.py verify-rows on 2 Zen 4 cores, SmolLM2's Q4_1 file, exact kernel (ms)
+    # bench/cost_round.py verify-rows on 2 Zen 4 cores, SmolLM2's Q4_1 file, exact kernel (ms)
     costs = {1: 7.53, 2: 12.79, 3: 14.67, 4: 16.11, 5: 18.02}
     planner = _planner(costs.get, copy=2.22)
     for copy_passes in (False, True):

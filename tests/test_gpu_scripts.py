@@ -39,7 +39,7 @@ def test_e2e_with_every_section(tmp_path):
     """Decode (sampled, seeded) against eager and against an engine under --ab-env, piecewise graphs, and the
     exit section (static exits, softmax checks, LayerSkip drafts, a draft copy with and without perfect drafts)
     on a 4-layer shape."""
-    done = run_bench("e2e_cuda.py", "--device", "cpu", "--models", "tiny", "--exit-models", "tiny",
+    done = run_bench("cuda_e2e.py", "--device", "cpu", "--models", "tiny", "--exit-models", "tiny",
                      "--batch-sizes", "1", "2", "--max-tokens", "3", "--repeats", "1", "--piecewise", "--no-hf",
                      "--temperature", "1",
                      "--dtype", "float32", "--ab-env", "EECORE_LINEAR_KERNEL=gemv,EECORE_SILU_AND_MUL_KERNEL=fused",
@@ -79,7 +79,7 @@ def test_row_kernels(tmp_path):
 
 
 def test_host_overhead(tmp_path):
-    done = run_bench("host_overhead.py", "--batch-sizes", "1", "3", "--steps", "4", "--out-name", "smoke",
+    done = run_bench("cost_host.py", "--batch-sizes", "1", "3", "--steps", "4", "--out-name", "smoke",
                      results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = written(str(tmp_path), "smoke-*.json")["rows"]
@@ -88,7 +88,7 @@ def test_host_overhead(tmp_path):
 
 def test_host_overhead_of_speculation_rounds(tmp_path):
     """The stubbed rounds accept every draft: each timed round adds d + 1 tokens a sequence."""
-    done = run_bench("host_overhead.py", "--batch-sizes", "1", "3", "--steps", "4", "--speculate", "3",
+    done = run_bench("cost_host.py", "--batch-sizes", "1", "3", "--steps", "4", "--speculate", "3",
                      "--out-name", "smoke", results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = written(str(tmp_path), "smoke-*.json")["rows"]
@@ -99,7 +99,7 @@ def test_host_overhead_of_speculation_rounds(tmp_path):
 
 def test_host_overhead_of_the_gpu_preset_with_failing_drafts(tmp_path):
     """Every draft rejected: each sequence gains one token a step, drafting or planned out."""
-    done = run_bench("host_overhead.py", "--batch-sizes", "2", "--steps", "6", "--speculate", "3", "--gpu-preset",
+    done = run_bench("cost_host.py", "--batch-sizes", "2", "--steps", "6", "--speculate", "3", "--gpu-preset",
                      "--failing-drafts", "--out-name", "smoke", results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     result = written(str(tmp_path), "smoke-*.json")
@@ -110,7 +110,7 @@ def test_host_overhead_of_the_gpu_preset_with_failing_drafts(tmp_path):
 
 def test_host_overhead_of_the_gpu_preset_with_some_drafts_rejected(tmp_path):
     """--acceptance below 1: some verify rows disagree, so rounds bring fewer than d + 1 tokens."""
-    done = run_bench("host_overhead.py", "--batch-sizes", "4", "--steps", "8", "--speculate", "3", "--gpu-preset",
+    done = run_bench("cost_host.py", "--batch-sizes", "4", "--steps", "8", "--speculate", "3", "--gpu-preset",
                      "--acceptance", "0.5", "--out-name", "smoke", results=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     result = written(str(tmp_path), "smoke-*.json")

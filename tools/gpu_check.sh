@@ -9,7 +9,7 @@
 #   engine     tests/test_engine_cuda.py (CUDA graphs against eager included) and
 #              tests/test_fused_projections_engine.py
 #   sweep      bench/cuda_decode_sweep.py: every kernel against SDPA -> bench/results/<gpu>/
-#   e2e        bench/e2e_cuda.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
+#   e2e        bench/cuda_e2e.py (end-to-end decode against HF -> bench/results/<gpu>/<device>-e2e-*)
 #   profile    bench/cuda_step_profile.py: a decode step's kernels by time and the host's parts of a
 #              step, graphed (and eager with EECORE_PROFILE_EAGER=1)
 #   ncu        Nsight Compute on the decode kernel at the headline cell -> ncu-decode.txt
@@ -18,9 +18,9 @@
 #   rowk       bench/cuda_row_kernels.py: a layer's row kernels against their alternatives behind
 #              selectors, and PDL, per call inside a CUDA graph -> bench/results/<gpu>/<device>-row-kernels-*
 #   ncurow     Nsight Compute on linear's few-row kernels at Llama-1B's QKV -> ncu-linear-*-rows.txt
-#   bench      bench/bench_cuda.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
+#   bench      bench/cuda_ops.py (op benchmarks -> bench/results/<gpu>/<device>-<date>.*)
 #   real       the embedded SmolLM2 with its real weights: the exit-ready presets against full depth
-#              (bench/e2e_cuda.py --exit-ready-model; the model carried in two parts, below)
+#              (bench/cuda_e2e.py --exit-ready-model; the model carried in two parts, below)
 # Usage: EECORE_GPU_STEPS="build engine profile sweep" tools/gpu_check.sh
 #        tools/gpu_check.sh pack-site   (here, before the call) copies the `gguf` package, which the
 #        device image lacks and the GGUF ops' tests import, to .gpu_payload/site (1.4 MB, git-ignored);
@@ -32,11 +32,11 @@
 # Environment:
 #   EECORE_GPU_CHECK_SECONDS  the whole run's budget (default 470: one call of 8 minutes)
 #   EECORE_TEST_ARGS          extra pytest arguments for the test steps
-#   EECORE_E2E_ARGS           arguments for bench/e2e_cuda.py
+#   EECORE_E2E_ARGS           arguments for bench/cuda_e2e.py
 #   EECORE_PROFILE_ARGS       arguments for bench/cuda_step_profile.py (e.g. --exit-configs none static)
 #   EECORE_ROWK_ARGS          arguments for bench/cuda_row_kernels.py
 #   EECORE_SWEEP_ARGS         arguments for bench/cuda_decode_sweep.py
-#   EECORE_REAL_ARGS          arguments for the real step's bench/e2e_cuda.py (after its defaults)
+#   EECORE_REAL_ARGS          arguments for the real step's bench/cuda_e2e.py (after its defaults)
 #   EECORE_ATTN_FILTER        a pytest -k expression the attn step's cases must also match, e.g.
 #                             "decode_mma or auto" for the kernels a change touched (default: all)
 #   EECORE_NCU_KERNELS        kernels Nsight Compute profiles, as the sweep names them (default: decode_mma)
@@ -175,7 +175,7 @@ run_sweep() {
 
 run_e2e() {
   step "end-to-end decode against HF"
-  (cd bench && limited 200 "$PY" e2e_cuda.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
+  (cd bench && limited 200 "$PY" cuda_e2e.py ${EECORE_E2E_ARGS:-}) > "$WORK/e2e.txt" 2>&1 || status=1
   grep -E "batch|Error" "$WORK/e2e.txt" | tail -10 | tee -a "$LOGS/summary.txt"
 }
 run_profile() {
@@ -270,14 +270,14 @@ run_real() {
       && [ "$(sha256sum "$model.tmp" | cut -d' ' -f1)" = "$(cat .gpu_payload/model2/model.gguf.sha256)" ] \
       && mv "$model.tmp" "$model" || { echo "the model's parts do not join" | tee -a "$LOGS/summary.txt"; status=1; return; }
   fi
-  (cd bench && limited 300 "$PY" e2e_cuda.py --models --exit-models --exit-ready-model "../$model" --no-hf \
+  (cd bench && limited 300 "$PY" cuda_e2e.py --models --exit-models --exit-ready-model "../$model" --no-hf \
     --repeats 2 ${EECORE_REAL_ARGS:-}) > "$WORK/real.txt" 2>&1 || status=1
   grep -E "smollm2|Error|error" "$WORK/real.txt" | tail -30 | tee -a "$LOGS/summary.txt"
 }
 
 run_bench() {
   step "op benchmarks"
-  limited 60 "$PY" bench/bench_cuda.py --quick > "$WORK/bench.txt" 2>&1 || status=1
+  limited 60 "$PY" bench/cuda_ops.py --quick > "$WORK/bench.txt" 2>&1 || status=1
   tail -14 "$WORK/bench.txt" | tee -a "$LOGS/summary.txt"
 }
 

@@ -22,7 +22,7 @@
 #                               the log and the file into $OUT. Keep a call in flight all along: an idle
 #                               machine goes back after 30 s, and the run with it;
 #     exitready [ARGS...]       the exit-ready presets on the real weights against full depth on the GPU
-#                               (bench/e2e_cuda.py --exit-ready-model), batch 1, 8 and 64; parts 1-3 only;
+#                               (bench/cuda_e2e.py --exit-ready-model), batch 1, 8 and 64; parts 1-3 only;
 #     generate PROMPTS [ARGS...] on-policy data: the original model's greedy continuations of PROMPTS code
 #                               prompts, or of CODE code prompts and CHAT chat instructions when PROMPTS
 #                               is CODE+CHAT, and GENERAL everyday requests when it is CODE+CHAT+GENERAL
@@ -49,7 +49,7 @@
 #     with MINUTES what BUDGET left after generating, less 200 s;
 # then `collect`. The 20,000 prompts x 128 tokens took 110 s (the call's generate step 169 s), the
 # 2,897 steps of 32 x 512 tokens 284 s (~10 steps/s), and acceptance at d = 1-4 rose 6 points
-# (judged with bench/self_speculation.py on the CPU; docs/draft-layers-history.md has the figures).
+# (judged with bench/e2e_self_speculation.py on the CPU; docs/draft-layers-history.md has the figures).
 # The 200 s leave room for the collect call and the file's way back. Next: the held-out agreement
 # was flat over the run's last 600 steps (about 11 passes over the data), so the next run should
 # see more of it, and chat as well (the drafts pay on code, not on chat: docs/draft-layers-history.md's section
@@ -178,14 +178,14 @@ assemble() {
 }
 
 # exitready [ARGS...]: the exit-ready presets for a GPU on the real weights against their full depth
-# (bench/e2e_cuda.py --exit-ready-model: held-out code prompts, batch 1, 8 and 64, outputs compared);
-# needs parts 1-3 only. ARGS go to e2e_cuda.py.
+# (bench/cuda_e2e.py --exit-ready-model: held-out code prompts, batch 1, 8 and 64, outputs compared);
+# needs parts 1-3 only. ARGS go to cuda_e2e.py.
 exitready() {
   local out="${OUT:-/tmp}"
   assemble_model
   environment
   build "$out"
-  (cd bench && "$PY" e2e_cuda.py --models --exit-models --exit-ready-model "$PWD/../$PAYLOAD/work/model.gguf" \
+  (cd bench && "$PY" cuda_e2e.py --models --exit-models --exit-ready-model "$PWD/../$PAYLOAD/work/model.gguf" \
     --repeats 2 "$@") 2>&1 | grep -v "Writing model shards" | tee "$out/exit-ready-gpu.txt"
   cp bench/results/*/*-e2e-"$(date +%F)".json "$out/" 2>/dev/null || true
 }
@@ -264,5 +264,5 @@ case "${1:-}" in
   onpolicy) shift; onpolicy "$@" ;;
   collect) collect ;;
   exitready) shift; exitready "$@" ;;
-  *) echo "usage: $0 pack | receive | exitready [e2e_cuda args] | generate PROMPTS [args] | onpolicy BUDGET PROMPTS [trainer args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
+  *) echo "usage: $0 pack | receive | exitready [cuda_e2e args] | generate PROMPTS [args] | onpolicy BUDGET PROMPTS [trainer args] | train MINUTES [trainer args] | start MINUTES [trainer args] | collect"; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ prompt-lookup and copy drafts would have had accepted, round by round:
 Both stop a copy run at a token below the draft threshold (not drafted; its pass is paid). The
 lookup is eecore's own (eecore.text.ngram_index.NgramIndex). The speed column models a round's
 cost in one-row full-depth steps: a verify pass of r rows costs `--verify-costs`[r-1] and a copy
-pass `--copy-pass-cost` (defaults: `bench/spec_costs.py verify-rows` on 2 EPYC cores, 2026-11-25:
+pass `--copy-pass-cost` (defaults: `bench/cost_round.py verify-rows` on 2 EPYC cores, 2026-11-25:
 1-5 and 7 rows 1.00 1.08 1.12 1.17 1.22 and 1.51, 6 rows interpolated as 1.36, a one-row pass of
 the int8 copy's 8 layers 0.09; multi-row copy passes cost more); a copy's catch-up on the prompt
 is left out (both switches pay it once per sequence). Tokens per round are exact; the speed is

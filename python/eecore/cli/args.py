@@ -11,7 +11,7 @@ from eecore.speculative.presets import PRESETS
 
 
 def parse_min_acceptance(text: str):
-    """`--min-acceptance`: a number, or 'break-even' (shared with bench/self_speculation.py)."""
+    """`--min-acceptance`: a number, or 'break-even' (shared with bench/e2e_self_speculation.py)."""
     if text == "break-even":
         return text
     try:

@@ -10,7 +10,7 @@ from eecore import envs
 from eecore.cli.args import add_model_flags, build_llm
 
 # Serving defaults: latency over throughput. Each running sequence makes a CPU decode step longer
-# (bench/step_cost.py: on a 2-core Zen 3 a step of 12 rows costs 1.7-2.5x a step of 1, a step of
+# (bench/cost_step.py: on a 2-core Zen 3 a step of 12 rows costs 1.7-2.5x a step of 1, a step of
 # 32 rows 5-9x), so a bounded running batch keeps the inter-token latency within a few
 # single-stream steps while batching still pays; the token budget bounds the prefill work a step
 # carries beside the decodes. With prefix caching (a chat template's system prompt computed once),

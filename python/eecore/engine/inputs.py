@@ -97,7 +97,7 @@ class InputBuilder(StepPrediction):
 
         The host arrays are filled with whole-array numpy operations: on a GPU whose step is one
         graph replay, this is most of the host's share of the step, which the GPU waits out
-        (bench/host_overhead.py). The tensors returned are valid until the next `build`."""
+        (bench/cost_host.py). The tensors returned are valid until the next `build`."""
         prepared, self._prepared = self._prepared, None  # the next build uses it or no build does
         self._last_padded = None
         if prepared is not None and width == 1 and pad_tokens_to is None:

@@ -38,7 +38,7 @@ class StaticPass:
     records each (P, width)'s pass as a CUDA graph the first time it runs and replays it from then
     on. Subclasses say what the pass computes (`step`: only kernels on preallocated buffers,
     nothing that allocates, synchronizes or branches on data). `step` is what a graph records and
-    a replay repeats; a benchmark of the host's part of a step (bench/host_overhead.py) replaces it
+    a replay repeats; a benchmark of the host's part of a step (bench/cost_host.py) replaces it
     on an instance with a buffer that costs nothing."""
 
     def __init__(self, runner, max_batch: int, capture: bool, sizes: Optional[list[int]] = None):

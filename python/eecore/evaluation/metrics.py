@@ -3,7 +3,7 @@
 Definitions (the JSON fields of a result row):
 - early_exit_rate, mean_layers_per_token: over decoded tokens only. The first token of every
   output comes from the prefill, which always runs all L layers, so it is left out of both
-  (as bench/early_exit_sweep.py does). None when no output decoded a second token.
+  (as bench/e2e_early_exit.py does). None when no output decoded a second token.
 - token_agreement: over all prompts, the positions whose token equals full depth's token at that
   position, divided by the positions of the longer of the two outputs (a position only one output
   reaches disagrees). All generated tokens count, the first one too: it is what the user gets.

@@ -2,7 +2,7 @@
 
 For each strategy, the prompt set runs through the strategy's engine and through a full-depth
 engine, alternating, `repeats` times each: a burst of load on a shared machine then hits both
-alike (bench/early_exit_sweep.py's `measure_pair`). Throughput is tokens over the median time of
+alike (bench/e2e_early_exit.py's `measure_pair`). Throughput is tokens over the median time of
 the runs; the quality numbers compare the first run's outputs (eecore.evaluation.metrics).
 
 Both engines sit on one set of weights: `share_weights` builds a second LLM around the first one's

@@ -10,11 +10,11 @@ reading the weight, and each input row's outputs keep their bits whatever the ba
 - bf16: on an Intel Xeon (2 threads) SmolLM2-shaped projections from DRAM took 1.07x the dot
   kernel's time at 1 row, and 0.75x / 0.43x at 8 / 16 rows (csrc/linear/linear_amx_bf16.h). A whole
   bf16 SmolLM2 pass of 1 / 2 rows took 1.03x / 1.07x the dot kernel's time, of 5 rows 0.93x, and at
-  batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/spec_costs.py verify-rows); a prompt of
+  batch 8 one of 8 / 16 / 24 rows 0.80x / 0.56x / 0.49x (bench/cost_round.py verify-rows); a prompt of
   8 x 94 tokens took 1.03x oneDNN's bf16 GEMM's time.
 - int8: the draft copy of separate draft layers (csrc/linear/linear_amx_int8.h); its 8 layers at
   1 / 8 / 16 / 94 rows took 0.96x / 0.53x / 0.38x / 0.37x the int16 x int8 dot kernel's time
-  (bench/linear_rows.py, weights in the last-level cache), and six copies with their heads cycled
+  (bench/ops_linear_rows.py, weights in the last-level cache), and six copies with their heads cycled
   (216 MB) 1.10x / 0.90x / 0.57x / 0.34x. A batch-8 pass of the copy's 8 layers and head at one row
   a sequence went from 4.3 to 2.3 ms.
 

@@ -15,7 +15,7 @@ needs no calibration of the draft's probabilities. Cutting a doubtful sequence t
 outright cost code tokens in its hard stretches, where chains after a sure first draft still pay
 (the preset ran 0.94x on code that way), so a first draft at least `a` sure keeps its chain. With
 a = 0.5 the replay gives 1.89x on code, 1.06x on chat and 1.02x on everyday requests, and the
-layer preset, measured against itself without the rule (bench/ab.py configs, 2 Zen 3 cores), ran
+layer preset, measured against itself without the rule (bench/e2e_ab.py configs, 2 Zen 3 cores), ran
 1.05x faster on code, 1.05x on chat and 1.11x on everyday requests, with the same outputs.
 
 A round counts when the sequence was allowed to draft with the layers; a draft the threshold dropped

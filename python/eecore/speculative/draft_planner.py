@@ -2,7 +2,7 @@
 
 A round pays only when it emits more tokens per second than a plain step, and what its passes
 cost depends on the weights and the hardware more than on the drafts. On 2 Zen 4 cores with
-SmolLM2-135M (bench/spec_costs.py verify-rows), a full-depth pass over 2 / 5 rows costs 1.70 / 2.39
+SmolLM2-135M (bench/cost_round.py verify-rows), a full-depth pass over 2 / 5 rows costs 1.70 / 2.39
 one-row passes on the Q4_1 file's exact kernel (fp32 products: arithmetic-bound past one row),
 1.06 / 1.51 with 8-bit activations and about 1.1 / 1.2 on dequantized fp32 weights; a pass of the
 exit-ready draft copy costs 0.29-0.42 of a step. No fixed draft length suits all three: d = 4

@@ -20,7 +20,7 @@ prompt), so
 and the ratios against R = 1 say whether any max-num-seqs / token budget can meet "throughput at
 32 clients >= 4x one client" together with "p99 ITL <= 3x one client".
 
-    python bench/step_cost.py [--threads 1 2] [--rows 1 2 4 8 12 16 24 32] [--rounds 3] [--prompt-tokens P]
+    python bench/cost_step.py [--threads 1 2] [--rows 1 2 4 8 12 16 24 32] [--rounds 3] [--prompt-tokens P]
 
 writes bench/results/<machine>/step_cost-<date>.{json,md}.
 """
@@ -183,7 +183,7 @@ def main():
 
 def _markdown(payload: dict, args) -> str:
     lines = [f"# Engine step cost against batch size ({cpu_model()}, {os.cpu_count()} cores)", "",
-             f"Reproduce: `python bench/step_cost.py --threads {' '.join(map(str, args.threads))} "
+             f"Reproduce: `python bench/cost_step.py --threads {' '.join(map(str, args.threads))} "
              f"--rows {' '.join(map(str, args.rows))} --rounds {args.rounds}`", "",
              f"SmolLM2-135M fp32, full depth. Load average before / after: {payload['load_average']}. "
              f"Serving model: {payload['prompt_tokens']:.0f} prompt tokens per {payload['gen_tokens']} generated "

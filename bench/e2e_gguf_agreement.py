@@ -20,8 +20,8 @@ logit gap between its token and the engine's (from its top-`--top-logprobs` log-
 gap below 0.1 is a near tie, a larger one a real error; past the top-k it is a lower bound).
 Also the same measures between eecore q8 and llama.cpp.
 
-    python bench/gguf_agreement.py [--code 16] [--everyday 16] [--max-tokens 64] [--threads 2]
-    python bench/gguf_agreement.py --code 32 --everyday 32 --out-name gguf-agreement-64
+    python bench/e2e_gguf_agreement.py [--code 16] [--everyday 16] [--max-tokens 64] [--threads 2]
+    python bench/e2e_gguf_agreement.py --code 32 --everyday 32 --out-name gguf-agreement-64
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ AMX-INT8 tiles (eecore.models.amx_weights), it also times the copy's int8 layers
 weights (the dot kernel) against their tiles, by rows and for the catch-up, in the dtype
 `--int8-input-dtype`.
 
-    python bench/linear_rows.py [--rows 1 4 8 12 16 24] [--cached-layers 4] [--catch-up-rows 100 752]
+    python bench/ops_linear_rows.py [--rows 1 4 8 12 16 24] [--cached-layers 4] [--catch-up-rows 100 752]
                                 [--int8-input-dtype bfloat16] [--out-name linear-rows]
 
 writes bench/results/<machine>/<out-name>-<date>.json.

@@ -6,7 +6,7 @@ its time goes to the other instructions it issues (docs/gguf.md: where linear_gg
 
 Needs AVX512-VNNI and a C++ compiler (the loop is built here with torch's load_inline).
 
-    python bench/vector_peak.py [--threads 2] [--seconds 1]
+    python bench/ops_vector_peak.py [--threads 2] [--seconds 1]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Decode attention on a CPU is bound by that arithmetic rather than by the cache's
 multiply-add rate is the figure to compare across builds (`PYTHONPATH=<checkout>/python`), run
 alternately on one machine:
 
-    python bench/attention_rows.py [--dtypes float32 bfloat16] [--repeats 300] [--out-name attention-rows]
+    python bench/ops_attention_rows.py [--dtypes float32 bfloat16] [--repeats 300] [--out-name attention-rows]
 
 writes bench/results/<machine>/<out-name>-<date>.json.
 """

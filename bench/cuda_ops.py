@@ -2,8 +2,8 @@
 
 Run on a GPU machine, from the repository root, after building the extension:
 
-    PYTHONPATH=python python bench/bench_cuda.py            # full sizes
-    PYTHONPATH=python python bench/bench_cuda.py --quick    # fewer iterations
+    PYTHONPATH=python python bench/cuda_ops.py            # full sizes
+    PYTHONPATH=python python bench/cuda_ops.py --quick    # fewer iterations
 
 It measures, in one process so that every ratio compares numbers taken side by side:
   * device-to-device copy bandwidth (the roofline the attention decode is held to);
@@ -176,7 +176,7 @@ def main() -> None:
                         help="directory for the .json and .md results (default: bench/results/<gpu>)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_cuda.py needs a CUDA device")
+        raise SystemExit("cuda_ops.py needs a CUDA device")
     from eecore import _C, ops  # noqa: F401  (imported here so --help works without a build)
     from common import RESULTS_DIR, device_folder, device_slug
 

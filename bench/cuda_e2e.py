@@ -1,7 +1,7 @@
 """Full-depth decode throughput on CUDA: eecore against HF transformers' `generate`, on random
 weights of real model shapes (nothing is downloaded; decode speed does not depend on the values).
 
-    PYTHONPATH=python python bench/e2e_cuda.py [--models smollm2-135m llama-3.2-1b]
+    PYTHONPATH=python python bench/cuda_e2e.py [--models smollm2-135m llama-3.2-1b]
         [--batch-sizes 1 8 64] [--max-tokens 128] [--dtype bfloat16] [--repeats 3]
         [--exit-models llama-3.2-1b] [--num-speculations 3] [--exit-configs TEXT ...] [--exit-ready-model GGUF]
         [--exit-ready-prompts code everyday] [--piecewise]
@@ -35,7 +35,7 @@ tools/gpu_train_exit_ready.sh), the exit-ready presets for a GPU (`SelfSpeculati
 preset, device="cuda")` with the shipped draft layers) run against that model's full depth on
 held-out prompts (--exit-ready-prompts: code, and "everyday" chat requests), at every batch size:
 real weights, real acceptance. --exit-configs filters these rows too. Writes
-bench/results/<gpu>/<device>-e2e-<date>.json (bench_cuda.py names both).
+bench/results/<gpu>/<device>-e2e-<date>.json (cuda_ops.py names both).
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu only to check the script itself")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("e2e_cuda.py needs a CUDA device")
+        raise SystemExit("cuda_e2e.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
     variants = {text: dict(item.split("=", 1) for item in text.split(",") if item) for text in args.ab_env}
 

@@ -18,7 +18,7 @@ bursts of load on a shared machine hit them alike; the table reports the median 
 configuration over the whole prompt set, its tok/s and its ratios to HF and to economize, and
 whether its tokens equal HF's greedy tokens (eecore full depth's without `hf`).
 
-    python bench/prompt_lookup_vs_economize.py [--num-prompts 8] [--max-tokens 64] [--repeats 3]
+    python bench/e2e_prompt_lookup.py [--num-prompts 8] [--max-tokens 64] [--repeats 3]
         [--num-speculations 4] [--min-ngram 1] [--max-ngram 3] [--exit-layer 12] [--layer-speculations D]
         [--exit-adapter [FILE]] [--exit-ready]
         [--economize-match earliest|latest] [--configs hf economize full lookup hybrid] [--out-name NAME]

@@ -1,12 +1,12 @@
 """The cost model of a self-speculation round on the machine at hand (CPU), in three parts:
 
-    python bench/spec_costs.py round [--exit-adapter [FILE]] [--exit-layer 8] [--num-speculations 2]
+    python bench/cost_round.py round [--exit-adapter [FILE]] [--exit-layer 8] [--num-speculations 2]
         [--prompts 4] [--batch 1] [--draft-layers shared|separate] [--draft-dtype int8]
         [--dtype float32|bfloat16] [--max-tokens 64] [--repeats 2]
-    python bench/spec_costs.py verify-rows [--batch 1] [--rows 1 2 3 4 5 7 9 13] [--dtype float32]
+    python bench/cost_round.py verify-rows [--batch 1] [--rows 1 2 3 4 5 7 9 13] [--dtype float32]
         [--draft-dtype bfloat16] [--exit-layer 8] [--context 100] [--repeats 15]
         [--tokens-per-round 1.67 2.15 2.55 2.9] [--out-name NAME]
-    python bench/spec_costs.py oracle [--batch-sizes 1 8] [--drafts 1 2 4] [--prompts code]
+    python bench/cost_round.py oracle [--batch-sizes 1 8] [--drafts 1 2 4] [--prompts code]
         [--num-prompts 8] [--max-tokens 64] [--repeats 2] [--out-name NAME]
 
 `round`: where a round's time goes. The draft passes, the verify pass and the acceptance are timed
@@ -49,12 +49,13 @@ drafts, and `perfect`, the same passes of the copy with each of its drafts then 
 token full depth emits there, so every draft is accepted while the copy's cost stays. `perfect` is
 the most any training of the copy can give at that d and batch on this CPU; a `perfect` row below
 a goal says that no draft file can reach it here. Each configuration alternates with full depth
-group by group (bench/self_speculation.py's `alternate`); ratios are of the medians, `decode`
+group by group (bench/e2e_self_speculation.py's `alternate`); ratios are of the medians, `decode`
 leaves out the prefill both share. Writes <out-name>-<date>.json (default oracle-drafts).
 
-Results go to bench/results/<machine>/. Older docs and results name the three parts
-`bench/spec_round_cost.py` (now `round`), `bench/verify_row_cost.py` (`verify-rows`) and
-`bench/oracle_drafts.py` (`oracle`), with the same options.
+Results go to bench/results/<machine>/. Older docs and results name this script
+`bench/spec_costs.py`, and before that its three parts `bench/spec_round_cost.py` (now `round`),
+`bench/verify_row_cost.py` (`verify-rows`) and `bench/oracle_drafts.py` (`oracle`), with the same
+options.
 """
 from __future__ import annotations
 
@@ -302,7 +303,7 @@ def replace_chain(proposer, seqs, drafted: list[int], length: int, continuations
 
 
 def oracle(args) -> None:
-    from self_speculation import alternate
+    from e2e_self_speculation import alternate
 
     if args.num_prompts < max(args.batch_sizes):
         raise SystemExit(f"--num-prompts must be at least the largest batch size ({max(args.batch_sizes)}), "
@@ -355,7 +356,7 @@ def oracle(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 epilog="`python bench/spec_costs.py PART --help` lists each part's options")
+                                 epilog="`python bench/cost_round.py PART --help` lists each part's options")
     parts = ap.add_subparsers(dest="part", required=True)
 
     p = parts.add_parser("round", help="where a round's time goes (prints only)")

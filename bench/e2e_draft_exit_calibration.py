@@ -11,7 +11,7 @@ the same record (a smaller tolerance fails no later in the fixed sequence). The 
 prompts, never seen by the calibration, then run at each threshold found: their mean ROUGE-L loss,
 the share of tokens that exit, and the speed against full depth (prompt by prompt, alternated).
 
-    python bench/calibrate_draft_exits.py [--kinds code everyday] [--calibrate 32] [--evaluate 16]
+    python bench/e2e_draft_exit_calibration.py [--kinds code everyday] [--calibrate 32] [--evaluate 16]
         [--tolerances 0.05 0.1 0.2 0.3] [--epsilon 0.1] [--max-tokens 64] [--step 0.05] [--out-name NAME]
 
 writes bench/results/<machine>/<NAME, default calibrated-draft-exits>-<date>.json, and .png: speed

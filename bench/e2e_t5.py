@@ -6,7 +6,7 @@ HF has no early exit for T5, so a static-exit row is compared twice: with HF at 
 user of HF would run) and with HF on a copy whose decoder keeps only the first E layers (the same
 layer work as the exit, minus eecore's K/V fill of the skipped layers, so the fairest HF figure).
 
-    python bench/t5_vs_hf.py [--models small base] [--batch-sizes 1 8] [--max-tokens 64]
+    python bench/e2e_t5.py [--models small base] [--batch-sizes 1 8] [--max-tokens 64]
                              [--prompt-len 48] [--repeats 3] [--out-name NAME]
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What drawing the tokens costs: `Sampler.sample` per step, by batch size and sampling parameters.
 
-    PYTHONPATH=python python bench/sampling.py [--vocab 49152] [--batch-sizes 1 8 64]
+    PYTHONPATH=python python bench/ops_sampling.py [--vocab 49152] [--batch-sizes 1 8 64]
         [--baseline OTHER_SAMPLER.py] [--repeats 20] [--out-name NAME]
-    PYTHONPATH=python python bench/sampling.py --model [PATH] [--baseline OTHER_SAMPLER.py]
+    PYTHONPATH=python python bench/ops_sampling.py --model [PATH] [--baseline OTHER_SAMPLER.py]
 
 Every row of a step samples with the same parameters: greedy (the reference point), temperature 1,
 temperature 0.8 with top-p 0.95, and with top-k 50. The logits are shaped like a language model's

@@ -8,7 +8,7 @@ at which a round would break even with full depth when decode is bound by readin
 (eecore.speculative.guard.break_even_acceptance: every draft pass re-reads layers 0..E-1 and
 the LM head).
 
-    python bench/self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
+    python bench/e2e_self_speculation.py [--max-tokens 64] [--exit-layers 6 12 18 24] [--drafts 2 4 6]
                                      [--draft-thresholds none 0.6] [--min-acceptance A] [--repeats 3]
                                      [--draft layer|lookup|hybrid] [--layer-speculations D]
                                      [--hybrid-switch round|token] [--lookup-ngrams MIN MAX]

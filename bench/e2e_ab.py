@@ -2,9 +2,9 @@
 prompts, alternated in ABBA order so that a noisy machine's phases (this VM's memory bandwidth
 swings 30-60 GB/s for minutes at a time) hit both alike.
 
-    python bench/ab.py configs --a "FLAGS" --b "FLAGS" [--prompts code] [--num-prompts 8]
+    python bench/e2e_ab.py configs --a "FLAGS" --b "FLAGS" [--prompts code] [--num-prompts 8]
         [--max-tokens 64] [--repeats 3] [--out-name config-ab]
-    python bench/ab.py builds --a CHECKOUT --b CHECKOUT [--flags "--exit-ready layer"]
+    python bench/e2e_ab.py builds --a CHECKOUT --b CHECKOUT [--flags "--exit-ready layer"]
         [--base-flags "--dtype bfloat16"] [--pairs 4] [--prompts code] [--num-prompts 8]
         [--max-tokens 64] [--out-name build-ab]
 
@@ -20,7 +20,7 @@ than the change. Each build is a source checkout with its extension built in pla
 commit before a change in a git worktree:
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python setup.py build_ext --inplace)
-    python bench/ab.py builds --a /tmp/before --b . --flags "--exit-ready layer"
+    python bench/e2e_ab.py builds --a /tmp/before --b . --flags "--exit-ready layer"
 
 One process per build at a time, alternated ABBA pair by pair; each process times full depth
 (`--base-flags`), then the configuration (`--base-flags` and `--flags`), over the prompts one at a
@@ -28,8 +28,8 @@ time. Prints, per pair, B's time over A's for both, and each build's speed-up ov
 depth; their medians are the figures to quote.
 
 Both write bench/results/<machine>/<out-name>-<date>.json with every timing. Older docs and
-results name the two modes `bench/config_ab.py ARGS` (now `ab.py configs ARGS`) and
-`bench/build_ab.py ARGS` (now `ab.py builds ARGS`).
+results name this script `bench/ab.py`, and before that its two modes `bench/config_ab.py ARGS`
+(now `e2e_ab.py configs ARGS`) and `bench/build_ab.py ARGS` (now `e2e_ab.py builds ARGS`).
 """
 from __future__ import annotations
 
@@ -150,11 +150,11 @@ def run_build(checkout: str, args) -> dict:
            "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"ab.py builds: the run of {checkout} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"e2e_ab.py builds: the run of {checkout} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     expected = os.path.join(os.path.abspath(checkout), "python", "eecore", "__init__.py")
     if os.path.realpath(result["eecore"]) != os.path.realpath(expected):
-        raise SystemExit(f"ab.py builds: {checkout} ran {result['eecore']}, not its own eecore (is it installed "
+        raise SystemExit(f"e2e_ab.py builds: {checkout} ran {result['eecore']}, not its own eecore (is it installed "
                          f"non-editable? its extension built in place?)")
     return result
 
@@ -186,7 +186,7 @@ def run_builds(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="`python bench/ab.py MODE --help` lists each mode's options")
+                                 epilog="`python bench/e2e_ab.py MODE --help` lists each mode's options")
     modes = ap.add_subparsers(dest="mode", required=True)
     workload = argparse.ArgumentParser(add_help=False)  # what both modes run
     workload.add_argument("--prompts", choices=PROMPT_KINDS, default="code")

@@ -10,7 +10,7 @@ does (eecore.evaluation.strategies.evaluate_strategy): on held-out prompts disjo
 alternating with full depth on the same weights, at the given batch size, where the rule "all"
 (the batch exits together) and "compact" (each row leaves on its own) differ.
 
-    python bench/calibration_tradeoff.py [--exit-adapter [FILE]] [--tolerances 0.05 0.1 0.2]
+    python bench/e2e_calibration.py [--exit-adapter [FILE]] [--tolerances 0.05 0.1 0.2]
         [--epsilon 0.1] [--measures softmax cosine classifier] [--num-calibration 100]
         [--num-eval 16] [--batch-size 8] [--max-tokens 64] [--repeats 3] [--out-name NAME]
 
@@ -35,7 +35,7 @@ from common import cpu_model, ensure_classifier, save_results
 
 
 # Where each measure is checked on the original model: the early-exit sweep's choices
-# (bench/early_exit_sweep.py). A softmax check reads the whole LM head, 21% of the model's bytes,
+# (bench/e2e_early_exit.py). A softmax check reads the whole LM head, 21% of the model's bytes,
 # so it runs every third layer from the middle on; cosine and the classifier are cheap.
 CHECKS = {"softmax": dict(min_exit_layer=12, check_every=3),
           "cosine": dict(min_exit_layer=8, check_every=1),
@@ -56,7 +56,7 @@ def checks_for(measure: str, adapters) -> dict:
     if adapters is not None:  # only the adapter layers are checked
         return dict(min_exit_layer=min(adapters.exit_layers()), check_every=1)
     if measure not in CHECKS:
-        raise SystemExit(f"calibration_tradeoff.py: measure {measure!r} needs --exit-adapter (its shipped "
+        raise SystemExit(f"e2e_calibration.py: measure {measure!r} needs --exit-adapter (its shipped "
                          f"decision file is fit for the shipped exit adapters)")
     return CHECKS[measure]
 

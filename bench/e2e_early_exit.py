@@ -12,7 +12,7 @@ For each configuration it reports:
 - wasted layers per token (rule "all"), and ROUGE-L against the full model's output ("To Full").
 A threshold of 1.0 never exits: those rows measure the pure cost of the checks.
 
-    python bench/early_exit_sweep.py [--max-tokens 64] [--batch-sizes 1 8] [--repeats 3] [--quick]
+    python bench/e2e_early_exit.py [--max-tokens 64] [--batch-sizes 1 8] [--repeats 3] [--quick]
                                      [--prompts chat|code] [--exit-adapter [FILE]] [--out-name NAME]
 writes bench/results/<machine>/cpu-early-exit-<date>.{json,png}. With `--exit-adapter` (the shipped adapters
 without FILE) exiting tokens read through the exit adapters: the sweep is then static exits at the

@@ -6,7 +6,7 @@ loading the same GGUF file and generating 8 tokens.
 Each command runs `--repeats` times in a fresh process, alternated; the table gives the median wall
 time and the median peak RSS (the child's ru_maxrss), and the file's size for scale.
 
-    python bench/startup.py [--repeats 3]
+    python bench/e2e_startup.py [--repeats 3]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The host's share of a decode step: everything a step costs besides the model's kernels.
 
-    PYTHONPATH=python python bench/host_overhead.py [--batch-sizes 1 8 64 256] [--steps 128]
+    PYTHONPATH=python python bench/cost_host.py [--batch-sizes 1 8 64 256] [--steps 128]
         [--context 64] [--text] [--speculate D] [--out-name NAME]
 
 On a GPU a full-depth decode step is one CUDA graph replay, and the host's work around it

@@ -11,7 +11,7 @@ on the repacked weights, EECORE_GGUF_ACTIVATIONS=q8's kernel).
 `--layers 1` keeps the weights in cache (one layer's projections, 2-4 MB): the kernels' arithmetic
 rate without the memory stream.
 
-    python bench/linear_gguf.py [--rows 1 4 5 8] [--types Q4_1 Q8_0 Q4_0 Q4_K Q6_K] [--threads 2] [--layers 30]
+    python bench/ops_linear_gguf.py [--rows 1 4 5 8] [--types Q4_1 Q8_0 Q4_0 Q4_K Q6_K] [--threads 2] [--layers 30]
                                 [--out-name linear-gguf]
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ tokens are compared with its own fp32 dequantized model's on the same file. "q8 
 eecore with EECORE_GGUF_ACTIVATIONS=q8 (its Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrices with 8-bit
 activations).
 
-    python bench/gguf_decode.py [--max-tokens 128] [--repeats 3] [--formats Q4_1 Q8_0 Q4_K_M] [--out-name NAME]
+    python bench/e2e_gguf.py [--max-tokens 128] [--repeats 3] [--formats Q4_1 Q8_0 Q4_K_M] [--out-name NAME]
 """
 from __future__ import annotations
 
