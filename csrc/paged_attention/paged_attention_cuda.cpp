@@ -5,11 +5,32 @@
 #include <optional>
 
 #include "common/cuda_glue.h"
+#include "eecore/batch_invariant.h"
 #include "eecore/launch/paged_attention.h"
+#include "eecore/switches.h"
 #include "paged_attention/paged_attention_checks.h"
 
 namespace eecore {
 namespace {
+
+// The launcher's kernel choices from the environment's switches, read at every call: tests and
+// benchmarks switch them within one process.
+cuda::PagedAttentionChoices choices_from_switches() {
+  using namespace switches;
+  cuda::PagedAttentionChoices c;
+  if (is(kPagedAttentionKernel, "rows")) c.forced_kernel = static_cast<int32_t>(cuda::PagedAttentionKernel::kRows);
+  if (is(kPagedAttentionKernel, "mma")) c.forced_kernel = static_cast<int32_t>(cuda::PagedAttentionKernel::kMma);
+  if (is(kPagedAttentionKernel, "decode")) c.forced_kernel = static_cast<int32_t>(cuda::PagedAttentionKernel::kDecode);
+  if (is(kPagedAttentionKernel, "decode_mma")) {
+    c.forced_kernel = static_cast<int32_t>(cuda::PagedAttentionKernel::kDecodeMma);
+  }
+  c.min_split_tokens = static_cast<int32_t>(integer(kDecodeMinSplitTokens, c.min_split_tokens, 16, 4096));
+  c.decode_mma_stages = static_cast<int32_t>(integer(kDecodeMmaStages, 0, 2, 4));
+  if (value(kDecodeMmaLdmatrix) != nullptr) c.decode_mma_version = is(kDecodeMmaLdmatrix, "0") ? 1 : 2;
+  c.decode_mma_v2_flags = static_cast<int32_t>(integer(kDecodeMmaV2Flags, -1, 0, 0xffff));
+  c.batch_invariant = batch_invariant_enabled();
+  return c;
+}
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -35,6 +56,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   const bool has_bias = position_bias.has_value() && position_bias->defined();
 
   cuda::PagedAttentionParams p{};
+  p.choices = choices_from_switches();
   p.out = out.data_ptr();
   p.query = query.const_data_ptr();
   p.k_cache = k_cache.const_data_ptr();

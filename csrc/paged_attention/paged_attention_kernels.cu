@@ -175,25 +175,25 @@ inline int64_t decode_mma_row_blocks(const PagedAttentionParams& p) {
 // flight per warp (D <= 64, where two such CTAs still fit an SM's shared memory: 50% more bytes in
 // flight per SM than three stages).
 inline int decode_mma_stages(const PagedAttentionParams& p) {
-  using namespace switches;
-  if (is(kDecodeMmaStages, "2") && decode_mma_m_tiles(p) == 1 && decode_mma_head_dim(p.head_dim) <= 128) return 2;
-  if (is(kDecodeMmaStages, "4") && decode_mma_head_dim(p.head_dim) == 64) return 4;
+  const int stages = p.choices.decode_mma_stages;
+  if (stages == 2 && decode_mma_m_tiles(p) == 1 && decode_mma_head_dim(p.head_dim) <= 128) return 2;
+  if (stages == 4 && decode_mma_head_dim(p.head_dim) == 64) return 4;
   return attention::decode_mma::kDefaultStages;
 }
 
 // EECORE_DECODE_MMA_LDMATRIX=1 / 0: decode_mma v2 (ldmatrix fragments and the changes
 // EECORE_DECODE_MMA_V2_FLAGS selects) or its first version (unset: attention::decode_mma::kDefaultLdmatrix).
-inline bool decode_mma_ldmatrix() {
-  if (switches::value(switches::kDecodeMmaLdmatrix) == nullptr) return attention::decode_mma::kDefaultLdmatrix;
-  return !switches::is(switches::kDecodeMmaLdmatrix, "0");
+inline bool decode_mma_ldmatrix(const PagedAttentionParams& p) {
+  const int32_t version = p.choices.decode_mma_version;
+  return version == 0 ? attention::decode_mma::kDefaultLdmatrix : version == 2;
 }
 
 // EECORE_DECODE_MMA_V2_FLAGS: which of v2's changes run (attention::decode_mma::kWholeTileCopy | ...;
 // default kDefaultV2Flags), so that each can be timed alone.
-inline int32_t decode_mma_v2_flags() {
+inline int32_t decode_mma_v2_flags(const PagedAttentionParams& p) {
   namespace dm = attention::decode_mma;
-  const long flags = switches::integer(switches::kDecodeMmaV2Flags, dm::kDefaultV2Flags, 0, 0xffff);
-  return static_cast<int32_t>(flags) & dm::kKnownV2Flags;
+  const int32_t flags = p.choices.decode_mma_v2_flags;
+  return (flags < 0 ? dm::kDefaultV2Flags : flags) & dm::kKnownV2Flags;
 }
 
 inline int64_t decode_mma_ctas_per_sm(const PagedAttentionParams& p) {
@@ -219,10 +219,10 @@ cudaError_t launch_decode_mma_shape(const PagedAttentionParams& p, const PagedAt
                                     cudaStream_t stream) {
   using Shape = attention::decode_mma::Shape<kHeadDim, kMTiles, kStages>;
   namespace dm = attention::decode_mma;
-  const int32_t flags = decode_mma_v2_flags();
+  const int32_t flags = decode_mma_v2_flags(p);
   // v2 with the default flags runs the kernel compiled for them (a third smaller); other flags, for
   // timing each change alone, the one that reads them at run time
-  auto kernel = !decode_mma_ldmatrix() ? dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, false>
+  auto kernel = !decode_mma_ldmatrix(p) ? dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, false>
                 : flags == dm::kDefaultV2Flags
                     ? dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, true, dm::kDefaultV2Flags>
                     : dm::paged_attention_decode_mma_kernel<T, kHeadDim, kMTiles, kStages, true>;
@@ -253,33 +253,18 @@ cudaError_t launch_decode_mma(const PagedAttentionParams& p, const PagedAttentio
 
 // ---- planning ----------------------------------------------------------------------------------
 
-// EECORE_PAGED_ATTENTION_KERNEL=decode|decode_mma|mma|rows forces a kernel wherever it applies (benchmarks
-// and tests compare them on identical inputs); unset, empty or "auto" lets the planner choose.
-// Read on every call (eecore/switches.h): tests switch it within one process.
-inline int forced_kernel() {
-  using namespace switches;
-  if (is(kPagedAttentionKernel, "rows")) return static_cast<int>(PagedAttentionKernel::kRows);
-  if (is(kPagedAttentionKernel, "mma")) return static_cast<int>(PagedAttentionKernel::kMma);
-  if (is(kPagedAttentionKernel, "decode")) return static_cast<int>(PagedAttentionKernel::kDecode);
-  if (is(kPagedAttentionKernel, "decode_mma")) return static_cast<int>(PagedAttentionKernel::kDecodeMma);
-  return -1;
-}
-
-// The shortest context split the decode kernels' planner makes: 256 keys, or
-// EECORE_DECODE_MIN_SPLIT_TOKENS (16-4096), for timing shorter ones. A small grid's CTA is slow on
-// its own keys: at B = 1, 8 KV heads and 256 keys an H200 ran decode_mma's 8 CTAs for 17-19 us
-// (one warp a scheduler issuing every 10 cycles, the whole CTA's work one latency chain), against
-// SDPA's 7 us; shorter splits spread those keys over more CTAs, for a combine pass after them.
-inline int64_t min_split_tokens() { return switches::integer(switches::kDecodeMinSplitTokens, 256, 16, 4096); }
-
 // Context splits for a kernel whose natural grid has `ctas` CTAs, `slots` of which fit on the GPU
 // at once, each covering up to `max_context` keys. Models the time as waves of CTAs, each CTA
 // costing its keys plus a fixed overhead worth kOverheadKeys (q load, merge, the combine pass),
-// and takes the cheapest split count: more splits fill the GPU and even out the last wave.
-inline int64_t choose_splits(int64_t ctas, int64_t slots, int64_t max_context, int64_t tile) {
+// and takes the cheapest split count: more splits fill the GPU and even out the last wave. No split
+// is shorter than `min_split` keys (PagedAttentionChoices: 256, or EECORE_DECODE_MIN_SPLIT_TOKENS for
+// timing shorter ones): a small grid's CTA is slow on its own keys (at B = 1, 8 KV heads and 256 keys
+// an H200 ran decode_mma's 8 CTAs for 17-19 us, one warp a scheduler issuing every 10 cycles, against
+// SDPA's 7 us), and shorter splits spread those keys over more CTAs, for a combine pass after them.
+inline int64_t choose_splits(int64_t ctas, int64_t slots, int64_t max_context, int64_t tile, int64_t min_split) {
   constexpr int64_t kOverheadKeys = 256;
   constexpr int64_t kMaxSplits = 64;
-  const int64_t limit = std::min(kMaxSplits, std::max<int64_t>(1, ceil_div(max_context, min_split_tokens())));
+  const int64_t limit = std::min(kMaxSplits, std::max<int64_t>(1, ceil_div(max_context, std::max<int64_t>(min_split, 1))));
   int64_t best = 1;
   double best_cost = 0.0;
   for (int64_t s = 1; s <= limit; ++s) {
@@ -315,15 +300,15 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   const int64_t packed_rows = static_cast<int64_t>(p.max_query_len) * group;
   PagedAttentionKernel kernel = PagedAttentionKernel::kRows;
-  if (decode_ok && p.max_query_len == 1 && group == 1 && !decode_mma_ldmatrix()) kernel = PagedAttentionKernel::kDecode;
+  if (decode_ok && p.max_query_len == 1 && group == 1 && !decode_mma_ldmatrix(p)) kernel = PagedAttentionKernel::kDecode;
   else if (decode_mma_ok && packed_rows <= 16 * decode_mma_m_tiles(p)) kernel = PagedAttentionKernel::kDecodeMma;
   else if (mma_ok && p.max_query_len > 1) kernel = PagedAttentionKernel::kMma;
   // Batch invariance: one kernel for a sequence's decode step and its verify pass (its grid has a
   // row block per 16 or 32 packed rows, each row computed alone).
-  const bool invariant = batch_invariant_enabled();
+  const bool invariant = p.choices.batch_invariant;
   if (invariant && decode_mma_ok && p.max_query_len <= kBatchInvariantMaxQueryLen)
     kernel = PagedAttentionKernel::kDecodeMma;
-  const int forced = forced_kernel();
+  const int forced = p.choices.forced_kernel;
   if (forced == static_cast<int>(PagedAttentionKernel::kRows) ||
       (forced == static_cast<int>(PagedAttentionKernel::kMma) && mma_ok) ||
       (forced == static_cast<int>(PagedAttentionKernel::kDecode) && decode_ok) ||
@@ -339,11 +324,11 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p) {
     const DecodeShape shape = decode_shape(p);
     tile = shape.tile_keys;
     const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * decode_head_chunks(p);
-    splits = choose_splits(ctas, sms * shape.min_blocks, max_context, tile);
+    splits = choose_splits(ctas, sms * shape.min_blocks, max_context, tile, p.choices.min_split_tokens);
   } else if (kernel == PagedAttentionKernel::kDecodeMma) {
     tile = attention::decode_mma::kWarpKeys * attention::decode_mma::kWarps;
     const int64_t ctas = static_cast<int64_t>(p.num_seqs) * decode_mma_row_blocks(p) * p.num_kv_heads;
-    splits = choose_splits(ctas, sms * decode_mma_ctas_per_sm(p), max_context, tile);
+    splits = choose_splits(ctas, sms * decode_mma_ctas_per_sm(p), max_context, tile, p.choices.min_split_tokens);
   } else {
     // Split the context (flash-decoding) only when the natural grid leaves the GPU underfilled, and
     // never into splits shorter than a few tiles: the combine pass is not free.

@@ -25,6 +25,18 @@
 
 namespace eecore::cuda {
 
+// How the launcher chooses among its kernels, for timing one against another and for batch
+// invariance: the torch glue fills these from the environment's switches (eecore/switches.h), so
+// this layer reads none itself. The defaults are the planner's own choices.
+struct PagedAttentionChoices {
+  int32_t forced_kernel = -1;         // a PagedAttentionKernel to take wherever it applies; -1: the planner's
+  int32_t min_split_tokens = 256;     // the shortest context split the decode kernels' planner makes
+  int32_t decode_mma_stages = 0;      // 2 or 4 where the shape allows; else the default depth
+  int32_t decode_mma_version = 0;     // 1 or 2; 0: the default (attention::decode_mma::kDefaultLdmatrix)
+  int32_t decode_mma_v2_flags = -1;   // which of v2's changes run; -1: attention::decode_mma::kDefaultV2Flags
+  bool batch_invariant = false;       // see eecore/batch_invariant.h
+};
+
 struct PagedAttentionParams {
   void* out;                          // [Tq, Hq, D]
   const void* query;                  // [Tq, Hq, D]
@@ -56,6 +68,7 @@ struct PagedAttentionParams {
   float scale;
   bool causal;
   DType dtype;
+  PagedAttentionChoices choices;  // (value-initialized params get its defaults)
 };
 
 constexpr int32_t kPagedAttentionMaxHeadDim = 256;
@@ -69,8 +82,8 @@ struct PagedAttentionPlan {
   int64_t workspace_floats;  // fp32 workspace the launch needs (0 without splits)
 };
 
-// Decides kernel and split-K from the shapes alone (and the device's SM count).
-// EECORE_PAGED_ATTENTION_KERNEL=decode|decode_mma|mma|rows forces a kernel where it applies.
+// Decides kernel and split-K from the shapes alone (and the device's SM count); p.choices can force
+// a kernel where it applies (EECORE_PAGED_ATTENTION_KERNEL=decode|decode_mma|mma|rows, via the glue).
 PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p);
 
 // `workspace` must hold plan.workspace_floats floats on the same device (unused when 0).
