@@ -151,8 +151,9 @@ def test_api_key_covers_the_docs_and_401_says_how(tiny_path):
     with LiveServer(tiny_llm(tiny_path, num_blocks=32), api_key="k") as srv:
         r = httpx.get(f"{srv.url}/v1/models")
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        for route in ("/docs", "/redoc", "/openapi.json"):
-            assert httpx.get(f"{srv.url}{route}").status_code == 404, route
+        for route in ("/docs", "/redoc", "/openapi.json"):  # off, and behind the key like every other path
+            assert httpx.get(f"{srv.url}{route}").status_code == 401, route
+            assert httpx.get(f"{srv.url}{route}", headers={"Authorization": "Bearer k"}).status_code == 404, route
     with LiveServer(tiny_llm(tiny_path, num_blocks=32)) as srv:
         assert httpx.get(f"{srv.url}/openapi.json").status_code == 200
 

@@ -11,11 +11,10 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 from contextlib import asynccontextmanager
 from typing import Optional
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
@@ -24,7 +23,7 @@ from eecore.serve import responses as R
 from eecore.serve.async_engine import (AsyncEngine, EngineError, QueueFullError, RequestHandle,
                                        ShuttingDownError, SubRequest)
 from eecore.serve.metrics import CONTENT_TYPE
-from eecore.serve.http_errors import ASCIIJSONResponse, BodyLimit, add_error_handlers
+from eecore.serve.http_errors import APIKeyAuth, ASCIIJSONResponse, BodyLimit, add_error_handlers
 from eecore.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 logger = logging.getLogger("eecore.serve")
@@ -59,16 +58,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
     app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, default_response_class=ASCIIJSONResponse,
                   **docs)
     app.state.engine = engine
+    # middleware added last runs first: the key is checked from the headers before the body limit
+    # and before anything reads or parses the body
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyAuth, api_key=api_key)
     add_error_handlers(app)
 
-    async def check_api_key(authorization: Optional[str] = Header(None)):
-        expected = f"Bearer {api_key}".encode()
-        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
-            raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
+    v1 = APIRouter(prefix="/v1")
     service = _Service(engine, model_name)
 
     @v1.get("/models")

@@ -1,10 +1,12 @@
 """The HTTP edges of the server: every error in OpenAI's shape (`{"error": {...}}`, 4xx for anything a
-client sent), JSON that cannot fail to encode, and the request-body limit (413 before parsing)."""
+client sent), JSON that cannot fail to encode, the API key (checked from the headers, before the
+body is read) and the request-body limit (413 before parsing)."""
 from __future__ import annotations
 
 import json
 import logging
 import re
+import secrets
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -23,6 +25,46 @@ class ASCIIJSONResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+# ---- the API key ---------------------------------------------------------------------------------
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class APIKeyAuth:
+    """ASGI middleware, outside every other: with an API key, a request to any path but /health and
+    /metrics needs exactly one `Authorization: Bearer KEY` header. It is checked from the headers
+    alone, so a request without it gets its 401 before its body is read or parsed (the server
+    then discards the body as it arrives, without parsing it). Two Authorization headers are
+    refused, whatever they hold: proxies and frameworks disagree on which one counts."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        values = [value for name, value in scope.get("headers") or () if name.lower() == b"authorization"]
+        if len(values) == 1 and secrets.compare_digest(values[0], self.expected):
+            return await self.app(scope, receive, send)
+        if len(values) > 1:
+            message = f"{len(values)} Authorization headers: send exactly one, 'Authorization: Bearer <key>'"
+        else:
+            message = "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'"
+        await send_error(send, 401, error_body(message, "invalid_request_error", code="invalid_api_key"),
+                         headers=[(b"www-authenticate", b"Bearer")])
+
+
+async def send_error(send, status: int, body: dict, headers=(), close: bool = False) -> None:
+    """An error answered from ASGI middleware, outside FastAPI's handlers (same shape and encoding)."""
+    data = json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers]
+    if close:
+        head.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
 
 
 # ---- request size -------------------------------------------------------------------------------
@@ -56,12 +98,8 @@ class BodyLimit:
         await self.app(scope, counted_receive, send)
 
     async def _refuse(self, send) -> None:
-        exc = BodyTooLarge(self.max_bytes)
-        body = json.dumps(error_body(exc.detail, "invalid_request_error")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, error_body(BodyTooLarge(self.max_bytes).detail, "invalid_request_error"),
+                         close=True)
 
 
 class BodyTooLarge(StarletteHTTPException):
