@@ -7,6 +7,14 @@ engine or a tensor, and stays responsive while a step runs (torch releases the G
 Thread ownership: everything on `self.engine` is read and written by the engine thread only. The
 event loop hands it work through `_inbox` / `_aborts` under a lock and wakes it with an event;
 an idle engine thread sleeps on that event (no busy-spin).
+
+Fairness between requests: a request's sequences join the engine's queue a few at a time, in turn
+with every other request's, so that no request has more than `max_prefill_tokens_per_request` of
+its prompt tokens waiting or in prefill at once (at least one sequence). A request of 16 long
+prompts then holds about one prompt's prefill at a time, and a short request that arrives behind
+it is queued next to that one instead of behind all 16 (the scheduler shares each step's prefill
+budget between the prompts in its queue). The queue is bounded twice: `max_waiting` sequences and
+`max_waiting_tokens` prompt tokens (beyond either a request gets 503 with Retry-After).
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Union
 
@@ -59,6 +68,17 @@ class RequestHandle:
     request_id: int = field(default_factory=lambda: next(_request_ids))
     seqs: list[Sequence] = field(default_factory=list)   # set by the engine thread at admission
     aborted: bool = False
+    # engine thread only: the subrequests not yet in the engine's queue (fairness, see the module doc)
+    held: deque = field(default_factory=deque)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(sub.token_ids) for sub in self.subrequests)
+
+    def prefill_tokens_in_flight(self) -> int:
+        """Prompt tokens of its admitted sequences still waiting or in prefill (engine thread)."""
+        return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.seqs
+                   if not seq.is_finished)
 
     async def deltas(self) -> AsyncIterator[RequestDelta]:
         """Every delta of every choice, until all of them finished (an aborted choice ends with
@@ -74,18 +94,26 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    """Owns `llm.engine` from a background thread. `max_waiting` bounds the sequences that wait
-    for a place in the running batch (beyond it `add` raises QueueFullError)."""
+    """Owns `llm.engine` from a background thread. `max_waiting` bounds the sequences and
+    `max_waiting_tokens` the prompt tokens that wait for a place in the running batch (beyond
+    either `add` raises QueueFullError; default: 8 contexts' worth); `max_prefill_tokens_per_request`
+    bounds one request's prompt tokens waiting or in prefill at once (default: a step's token budget)."""
 
-    def __init__(self, llm, max_waiting: int = 256):
-        if not isinstance(max_waiting, int) or max_waiting < 1:
-            raise ValueError(f"AsyncEngine: 'max_waiting' must be a positive int, got {max_waiting!r}")
+    def __init__(self, llm, max_waiting: int = 256, max_waiting_tokens: Optional[int] = None,
+                 max_prefill_tokens_per_request: Optional[int] = None):
+        for name, value in (("max_waiting", max_waiting), ("max_waiting_tokens", max_waiting_tokens),
+                            ("max_prefill_tokens_per_request", max_prefill_tokens_per_request)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"AsyncEngine: '{name}' must be a positive int, got {value!r}")
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.num_layers = llm.model.num_layers
         self.max_waiting = max_waiting
+        self.max_waiting_tokens = max_waiting_tokens or 8 * self.max_model_len
+        self.max_prefill_tokens_per_request = \
+            max_prefill_tokens_per_request or self.engine.scheduler.max_num_batched_tokens
         self.metrics = ServerMetrics(self.engine.blocks.num_blocks, self.num_layers)
         self._tracker = DeltaTracker(self.engine)
         self._lock = threading.Lock()
@@ -95,6 +123,11 @@ class AsyncEngine:
         self._live: dict[int, RequestHandle] = {}          # engine thread only
         self._owner: dict[int, RequestHandle] = {}         # seq_id -> handle, engine thread only
         self._num_inbox_seqs = 0
+        self._num_inbox_tokens = 0
+        # what waits in the engine thread, held back or in the scheduler's queue (written by the
+        # engine thread after each pass, read by `add` as an estimate)
+        self._queued_seqs = 0
+        self._queued_tokens = 0
         self._failed_in_a_row = 0                          # engine thread only
         self._shutting_down = False
         self._stop = False
@@ -134,23 +167,35 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences not yet in the running batch (an estimate from outside the engine thread)."""
-        return self._num_inbox_seqs + len(self.engine.scheduler.waiting)
+        return self._num_inbox_seqs + self._queued_seqs
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Their prompt tokens (an estimate from outside the engine thread)."""
+        return self._num_inbox_tokens + self._queued_tokens
 
     def add(self, subrequests: list[SubRequest]) -> RequestHandle:
-        """Queues one request's sequences; they join the batch at the next step."""
+        """Queues one request's sequences; they join the batch in turn with other requests'."""
         if self._shutting_down:
             raise ShuttingDownError("the server is shutting down")
         if self._thread is None:
             raise RuntimeError("AsyncEngine: start() it first")
-        waiting = self.num_waiting
+        handle = RequestHandle(subrequests, asyncio.Queue())
+        with self._lock:  # (the engine thread moves the inbox's counts to the queue's under it)
+            waiting, tokens = self.num_waiting, self.num_waiting_tokens
         if waiting + len(subrequests) > self.max_waiting:
             self.metrics.rejected_overload.inc()
             raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting and this request adds "
                                  f"{len(subrequests)}, past --max-waiting-requests {self.max_waiting}; retry later")
-        handle = RequestHandle(subrequests, asyncio.Queue())
+        if tokens and tokens + handle.prompt_tokens > self.max_waiting_tokens:  # (an empty queue takes any request)
+            self.metrics.rejected_overload.inc()
+            raise QueueFullError(f"the server is overloaded: {tokens} prompt tokens are waiting and this request adds "
+                                 f"{handle.prompt_tokens}, past --max-waiting-tokens {self.max_waiting_tokens}; "
+                                 f"retry later")
         with self._lock:
             self._inbox.append(handle)
             self._num_inbox_seqs += len(subrequests)
+            self._num_inbox_tokens += handle.prompt_tokens
         self._wake.set()
         return handle
 
@@ -170,7 +215,9 @@ class AsyncEngine:
             with self._lock:
                 adds, aborts, stop = self._inbox, self._aborts, self._stop
                 self._inbox, self._aborts = [], []
-                self._num_inbox_seqs = 0
+                self._queued_seqs += self._num_inbox_seqs
+                self._queued_tokens += self._num_inbox_tokens
+                self._num_inbox_seqs = self._num_inbox_tokens = 0
             out: list[tuple[RequestHandle, object]] = []
             for handle in adds:
                 self._admit(handle)
@@ -179,8 +226,10 @@ class AsyncEngine:
             if self._shutting_down or stop:
                 for handle in list(self._live.values()):
                     self._abort(handle, out)
+            self._release_held()
             if self._live and not stop:
                 self._step(out)
+            self._count_queued()
             self._deliver(out)
             self.metrics.update_engine(self.engine, self.num_waiting)
             if stop:
@@ -189,15 +238,46 @@ class AsyncEngine:
                 self._wake.wait()
 
     def _admit(self, handle: RequestHandle) -> None:
+        """Registers a request; its sequences join the engine's queue in turn (_release_held)."""
         if handle.aborted:
             return
-        for sub in handle.subrequests:
-            seq = self.engine.enqueue(sub.prompt, sub.token_ids, sub.params, sub.index)
-            handle.seqs.append(seq)
-            self._owner[seq.seq_id] = handle
+        handle.held.extend(handle.subrequests)
         self._live[handle.request_id] = handle
 
+    def _release_held(self) -> None:
+        """Moves held sequences into the engine's queue, one a request at a time in turn, while each
+        request's prompt tokens waiting or in prefill stay under max_prefill_tokens_per_request."""
+        cap = self.max_prefill_tokens_per_request
+        open_handles = [h for h in self._live.values() if h.held]
+        in_flight = {h.request_id: h.prefill_tokens_in_flight() for h in open_handles}
+        while open_handles:
+            still = []
+            for handle in open_handles:
+                if in_flight[handle.request_id] >= cap:
+                    continue
+                sub = handle.held.popleft()
+                self._enqueue(handle, sub)
+                in_flight[handle.request_id] += len(sub.token_ids)
+                if handle.held:
+                    still.append(handle)
+            open_handles = still
+
+    def _enqueue(self, handle: RequestHandle, sub: SubRequest) -> None:
+        seq = self.engine.enqueue(sub.prompt, sub.token_ids, sub.params, sub.index)
+        handle.seqs.append(seq)
+        self._owner[seq.seq_id] = handle
+
+    def _count_queued(self) -> None:
+        held = [sub for h in self._live.values() for sub in h.held]
+        waiting = self.engine.scheduler.waiting
+        seqs = len(held) + len(waiting)
+        tokens = sum(len(s.token_ids) for s in held) + sum(s.num_prompt_tokens for s in waiting)
+        with self._lock:
+            self._queued_seqs, self._queued_tokens = seqs, tokens
+
     def _abort(self, handle: RequestHandle, out: list) -> None:
+        while handle.held:  # each choice still ends with a delta (finish reason "abort")
+            self._enqueue(handle, handle.held.popleft())
         for seq in handle.seqs:
             if self.engine.abort_request(seq):
                 self._route(seq, out)
@@ -232,6 +312,7 @@ class AsyncEngine:
         logger.exception("engine step failed; ending %d of the %d requests in flight", len(culprits),
                          len(self._live))
         for handle in culprits:
+            handle.held.clear()
             for seq in handle.seqs:
                 if self.engine.abort_request(seq):
                     self.metrics.finished.labels("error").inc()
@@ -250,7 +331,7 @@ class AsyncEngine:
         out.append((handle, delta))
         if seq.is_finished:
             del self._owner[seq.seq_id]
-            if all(s.is_finished for s in handle.seqs):
+            if not handle.held and all(s.is_finished for s in handle.seqs):
                 self._live.pop(handle.request_id, None)
 
     def _deliver(self, out: list) -> None:
