@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -24,6 +25,7 @@ from eecore.serve.async_engine import (AsyncEngine, EngineError, QueueFullError,
                                        ShuttingDownError, SubRequest)
 from eecore.serve.metrics import CONTENT_TYPE
 from eecore.serve.http_errors import APIKeyAuth, ASCIIJSONResponse, BodyLimit, add_error_handlers
+from eecore.serve.prompt_bounds import PromptBounds
 from eecore.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 logger = logging.getLogger("eecore.serve")
@@ -106,17 +108,23 @@ class _Service:
         self.created = R.now()
         self.logprobs = R.Logprobs(engine.tokenizer)
         self.speculative = engine.engine.strategy.lookahead > 1
-        self._max_chars_per_token: Optional[int] = None
+        self.bounds = PromptBounds(engine.llm, engine.max_model_len)
+        # Tokenizing and rendering templates take a worker thread: on the event loop, a long prompt
+        # would stall every other connection (health checks, open streams) while it is encoded. Two
+        # workers: rendering is Python, which holds the interpreter, so more would only take turns
+        # with the streams (the work before a refusal is bounded: PromptBounds).
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="eecore-prompts")
+
+    async def _in_worker(self, work):
+        return await asyncio.get_running_loop().run_in_executor(self.workers, work)
 
     # ---- endpoints -------------------------------------------------------------------------
-    # Tokenizing and rendering templates take a worker thread: on the event loop, a long prompt
-    # would stall every other connection (health checks, open streams) while it is encoded.
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         self._check_fits_the_queue(body.n * len(body.prompt))
         for i, p in enumerate(body.prompt):
-            self._check_length(p, f"prompt {i}", "prompt")
-        prompts = await asyncio.to_thread(
+            self.bounds.check_text(p, f"prompt {i}", "prompt")
+        prompts = await self._in_worker(
             lambda: [(p, self._encode(p, i, "prompt")) for i, p in enumerate(body.prompt)])
         subs = self._subrequests(body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
         run = _Run(self, "text_completion", R.new_id("cmpl"), body, subs, sum(len(ids) for _, ids in prompts),
@@ -127,8 +135,8 @@ class _Service:
         self._check_model(body.model)
         self._check_fits_the_queue(body.n)
         conversation = [m.as_template_dict() for m in body.messages]
-        self._check_length("".join(m["content"] for m in conversation), "messages", "messages")
-        ids = await asyncio.to_thread(self._chat_ids, conversation)
+        self.bounds.check_messages(conversation)
+        ids = await self._in_worker(lambda: self._chat_ids(conversation))
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "pass max_tokens or max_completion_tokens, not both", param="max_tokens")
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -138,6 +146,8 @@ class _Service:
         return await run.respond(request)
 
     def _chat_ids(self, conversation: list[dict]) -> list[int]:
+        self.bounds.check_tokens("".join(str(m.get("content") or "") for m in conversation), "messages", "messages",
+                                 boundaries=len(conversation))
         try:
             _, ids = self.engine.llm.chat_prompt(conversation)
         except Exception as exc:  # no template, or the template refused the conversation
@@ -153,24 +163,14 @@ class _Service:
             raise APIError(400, f"this request asks for {num_seqs} sequences (prompts x n); the server queues at "
                                 f"most {self.engine.max_waiting} (--max-waiting-requests)", param="n")
 
-    def _check_length(self, prompt, where: str, param: str) -> None:
-        """Text longer than the context could hold even at the longest token is refused without
-        being tokenized (a multi-megabyte prompt costs seconds of a worker thread otherwise)."""
-        if not isinstance(prompt, str) or self.engine.tokenizer is None:
-            return
-        if self._max_chars_per_token is None:  # the longest token's string bounds its characters
-            self._max_chars_per_token = max(map(len, self.engine.tokenizer.backend.get_vocab()), default=1) or 1
-        at_least = -(-len(prompt) // self._max_chars_per_token)
-        if at_least >= self.engine.max_model_len:
-            raise APIError(400, f"{where}: {len(prompt)} characters are at least {at_least} tokens, more than the "
-                                f"context of {self.engine.max_model_len} tokens holds", param=param)
-
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
     def _encode(self, prompt, index: int, param: str) -> list[int]:
+        if param == "prompt":
+            self.bounds.check_tokens(prompt, f"prompt {index}", param)
         try:
             return self.engine.engine.encode_prompt(prompt, index)
         except (ValueError, TypeError) as exc:
