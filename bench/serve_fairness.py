@@ -7,8 +7,11 @@ a huge body. One server process (the embedded model, `eecore serve`'s defaults),
 2. /health latency (median and max of 20 pings) alone, while a 5 MB body is sent (a 413 before it
    is parsed) and while a prompt just under the body limit is handled (refused by its length
    before it is tokenized).
+3. TTFT of a short request sent 2 s after a request of 16 prompts of ~1,180 tokens each (one
+   token each) started, and beside 6 concurrent 2 MB bodies of 68,000 empty chat messages (each
+   refused by its length; the issue's goal for both: under 1 s on a 2-core CPU).
 
-    python bench/serve_fairness.py [--long-tokens 4096 8191] [--max-tokens 16]
+    python bench/serve_fairness.py [--long-tokens 4096 8191] [--max-tokens 16] [--multi-prompts 16]
 
 Writes bench/results/<machine>/serve-fairness-<date>.json.
 """
@@ -70,6 +73,40 @@ async def ttft_beside(url: str, long_tokens: int, max_tokens: int) -> dict:
     return {"long_prompt_tokens": long_tokens, "ttft_alone_s": statistics.median(alone), "ttft_beside_s": beside}
 
 
+_SHORT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "temperature": 0}
+
+
+async def ttft_beside_multi_prompt(url: str, prompts: int, tokens: int) -> dict:
+    """A short request's TTFT sent 2 s after one request of `prompts` prompts of `tokens` tokens."""
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        alone = statistics.median([await _first_token_s(client, _SHORT, "/v1/chat/completions") for _ in range(3)])
+        body = {"prompt": [[(i * 7919 + 31 * j) % 40000 + 100 for i in range(tokens)] for j in range(prompts)],
+                "max_tokens": 1, "temperature": 0}
+        long_task = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await asyncio.sleep(2.0)
+        beside = await _first_token_s(client, _SHORT, "/v1/chat/completions")
+        t = time.perf_counter()
+        await long_task
+        rest = time.perf_counter() - t
+    return {"prompts": prompts, "prompt_tokens": tokens, "ttft_alone_s": alone, "ttft_beside_s": beside,
+            "multi_prompt_request_finished_s_later": rest}
+
+
+async def ttft_beside_many_messages(url: str, bodies: int = 6, messages: int = 68_000) -> dict:
+    """A short request's TTFT while `bodies` requests of `messages` empty chat messages each arrive."""
+    body = json.dumps({"messages": [{"role": "user", "content": ""}] * messages, "max_tokens": 1},
+                      separators=(",", ":")).encode()
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        async def send():
+            r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            return r.status_code
+        senders = [asyncio.ensure_future(send()) for _ in range(bodies)]
+        await asyncio.sleep(0.05)
+        beside = await _first_token_s(client, _SHORT, "/v1/chat/completions")
+        statuses = await asyncio.gather(*senders)
+    return {"bodies": bodies, "body_bytes": len(body), "statuses": sorted(set(statuses)), "ttft_beside_s": beside}
+
+
 async def _pings(url: str, n: int = 20) -> list[float]:
     out = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -102,6 +139,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long-tokens", type=int, nargs="+", default=[4096, 8191])
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--multi-prompts", type=int, default=16, help="prompts of the multi-prompt request (3.)")
+    ap.add_argument("--multi-prompt-tokens", type=int, default=1180)
     args = ap.parse_args()
     server = Server([sys.executable, "-m", "eecore.cli", "serve", "--log-level", "warning"])
     try:
@@ -119,10 +158,18 @@ def main() -> None:
               f"{huge['status']} in {huge['answered_s']:.2f} s); beside a 2 MB prompt "
               f"{near['health_median_ms']:.1f} / {near['health_max_ms']:.1f} ms ({near['status']} in "
               f"{near['answered_s']:.2f} s)")
+        multi = asyncio.run(ttft_beside_multi_prompt(server.url, args.multi_prompts, args.multi_prompt_tokens))
+        print(f"short TTFT 2 s after a request of {multi['prompts']} prompts of {multi['prompt_tokens']} tokens: "
+              f"{multi['ttft_beside_s']:.2f} s (alone {multi['ttft_alone_s']:.2f} s; that request finished "
+              f"{multi['multi_prompt_request_finished_s_later']:.1f} s later)", flush=True)
+        messages = asyncio.run(ttft_beside_many_messages(server.url))
+        print(f"short TTFT beside {messages['bodies']} bodies of {messages['body_bytes'] / 1e6:.1f} MB of empty "
+              f"messages: {messages['ttft_beside_s']:.2f} s (they got {messages['statuses']})", flush=True)
     finally:
         server.stop()
     path = save_results("serve-fairness",
-                        dict(cpu=cpu_model(), ttft=rows, health=health, max_tokens=args.max_tokens))
+                        dict(cpu=cpu_model(), ttft=rows, health=health, max_tokens=args.max_tokens,
+                             multi_prompt=multi, many_messages=messages))
     print(f"results: {path}")
 
 
