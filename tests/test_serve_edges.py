@@ -116,3 +116,151 @@ def test_the_api_key_is_checked_before_the_body_is_read(tiny_path):
         assert httpx.get(f"{srv.url}/v1/nothing").status_code == 401
         assert httpx.get(f"{srv.url}/health").status_code == 200
         assert httpx.get(f"{srv.url}/metrics").status_code == 200
+
+
+# ---- OpenAI compatibility -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    with LiveServer(tiny_llm(tiny_path, max_num_seqs=8)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_path):
+    return tiny_llm(tiny_path)
+
+
+def _post(srv, route: str, body, **kw) -> httpx.Response:
+    return httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=60, **kw)
+
+
+NULLABLE_COMPLETION = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                       "ignore_eos", "n", "stream", "stream_options", "user", "presence_penalty",
+                       "frequency_penalty", "logit_bias", "logprobs", "echo", "suffix", "best_of"]
+NULLABLE_CHAT = [f for f in NULLABLE_COMPLETION if f not in ("logprobs", "echo", "suffix", "best_of")] + \
+    ["logprobs", "top_logprobs", "max_completion_tokens"]
+
+
+def test_null_means_the_default(server):
+    base = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    expected = _post(server, "completions", base).json()["choices"][0]["text"]
+    nulls = {f: None for f in NULLABLE_COMPLETION if f not in base}
+    r = _post(server, "completions", {**base, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["text"] == expected
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = _post(server, "completions", {**base, "max_tokens": None, "temperature": None, "seed": 1, "ignore_eos": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16  # completions' default
+    chat = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 3}
+    r = _post(server, "chat/completions", {**chat, **{f: None for f in NULLABLE_CHAT if f not in chat}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = _post(server, "chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert '"usage"' not in r.text
+    # a required field stays required
+    for route, body, param in (("completions", {"prompt": None}, "prompt"),
+                               ("chat/completions", {"messages": None}, "messages"),
+                               ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages")):
+        r = _post(server, route, body)
+        assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
+
+
+@pytest.mark.parametrize("ids", [[VOCAB], [-1], [2 ** 64], [3, 2 ** 70], [10 ** 300]])
+def test_stop_token_ids_outside_the_vocabulary_get_400(server, ids):
+    for route, body in (("completions", {"prompt": "hi"}), ("chat/completions",
+                                                             {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(server, route, {**body, "max_tokens": 2, "stop_token_ids": ids})
+        assert r.status_code == 400, r.text
+        error = error_of(r)
+        assert error["param"] == "stop_token_ids" and f"[0, {VOCAB})" in error["message"]
+        assert len(error["message"]) < 200
+
+
+def test_stop_token_ids_in_the_vocabulary_stop(server, oracle):
+    from serve_utils import greedy_params
+
+    prompt = [11, 12, 13, 14]
+    out = oracle.generate([prompt], greedy_params(8))[0]
+    stop = out.token_ids[3]
+    r = _post(server, "completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                      "stop_token_ids": [0, stop, VOCAB - 1]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == out.token_ids.index(stop) + 1
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded"])
+def test_a_json_body_of_another_content_type_gets_415_naming_it(server, content_type):
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": "hi", "max_tokens": 2}),
+                   headers=headers)
+    if content_type is None and r.status_code == 200:
+        return  # an older FastAPI (no strict_content_type) parses a body without a Content-Type as JSON
+    assert r.status_code == 415, r.text
+    message = error_of(r)["message"]
+    assert "application/json" in message
+    assert (content_type or "no Content-Type") in message
+
+
+def test_head_health_and_metrics(server):
+    for route in ("/health", "/metrics"):
+        r = httpx.head(f"{server.url}{route}")
+        assert r.status_code == 200 and r.content == b"", route
+
+
+def test_a_trailing_slash_is_a_plain_404_not_a_redirect(server):
+    for method, route in (("POST", "/v1/completions/"), ("POST", "/v1/chat/completions/"), ("GET", "/v1/models/"),
+                          ("GET", "/health/")):
+        r = httpx.request(method, f"{server.url}{route}", json={"prompt": "hi"} if method == "POST" else None,
+                          headers={"host": "evil.example"})
+        assert r.status_code == 404 and "location" not in r.headers, (route, r.status_code, r.headers)
+        error_of(r)
+
+
+def test_a_long_model_name_is_not_echoed_whole(server):
+    name = "m" * 100_000
+    r = _post(server, "completions", {"prompt": "hi", "model": name})
+    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+    assert len(r.content) < 1000 and "100002 characters" in error_of(r)["message"]
+    r = _post(server, "completions", {"prompt": "hi", "model": "other"})
+    assert r.status_code == 404 and "'other'" in error_of(r)["message"]
+
+
+def test_stop_string_logprobs_and_usage_agree_with_the_tokens(server, oracle):
+    """As vLLM: the text ends before the stop string; logprobs and completion_tokens cover every
+    generated token up to and including the one that completed the stop string, the same streamed
+    or whole."""
+    from serve_utils import greedy_params
+
+    tok = oracle.tokenizer
+    prompt = [21, 22, 23, 24, 25]
+    full = oracle.generate([prompt], greedy_params(24))[0]
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in full.token_ids]
+    # a stop string that spans two tokens: the end of token k and the start of token k + 1
+    k = next(i for i in range(3, len(pieces) - 1) if pieces[i].strip() and pieces[i + 1].strip()
+             and pieces[i].isascii() and pieces[i + 1].isascii())
+    stop = pieces[k][-1] + pieces[k + 1][0]
+    expected = oracle.generate([prompt], greedy_params(24, stop=[stop], logprobs=0))[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    n = len(expected.token_ids)
+    assert stop in tok.decode(expected.token_ids) and stop not in tok.decode(expected.token_ids[:-1])
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stop, "logprobs": 0}
+    whole = _post(server, "completions", body).json()
+    choice = whole["choices"][0]
+    assert choice["text"] == expected.text and choice["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == n == len(choice["logprobs"]["tokens"])
+    assert choice["logprobs"]["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in expected.token_ids]
+    assert "".join(choice["logprobs"]["tokens"]).startswith(expected.text)
+    r = _post(server, "completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    tokens = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert text == expected.text and tokens == choice["logprobs"]["tokens"]
+    assert events[-1]["usage"]["completion_tokens"] == n
+    # chat: the same count of logprobs entries and completion tokens
+    r = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
+                                           "temperature": 0, "ignore_eos": True, "stop": stop, "logprobs": True})
+    c = r.json()
+    assert len(c["choices"][0]["logprobs"]["content"]) == c["usage"]["completion_tokens"]

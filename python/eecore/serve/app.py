@@ -57,8 +57,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
             engine.stop()
 
     docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirect_slashes: a 307 to the path with(out) a trailing slash would be built from the Host header
     app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, default_response_class=ASCIIJSONResponse,
-                  **docs)
+                  redirect_slashes=False, **docs)
     app.state.engine = engine
     # middleware added last runs first: the key is checked from the headers before the body limit
     # and before anything reads or parses the body
@@ -69,6 +70,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
 
     v1 = APIRouter(prefix="/v1")
     service = _Service(engine, model_name)
+    vocab_size = engine.engine.model.config.vocab_size
 
     @v1.get("/models")
     async def models():
@@ -77,21 +79,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
+        _check_stop_token_ids(body.stop_token_ids, vocab_size)
         return await service.completions(body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_stop_token_ids(body.stop_token_ids, vocab_size)
         return await service.chat(body, request)
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.shutting_down:
             raise APIError(503, "the server is shutting down", type="service_unavailable")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -165,7 +169,7 @@ class _Service:
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+            raise APIError(404, f"The model {_shown(model)} does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
     def _encode(self, prompt, index: int, param: str) -> list[int]:
@@ -206,6 +210,20 @@ class _Service:
             message = str(exc).replace("SamplingParams: ", "")
             param = message.split("'")[1] if message.count("'") >= 2 else None
             raise APIError(400, message, param=param) from None
+
+
+def _check_stop_token_ids(ids: Optional[list[int]], vocab_size: int) -> None:
+    for i, t in enumerate(ids or ()):
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"stop_token_ids[{i}]: {_shown(t)} is not a token id of this model's vocabulary "
+                                f"[0, {vocab_size})", param="stop_token_ids")
+
+
+def _shown(value, limit: int = 64) -> str:
+    """A value of the request quoted in an error, cut to `limit` characters (the error must not
+    echo a megabyte back)."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _choice_seed(seed: int, choice: int) -> int:

@@ -117,7 +117,14 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc.errors())
+        errors = exc.errors()
+        if any(e.get("loc") == ("body",) and isinstance(e.get("input"), (bytes, bytearray)) for e in errors):
+            # a body FastAPI did not parse as JSON: its Content-Type is not JSON (or missing)
+            kind = request.headers.get("content-type")
+            said = f"its Content-Type is {_quoted(kind)}" if kind else "it has no Content-Type"
+            return ASCIIJSONResponse(error_body(f"the body must be JSON sent with 'Content-Type: application/json'; "
+                                                f"{said}", "invalid_request_error"), status_code=415)
+        message, param = _validation_message(errors)
         return ASCIIJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -149,6 +156,10 @@ def _validation_message(errors) -> tuple[str, Optional[str]]:
         head = re.split(r"[.\[]", msg.split(":", 1)[0], maxsplit=1)[0]  # "prompt[0]: ..." names "prompt"
         return msg, head if head.isidentifier() and ":" in msg else None
     return f"{_path(loc)}: {msg}", str(loc[0])
+
+
+def _quoted(text: str, limit: int = 64) -> str:
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _path(loc) -> str:

@@ -2,7 +2,9 @@
 
 Strict types: a string where a number belongs is a 400, not a silent conversion. Unknown fields
 are refused with their name, so an unsupported OpenAI feature (tools, logit_bias, ...) never
-passes unnoticed. `top_k`, `ignore_eos` and `stop_token_ids` are extensions, as in vLLM.
+passes unnoticed. `null` for an optional field means its default, as in OpenAI's API (client
+libraries send nulls); a required field (`prompt`, `messages`, a message's `content`) cannot be
+null. `top_k`, `ignore_eos` and `stop_token_ids` are extensions, as in vLLM.
 """
 from __future__ import annotations
 
@@ -40,7 +42,15 @@ class _Strict(BaseModel):
     @classmethod
     def _valid_unicode(cls, data):
         _check_no_surrogates(data, "")
-        return data
+        return _nulls_as_defaults(cls, data)
+
+
+def _nulls_as_defaults(cls, data):
+    """An optional field sent as null takes its default (`"n": null` is n = 1)."""
+    if isinstance(data, dict) and None in data.values():
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                or cls.model_fields[k].is_required()}
+    return data
 
 
 def _check_no_surrogates(value, path: str) -> None:
@@ -62,6 +72,11 @@ def _check_no_surrogates(value, path: str) -> None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return _nulls_as_defaults(cls, data)
 
 
 class _SamplingFields(_Strict):
