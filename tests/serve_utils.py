@@ -14,6 +14,7 @@ import uvicorn
 import eecore
 from eecore.serve import AsyncEngine, build_app
 from eecore.serve.metrics import parse_metrics
+from eecore.serve.server import server_config
 
 MODEL = "tiny"
 
@@ -22,8 +23,11 @@ class LiveServer:
     """`with LiveServer(llm) as srv:` serves `llm` at `srv.url` until the block ends."""
 
     def __init__(self, llm, *, max_waiting: int = 256, api_key: str | None = None, model_name: str = MODEL,
-                 **app_kw):
+                 server_kw: dict | None = None, **app_kw):
+        """`server_kw` goes to eecore.serve.server.server_config (timeouts, connection cap), the rest
+        to build_app."""
         self.llm = llm
+        self.server_kw = server_kw or {}
         self.engine = AsyncEngine(llm, max_waiting=max_waiting)
         self.app = build_app(self.engine, model_name, api_key=api_key, **app_kw)
         self.model_name = model_name
@@ -34,7 +38,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        config = server_config(self.app, log_level="warning", **self.server_kw)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()

@@ -264,3 +264,207 @@ def test_stop_string_logprobs_and_usage_agree_with_the_tokens(server, oracle):
                                            "temperature": 0, "ignore_eos": True, "stop": stop, "logprobs": True})
     c = r.json()
     assert len(c["choices"][0]["logprobs"]["content"]) == c["usage"]["completion_tokens"]
+
+
+# ---- slow, idle and half-closed clients ----------------------------------------------------------
+
+REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s")
+
+
+def _request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return REQUEST % (len(data), data)
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_path):
+    """A server with short timeouts: 1 s for headers, bodies and idle keep-alive connections."""
+    with LiveServer(tiny_llm(tiny_path, num_blocks=64), body_timeout=1.0,
+                    server_kw=dict(header_timeout=1.0, keep_alive_timeout=1.0)) as srv:
+        yield srv
+
+
+def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closed(strict_server):
+    # Content-Length 1000, 10 bytes sent: a 408 in OpenAI's shape once the body timeout passes
+    start = time.monotonic()
+    out = _raw(strict_server, REQUEST % (1000, b'{"prompt":'), timeout=10)
+    elapsed = time.monotonic() - start
+    assert _status(out) == 408 and 0.9 < elapsed < 5, (out[:200], elapsed)
+    assert b"connection: close" in out.lower() and "1 s" in _json_of(out)["error"]["message"]
+    # a chunked body that stalls: the same
+    out = _raw(strict_server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n", timeout=10)
+    assert _status(out) == 408
+    # the server is unharmed
+    assert httpx.post(f"{strict_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_headers_that_do_not_arrive_close_the_connection(strict_server):
+    # part of a request line: 408, closed
+    start = time.monotonic()
+    out = _raw(strict_server, b"POST /v1/compl", timeout=10)
+    assert _status(out) == 408 and time.monotonic() - start < 5
+    # a connection that sends nothing: closed without a word
+    start = time.monotonic()
+    assert _raw(strict_server, b"", timeout=10) == b"" and time.monotonic() - start < 5
+    # headers dripped a byte at a time do not extend the deadline
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=10) as s:
+        start = time.monotonic()
+        closed = False
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+            if time.monotonic() - start > 4:
+                break
+        out = _read_until_closed(s, 5)
+        assert closed or _status(out) == 408
+        assert time.monotonic() - start < 5
+
+
+def test_an_idle_keep_alive_connection_is_closed(strict_server):
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = _read_response(s)
+        assert status == 200
+        start = time.monotonic()
+        assert _read_until_closed(s, 5) == b""
+        assert 0.5 < time.monotonic() - start < 4
+        # a request whose answer came early (no body read) and whose body never ends: closed too
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+        status, _, _ = _read_response(s)
+        assert status == 200
+        start = time.monotonic()
+        _read_until_closed(s, 5)
+        assert time.monotonic() - start < 4
+
+
+def test_a_half_closed_client_gets_its_answer(server, oracle):
+    from serve_utils import greedy_params
+
+    prompt = [31, 32, 33]
+    expected = oracle.generate([prompt], greedy_params(6))[0].text
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out = _raw(server, _request(body), shut_write=True)
+    assert _status(out) == 200 and _json_of(out)["choices"][0]["text"] == expected
+    # streamed: every event, to [DONE]
+    out = _raw(server, _request({**body, "stream": True}), shut_write=True)
+    assert _status(out) == 200 and b"data: [DONE]" in out
+    # a half-closed client that had not finished its request is not answered (nothing to answer)
+    out = _raw(server, REQUEST % (100, b'{"prompt": "hi"'), shut_write=True)
+    assert out == b"" or _status(out) >= 400
+
+
+def test_connections_beyond_the_cap_get_503(tiny_path):
+    with LiveServer(tiny_llm(tiny_path, num_blocks=32), server_kw=dict(max_connections=4)) as srv:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+        try:
+            time.sleep(0.2)
+            assert httpx.get(f"{srv.url}/health").status_code == 503
+        finally:
+            for s in idle:
+                s.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_accept_errors_are_logged_at_most_once_a_second(caplog):
+    import asyncio
+    import errno
+    import logging
+
+    from eecore.serve.server import ACCEPT_ERROR, quiet_accept_errors
+
+    seen = []
+
+    async def flood():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: seen.append(context["message"]))
+        restore = quiet_accept_errors(loop, interval=0.5)
+        error = OSError(errno.EMFILE, "Too many open files")
+        start = time.monotonic()
+        while time.monotonic() - start < 1.2:
+            for _ in range(1000):
+                loop.call_exception_handler({"message": ACCEPT_ERROR, "exception": error})
+            await asyncio.sleep(0)
+        loop.call_exception_handler({"message": "something else"})
+        restore()
+        loop.call_exception_handler({"message": ACCEPT_ERROR, "exception": error})
+
+    with caplog.at_level(logging.ERROR, logger="eecore.serve"):
+        asyncio.run(flood())
+    lines = [r.getMessage() for r in caplog.records if "cannot accept connections" in r.getMessage()]
+    assert 2 <= len(lines) <= 4, lines
+    assert "Too many open files" in lines[0] and "time(s) in the last" in lines[-1]
+    assert int(lines[-1].split("(")[1].split()[0]) > 100  # the count of the errors it stood for
+    # other errors go to the handler that was there, and restore() puts it back
+    assert seen == ["something else", ACCEPT_ERROR]
+
+
+def test_the_shutdown_guard_ends_a_cancelled_request_quietly():
+    import asyncio
+
+    from eecore.serve.http_errors import ShutdownGuard
+
+    async def stuck(scope, receive, send):
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await asyncio.sleep(3600)
+
+    async def run(path: str, shutting_down: bool):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        guard = ShutdownGuard(stuck, shutting_down=lambda: shutting_down)
+        task = asyncio.ensure_future(guard({"type": "http", "method": "POST", "path": path}, None, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return sent, "cancelled"
+        return sent, "returned"
+
+    sent, how = asyncio.run(run("/whole", True))
+    assert how == "returned" and sent[0]["status"] == 503 and (b"connection", b"close") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["type"] == "service_unavailable"
+    sent, how = asyncio.run(run("/stream", True))
+    assert how == "returned" and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    sent, how = asyncio.run(run("/whole", False))  # not shutting down: the cancellation goes on
+    assert how == "cancelled" and sent == []
+
+
+def test_the_watchdog_ends_the_process_at_the_shutdown_timeout(monkeypatch):
+    """Whatever still runs (a stuck step, a thread), the process ends --shutdown-timeout seconds
+    after the signal."""
+    import signal
+
+    from sse_starlette.sse import AppStatus
+
+    from eecore.serve import server as S
+
+    class Engine:
+        shut = False
+
+        def begin_shutdown(self):
+            self.shut = True
+
+    exits = []
+    monkeypatch.setattr(S.os, "_exit", exits.append)
+    monkeypatch.setattr(AppStatus, "should_exit", False)  # sse-starlette's flag, which handle_exit sets
+    engine = Engine()
+    srv = S.EngineServer(S.server_config(lambda *a: None, shutdown_timeout=0.3), engine, shutdown_timeout=0.3)
+    assert srv.config.timeout_graceful_shutdown == pytest.approx(0.15)
+    srv.handle_exit(signal.SIGTERM, None)
+    srv.handle_exit(signal.SIGTERM, None)  # a second signal arms no second watchdog
+    assert engine.shut and srv.should_exit and not exits
+    time.sleep(0.6)
+    assert exits == [1]

@@ -34,27 +34,47 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=envs.raw("EECORE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EECORE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics, checked before "
+                        "the body is read (default: $EECORE_API_KEY, else none)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="sequences that may wait for a place in the batch; beyond it requests get 503")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of the API (default: the model file or folder name)")
     g.add_argument("--max-request-bytes", type=int, default=None,
                    help="request bodies past this size get 413 (default: 2 MiB)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="a request's line and headers must arrive within S seconds, else the connection is closed "
+                        "(408 if part of a request came; default 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request's body must arrive within S seconds of its headers, else 408 and the connection "
+                        "is closed (default 30)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="an idle keep-alive connection is closed after S seconds (uvicorn's timeout_keep_alive; "
+                        "default 5)")
+    g.add_argument("--max-connections", type=int, default=512, metavar="N",
+                   help="beyond N connections or requests at once, a new request gets 503 (uvicorn's "
+                        "limit_concurrency; default 512)")
+    g.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                   help="after SIGINT / SIGTERM the process exits within S seconds, whatever clients do (default 5)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from eecore.serve import AsyncEngine, build_app, default_model_name
+    from eecore.serve.server import EngineServer, server_config
 
     if args.max_waiting_requests < 1:
         raise SystemExit("eecore: --max-waiting-requests must be at least 1")
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise SystemExit("eecore: --max-request-bytes must be at least 1024")
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout"):
+        value = getattr(args, flag)
+        if not 0 < value < float("inf"):
+            raise SystemExit(f"eecore: --{flag.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    if args.max_connections < 1:
+        raise SystemExit("eecore: --max-connections must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = build_llm(args)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests)
@@ -65,26 +85,17 @@ def cmd_serve(args) -> int:
     gc.collect()
     gc.freeze()
     limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=args.api_key, **limit)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=30)
-    server = _server(config, engine)
+    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=args.api_key,
+                    body_timeout=args.body_timeout, **limit)
+    config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                           max_connections=args.max_connections, shutdown_timeout=args.shutdown_timeout)
+    # on SIGINT / SIGTERM the engine ends its requests at once (open streams get their last chunk), and
+    # the process exits within --shutdown-timeout (eecore.serve.server)
+    server = EngineServer(config, engine, shutdown_timeout=args.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; let it land on a
     # no-op so that a SIGINT / SIGTERM shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
     return 0
-
-
-def _server(config, engine):
-    """uvicorn's server, which on SIGINT / SIGTERM also ends the engine's requests, so that open
-    streams close at once (finish reason "abort", then [DONE]) instead of running to their end."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            engine.begin_shutdown()
-            super().handle_exit(sig, frame)
-
-    return Server(config)

@@ -24,14 +24,21 @@ from eecore.serve import responses as R
 from eecore.serve.async_engine import (AsyncEngine, EngineError, QueueFullError, RequestHandle,
                                        ShuttingDownError, SubRequest)
 from eecore.serve.metrics import CONTENT_TYPE
-from eecore.serve.http_errors import APIKeyAuth, ASCIIJSONResponse, BodyLimit, add_error_handlers
+from eecore.serve.http_errors import (APIKeyAuth, ASCIIJSONResponse, BodyDeadline, BodyLimit, ShutdownGuard,
+                                      add_error_handlers)
+from eecore.serve.server import quiet_accept_errors
 from eecore.serve.prompt_bounds import PromptBounds
 from eecore.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 logger = logging.getLogger("eecore.serve")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-SHUTDOWN_GRACE_S = 5.0              # an open stream's time to send its last chunk after SIGTERM
+# sse-starlette would cut a stream this long after SIGTERM: never, in effect. The engine ends every
+# stream at once (its last chunk, then the shutdown's error event) and --shutdown-timeout bounds
+# the rest (ShutdownGuard ends what the deadline cancels).
+STREAM_SHUTDOWN_GRACE_S = 3600.0
+# a request's body must arrive within this of its headers (408 otherwise)
+DEFAULT_BODY_TIMEOUT_S = 30.0
 # Request bodies past this get a 413 before they are parsed: a prompt the context can hold is far
 # smaller (8,192 tokens as JSON ids or text are under 100 KB), and parsing is done on the event loop.
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
@@ -44,28 +51,35 @@ def default_model_name(model: Optional[str]) -> str:
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The server's ASGI app over a (not yet started) AsyncEngine; its lifespan starts and stops
-    the engine thread. With `api_key` the API docs are off (they would describe the API to anyone)."""
+    the engine thread. With `api_key` the API docs are off (they would describe the API to anyone).
+    Run it with eecore.serve.server's config (its timeouts and HTTP protocol), as `eecore serve` does."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        restore = quiet_accept_errors(asyncio.get_running_loop())
         engine.start()
         try:
             yield
         finally:
-            engine.stop()
+            engine.stop(timeout=1.0)  # a daemon thread: the process need not wait for a step to end
+            restore()
 
     docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
     # no redirect_slashes: a 307 to the path with(out) a trailing slash would be built from the Host header
     app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, default_response_class=ASCIIJSONResponse,
                   redirect_slashes=False, **docs)
     app.state.engine = engine
-    # middleware added last runs first: the key is checked from the headers before the body limit
+    # middleware added last runs first: the key is checked from the headers before the body limits
     # and before anything reads or parses the body
+    shutting_down = lambda: engine.shutting_down  # noqa: E731
+    app.add_middleware(BodyDeadline, timeout=body_timeout, shutting_down=shutting_down)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key)
+    app.add_middleware(ShutdownGuard, shutting_down=shutting_down)
     add_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")
@@ -89,13 +103,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
 
     app.include_router(v1)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health():
         if engine.shutting_down:
             raise APIError(503, "the server is shutting down", type="service_unavailable")
         return {"status": "ok"}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -259,7 +275,7 @@ class _Run:
         except ShuttingDownError as exc:
             raise APIError(503, str(exc), type="service_unavailable") from None
         if self.body.stream:
-            return EventSourceResponse(self._events(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S,
+            return EventSourceResponse(self._events(), sep="\n", shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S,
                                        client_close_handler_callable=self._client_closed)
         return await self._whole(request)
 
@@ -269,6 +285,7 @@ class _Run:
 
     async def _events(self):
         finished = False
+        aborted = False
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         try:
             if self.chat:
@@ -276,6 +293,7 @@ class _Run:
                     yield self._json(self._chunk(sub.index, "", None, None, role=True), include_usage)
             async for d in self.handle.deltas():
                 self.usage.add(d)
+                aborted |= d.finished and d.finish_reason == "abort"
                 lp = self._logprobs(d)
                 if d.text or d.finished or lp is not None:
                     yield self._json(self._chunk(d.index, d.text, lp, d.finish_reason if d.finished else None),
@@ -284,6 +302,11 @@ class _Run:
             if include_usage:
                 yield json.dumps(R.usage_chunk(self.id, self.created, self.s.model_name, self._chunk_object(),
                                                self.usage))
+            if aborted and self.engine.shutting_down:
+                # the choices cut short ended with finish_reason "abort" (vLLM's); the reason follows as an
+                # error event, which OpenAI's clients raise as an APIError, then [DONE] as vLLM ends a stream
+                yield json.dumps(error_body("the server is shutting down: this stream was cut short; retry the "
+                                            "request", "service_unavailable", code="server_shutting_down"))
             yield "[DONE]"
         except EngineError as exc:
             finished = True

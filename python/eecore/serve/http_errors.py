@@ -1,13 +1,16 @@
 """The HTTP edges of the server: every error in OpenAI's shape (`{"error": {...}}`, 4xx for anything a
 client sent), JSON that cannot fail to encode, the API key (checked from the headers, before the
-body is read) and the request-body limit (413 before parsing)."""
+body is read), the request-body limits (413 before parsing; 408 for a body that does not arrive in
+time; 503 for one still arriving when the server shuts down) and a quiet end for requests that the
+shutdown deadline cancels."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import secrets
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -107,6 +110,114 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"the request body is larger than {max_bytes} bytes (--max-request-bytes)")
 
 
+# ---- slow bodies and the shutdown -----------------------------------------------------------------
+
+POLL_S = 0.1  # how often a body read looks for the server's shutdown
+
+
+class BodyDeadline:
+    """ASGI middleware: a request's body must arrive whole within `timeout` seconds of its headers,
+    else a 408 and the connection is closed (a client that promises a Content-Length and sends
+    less is not held); a body still arriving when the server begins to shut down (`shutting_down()`)
+    gets a 503 at once, and the connection is closed."""
+
+    def __init__(self, app, timeout: float, shutting_down: Callable[[], bool]):
+        self.app = app
+        self.timeout = timeout
+        self.shutting_down = shutting_down
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        whole = False
+
+        async def timed_receive():
+            nonlocal whole
+            if whole:  # after the body: the wait for a disconnect is not timed
+                return await receive()
+            pending = asyncio.ensure_future(receive())
+            try:
+                while True:
+                    if self.shutting_down():
+                        raise ShuttingDownWhileReading()
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise BodyTimeout(self.timeout)
+                    done, _ = await asyncio.wait({pending}, timeout=min(left, POLL_S))
+                    if done:
+                        break
+            finally:
+                if not pending.done():
+                    pending.cancel()
+            message = pending.result()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                whole = True
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+class BodyTimeout(StarletteHTTPException):
+    def __init__(self, timeout: float):
+        super().__init__(408, f"the request body did not arrive within {timeout:g} s of its headers (--body-timeout)",
+                         headers={"Connection": "close"})
+
+
+class ShuttingDownWhileReading(StarletteHTTPException):
+    error_type = "service_unavailable"
+
+    def __init__(self):
+        super().__init__(503, "the server is shutting down", headers={"Connection": "close"})
+
+
+class ShutdownGuard:
+    """ASGI middleware, outside every other: a request that the shutdown deadline cancels (a client
+    that does not read its stream, say) ends without a traceback: a 503 if its response had not
+    started, its response ended (and the connection closed) if it had. Only while
+    `shutting_down()`: any other cancellation goes on as it came."""
+
+    def __init__(self, app, shutting_down: Callable[[], bool]):
+        self.app = app
+        self.shutting_down = shutting_down
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = ended = False
+
+        async def tracked_send(message):
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except asyncio.CancelledError:
+            if not self.shutting_down():
+                raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            logger.warning("%s %s: cut short by the shutdown deadline (--shutdown-timeout)", scope.get("method"),
+                           scope.get("path"))
+            try:
+                if not started:
+                    finish = send_error(send, 503, error_body("the server is shutting down", "service_unavailable"),
+                                        close=True)
+                elif not ended:
+                    finish = send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    return
+                await asyncio.wait_for(finish, POLL_S)
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                pass  # the client does not read: the server closes its connection
+
+
 # ---- errors in OpenAI's shape -------------------------------------------------------------------
 
 
@@ -129,7 +240,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        kind = getattr(exc, "error_type", None) or ("invalid_request_error" if exc.status_code < 500
+                                                    else "server_error")
         return ASCIIJSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
