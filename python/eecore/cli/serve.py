@@ -38,6 +38,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "the body is read (default: $EECORE_API_KEY, else none)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="sequences that may wait for a place in the batch; beyond it requests get 503")
+    g.add_argument("--max-waiting-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens that may wait; beyond them requests get 503 with Retry-After (default: 8 "
+                        "contexts' worth)")
+    g.add_argument("--max-prefill-tokens-per-request", type=int, default=None, metavar="N",
+                   help="one request's prompt tokens waiting or in prefill at once (its other prompts wait their "
+                        "turn, so a later short request is not held behind all of them; default: "
+                        "--max-num-batched-tokens)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of the API (default: the model file or folder name)")
     g.add_argument("--max-request-bytes", type=int, default=None,
@@ -65,8 +72,10 @@ def cmd_serve(args) -> int:
     from eecore.serve import AsyncEngine, build_app, default_model_name
     from eecore.serve.server import EngineServer, server_config
 
-    if args.max_waiting_requests < 1:
-        raise SystemExit("eecore: --max-waiting-requests must be at least 1")
+    for flag in ("max_waiting_requests", "max_waiting_tokens", "max_prefill_tokens_per_request"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SystemExit(f"eecore: --{flag.replace('_', '-')} must be at least 1")
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise SystemExit("eecore: --max-request-bytes must be at least 1024")
     for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout"):
@@ -77,7 +86,8 @@ def cmd_serve(args) -> int:
         raise SystemExit("eecore: --max-connections must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = build_llm(args)
-    engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests)
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
+                         max_prefill_tokens_per_request=args.max_prefill_tokens_per_request)
     # Everything alive now (torch, the model, the tokenizer: hundreds of thousands of objects) lives
     # as long as the server. A full collection walks every tracked object with the GIL held, and at
     # start-up on a 2-core machine these took 110-180 ms: frozen, a collection while serving walks
