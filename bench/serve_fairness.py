@@ -144,6 +144,15 @@ def main() -> None:
     args = ap.parse_args()
     server = Server([sys.executable, "-m", "eecore.cli", "serve", "--log-level", "warning"])
     try:
+        # on an idle server first: what the other phases leave running (a cancelled stream's request)
+        # must not count here
+        multi = asyncio.run(ttft_beside_multi_prompt(server.url, args.multi_prompts, args.multi_prompt_tokens))
+        print(f"short TTFT 2 s after a request of {multi['prompts']} prompts of {multi['prompt_tokens']} tokens: "
+              f"{multi['ttft_beside_s']:.2f} s (alone {multi['ttft_alone_s']:.2f} s; that request finished "
+              f"{multi['multi_prompt_request_finished_s_later']:.1f} s later)", flush=True)
+        messages = asyncio.run(ttft_beside_many_messages(server.url))
+        print(f"short TTFT beside {messages['bodies']} bodies of {messages['body_bytes'] / 1e6:.1f} MB of empty "
+              f"messages: {messages['ttft_beside_s']:.2f} s (they got {messages['statuses']})", flush=True)
         rows = [asyncio.run(ttft_beside(server.url, n, args.max_tokens)) for n in args.long_tokens]
         for row in rows:
             print(f"short TTFT beside a {row['long_prompt_tokens']}-token prefill: {row['ttft_beside_s']:.2f} s "
@@ -158,13 +167,6 @@ def main() -> None:
               f"{huge['status']} in {huge['answered_s']:.2f} s); beside a 2 MB prompt "
               f"{near['health_median_ms']:.1f} / {near['health_max_ms']:.1f} ms ({near['status']} in "
               f"{near['answered_s']:.2f} s)")
-        multi = asyncio.run(ttft_beside_multi_prompt(server.url, args.multi_prompts, args.multi_prompt_tokens))
-        print(f"short TTFT 2 s after a request of {multi['prompts']} prompts of {multi['prompt_tokens']} tokens: "
-              f"{multi['ttft_beside_s']:.2f} s (alone {multi['ttft_alone_s']:.2f} s; that request finished "
-              f"{multi['multi_prompt_request_finished_s_later']:.1f} s later)", flush=True)
-        messages = asyncio.run(ttft_beside_many_messages(server.url))
-        print(f"short TTFT beside {messages['bodies']} bodies of {messages['body_bytes'] / 1e6:.1f} MB of empty "
-              f"messages: {messages['ttft_beside_s']:.2f} s (they got {messages['statuses']})", flush=True)
     finally:
         server.stop()
     path = save_results("serve-fairness",

@@ -49,3 +49,15 @@ def test_what_fits_is_not_refused(bounds):
     bounds.check_text("def f(x):\n    return x + 1\n", "prompt 0", "prompt")
     bounds.check_tokens("a short prompt " * 40, "prompt 0", "prompt")
     bounds.check_messages([{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}])
+
+
+def test_a_conversation_of_more_messages_than_any_context_holds_is_refused():
+    """The cap on messages is part of the schema, checked before the messages themselves are
+    (bench/serve_fairness.py times what that saves the event loop)."""
+    from pydantic import ValidationError
+
+    from eecore.serve.protocol import MAX_MESSAGES, ChatCompletionRequest
+
+    with pytest.raises(ValidationError, match=f"at most {MAX_MESSAGES} items"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}] * 68_000})
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}] * MAX_MESSAGES})
