@@ -40,6 +40,7 @@ async def _finish_events(engine: AsyncEngine, long_prompts: list[list[int]]) -> 
         long = asyncio.ensure_future(drain("long", engine.add(_subs(long_prompts, 1))))
         while not engine.engine.scheduler.running:  # the long request's first prompt is in prefill
             await asyncio.sleep(0.001)
+        events.append("short added")  # (on a loaded machine some long prompts may be done by then)
         await asyncio.gather(long, drain("short", engine.add(_subs([[5, 6, 7]], 1))))
         return events
     finally:
@@ -49,11 +50,12 @@ async def _finish_events(engine: AsyncEngine, long_prompts: list[list[int]]) -> 
 def test_a_short_request_is_not_held_behind_a_long_multi_prompt_one(llm):
     long_prompts = [[(7 * i + j) % 300 + 3 for j in range(300)] for i in range(12)]
     events = _finish_events_sync(AsyncEngine(llm), long_prompts)
-    assert len(events) == 13 and events.index("short") <= 1  # next to the long request's first prompt
+    # next to the long request's prompt in prefill when it came (at most one more may finish first)
+    assert len(events) == 14 and events.index("short") - events.index("short added") <= 2
     # all of the long request's prompts in the engine's queue at once (the earlier admission) put the
     # short request behind every one of them
     events = _finish_events_sync(AsyncEngine(llm, max_prefill_tokens_per_request=10 ** 9), long_prompts)
-    assert events.index("short") >= 8
+    assert events.index("short") == len(events) - 1 or events.index("short") - events.index("short added") >= 8
 
 
 def _finish_events_sync(engine: AsyncEngine, long_prompts) -> list[str]:
