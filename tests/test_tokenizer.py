@@ -321,3 +321,32 @@ def test_encode_chat_with_a_template_that_changes_content(tiny_dir):
     assert ids == tok.encode(text, add_special_tokens=False) and "\npadded<" in text
     with pytest.raises(ChatTemplateError, match="spells a control token"):
         tok.encode_chat([{"role": "user", "content": " " + FORGED}])
+
+
+def test_encode_chat_renders_a_verbatim_template_once(tiny_dir, monkeypatch):
+    """A template that inserts message text as it is (ChatML here), as a probe shows once, renders
+    once a conversation; the prompt is the same as the plain rendering."""
+    tok = Tokenizer.from_hf_dir(tiny_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " spaced\n\ttext "}]
+    tok.encode_chat(messages)  # (the probe)
+    renders = []
+    render = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: renders.append(1) or render(*a, **k))
+    text, ids = tok.encode_chat(messages)
+    assert len(renders) == 1
+    assert text == render(messages) and ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_encode_chat_compares_both_renderings_for_a_template_that_drops_past_reasoning(tiny_dir):
+    """A template that drops the reasoning of past replies (as reasoning models' templates do) fails
+    the probe: its prompts keep coming from the plain rendering, reasoning dropped."""
+    tok = Tokenizer.from_hf_dir(tiny_dir)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                         "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+                         "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>hm</think>yes"},
+                {"role": "user", "content": "and?"}]
+    assert not tok._inserts_verbatim(True)
+    text, ids = tok.encode_chat(messages)
+    assert "hm" not in text and text == tok.apply_chat_template(messages)
+    assert ids == tok.encode(text, add_special_tokens=False)

@@ -108,8 +108,11 @@ class Tokenizer:
         is split at the placeholders, the template's pieces are encoded with special tokens and the
         user strings without (`encode_special_tokens`). A template that changes what it inserts
         (trims it, say) is caught by comparing with the plain rendering; then only content without
-        a control token in it can be served (a ChatTemplateError otherwise)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        a control token in it can be served (a ChatTemplateError otherwise). The plain rendering is
+        skipped (one render, not two) for a template that a probe, once, showed to insert every
+        role's text as it is (`_inserts_verbatim`)."""
+        verbatim = self._inserts_verbatim(add_generation_prompt) and not any("name" in m for m in messages)
+        text = None if verbatim else self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         nonce = secrets.token_hex(8)
         fields, masked = [], []
         for message in messages:
@@ -122,7 +125,10 @@ class Tokenizer:
         rendered = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
         # pieces: template text, field index, template text, field index, ..., template text
-        if "".join(p if i % 2 == 0 else fields[int(p)] for i, p in enumerate(pieces)) != text:
+        joined = "".join(p if i % 2 == 0 else fields[int(p)] for i, p in enumerate(pieces))
+        if verbatim:
+            text = joined
+        elif joined != text:
             if any(self._spells_special(f) for f in fields):
                 raise ChatTemplateError("a message spells a control token, and this model's chat template changes "
                                         "message text as it inserts it, so it cannot be kept as plain text")
@@ -134,6 +140,42 @@ class Tokenizer:
             elif fields[int(piece)]:
                 ids += self._text_backend.encode(fields[int(piece)], add_special_tokens=False).ids
         return text, ids
+
+    # What a probe conversation holds for each role: the text templates most often change (outer
+    # whitespace, blank lines, tabs, reasoning a template drops from past replies, non-ASCII, nothing)
+    _PROBE_TEXTS = ("  outer spaces  ", "line one\n\nline two\n", "\tafter a tab", "<think>why</think>answer",
+                    "ÄÖü 漢字 🙂", "")
+
+    def _inserts_verbatim(self, add_generation_prompt: bool) -> bool:
+        """Whether the chat template inserts message text unchanged: rendered plainly and with
+        placeholders, probe conversations (every role, the texts above, a reply in the past and one
+        last) give the same prompt. Decided once per template and flag; a template that refuses the
+        probe counts as not verbatim (both renderings are then compared every time)."""
+        key = (self.chat_template, add_generation_prompt)
+        cache = self.__dict__.setdefault("_verbatim_probes", {})
+        if key not in cache:
+            cache[key] = self._probe_verbatim(add_generation_prompt)
+        return cache[key]
+
+    def _probe_verbatim(self, add_generation_prompt: bool) -> bool:
+        texts = self._PROBE_TEXTS
+        conversations = [[{"role": "system", "content": a}, {"role": "user", "content": b},
+                          {"role": "assistant", "content": c}, {"role": "user", "content": d}]
+                         for a, b, c, d in zip(texts, texts[1:] + texts[:1], texts[2:] + texts[:2], texts[3:] + texts[:3])]
+        conversations.append([{"role": "user", "content": "q"}, {"role": "assistant", "content": texts[3]}])
+        nonce = secrets.token_hex(8)
+        try:
+            for conversation in conversations:
+                masked = [dict(m, content=f"\ue000{nonce}:{i}\ue001") for i, m in enumerate(conversation)]
+                plain = self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+                rendered = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
+                pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+                joined = "".join(p if i % 2 == 0 else conversation[int(p)]["content"] for i, p in enumerate(pieces))
+                if joined != plain:
+                    return False
+        except ChatTemplateError:
+            return False
+        return True
 
     @cached_property
     def _text_backend(self) -> tokenizers.Tokenizer:
