@@ -297,6 +297,19 @@ def test_api_key(tiny_path):
         assert httpx.get(f"{srv.url}/metrics").status_code == 200
 
 
+def test_several_api_keys_each_name_a_client(tiny_path):
+    with LiveServer(tiny_llm(tiny_path, num_blocks=64), api_key=["alpha", "beta"]) as srv:
+        clients = []
+        add = srv.engine.add
+        srv.engine.add = lambda subs, client=None: clients.append(client) or add(subs, client=client)
+        for key in ("beta", "alpha"):
+            srv.client(api_key=key).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        assert clients == [1, 0]
+        for key in ("gamma", "alph", "alphabeta"):
+            with pytest.raises(openai.AuthenticationError):
+                srv.client(api_key=key).models.list()
+
+
 # ---- overload --------------------------------------------------------------------------------
 
 def test_full_waiting_queue_gets_503_and_the_rest_complete(tiny_path, oracle):

@@ -104,3 +104,36 @@ def test_an_aborted_request_ends_every_choice_held_back_too(llm):
 
     finished = asyncio.run(run())
     assert len(finished) == 6
+
+
+async def _client_events(engine: AsyncEngine, long_prompts, clients: tuple) -> list[str]:
+    """Client clients[0] sends each of `long_prompts` as a request of its own, then, once their
+    prefill started, client clients[1] a short request: which client each finished choice was."""
+    engine.start()
+    try:
+        events: list[str] = []
+
+        async def drain(name, handle):
+            async for delta in handle.deltas():
+                if delta.finished:
+                    events.append(name)
+
+        many = [asyncio.ensure_future(drain("many", engine.add(_subs([p], 1), client=clients[0])))
+                for p in long_prompts]
+        while not engine.engine.scheduler.running:
+            await asyncio.sleep(0.001)
+        events.append("short added")
+        await asyncio.gather(*many, drain("short", engine.add(_subs([[5, 6, 7]], 1), client=clients[1])))
+        return events
+    finally:
+        engine.stop()
+
+
+def test_a_client_s_many_requests_do_not_fill_the_queue_ahead_of_another_client(llm):
+    long_prompts = [[(7 * i + j) % 300 + 3 for j in range(300)] for i in range(12)]
+    events = asyncio.run(_client_events(AsyncEngine(llm), long_prompts, (0, 1)))
+    # client 0 holds two steps' worth of prompt tokens (512) waiting or in prefill: two of its prompts
+    assert events.index("short") - events.index("short added") <= 3
+    # requests of no named client each take their turn: the twelve requests all queue ahead
+    events = asyncio.run(_client_events(AsyncEngine(llm), long_prompts, (None, None)))
+    assert events.index("short") - events.index("short added") >= 8 or events[-1] == "short"

@@ -178,12 +178,13 @@ def _read_all(s: socket.socket) -> bytes:
 
 
 def test_api_key_flag(tiny_path):
-    proc, url = _start(tiny_path, "--api-key", "k3y")
+    proc, url = _start(tiny_path, "--api-key", "k3y", "--api-key", "other")  # repeated: two clients
     try:
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
-        r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k3y"})
-        assert r.status_code == 200 and r.json()["data"][0]["id"] == os.path.basename(tiny_path)
+        for key in ("k3y", "other"):
+            r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == os.path.basename(tiny_path)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0

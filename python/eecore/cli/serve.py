@@ -33,9 +33,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=envs.raw("EECORE_API_KEY"),
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics, checked before "
-                        "the body is read (default: $EECORE_API_KEY, else none)")
+                        "the body is read; repeat it for several clients, who then take turns in the queue "
+                        "(default: $EECORE_API_KEY, else none)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="sequences that may wait for a place in the batch; beyond it requests get 503")
     g.add_argument("--max-waiting-tokens", type=int, default=None, metavar="N",
@@ -45,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="one request's prompt tokens waiting or in prefill at once (its other prompts wait their "
                         "turn, so a later short request is not held behind all of them; default: "
                         "--max-num-batched-tokens)")
+    g.add_argument("--max-prefill-tokens-per-client", type=int, default=None, metavar="N",
+                   help="with several --api-key, one client's prompt tokens waiting or in prefill at once, all its "
+                        "requests together (default: twice --max-num-batched-tokens)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of the API (default: the model file or folder name)")
     g.add_argument("--max-request-bytes", type=int, default=None,
@@ -72,7 +76,8 @@ def cmd_serve(args) -> int:
     from eecore.serve import AsyncEngine, build_app, default_model_name
     from eecore.serve.server import EngineServer, server_config
 
-    for flag in ("max_waiting_requests", "max_waiting_tokens", "max_prefill_tokens_per_request"):
+    for flag in ("max_waiting_requests", "max_waiting_tokens", "max_prefill_tokens_per_request",
+                 "max_prefill_tokens_per_client"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SystemExit(f"eecore: --{flag.replace('_', '-')} must be at least 1")
@@ -87,15 +92,19 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = build_llm(args)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
-                         max_prefill_tokens_per_request=args.max_prefill_tokens_per_request)
+                         max_prefill_tokens_per_request=args.max_prefill_tokens_per_request,
+                         max_prefill_tokens_per_client=args.max_prefill_tokens_per_client)
     # Everything alive now (torch, the model, the tokenizer: hundreds of thousands of objects) lives
     # as long as the server. A full collection walks every tracked object with the GIL held, and at
     # start-up on a 2-core machine these took 110-180 ms: frozen, a collection while serving walks
     # only the requests' objects (measured: 30 ms at most under 32 clients).
     gc.collect()
     gc.freeze()
+    api_keys = args.api_key or ([envs.raw("EECORE_API_KEY")] if envs.raw("EECORE_API_KEY") else None)
+    if args.api_key and not all(args.api_key):
+        raise SystemExit("eecore: --api-key must not be empty")
     limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=args.api_key,
+    app = build_app(engine, args.served_model_name or default_model_name(args.model), api_key=api_keys,
                     body_timeout=args.body_timeout, **limit)
     config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
                            header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,

@@ -13,7 +13,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
@@ -50,11 +50,12 @@ def default_model_name(model: Optional[str]) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
+def build_app(engine: AsyncEngine, model_name: str, api_key: Union[str, Sequence[str], None] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The server's ASGI app over a (not yet started) AsyncEngine; its lifespan starts and stops
-    the engine thread. With `api_key` the API docs are off (they would describe the API to anyone).
+    the engine thread. With `api_key` (one key, or several: each a client, and clients take turns in
+    the engine's queue) the API docs are off (they would describe the API to anyone).
     Run it with eecore.serve.server's config (its timeouts and HTTP protocol), as `eecore serve` does."""
 
     @asynccontextmanager
@@ -67,7 +68,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
             engine.stop(timeout=1.0)  # a daemon thread: the process need not wait for a step to end
             restore()
 
-    docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    docs = {} if not api_key else dict(docs_url=None, redoc_url=None, openapi_url=None)
     # no redirect_slashes: a 307 to the path with(out) a trailing slash would be built from the Host header
     app = FastAPI(title="eecore", version=_version(), lifespan=lifespan, default_response_class=ASCIIJSONResponse,
                   redirect_slashes=False, **docs)
@@ -78,7 +79,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
     app.add_middleware(BodyDeadline, timeout=body_timeout, shutting_down=shutting_down)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(APIKeyAuth, api_key=api_key)
+        app.add_middleware(APIKeyAuth, api_keys=api_key)
     app.add_middleware(ShutdownGuard, shutting_down=shutting_down)
     add_error_handlers(app)
 
@@ -268,7 +269,8 @@ class _Run:
 
     async def respond(self, request: Request):
         try:
-            self.handle = self.engine.add(self.subs)
+            # the client the request came from, where several API keys share the server
+            self.handle = self.engine.add(self.subs, client=getattr(request.state, "api_key_index", None))
         except QueueFullError as exc:  # overload that clears as requests finish: retry later
             raise APIError(503, str(exc), type="service_unavailable", code="server_overloaded",
                            headers={"Retry-After": "1"}) from None

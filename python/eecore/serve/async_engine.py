@@ -13,7 +13,10 @@ with every other request's, so that no request has more than `max_prefill_tokens
 its prompt tokens waiting or in prefill at once (at least one sequence). A request of 16 long
 prompts then holds about one prompt's prefill at a time, and a short request that arrives behind
 it is queued next to that one instead of behind all 16 (the scheduler shares each step's prefill
-budget between the prompts in its queue). The queue is bounded twice: `max_waiting` sequences and
+budget between the prompts in its queue). Where several clients share the server (several API
+keys), the turns go client by client, and a client's requests together hold at most
+`max_prefill_tokens_per_client` such tokens: a client that sends many requests at once cannot fill
+the queue ahead of another's. The queue is bounded twice: `max_waiting` sequences and
 `max_waiting_tokens` prompt tokens (beyond either a request gets 503 with Retry-After).
 """
 from __future__ import annotations
@@ -68,6 +71,7 @@ class RequestHandle:
     request_id: int = field(default_factory=lambda: next(_request_ids))
     seqs: list[Sequence] = field(default_factory=list)   # set by the engine thread at admission
     aborted: bool = False
+    client: Optional[int] = None  # which of several API keys sent it (None: one client, or none known)
     # engine thread only: the subrequests not yet in the engine's queue (fairness, see the module doc)
     held: deque = field(default_factory=deque)
 
@@ -100,9 +104,11 @@ class AsyncEngine:
     bounds one request's prompt tokens waiting or in prefill at once (default: a step's token budget)."""
 
     def __init__(self, llm, max_waiting: int = 256, max_waiting_tokens: Optional[int] = None,
-                 max_prefill_tokens_per_request: Optional[int] = None):
+                 max_prefill_tokens_per_request: Optional[int] = None,
+                 max_prefill_tokens_per_client: Optional[int] = None):
         for name, value in (("max_waiting", max_waiting), ("max_waiting_tokens", max_waiting_tokens),
-                            ("max_prefill_tokens_per_request", max_prefill_tokens_per_request)):
+                            ("max_prefill_tokens_per_request", max_prefill_tokens_per_request),
+                            ("max_prefill_tokens_per_client", max_prefill_tokens_per_client)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"AsyncEngine: '{name}' must be a positive int, got {value!r}")
         self.llm = llm
@@ -114,6 +120,9 @@ class AsyncEngine:
         self.max_waiting_tokens = max_waiting_tokens or 8 * self.max_model_len
         self.max_prefill_tokens_per_request = \
             max_prefill_tokens_per_request or self.engine.scheduler.max_num_batched_tokens
+        # two steps' worth: the scheduler always has a step's prefill to take from a busy client
+        self.max_prefill_tokens_per_client = \
+            max_prefill_tokens_per_client or 2 * self.engine.scheduler.max_num_batched_tokens
         self.metrics = ServerMetrics(self.engine.blocks.num_blocks, self.num_layers)
         self._tracker = DeltaTracker(self.engine)
         self._lock = threading.Lock()
@@ -174,13 +183,14 @@ class AsyncEngine:
         """Their prompt tokens (an estimate from outside the engine thread)."""
         return self._num_inbox_tokens + self._queued_tokens
 
-    def add(self, subrequests: list[SubRequest]) -> RequestHandle:
-        """Queues one request's sequences; they join the batch in turn with other requests'."""
+    def add(self, subrequests: list[SubRequest], client: Optional[int] = None) -> RequestHandle:
+        """Queues one request's sequences; they join the batch in turn with other requests' (and,
+        with `client`, which of several API keys sent it, in turn with other clients')."""
         if self._shutting_down:
             raise ShuttingDownError("the server is shutting down")
         if self._thread is None:
             raise RuntimeError("AsyncEngine: start() it first")
-        handle = RequestHandle(subrequests, asyncio.Queue())
+        handle = RequestHandle(subrequests, asyncio.Queue(), client=client)
         with self._lock:  # (the engine thread moves the inbox's counts to the queue's under it)
             waiting, tokens = self.num_waiting, self.num_waiting_tokens
         if waiting + len(subrequests) > self.max_waiting:
@@ -245,22 +255,35 @@ class AsyncEngine:
         self._live[handle.request_id] = handle
 
     def _release_held(self) -> None:
-        """Moves held sequences into the engine's queue, one a request at a time in turn, while each
-        request's prompt tokens waiting or in prefill stay under max_prefill_tokens_per_request."""
-        cap = self.max_prefill_tokens_per_request
+        """Moves held sequences into the engine's queue in turns: each pass, one sequence a request
+        (one a client, for requests that name their client), while each request's prompt tokens
+        waiting or in prefill stay under max_prefill_tokens_per_request and each client's under
+        max_prefill_tokens_per_client."""
+        cap, client_cap = self.max_prefill_tokens_per_request, self.max_prefill_tokens_per_client
         open_handles = [h for h in self._live.values() if h.held]
-        in_flight = {h.request_id: h.prefill_tokens_in_flight() for h in open_handles}
-        while open_handles:
-            still = []
+        if not open_handles:
+            return
+        in_flight = {h.request_id: h.prefill_tokens_in_flight() for h in self._live.values()}
+        by_client: dict[int, int] = {}
+        for handle in self._live.values():
+            if handle.client is not None:
+                by_client[handle.client] = by_client.get(handle.client, 0) + in_flight[handle.request_id]
+        admitted = True
+        while admitted:  # passes, until one admits nothing
+            admitted = False
+            took_turn: set[int] = set()  # the clients that admitted a sequence this pass
             for handle in open_handles:
-                if in_flight[handle.request_id] >= cap:
+                client = handle.client
+                if not handle.held or in_flight[handle.request_id] >= cap or (client is not None and (
+                        client in took_turn or by_client.get(client, 0) >= client_cap)):
                     continue
                 sub = handle.held.popleft()
                 self._enqueue(handle, sub)
+                admitted = True
                 in_flight[handle.request_id] += len(sub.token_ids)
-                if handle.held:
-                    still.append(handle)
-            open_handles = still
+                if client is not None:
+                    took_turn.add(client)
+                    by_client[client] = by_client.get(client, 0) + len(sub.token_ids)
 
     def _enqueue(self, handle: RequestHandle, sub: SubRequest) -> None:
         seq = self.engine.enqueue(sub.prompt, sub.token_ids, sub.params, sub.index)

@@ -42,16 +42,24 @@ class APIKeyAuth:
     then discards the body as it arrives, without parsing it). Two Authorization headers are
     refused, whatever they hold: proxies and frameworks disagree on which one counts."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_keys):
+        """`api_keys`: one key or several (each a client, among which the engine shares its queue:
+        the matching key's index is the request's `state["api_key_index"]`)."""
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+        self.expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         values = [value for name, value in scope.get("headers") or () if name.lower() == b"authorization"]
-        if len(values) == 1 and secrets.compare_digest(values[0], self.expected):
-            return await self.app(scope, receive, send)
+        if len(values) == 1:
+            # every key compared, in constant time each: which one matched leaks nothing by its timing
+            matches = [secrets.compare_digest(values[0], expected) for expected in self.expected]
+            if any(matches):
+                if len(self.expected) > 1:
+                    scope.setdefault("state", {})["api_key_index"] = matches.index(True)
+                return await self.app(scope, receive, send)
         if len(values) > 1:
             message = f"{len(values)} Authorization headers: send exactly one, 'Authorization: Bearer <key>'"
         else:
