@@ -1,7 +1,7 @@
 """The host's share of a decode step: everything a step costs besides the model's kernels.
 
     PYTHONPATH=python python bench/cost_host.py [--batch-sizes 1 8 64 256] [--steps 128]
-        [--context 64] [--text] [--speculate D] [--out-name NAME]
+        [--context 64] [--text] [--speculate D [--gpu-preset] [--fused]] [--out-name NAME]
 
 On a GPU a full-depth decode step is one CUDA graph replay, and the host's work around it
 (scheduling, filling the step's input buffers, reading the sampled tokens back, appending them,
@@ -94,7 +94,7 @@ def host_only_engine(folder: str, max_batch: int):
 
 
 def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: bool = False,
-                          failing: bool = False, acceptance: float = 1.0):
+                          failing: bool = False, acceptance: float = 1.0, fused: bool = False):
     """The exit-ready layer preset's round (a draft copy, d drafts a round) with every pass replaced
     by a buffer: the copy's layers return a state buffer, the draft head and the verify pass logits
     whose argmax is one letter for every row (perfect drafts: each round has d + 1 tokens, the most
@@ -104,14 +104,16 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
     verify pass emits, so every draft is rejected (the planner then plans plain rounds). `acceptance`
     below 1: each row of the verify pass's buffer emits another letter with probability 1 -
     acceptance (drawn once, so the same rows reject every round): sequences accept different
-    numbers of drafts, so with the planner they draft different lengths, as in a real batch."""
+    numbers of drafts, so with the planner they draft different lengths, as in a real batch.
+    `fused`: fused rounds (LLM(fused_rounds=True)), whose chain and verify-and-accept passes are
+    buffers too: the verify pass's result says what the model emits and how many drafts it kept."""
     from eecore.engine.static_decode import StaticVerify
 
     rules = dict(stop_below=0.15, long_draft_acceptance=0.5) if gpu_preset else {}
     spec = eecore.SelfSpeculativeConfig(num_speculations=drafts, adaptive=gpu_preset,
                                         layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy(), **rules))
     llm = eecore.LLM(folder, dtype="float32", device="cpu", max_num_seqs=max_batch, speculative=spec,
-                     max_num_batched_tokens=max(1024, max_batch * 128))
+                     max_num_batched_tokens=max(1024, max_batch * 128), fused_rounds=fused)
     runner, decoder = llm.engine.runner, llm.engine.strategy
     stack, width = decoder.draft_stack, decoder.lookahead
     logits = torch.randn(max_batch * width, VOCAB)
@@ -127,6 +129,20 @@ def host_only_copy_engine(folder: str, max_batch: int, drafts: int, gpu_preset: 
     stack.static = stack.static_pass(capture=False)
     stack.static.step = lambda inputs: proposals[: inputs.last_rows.shape[0]]  # the copy's layers and head
     stack.head.columns = lambda hidden: proposals[: hidden.shape[0]]  # the head after op-by-op passes
+    if fused:
+        results = {}
+
+        def verify_and_accept(inputs, width):  # each row's W tokens, then the drafts kept
+            if width not in results:
+                result = results[width] = torch.full((max_batch, width + 1), 81, dtype=torch.int64)
+                result[:, width] = 0 if failing else width - 1
+                if acceptance < 1.0:
+                    result[rejecting.view(max_batch, -1)[:, 0], width] = 0
+                    result[rejecting.view(max_batch, -1)[:, 0], 0] = 82
+            return results[width][: inputs.last_rows.shape[0]]
+
+        decoder.fused.chain.step = lambda inputs, k: None
+        decoder.fused.verify.step = verify_and_accept
     return llm
 
 
@@ -145,6 +161,9 @@ def measure(llm, batch: int, steps: int, context: int, text: bool = False, draft
         timer.wrap(decoder.verifier, "full", "verify")
         timer.wrap(decoder.acceptor, "accept_all", "accept")
         timer.wrap(decoder.proposer, "chain", "chained passes")  # draft ahead (EECORE_DRAFT_AHEAD=1)
+        if decoder.fused is not None:
+            timer.wrap(decoder.fused.inputs, "fill", "fill round inputs")
+            timer.wrap(decoder.fused, "run", "fused round")
     params = eecore.SamplingParams(max_tokens=steps * (drafts + 1) + 1, temperature=0.0, ignore_eos=True,
                                    stop=["never in the output"] if text else None)
     tracker = None
@@ -188,6 +207,8 @@ def main() -> None:
     ap.add_argument("--acceptance", type=float, default=1.0,
                     help="with --speculate: the share of the verify pass's rows that agree with the draft "
                          "(drawn once; below 1, sequences accept, and with --gpu-preset draft, different lengths)")
+    ap.add_argument("--fused", action="store_true",
+                    help="with --speculate: fused rounds (LLM(fused_rounds=True): one host round trip a round)")
     ap.add_argument("--failing-drafts", action="store_true",
                     help="with --speculate: every draft rejected (with --gpu-preset the planner turns drafting off)")
     ap.add_argument("--out-name", default=None, help="(default: host-overhead, or host-overhead-speculate)")
@@ -198,7 +219,7 @@ def main() -> None:
         tiny_checkpoint(folder, args.context)
         for batch in args.batch_sizes:
             llm = host_only_copy_engine(folder, batch, args.speculate, args.gpu_preset, args.failing_drafts,
-                                        args.acceptance) if args.speculate else \
+                                        args.acceptance, args.fused) if args.speculate else \
                 host_only_engine(folder, batch)
             row = measure(llm, batch, args.steps, args.context, args.text, args.speculate)
             if args.failing_drafts:
@@ -211,7 +232,7 @@ def main() -> None:
                   f"{parts}")
     name = args.out_name or ("host-overhead-speculate" if args.speculate else "host-overhead")
     path = save_results(name, dict(cpu=cpu_model(), steps=args.steps, context=args.context, text=args.text,
-                                   speculate=args.speculate, gpu_preset=args.gpu_preset,
+                                   speculate=args.speculate, gpu_preset=args.gpu_preset, fused=args.fused,
                                    failing_drafts=args.failing_drafts, acceptance=args.acceptance, rows=rows))
     print(f"wrote {path}")
 

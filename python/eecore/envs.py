@@ -47,6 +47,9 @@ _SWITCHES = (
     Switch("EECORE_VERIFY_AHEAD", ("0", "1"), "0", "engine build",
            "with draft ahead, the verify pass is launched behind the chain before it is read back",
            option="verify_ahead"),
+    Switch("EECORE_FUSED_ROUNDS", ("0", "1"), "0", "engine build",
+           "a draft copy's greedy self-speculation rounds run their passes back to back from tokens on "
+           "the device, accept on the device and read back once", option="fused_rounds"),
     Switch("EECORE_FUSED_PROJECTIONS", ("0", "1"), "0", "model build",
            "Llama layers run the fused projection ops (norm, RoPE and cache write, activation, residual "
            "folded into the projections)", option="fused_projections", changes_outputs=True),

@@ -106,7 +106,9 @@ class LLM:
     How it runs (each None: the environment's switch, else the default; docs/configuration.md):
     decode_ahead: a decode step launches the next before its tokens are read back (default: on a
         GPU). draft_ahead / verify_ahead: a draft copy's chain on the device, read back once a round,
-        and the verify pass launched behind it (default off). fused_projections: Llama layers run
+        and the verify pass launched behind it (default off). fused_rounds: a draft copy's greedy
+        rounds with one host round trip, passes back to back from device tokens and acceptance on
+        the device (eecore.speculative.fused_round; default off). fused_projections: Llama layers run
         the fused projection ops (default off; changes rounding on a GPU). gguf_activations: "exact"
         (default) or "q8", GGUF projections on the CPU with 8-bit activations (llama.cpp's arithmetic:
         faster, changes outputs). batch_invariant: on a GPU, each row's result independent of the
@@ -124,13 +126,14 @@ class LLM:
                  mixed_steps: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
                  enforce_eager: bool = False, decode_ahead: Optional[bool] = None,
                  draft_ahead: Optional[bool] = None, verify_ahead: Optional[bool] = None,
-                 fused_projections: Optional[bool] = None, gguf_activations: Optional[str] = None,
-                 batch_invariant: Optional[bool] = None, huge_pages: Optional[bool] = None,
-                 amx: Optional[bool] = None):
+                 fused_rounds: Optional[bool] = None, fused_projections: Optional[bool] = None,
+                 gguf_activations: Optional[str] = None, batch_invariant: Optional[bool] = None,
+                 huge_pages: Optional[bool] = None, amx: Optional[bool] = None):
         envs.check_all()
         switches = runtime_switches(decode_ahead=decode_ahead, draft_ahead=draft_ahead, verify_ahead=verify_ahead,
-                                    fused_projections=fused_projections, gguf_activations=gguf_activations,
-                                    batch_invariant=batch_invariant, huge_pages=huge_pages, amx=amx)
+                                    fused_rounds=fused_rounds, fused_projections=fused_projections,
+                                    gguf_activations=gguf_activations, batch_invariant=batch_invariant,
+                                    huge_pages=huge_pages, amx=amx)
         engine_config = EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

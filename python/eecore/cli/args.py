@@ -167,8 +167,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 # LLM's run-time options (each also an EECORE_* switch: eecore.envs); a flag left out leaves the option
 # to the environment and its default.
-RUNTIME_OPTIONS = ("decode_ahead", "draft_ahead", "verify_ahead", "fused_projections", "gguf_activations",
-                   "batch_invariant", "huge_pages", "amx")
+RUNTIME_OPTIONS = ("decode_ahead", "draft_ahead", "verify_ahead", "fused_rounds", "fused_projections",
+                   "gguf_activations", "batch_invariant", "huge_pages", "amx")
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:

@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from eecore import envs
 from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
@@ -47,6 +48,7 @@ from eecore.speculative.draft import Draft, DraftPicker
 from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.exit_decision import agreement_measure
+from eecore.speculative.fused_round import FusedRound
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.policy import DraftPolicy
 from eecore.speculative.proposers import CopyProposer, LookupProposer, Proposer, SharedLayerProposer, TokenSwitchProposer
@@ -93,8 +95,19 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         else:
             self.proposers = [p for p in (self.lookup, self.proposer) if p is not None]
         self._round_captures = 0  # graphs recorded before this round (_clock_round)
+        # a draft copy's greedy rounds with one host round trip, where asked (fused_round)
+        self.fused = FusedRound(runner, self.draft_stack, self.layer_drafts, capture=bool(runner.graph_capture)) \
+            if envs.flag("EECORE_FUSED_ROUNDS") and self._fuses(config) else None
+        self._fused_drafts: dict[int, Draft] = {}
         self.verifier = Verifier(runner, self.exit_layer, self._exit_states, self._static_exit_verify)
         self.acceptor = Acceptor(runner, sampler, self.num_layers, self.exit_layer, self.draft_stack)
+
+    def _fuses(self, config: SelfSpeculativeConfig) -> bool:
+        """Whether the config's rounds can be fused (eecore.speculative.fused_round): a draft copy's
+        chains alone, without token trees, exits, an exit measure or the acceptance guard."""
+        return (self.draft_stack is not None and not config.uses_lookup and not config.switches_per_token
+                and config.top_k == 1 and config.layer.exit_threshold is None and self.measure is None
+                and self.guard is None and not self.runner.model.is_encoder_decoder)
 
     def _build_layer_drafts(self, config, runner, sampler, adapters, draft_model, rows: int) -> None:
         model = runner.model
@@ -138,10 +151,15 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def decode(self, seqs: list[Sequence]) -> list[list[Token]]:
         start = time.perf_counter()
         self._round_captures = self._captures()
-        plans = self.policy.plan(seqs, self._rooms(seqs), None if self.draft_stack is None or self.planner is None
-                                 else self.draft_stack.behind_all(seqs))
+        behinds = None if self.draft_stack is None or (self.planner is None and self.fused is None) \
+            else self.draft_stack.behind_all(seqs)
+        plans = self.policy.plan(seqs, self._rooms(seqs), behinds)
         if self.policy.planned_out(plans):
             return self._plain_round(seqs, [], start)  # nobody drafts
+        if self.fused is not None:
+            results = self._fused_round(seqs, plans, behinds)
+            if results is not None:
+                return results
         drafts = [Draft() for _ in seqs]
         shadowed, drafting, ahead, ran = [], 0.0, None, None
         for proposer in self.proposers:
@@ -166,6 +184,36 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         results, offsets = self._accept(seqs, drafts, widths, logits)
         self._record_shadow(seqs, shadowed, [offsets[b] for b in shadowed], logits)
         self._clock_round(verified, len(seqs), start, drafting)
+        return results
+
+    def _fused_round(self, seqs: list[Sequence], plans, behinds: list[int]) -> Optional[list[list[Token]]]:
+        """The round as one fused round (eecore.speculative.fused_round) where it takes it: the
+        tokens each sequence gains; None: the round runs op by op."""
+        drafts = max(p.layer for p in plans) if self.policy.layers_now else 0
+        if not self.fused.takes(seqs, drafts, behinds):
+            return None
+        ran = self.fused.run(seqs, drafts)
+        if ran is None:
+            return None
+        rows, drafting, verifying = ran
+        L, W, stack, record = self.num_layers, drafts + 1, self.draft_stack, self.policy.record
+        template = self._fused_drafts.get(drafts)
+        if template is None:  # what the policy's parts read of a round's draft: d layer tokens
+            template = self._fused_drafts[drafts] = Draft(tokens=[0] * drafts, from_lookup=[False] * drafts,
+                                                          layer_turn=True, copy_ran=True)
+        results = []
+        for seq, row in zip(seqs, rows):
+            accepted = row[W]
+            position = seq.num_computed_tokens
+            seq.num_computed_tokens = position + accepted + 1
+            stack.after_fused_round(seq, position, drafts, accepted)
+            seq.stats["layer_proposals"] += drafts
+            record(seq, template, accepted)
+            results.append([Token(t, L) for t in row[: accepted + 1]])
+        if self.planner is not None and self._captures() == self._round_captures:
+            clock = self.planner.clock
+            clock.record_copy(drafts, drafting)
+            clock.record_verify(len(seqs) * W, verifying, len(seqs))
         return results
 
     def _verify(self, seqs: list[Sequence], drafts: list[Draft], shadowed: list[int], ran: Optional[Proposer],
@@ -214,7 +262,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """CUDA graphs recorded so far by the passes a round may run (engine.static_decode, speculative.static_passes)."""
         runner = self.runner
         passes = (runner.static_decode, runner.static_verify, self._static_drafts, self._static_exit_verify,
-                  None if self.draft_stack is None else self.draft_stack.static)
+                  None if self.draft_stack is None else self.draft_stack.static, self.fused)
         return sum(p.captures for p in passes if p is not None)
 
     def _plain_round(self, seqs: list[Sequence], shadowed: list[int], start: float,

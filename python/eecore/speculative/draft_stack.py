@@ -173,6 +173,13 @@ class DraftStack:
                        computed - min(record[1], computed))
         return out
 
+    def after_fused_round(self, seq: Sequence, pending: int, drafts: int, accepted: int) -> None:
+        """After a fused round (eecore.speculative.fused_round) from the pending token at `pending`:
+        the copy wrote positions pending - 1 .. pending + drafts - 1 (so whatever it held before,
+        everything before them was right), and those up to the last draft the model accepted are."""
+        state = self.states.of(seq)
+        state.copy = [seq.num_preemptions, min(pending + drafts, pending + accepted + 1), pending + drafts]
+
     def settle(self, seq: Sequence, agreed_end: int) -> None:
         """After verification: the written positions below `agreed_end` (the pending token and the
         drafts the model agreed with) keep their draft K/V."""

@@ -61,6 +61,12 @@ class DraftPolicy:
         self.planner.new_round()
         return self.planner.plan_all(seqs, len(seqs), budgets, rooms, behinds or [0] * len(seqs))
 
+    @property
+    def layers_now(self) -> bool:
+        """Whether layer drafts may run this round (plan decided it: the batch is at most
+        `layers_above`)."""
+        return self._layers_now
+
     def planned_out(self, plans: list[DraftPlan]) -> bool:
         """Nobody may draft and the guard has nothing to watch: the round is a plain step before
         any proposer runs. (Never with the token switch, whose round records every sequence,

@@ -13,3 +13,6 @@ def accept_every_draft(llm) -> None:
     if acceptor is None:
         raise ValueError("accept_every_draft: the LLM has no self-speculation (LLM(speculative=...))")
     acceptor.accepts_every_draft = True
+    fused = getattr(llm.engine.strategy, "fused", None)
+    if fused is not None:  # (fused rounds accept on the device: eecore.speculative.fused_round)
+        fused.verify.accepts_every_draft = True
