@@ -606,3 +606,69 @@ def test_seeded_sampled_requests_beside_drafting_ones_get_full_depths_tokens(tin
     assert outs[0].metrics["num_drafted_tokens"] > 0
     assert [o.metrics["num_drafted_tokens"] for o in outs[1:]] == [0, 0, 0]
     assert [o.token_ids for o in outs] == full
+
+
+# ---- fused rounds: one length for the batch (shared_rounds) ------------------------------------
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_fused_rounds_length_is_the_brute_force_best_for_the_batch(seed):
+    """plan_round against every length priced by brute force: each sequence at its own rates (set
+    by recorded rounds) and budget, the verify pass over every sequence's d + 1 rows and d copy
+    passes shared, the catch-up of each sequence spread as plan spreads it."""
+    import random
+
+    rng = random.Random(seed)
+    base, per_row, copy = rng.uniform(1, 5), rng.uniform(0, 0.3), rng.uniform(0, 1)
+    catch_up = rng.choice([0.0, rng.uniform(0, 0.2)])
+    planner = _planner(lambda rows: base + per_row * rows, copy=copy, catch_up=catch_up)
+    planner.shared_rounds = True
+    batch, most = rng.randint(1, 12), rng.randint(1, 6)
+    seqs = [_seq((1, 2, 3 + i)) for i in range(batch)]
+    for seq in seqs:  # a few recorded rounds each: rates of their own
+        planner.record_layer_rounds([seq] * 1, most, [rng.randint(0, most)])
+        planner.record_layer_rounds([seq], most, [rng.randint(0, most)])
+    budgets = [rng.randint(0, most) for _ in seqs]
+    budgets[0] = most
+    rooms = [rng.randint(2, 100) for _ in seqs]
+    behinds = [rng.randint(0, 3) for _ in seqs]
+    rates = [planner.acceptance(seq, "layer") for seq in seqs]
+    catch = [catch_up * b / max(1, min(r, DraftPlanner.CATCH_UP_HORIZON)) for r, b in zip(rooms, behinds)]
+    best, best_rate = 0, batch / planner.clock.verify(batch)
+    for d in range(1, most + 1):
+        emitted = [1 + sum(a1 * a2 ** k for k in range(min(d, n))) for (a1, a2), n in zip(rates, budgets)]
+        cost = planner.clock.verify(batch * (d + 1)) + d * copy + sum(c * e for c, e in zip(catch, emitted))
+        if sum(emitted) / cost > best_rate * (1 + 1e-12):
+            best, best_rate = d, sum(emitted) / cost
+    planner._round_wait = 10 ** 6  # (no probe)
+    assert planner.plan_round(seqs, budgets, rooms, behinds) == best
+
+
+def test_a_batch_whose_rounds_do_not_pay_is_probed_after_a_wait():
+    planner = _planner(lambda rows: float(rows))  # a row costs a step: no length pays
+    planner.shared_rounds = True
+    planner.clock.copy_pass = 0.0
+    seqs = [_seq(), _seq((4, 5))]
+    lengths = [planner.plan_round(seqs, [4, 4], [50, 50], [0, 0]) for _ in range(DraftPlanner.FIRST_PROBE_WAIT)]
+    assert lengths[:-1] == [0] * (DraftPlanner.FIRST_PROBE_WAIT - 1)
+    # the probe drafts as far as the prior would pay: here nothing pays, so it too is a plain step;
+    # the wait doubles all the same
+    assert planner._round_wait == 2 * DraftPlanner.FIRST_PROBE_WAIT
+    cheap = _planner(lambda rows: 1.0)
+    cheap.shared_rounds = True
+    assert cheap.plan_round(seqs, [4, 4], [50, 50], [0, 0]) == 4  # rows for free: the longest pays
+
+
+def test_a_fused_rounds_record_learns_what_record_does():
+    """record_layer_rounds (a fused round's bookkeeping) leaves the odds and priors record leaves
+    for a round of layer drafts."""
+    one, two = _planner(lambda rows: 1.0), _planner(lambda rows: 1.0)
+    seqs = [_seq((1, 2, 3 + i)) for i in range(4)]
+    for accepted in ([0, 4, 2, 1], [4, 4, 0, 3], [1, 0, 4, 4]):
+        for seq, kept in zip(seqs, accepted):
+            one.record(seq, Draft(tokens=[7] * 4, from_lookup=[False] * 4, copy_ran=True), kept)
+        two.record_layer_rounds(seqs, 4, accepted)
+    for seq in seqs:
+        assert one.acceptance(seq, "layer") == pytest.approx(two.acceptance(seq, "layer"), abs=1e-12)
+        mine, theirs = one.states.slot(seq, "odds")["layer"], two.states.slot(seq, "odds")["layer"]
+        assert (mine.idle, mine.wait) == (theirs.idle, theirs.wait)
+    assert one._prior("layer") == pytest.approx(two._prior("layer"), abs=1e-12)

@@ -86,8 +86,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.picker = self.proposer = None
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
+        fuses = envs.flag("EECORE_FUSED_ROUNDS") and self._fuses(config)
         self.policy = DraftPolicy(config, self.states, layers=self.draft_head is not None, guard=self.guard,
-                                  draft_length=self.draft_length, shadow_checks=self.draft_stack is None)
+                                  draft_length=self.draft_length, shadow_checks=self.draft_stack is None,
+                                  fused_rounds=fuses)
         self.planner = self.policy.planner  # config.adaptive: each sequence's draft lengths from the measured pass costs
         # the round's proposers, in order: lookup first, then the layers (the token switch is both)
         if config.switches_per_token:
@@ -97,8 +99,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._round_captures = 0  # graphs recorded before this round (_clock_round)
         # a draft copy's greedy rounds with one host round trip, where asked (fused_round)
         self.fused = FusedRound(runner, self.draft_stack, self.layer_drafts, capture=bool(runner.graph_capture)) \
-            if envs.flag("EECORE_FUSED_ROUNDS") and self._fuses(config) else None
-        self._fused_drafts: dict[int, Draft] = {}
+            if fuses else None
         self.verifier = Verifier(runner, self.exit_layer, self._exit_states, self._static_exit_verify)
         self.acceptor = Acceptor(runner, sampler, self.num_layers, self.exit_layer, self.draft_stack)
 
@@ -153,13 +154,17 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._round_captures = self._captures()
         behinds = None if self.draft_stack is None or (self.planner is None and self.fused is None) \
             else self.draft_stack.behind_all(seqs)
-        plans = self.policy.plan(seqs, self._rooms(seqs), behinds)
-        if self.policy.planned_out(plans):
-            return self._plain_round(seqs, [], start)  # nobody drafts
-        if self.fused is not None:
-            results = self._fused_round(seqs, plans, behinds)
+        rooms = self._rooms(seqs)
+        if self.fused is not None:  # the batch's round length at once, then the round fused where it can be
+            drafts = self.policy.plan_round(seqs, rooms, behinds)
+            if not drafts:
+                return self._plain_round(seqs, [], start)
+            results = self._fused_round(seqs, drafts, behinds, start)
             if results is not None:
                 return results
+        plans = self.policy.plan(seqs, rooms, behinds, new_round=self.fused is None)
+        if self.policy.planned_out(plans):
+            return self._plain_round(seqs, [], start)  # nobody drafts
         drafts = [Draft() for _ in seqs]
         shadowed, drafting, ahead, ran = [], 0.0, None, None
         for proposer in self.proposers:
@@ -186,34 +191,30 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._clock_round(verified, len(seqs), start, drafting)
         return results
 
-    def _fused_round(self, seqs: list[Sequence], plans, behinds: list[int]) -> Optional[list[list[Token]]]:
-        """The round as one fused round (eecore.speculative.fused_round) where it takes it: the
-        tokens each sequence gains; None: the round runs op by op."""
-        drafts = max(p.layer for p in plans) if self.policy.layers_now else 0
+    def _fused_round(self, seqs: list[Sequence], drafts: int, behinds: list[int], start: float
+                     ) -> Optional[list[list[Token]]]:
+        """A round of `drafts` drafts as one fused round (eecore.speculative.fused_round) where it
+        takes it: the tokens each sequence gains; None: the round runs op by op."""
         if not self.fused.takes(seqs, drafts, behinds):
             return None
         ran = self.fused.run(seqs, drafts)
         if ran is None:
             return None
-        rows, drafting, verifying = ran
-        L, W, stack, record = self.num_layers, drafts + 1, self.draft_stack, self.policy.record
-        template = self._fused_drafts.get(drafts)
-        if template is None:  # what the policy's parts read of a round's draft: d layer tokens
-            template = self._fused_drafts[drafts] = Draft(tokens=[0] * drafts, from_lookup=[False] * drafts,
-                                                          layer_turn=True, copy_ran=True)
-        results = []
+        rows, drafting = ran
+        L, W, stack = self.num_layers, drafts + 1, self.draft_stack
+        results, accepted = [], []
         for seq, row in zip(seqs, rows):
-            accepted = row[W]
+            kept = row[W]
             position = seq.num_computed_tokens
-            seq.num_computed_tokens = position + accepted + 1
-            stack.after_fused_round(seq, position, drafts, accepted)
-            seq.stats["layer_proposals"] += drafts
-            record(seq, template, accepted)
-            results.append([Token(t, L) for t in row[: accepted + 1]])
+            seq.num_computed_tokens = position + kept + 1
+            stack.after_fused_round(seq, position, drafts, kept)
+            accepted.append(kept)
+            results.append([Token(t, L) for t in row[: kept + 1]])
+        self.policy.record_fused(seqs, drafts, accepted)
         if self.planner is not None and self._captures() == self._round_captures:
-            clock = self.planner.clock
-            clock.record_copy(drafts, drafting)
-            clock.record_verify(len(seqs) * W, verifying, len(seqs))
+            # as a round op by op is timed: its draft passes, and the rest of its wall time
+            self.planner.clock.record_copy(drafts, drafting)
+        self._clock_round(len(seqs) * W, len(seqs), start, drafting)
         return results
 
     def _verify(self, seqs: list[Sequence], drafts: list[Draft], shadowed: list[int], ran: Optional[Proposer],

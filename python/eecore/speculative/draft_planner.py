@@ -32,7 +32,9 @@ round and per draft kind (layer drafts from the copy, prompt-lookup drafts):
   verify pass of its rows plus, for layer drafts, d copy passes and the copy's catch-up on the
   tokens it is behind, spread over the rounds left to earn it back (the tokens the sequence may
   still emit, at most 64, over E(d)); the planner takes the d with the most tokens per second, 0
-  being a plain step. In a batch, a sequence is planned as if the others verified one row each.
+  being a plain step. In a batch, a sequence is planned as if the others verified one row each;
+  with fused rounds, whose passes and verify width serve the whole batch, as if every sequence
+  drafted the length at its rates (a round's length is the longest any sequence is planned).
 - probes: a sequence planned at 0 for a kind stops learning about it, so after a wait it drafts
   that kind as far as the prior would pay (none if it would not); the wait doubles while probes
   fail (32 to 128 rounds), and a round whose drafts of the kind were all accepted resets it. The
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
+
+import numpy as np
 
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft import Draft
@@ -135,8 +139,13 @@ class DraftPlanner:
     MAX_PROBE_WAIT = 128
     RELAX = 0.998            # per round: the released sequences' rates are back near hopeful after ~1,000 rounds
 
-    def __init__(self, max_layer: int, max_lookup: int, states: Optional[SequenceStates] = None):
+    def __init__(self, max_layer: int, max_lookup: int, states: Optional[SequenceStates] = None,
+                 shared_rounds: bool = False):
+        """`shared_rounds`: the batch's rounds are fused (eecore.speculative.fused_round), so every
+        sequence verifies the round's length and the round's passes serve all of them: a length is
+        priced as if every sequence of the batch drafted it at the sequence's rates."""
         self.max_length = {"layer": max_layer, "lookup": max_lookup}
+        self.shared_rounds = shared_rounds
         self._kinds = [kind for kind in KINDS if self.max_length[kind] > 0]  # the kinds it plans
         self.clock = PassClock()
         self._priors = {kind: (_Prior(), _Prior()) for kind in KINDS}
@@ -146,6 +155,8 @@ class DraftPlanner:
         self._price_list: dict[tuple, tuple] = {}
         self._prior_values: dict[str, tuple[float, float]] = {}  # _prior's answers until a prior changes
         self.all_quiet = False  # whether every sequence of the last plan_all was quiet
+        # plan_round's probes of the whole batch: plain rounds since the last drafting one, and the wait
+        self._round_idle, self._round_wait = 0, self.FIRST_PROBE_WAIT
 
     # ---- planning ----------------------------------------------------------------------------
     # tokens over which a catch-up's cost is spread, at most: a longer reply earns it back sooner
@@ -188,6 +199,67 @@ class DraftPlanner:
         self.all_quiet = quiet
         return plans
 
+    def plan_round(self, seqs: list[Sequence], budgets: list[int], rooms: list[int], behinds: list[int]) -> int:
+        """The length of a fused round of layer drafts (`shared_rounds`; 0: a plain step): the one
+        with the most expected tokens per second for the whole batch, each sequence at its own
+        rates and its budget, the round's passes and verify width shared. The batch is probed as
+        `plan` probes a sequence: after a wait of plain rounds, one round at the length the prior
+        would pay for. Also sets `all_quiet`."""
+        B, most = len(seqs), min(max(budgets, default=0), self.max_length["layer"])
+        plain, rounds, _ = self._prices(B, most, True) if most > 0 else (None, (), 0.0)
+        if plain is None:
+            self.all_quiet = False
+            return 0
+        first_prior, later_prior = self._prior("layer")
+        a1, a2 = [], []
+        w, slot = self.PRIOR_ROUNDS, self.states.slot
+        for seq in seqs:  # each sequence's rates (as _rate computes them, inline: this runs for the whole batch)
+            mine = slot(seq, "odds")
+            if mine is None:
+                a1.append(first_prior)
+                a2.append(later_prior)
+            else:
+                hits, misses = mine["layer"].hits, mine["layer"].misses
+                a1.append((hits[FIRST] + w * first_prior) / (hits[FIRST] + misses[FIRST] + w))
+                a2.append((hits[LATER] + w * later_prior) / (hits[LATER] + misses[LATER] + w))
+        token = self.clock.catch_up_token
+        catch = [token * behind / max(1, min(room, self.CATCH_UP_HORIZON)) for room, behind in zip(rooms, behinds)] \
+            if token else [0.0] * B
+        length = self._round_length(a1, a2, catch, budgets, plain, rounds)
+        if length:
+            self._round_idle = 0
+        else:
+            self._round_idle += 1
+            if self._round_idle >= self._round_wait:  # a probe at the prior's rates
+                self._round_idle, self._round_wait = 0, min(2 * self._round_wait, self.MAX_PROBE_WAIT)
+                length = self._round_length([first_prior] * B, [later_prior] * B, catch, budgets, plain, rounds)
+        self.all_quiet = not length and self._round_idle + 1 < self._round_wait and \
+            not self.clock.changes_next_round()
+        return length
+
+    @staticmethod
+    def _round_length(a1: list[float], a2: list[float], catch: list[float], budgets: list[int], plain: float,
+                      rounds: tuple) -> int:
+        """plan_round's choice at rates a1, a2 and catch-up costs `catch` per sequence (a handful of
+        array operations whatever the batch: at 64 sequences a loop over them and the lengths cost
+        the host more than the round it plans)."""
+        most = len(rounds)
+        # reach[i, k]: the chance that sequence i's draft k + 1 is accepted (none past its budget)
+        reach = np.multiply.outer(a1, np.ones(most)) * np.power.outer(a2, np.arange(most))
+        if min(budgets) < most:
+            reach *= np.less.outer(np.arange(most), budgets).T
+        # a round of d drafts emits B + sum over k < d of reach[:, k]; its catch-up costs likewise
+        extra = np.cumsum(reach.sum(axis=0)).tolist()
+        catch_total = sum(catch)
+        extra_catch = np.cumsum(np.dot(catch, reach)).tolist() if catch_total else [0.0] * most
+        B = len(a1)
+        best, best_rate = 0, B / plain
+        for d in range(most):
+            rate = (B + extra[d]) / (rounds[d] + catch_total + extra_catch[d])
+            if rate > best_rate:
+                best, best_rate = d + 1, rate
+        return best
+
     def _catch_up(self, room: int, behind: int) -> float:
         """The copy's catch-up in seconds, times the tokens a round emits (a cost per round of
         min(room, horizon) / E(d) rounds)."""
@@ -229,8 +301,7 @@ class DraftPlanner:
             return 0
         return self._best(self._prices(batch, most, copy_passes), acceptance, batch, catch_up)
 
-    @staticmethod
-    def _best(prices: tuple, acceptance: tuple[float, float], batch: int, catch_up: float) -> int:
+    def _best(self, prices: tuple, acceptance: tuple[float, float], batch: int, catch_up: float) -> int:
         """best_length at `prices` (_prices)."""
         plain, rounds, floor = prices[:3]
         first, later = acceptance
@@ -238,10 +309,12 @@ class DraftPlanner:
             return 0  # nothing timed yet, or no length pays even if every draft after the first were accepted
         best, best_rate = 0, batch / plain
         tokens, reach = float(batch), first  # reach: the chance that the d-th draft is accepted
+        # whose tokens a round's cost buys: this sequence's alone, or every sequence's (shared rounds)
+        drafting, shared = (batch, True) if self.shared_rounds else (1, False)
         for d, cost in enumerate(rounds, 1):
-            tokens += reach
+            tokens += reach * drafting
             reach *= later
-            rate = tokens / (cost + catch_up * (tokens - batch + 1))
+            rate = tokens / (cost + catch_up * (tokens if shared else tokens - batch + 1))
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
@@ -265,8 +338,10 @@ class DraftPlanner:
                 prices = (None, (), 0.0)
             else:
                 copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
-                rounds = tuple(self.clock.verify(batch + d) + d * copy for d in range(1, most + 1))
-                floor = min(batch * (cost - plain) / (d * plain) for d, cost in enumerate(rounds, 1))
+                # the rows verified: this sequence's d + 1 beside one each, or everyone's (shared rounds)
+                width = batch if self.shared_rounds else 1
+                rounds = tuple(self.clock.verify(batch + width * d) + d * copy for d in range(1, most + 1))
+                floor = min(batch * (cost - plain) / (width * d * plain) for d, cost in enumerate(rounds, 1))
                 prices = (plain, rounds, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
             self._price_list[key] = prices
         return prices
@@ -356,6 +431,31 @@ class DraftPlanner:
                 prior.live_hits += hits * weight - old_hits
                 prior.live_misses += misses * weight - old_misses
             if not counts[1] and not counts[3]:  # this kind pays again: probes start over from the first wait
+                odds.wait = self.FIRST_PROBE_WAIT
+            odds.idle = 0
+
+    def record_layer_rounds(self, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
+        """`record` for a fused round: each of `seqs` drafted `drafts` layer tokens and kept the first
+        accepted[i] (the same bookkeeping as record's, without its per-draft walk)."""
+        self._prior_values.clear()
+        forget, full = self.FORGET, _Prior.FULL_EVIDENCE
+        first_prior, later_prior = self._priors["layer"]
+        for seq, kept in zip(seqs, accepted):
+            odds = self._seq(seq)["layer"]
+            hit = kept > 0
+            counts = (1.0 if hit else 0.0, 0.0 if hit else 1.0, float(max(0, min(kept, drafts) - 1)),
+                      1.0 if hit and kept < drafts else 0.0)
+            all_hits, all_misses, shares = odds.hits, odds.misses, odds.shares
+            for place, prior in ((FIRST, first_prior), (LATER, later_prior)):
+                hits = all_hits[place] = forget * all_hits[place] + counts[2 * place]
+                misses = all_misses[place] = forget * all_misses[place] + counts[2 * place + 1]
+                seen = hits + misses
+                weight = 1.0 / (full if seen < full else seen)
+                old_hits, old_misses = shares[place]
+                shares[place] = (hits * weight, misses * weight)
+                prior.live_hits += hits * weight - old_hits
+                prior.live_misses += misses * weight - old_misses
+            if not counts[1] and not counts[3]:
                 odds.wait = self.FIRST_PROBE_WAIT
             odds.idle = 0
 

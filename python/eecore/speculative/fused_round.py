@@ -120,7 +120,7 @@ class FusedRound:
                                   runner.kv.pad_block, self.drafts, self.verify_tokens, dev)
         self.chain = DraftChain(stack, max_batch, capture, self.drafts)
         self.verify = VerifyAndAccept(runner, max_batch, capture, self.drafts, self.verify_tokens)
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if dev.type == "cuda" else None
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
         self.rounds = 0  # fused rounds run (tests read it)
 
     @property
@@ -139,12 +139,12 @@ class FusedRound:
                 and max(behinds) <= 1 and max(s.num_tokens for s in seqs) + drafts <= self.runner.max_model_len
                 and all(s.params.greedy and s.params.logprobs is None for s in seqs))
 
-    def run(self, seqs, drafts: int) -> Optional[tuple[list[list[int]], float, float]]:
+    def run(self, seqs, drafts: int) -> Optional[tuple[list[list[int]], float]]:
         """The round: each sequence's row (its W argmax tokens, then the drafts accepted), and the
-        seconds its copy passes and its verify pass took; None where its inputs do not fit (a row's
-        blocks end before its last position)."""
+        seconds its copy passes took (on a GPU timed by events around them, which the read-back
+        has waited for); None where its inputs do not fit (a row's blocks end before its last
+        position)."""
         P = self.chain.padded_size(len(seqs))
-        begin = time.perf_counter()
         layout = self.inputs.fill(seqs, P, drafts)
         if layout is None:
             return None
@@ -152,24 +152,20 @@ class FusedRound:
         events = self._events
         if events is not None:
             events[0].record()
+        begin = time.perf_counter()
         self.chain.launch(0, layout.first, key)
         for k in range(1, drafts):
             self.chain.launch(k, layout.chain[k - 1], key)
+        drafting = time.perf_counter() - begin
         if events is not None:
             events[1].record()
-        drafting = time.perf_counter() - begin
         result = self.verify.launch(W, layout.verify[W], key)
-        if events is not None:
-            events[2].record()
         rows = result[: len(seqs)].tolist()  # the round's one read-back
-        if events is not None:  # (complete now: the read-back waited for the pass after them)
+        if events is not None:
             drafting = events[0].elapsed_time(events[1]) / 1e3
-            verifying = events[1].elapsed_time(events[2]) / 1e3
-        else:
-            verifying = time.perf_counter() - begin - drafting
         self._count(seqs, drafts)
         self.rounds += 1
-        return rows, drafting, verifying
+        return rows, drafting
 
     def _count(self, seqs, drafts: int) -> None:
         """The real rows' work (tests prove with it that no work is repeated)."""

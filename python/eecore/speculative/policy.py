@@ -29,10 +29,10 @@ from eecore.speculative.stats import RoundRecorder
 
 class DraftPolicy:
     def __init__(self, config, states: SequenceStates, *, layers: bool, guard: Optional[SpeculationGuard],
-                 draft_length: Optional[DraftLength], shadow_checks: bool):
+                 draft_length: Optional[DraftLength], shadow_checks: bool, fused_rounds: bool = False):
         """`layers`: the config drafts with layers (a draft head exists); `shadow_checks`: the guard
         may shadow-check a sequence it keeps from drafting (shared layers: the layer-E state is at
-        hand)."""
+        hand); `fused_rounds`: rounds are fused (the planner prices lengths for the whole batch)."""
         self.num_drafts = config.num_speculations
         self.layer_drafts = config.layer_draft_length
         self.layers_above = config.layers_above  # more decoding: lookup drafts alone
@@ -42,30 +42,38 @@ class DraftPolicy:
         self.guard = guard
         self.draft_length = draft_length
         self.shadow_checks = shadow_checks
-        self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if config.uses_lookup else 0, states) \
-            if config.adaptive else None
+        self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if config.uses_lookup else 0, states,
+                                    shared_rounds=fused_rounds) if config.adaptive else None
         self.recorder = RoundRecorder(guard, draft_length, lookup=config.uses_lookup, layers=layers,
                                       trees=config.top_k > 1)
         self._room_budgets: list[int] = []
         self._layers_now = False
 
     # ---- before the proposers ------------------------------------------------------------------
-    def plan(self, seqs: list[Sequence], rooms: list[int], behinds: Optional[list[int]] = None) -> list[DraftPlan]:
+    def plan(self, seqs: list[Sequence], rooms: list[int], behinds: Optional[list[int]] = None,
+             new_round: bool = True) -> list[DraftPlan]:
         """Each sequence's caps this round by kind: the planner's (adaptive), else the config's.
         `rooms`: the tokens each may still emit; `behinds`: the tokens a draft copy must catch up
-        on before it drafts (the planner prices them)."""
+        on before it drafts (the planner prices them); `new_round=False`: the round was planned
+        already (plan_round) and now runs op by op."""
         self._room_budgets = budgets = [max(0, min(self.num_drafts, room - 1)) for room in rooms]
         self._layers_now = self.has_layers and (self.layers_above is None or len(seqs) <= self.layers_above)
         if self.planner is None:
             return [DraftPlan(lookup=n, layer=min(n, self.layer_drafts)) for n in budgets]
-        self.planner.new_round()
+        if new_round:
+            self.planner.new_round()
         return self.planner.plan_all(seqs, len(seqs), budgets, rooms, behinds or [0] * len(seqs))
 
-    @property
-    def layers_now(self) -> bool:
-        """Whether layer drafts may run this round (plan decided it: the batch is at most
-        `layers_above`)."""
-        return self._layers_now
+    def plan_round(self, seqs: list[Sequence], rooms: list[int], behinds: list[int]) -> int:
+        """A fused round's length of layer drafts (0: a plain step): the planner's for the whole
+        batch (DraftPlanner.plan_round), else the config's cap, within what the sequences may emit."""
+        if not (self.has_layers and (self.layers_above is None or len(seqs) <= self.layers_above)):
+            return 0
+        budgets = [max(0, min(self.layer_drafts, room - 1)) for room in rooms]
+        if self.planner is None:
+            return max(budgets)
+        self.planner.new_round()
+        return self.planner.plan_round(seqs, budgets, rooms, behinds)
 
     def planned_out(self, plans: list[DraftPlan]) -> bool:
         """Nobody may draft and the guard has nothing to watch: the round is a plain step before
@@ -111,6 +119,13 @@ class DraftPolicy:
         self.recorder.record(seq, draft, accepted, alternative_accepted, layer_turn)
         if self.planner is not None:
             self.planner.record(seq, draft, accepted)
+
+    def record_fused(self, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
+        """A fused round (eecore.speculative.fused_round): each of `seqs` drafted `drafts` layer
+        tokens and kept the first accepted[i] (what `record` would learn, in one pass)."""
+        self.recorder.record_layer_rounds(seqs, drafts, accepted)
+        if self.planner is not None:
+            self.planner.record_layer_rounds(seqs, drafts, accepted)
 
     def record_undrafted(self, seq: Sequence, draft: Draft) -> None:
         """A round in which a proposer that does not verify empty drafts (the token switch) ran for

@@ -45,6 +45,7 @@ class RoundLayout:
     first: StepInputs             # the copy's pass 0
     chain: list[StepInputs]       # the copy's passes 1..D-1
     verify: dict[int, StepInputs]  # the verify pass by width W = 2..D+1
+    padded: tuple = (-1, -1)      # (real rows, W) the padding rows were last written for
 
 
 def _prev_token(seq: Sequence) -> int:
@@ -70,11 +71,10 @@ class RoundInputs:
         cuda = device.type == "cuda"
         self._copied = torch.cuda.Event() if cuda else None
 
-    def table_width(self, seqs: list[Sequence], width: int) -> int:
-        """The tables' width bucket for `seqs` (engine.inputs.InputBuilder's: a power of two of at
-        least 8 blocks, holding a padding row of `width` tokens)."""
-        most = max(len(s.block_table) for s in seqs)
-        need = max(most, -(-width // self.block_size), 8)
+    def table_width(self, most_blocks: int, width: int) -> int:
+        """The tables' width bucket for rows of up to `most_blocks` blocks (engine.inputs.InputBuilder's:
+        a power of two of at least 8 blocks, holding a padding row of `width` tokens)."""
+        need = max(most_blocks, -(-width // self.block_size), 8)
         return min(1 << (need - 1).bit_length(), self.max_blocks)
 
     def fill(self, seqs: list[Sequence], P: int, drafts: int) -> Optional[RoundLayout]:
@@ -82,58 +82,67 @@ class RoundInputs:
         the device; None where a row's last position lies past its block table (a fused round
         writes W positions a row: the caller runs the round op by op)."""
         n, W, bs = len(seqs), drafts + 1, self.block_size
-        table_width = self.table_width(seqs, W)
-        layout = self._layout(P, table_width)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        table_lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
-        if ((starts + drafts) // bs >= table_lens).any() or (starts < 1).any() or table_lens.max() > table_width:
+        # one walk over the rows: pending position, blocks, the tokens pass 0 runs
+        rows = np.array([(s.num_computed_tokens, len(s.block_table), _prev_token(s), s.last_token_id) for s in seqs],
+                        dtype=np.int64)
+        starts, table_lens = rows[:, 0], rows[:, 1]
+        most = int(table_lens.max())
+        table_width = self.table_width(most, W)
+        if most > table_width or ((starts + drafts) // bs >= table_lens).any() or (starts < 1).any():
             return None
+        layout = self._layout(P, table_width)
         if self._copied is not None:
             self._copied.synchronize()  # the last round's copy has read the host buffers
         h = layout.arrays
+        if layout.padded != (n, W):  # rows past the batch (and the verify pass's offsets) as this shape needs
+            self._pad(layout, n, W)
         tables = h["tables"]
-        tables.fill(-1)
+        tables[:n] = -1
         for b, seq in enumerate(seqs):
             table = seq.block_table
             tables[b, : len(table)] = table.array[: len(table)]
-        tables[n:P, : -(-W // bs)] = self.pad_block
         positions = starts[:, None] + self._offsets[: W + 1]  # [n, W + 1]: pending - 1 .. pending + d
         slots = tables[np.arange(n)[:, None], positions // bs] * bs + positions % bs
-        pad_slots = self.pad_block * bs + np.arange(W) % bs
         # the copy's pass 0: the token before the pending one, and the pending one
-        first_tokens = h["first_tokens"].reshape(P, 2)
-        first_tokens[:n, 0] = np.fromiter((_prev_token(s) for s in seqs), np.int64, n)
-        first_tokens[:n, 1] = np.fromiter((s.last_token_id for s in seqs), np.int64, n)
-        first_tokens[n:] = 0
+        h["first_tokens"].reshape(P, 2)[:n] = rows[:, 2:]
         h["first_positions"].reshape(P, 2)[:n] = positions[:, :2]
-        h["first_positions"].reshape(P, 2)[n:] = (0, 1)
         h["first_slots"].reshape(P, 2)[:n] = slots[:, :2]
-        h["first_slots"].reshape(P, 2)[n:] = pad_slots[:2]
         h["first_lens"][:n] = starts + 1
-        h["first_lens"][n:] = 2
         # the copy's passes 1..d-1: draft k at pending + k
         if drafts > 1:
             h["chain_positions"][: drafts - 1, :n] = positions[:, 2: W].T
-            h["chain_positions"][: drafts - 1, n:] = 0
             h["chain_slots"][: drafts - 1, :n] = slots[:, 2: W].T
-            h["chain_slots"][: drafts - 1, n:] = pad_slots[0]
-            h["chain_lens"][: drafts - 1, :n] = starts + np.arange(2, W)[:, None]
-            h["chain_lens"][: drafts - 1, n:] = 1
+            h["chain_lens"][: drafts - 1, :n] = starts + self._offsets[3: W + 1, None]
         # the verify pass: the pending token and the drafts
-        verify_positions = h["verify_positions"][: P * W].reshape(P, W)
-        verify_positions[:n] = positions[:, 1:]
-        verify_positions[n:] = np.arange(W)
-        verify_slots = h["verify_slots"][: P * W].reshape(P, W)
-        verify_slots[:n] = slots[:, 1:]
-        verify_slots[n:] = pad_slots
+        h["verify_positions"][: n * W].reshape(n, W)[:] = positions[:, 1:]
+        h["verify_slots"][: n * W].reshape(n, W)[:] = slots[:, 1:]
         h["verify_lens"][:n] = starts + W
-        h["verify_lens"][n:] = W
-        h["verify_qsl"][: P + 1] = np.arange(P + 1) * W
-        h["verify_last"][:P] = np.arange(1, P + 1) * W - 1
         if layout.device_bytes is not None:
             layout.device_bytes.copy_(layout.host_bytes, non_blocking=True)
             self._copied.record()
         return layout
+
+    def _pad(self, layout: RoundLayout, n: int, W: int) -> None:
+        """Rows n..P-1 of every pass as padding rows in the pad block (engine.inputs pads a static step
+        so), and the verify pass's query offsets for W tokens a row: what stays from round to round
+        while the batch and the round's width do."""
+        h, P, bs = layout.arrays, layout.P, self.block_size
+        pad_slots = self.pad_block * bs + np.arange(W) % bs
+        h["tables"][n:P] = -1
+        h["tables"][n:P, : -(-W // bs)] = self.pad_block
+        h["first_tokens"].reshape(P, 2)[n:] = 0
+        h["first_positions"].reshape(P, 2)[n:] = (0, 1)
+        h["first_slots"].reshape(P, 2)[n:] = pad_slots[:2]
+        h["first_lens"][n:] = 2
+        h["chain_positions"][:, n:] = 0
+        h["chain_slots"][:, n:] = pad_slots[0]
+        h["chain_lens"][:, n:] = 1
+        h["verify_positions"][n * W: P * W].reshape(P - n, W)[:] = np.arange(W)
+        h["verify_slots"][n * W: P * W].reshape(P - n, W)[:] = pad_slots
+        h["verify_lens"][n:] = W
+        h["verify_qsl"][: P + 1] = np.arange(P + 1) * W
+        h["verify_last"][:P] = np.arange(1, P + 1) * W - 1
+        layout.padded = (n, W)
 
     # ---- layouts -------------------------------------------------------------------------------
     def _layout(self, P: int, table_width: int) -> RoundLayout:

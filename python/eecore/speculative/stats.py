@@ -59,6 +59,22 @@ class RoundRecorder:
             st["layer_drafted"] += drafted - lookup_drafted
             st["layer_accepted"] += accepted - lookup_accepted
 
+    def record_layer_rounds(self, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
+        """`record` for a fused round: each of `seqs` drafted `drafts` layer tokens (every one of
+        them run by the copy) and kept the first accepted[i]."""
+        draft_length = self.draft_length
+        for seq, kept in zip(seqs, accepted):
+            if draft_length is not None:
+                draft_length.record(seq, kept > 0)
+            st = seq.stats
+            st["layer_proposals"] += drafts
+            st["spec_drafted"] += drafts
+            st["spec_accepted"] += kept
+            st["spec_steps"] += 1
+            st["spec_emitted"] += kept + 1
+            st["layer_drafted"] += drafts
+            st["layer_accepted"] += kept
+
     def metrics(self, seq: Sequence) -> dict[str, float]:
         st = seq.stats
         if not st["spec_steps"]:
