@@ -15,7 +15,7 @@ from eecore.engine.static_decode import AheadStep, decode_ahead_enabled
 from eecore.engine.transfer import device_tensor
 
 
-@dataclass
+@dataclass(slots=True)
 class Token:
     token_id: int
     exit_layer: int                               # layers that ran for it (L is full depth)

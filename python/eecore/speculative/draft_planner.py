@@ -46,6 +46,7 @@ outputs keep its law.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -243,16 +244,25 @@ class DraftPlanner:
         """plan_round's choice at rates a1, a2 and catch-up costs `catch` per sequence (a handful of
         array operations whatever the batch: at 64 sequences a loop over them and the lengths cost
         the host more than the round it plans)."""
-        most = len(rounds)
-        # reach[i, k]: the chance that sequence i's draft k + 1 is accepted (none past its budget)
-        reach = np.multiply.outer(a1, np.ones(most)) * np.power.outer(a2, np.arange(most))
-        if min(budgets) < most:
-            reach *= np.less.outer(np.arange(most), budgets).T
-        # a round of d drafts emits B + sum over k < d of reach[:, k]; its catch-up costs likewise
-        extra = np.cumsum(reach.sum(axis=0)).tolist()
+        most, B = len(rounds), len(a1)
         catch_total = sum(catch)
-        extra_catch = np.cumsum(np.dot(catch, reach)).tolist() if catch_total else [0.0] * most
-        B = len(a1)
+        # a round of d drafts emits B + the sum over k < d of reach[i, k], the chance that sequence
+        # i's draft k + 1 is accepted (none past its budget); its catch-up costs likewise
+        if B * most <= 32:  # a few sequences: a loop costs the host less than array operations
+            extra, extra_catch = [0.0] * most, [0.0] * most
+            for first, later, c, budget in zip(a1, a2, catch, budgets):
+                reach = first
+                for k in range(min(most, budget)):
+                    extra[k] += reach
+                    extra_catch[k] += c * reach
+                    reach *= later
+            extra, extra_catch = list(itertools.accumulate(extra)), list(itertools.accumulate(extra_catch))
+        else:
+            reach = np.multiply.outer(a1, np.ones(most)) * np.power.outer(a2, np.arange(most))
+            if min(budgets) < most:
+                reach *= np.less.outer(np.arange(most), budgets).T
+            extra = np.cumsum(reach.sum(axis=0)).tolist()
+            extra_catch = np.cumsum(np.dot(catch, reach)).tolist() if catch_total else [0.0] * most
         best, best_rate = 0, B / plain
         for d in range(most):
             rate = (B + extra[d]) / (rounds[d] + catch_total + extra_catch[d])
