@@ -17,17 +17,21 @@ import numpy as np
 
 
 class BlockTable(list):
-    """A list of block ids whose first len(self) entries are also in `array` (int32)."""
+    """A list of block ids whose first len(self) entries are also in `array` (int32). `version`
+    counts its changes: a copy of the table taken at one version is still right at the same one
+    (a fused round's inputs keep each row's table from round to round: speculative.round_inputs)."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "version")
 
     def __init__(self, blocks: Iterable[int] = ()):
         super().__init__(blocks)
         self.array = np.empty(max(8, 2 * len(self)), dtype=np.int32)
+        self.version = 0
         self._sync()
 
     def _sync(self, start: int = 0) -> None:
         """Copies entries start.. of the list into the array (grown to hold them)."""
+        self.version += 1
         n = len(self)
         if n > self.array.shape[0]:
             grown = np.empty(max(2 * self.array.shape[0], n), dtype=np.int32)
@@ -51,7 +55,13 @@ class BlockTable(list):
         block = super().pop(index)
         if index != -1 and int(index) != len(self):  # not the last: the entries after it moved
             self._sync(int(index) if int(index) >= 0 else 0)
+        else:
+            self.version += 1
         return block
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
 
     # every other way a list changes but clear (which leaves nothing to keep in step): rewrite the
     # array from the list

@@ -198,10 +198,14 @@ class LLMEngine:
             results = self.strategy.decode_plain(step.decodes)
         else:
             results = self.strategy.decode(step.decodes)
+        lookahead = self.strategy.lookahead
         for seq, tokens in zip(step.decodes, results):
             self.append_tokens(seq, tokens)
-            if not seq.is_finished and self.strategy.lookahead > 1:
-                self.blocks.shrink(seq, seq.num_tokens)  # give back blocks of rejected drafts
+            if not seq.is_finished and lookahead > 1:
+                # give back the blocks of rejected drafts past the slots the next round writes (the
+                # scheduler would take those again at once: on a busy batch a third of the
+                # sequences gave back a block and took a new one every round)
+                self.blocks.shrink(seq, seq.num_tokens - 1 + lookahead)
         return step.decodes
 
     def _mixed(self, decodes: list[Sequence], prefills: list[Sequence], counts: list[int]) -> list[Sequence]:

@@ -154,14 +154,16 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._round_captures = self._captures()
         behinds = None if self.draft_stack is None or (self.planner is None and self.fused is None) \
             else self.draft_stack.behind_all(seqs)
-        rooms = self._rooms(seqs)
         if self.fused is not None:  # the batch's round length at once, then the round fused where it can be
+            rooms, margin = self.fused.survey(seqs)
             drafts = self.policy.plan_round(seqs, rooms, behinds)
             if not drafts:
                 return self._plain_round(seqs, [], start)
-            results = self._fused_round(seqs, drafts, behinds, start)
+            results = self._fused_round(seqs, drafts, behinds, margin, start)
             if results is not None:
                 return results
+        else:
+            rooms = self._rooms(seqs)
         plans = self.policy.plan(seqs, rooms, behinds, new_round=self.fused is None)
         if self.policy.planned_out(plans):
             return self._plain_round(seqs, [], start)  # nobody drafts
@@ -191,23 +193,24 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._clock_round(verified, len(seqs), start, drafting)
         return results
 
-    def _fused_round(self, seqs: list[Sequence], drafts: int, behinds: list[int], start: float
+    def _fused_round(self, seqs: list[Sequence], drafts: int, behinds: list[int], margin: int, start: float
                      ) -> Optional[list[list[Token]]]:
         """A round of `drafts` drafts as one fused round (eecore.speculative.fused_round) where it
-        takes it: the tokens each sequence gains; None: the round runs op by op."""
-        if not self.fused.takes(seqs, drafts, behinds):
+        takes it: the tokens each sequence gains; None: the round runs op by op. `margin`: the
+        batch's FusedRound.survey."""
+        if not self.fused.takes(seqs, drafts, behinds, margin):
             return None
         ran = self.fused.run(seqs, drafts)
         if ran is None:
             return None
         rows, drafting = ran
-        L, W, stack = self.num_layers, drafts + 1, self.draft_stack
+        L, W, settle = self.num_layers, drafts + 1, self.draft_stack.after_fused_round
         results, accepted = [], []
         for seq, row in zip(seqs, rows):
             kept = row[W]
             position = seq.num_computed_tokens
             seq.num_computed_tokens = position + kept + 1
-            stack.after_fused_round(seq, position, drafts, kept)
+            settle(seq, position, drafts, kept)
             accepted.append(kept)
             results.append([Token(t, L) for t in row[: kept + 1]])
         self.policy.record_fused(seqs, drafts, accepted)

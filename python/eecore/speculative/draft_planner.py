@@ -446,28 +446,35 @@ class DraftPlanner:
 
     def record_layer_rounds(self, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
         """`record` for a fused round: each of `seqs` drafted `drafts` layer tokens and kept the first
-        accepted[i] (the same bookkeeping as record's, without its per-draft walk)."""
+        accepted[i] (the same bookkeeping as record's, without its per-draft walk; the priors' sums
+        move once for the batch)."""
         self._prior_values.clear()
-        forget, full = self.FORGET, _Prior.FULL_EVIDENCE
-        first_prior, later_prior = self._priors["layer"]
+        forget, full, first_wait = self.FORGET, _Prior.FULL_EVIDENCE, self.FIRST_PROBE_WAIT
+        moved = [0.0, 0.0, 0.0, 0.0]  # the live shares' change: first hits, first misses, later hits, later misses
+        get = self.states.get
         for seq, kept in zip(seqs, accepted):
-            odds = self._seq(seq)["layer"]
+            state = get(seq)
+            odds = (state.odds if state is not None and state.odds is not None else self._seq(seq))["layer"]
+            hits, misses, shares = odds.hits, odds.misses, odds.shares
             hit = kept > 0
-            counts = (1.0 if hit else 0.0, 0.0 if hit else 1.0, float(max(0, min(kept, drafts) - 1)),
-                      1.0 if hit and kept < drafts else 0.0)
-            all_hits, all_misses, shares = odds.hits, odds.misses, odds.shares
-            for place, prior in ((FIRST, first_prior), (LATER, later_prior)):
-                hits = all_hits[place] = forget * all_hits[place] + counts[2 * place]
-                misses = all_misses[place] = forget * all_misses[place] + counts[2 * place + 1]
-                seen = hits + misses
+            later_miss = hit and kept < drafts
+            for place, new_hits, new_misses in ((FIRST, 1.0 if hit else 0.0, 0.0 if hit else 1.0),
+                                                (LATER, float(max(0, min(kept, drafts) - 1)),
+                                                 1.0 if later_miss else 0.0)):
+                h = hits[place] = forget * hits[place] + new_hits
+                m = misses[place] = forget * misses[place] + new_misses
+                seen = h + m
                 weight = 1.0 / (full if seen < full else seen)
                 old_hits, old_misses = shares[place]
-                shares[place] = (hits * weight, misses * weight)
-                prior.live_hits += hits * weight - old_hits
-                prior.live_misses += misses * weight - old_misses
-            if not counts[1] and not counts[3]:
-                odds.wait = self.FIRST_PROBE_WAIT
+                shares[place] = (h * weight, m * weight)
+                moved[2 * place] += h * weight - old_hits
+                moved[2 * place + 1] += m * weight - old_misses
+            if hit and not later_miss:
+                odds.wait = first_wait
             odds.idle = 0
+        for place, prior in enumerate(self._priors["layer"]):
+            prior.live_hits += moved[2 * place]
+            prior.live_misses += moved[2 * place + 1]
 
     def _seq(self, seq: Sequence) -> dict[str, _Odds]:
         state = self.states.of(seq)

@@ -129,15 +129,27 @@ class FusedRound:
         cost, which the draft planner's clock must not learn from."""
         return self.chain.captures + self.verify.captures + self.inputs.layouts_made
 
-    def takes(self, seqs, drafts: int, behinds: list[int]) -> bool:
-        """Whether a fused round of `drafts` drafts can run `seqs` (module doc). A sequence that may
-        emit fewer tokens than the round's gets the ones it may (the engine's stop checks cut the
-        rest), but its last position must lie within the context."""
+    def survey(self, seqs) -> tuple[list[int], int]:
+        """In one walk over `seqs`: the new tokens each may still get (max_tokens and the context
+        both bound it), and the fewest positions any has left in the context, or -1 where one is
+        not greedy or asks for log-probabilities (the round then runs op by op)."""
+        longest = self.runner.max_model_len
+        rooms, margin, fuses = [], longest, True
+        for seq in seqs:
+            params, left = seq.params, longest - seq.num_tokens
+            rooms.append(min(params.max_tokens - seq.num_output_tokens, left))
+            margin = min(margin, left)
+            fuses = fuses and params.greedy and params.logprobs is None
+        return rooms, margin if fuses else -1
+
+    def takes(self, seqs, drafts: int, behinds, margin: int) -> bool:
+        """Whether a fused round of `drafts` drafts can run `seqs` (module doc), `margin` their survey's.
+        A sequence that may emit fewer tokens than the round's gets the ones it may (the engine's stop
+        checks cut the rest), but its last position must lie within the context."""
         P = self.chain.padded_size(len(seqs)) if len(seqs) <= self.chain.max_batch else None
-        return (P is not None and 0 < drafts <= self.max_drafts
+        return (P is not None and 0 < drafts <= min(self.max_drafts, margin)
                 and P * (drafts + 1) <= self.runner.max_tokens and 2 * P <= self.stack.runner.max_tokens
-                and max(behinds) <= 1 and max(s.num_tokens for s in seqs) + drafts <= self.runner.max_model_len
-                and all(s.params.greedy and s.params.logprobs is None for s in seqs))
+                and max(behinds) <= 1)
 
     def run(self, seqs, drafts: int) -> Optional[tuple[list[list[int]], float]]:
         """The round: each sequence's row (its W argmax tokens, then the drafts accepted), and the

@@ -33,6 +33,7 @@ class DraftPolicy:
         """`layers`: the config drafts with layers (a draft head exists); `shadow_checks`: the guard
         may shadow-check a sequence it keeps from drafting (shared layers: the layer-E state is at
         hand); `fused_rounds`: rounds are fused (the planner prices lengths for the whole batch)."""
+        self.states = states
         self.num_drafts = config.num_speculations
         self.layer_drafts = config.layer_draft_length
         self.layers_above = config.layers_above  # more decoding: lookup drafts alone
@@ -47,6 +48,7 @@ class DraftPolicy:
         self.recorder = RoundRecorder(guard, draft_length, lookup=config.uses_lookup, layers=layers,
                                       trees=config.top_k > 1)
         self._room_budgets: list[int] = []
+        self._round_plan = None  # plan_round's last: (the batch's sequence ids, rounds it still holds, length)
         self._layers_now = False
 
     # ---- before the proposers ------------------------------------------------------------------
@@ -64,6 +66,12 @@ class DraftPolicy:
             self.planner.new_round()
         return self.planner.plan_all(seqs, len(seqs), budgets, rooms, behinds or [0] * len(seqs))
 
+    # A fused round's length is planned again after this many rounds of the same batch (at once
+    # when the batch changes): the rates it weighs move by a tenth a round and the costs by a fifth,
+    # while planning a batch of 64 costs the host about a sixth of the round (bench/cost_host.py
+    # --fused).
+    REPLAN_ROUNDS = 4
+
     def plan_round(self, seqs: list[Sequence], rooms: list[int], behinds: list[int]) -> int:
         """A fused round's length of layer drafts (0: a plain step): the planner's for the whole
         batch (DraftPlanner.plan_round), else the config's cap, within what the sequences may emit."""
@@ -73,7 +81,15 @@ class DraftPolicy:
         if self.planner is None:
             return max(budgets)
         self.planner.new_round()
-        return self.planner.plan_round(seqs, budgets, rooms, behinds)
+        batch = [seq.seq_id for seq in seqs]
+        planned = self._round_plan
+        if planned is not None and planned[0] == batch and planned[1] > 0:
+            self._round_plan = (batch, planned[1] - 1, planned[2])
+            return min(planned[2], max(budgets))
+        length = self.planner.plan_round(seqs, budgets, rooms, behinds)
+        # (a plain round is planned again at the next: a batch probe counts its rounds)
+        self._round_plan = (batch, self.REPLAN_ROUNDS - 1, length) if length else None
+        return length
 
     def planned_out(self, plans: list[DraftPlan]) -> bool:
         """Nobody may draft and the guard has nothing to watch: the round is a plain step before
@@ -123,7 +139,7 @@ class DraftPolicy:
     def record_fused(self, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
         """A fused round (eecore.speculative.fused_round): each of `seqs` drafted `drafts` layer
         tokens and kept the first accepted[i] (what `record` would learn, in one pass)."""
-        self.recorder.record_layer_rounds(seqs, drafts, accepted)
+        self.recorder.record_layer_rounds(self.states, seqs, drafts, accepted)
         if self.planner is not None:
             self.planner.record_layer_rounds(seqs, drafts, accepted)
 
@@ -139,9 +155,11 @@ class DraftPolicy:
         self.recorder.plain(seqs)
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
+        self.recorder.flush(seq, self.states)
         return self.recorder.metrics(seq)
 
     def release(self, seq: Sequence) -> None:
+        self.recorder.flush(seq, self.states)
         for part in (self.guard, self.draft_length, self.planner):
             if part is not None:
                 part.release(seq)

@@ -46,6 +46,12 @@ class RoundLayout:
     chain: list[StepInputs]       # the copy's passes 1..D-1
     verify: dict[int, StepInputs]  # the verify pass by width W = 2..D+1
     padded: tuple = (-1, -1)      # (real rows, W) the padding rows were last written for
+    # each row's block table when its row of `tables` was written, and that table's version then
+    held: list = None
+    versions: list = None
+
+    def __post_init__(self):
+        self.held, self.versions = [None] * self.P, [0] * self.P
 
 
 def _prev_token(seq: Sequence) -> int:
@@ -83,8 +89,9 @@ class RoundInputs:
         writes W positions a row: the caller runs the round op by op)."""
         n, W, bs = len(seqs), drafts + 1, self.block_size
         # one walk over the rows: pending position, blocks, the tokens pass 0 runs
-        rows = np.array([(s.num_computed_tokens, len(s.block_table), _prev_token(s), s.last_token_id) for s in seqs],
-                        dtype=np.int64)
+        tables_now = [s.block_table for s in seqs]
+        rows = np.array([(s.num_computed_tokens, len(t), _prev_token(s), s.last_token_id)
+                         for s, t in zip(seqs, tables_now)], dtype=np.int64)
         starts, table_lens = rows[:, 0], rows[:, 1]
         most = int(table_lens.max())
         table_width = self.table_width(most, W)
@@ -97,10 +104,12 @@ class RoundInputs:
         if layout.padded != (n, W):  # rows past the batch (and the verify pass's offsets) as this shape needs
             self._pad(layout, n, W)
         tables = h["tables"]
-        tables[:n] = -1
-        for b, seq in enumerate(seqs):
-            table = seq.block_table
-            tables[b, : len(table)] = table.array[: len(table)]
+        held, versions = layout.held, layout.versions
+        for b, table in enumerate(tables_now):  # the rows whose block tables changed since this layout held them
+            if table is not held[b] or table.version != versions[b]:
+                tables[b] = -1
+                tables[b, : len(table)] = table.array[: len(table)]
+                held[b], versions[b] = table, table.version
         positions = starts[:, None] + self._offsets[: W + 1]  # [n, W + 1]: pending - 1 .. pending + d
         slots = tables[np.arange(n)[:, None], positions // bs] * bs + positions % bs
         # the copy's pass 0: the token before the pending one, and the pending one
@@ -130,6 +139,7 @@ class RoundInputs:
         pad_slots = self.pad_block * bs + np.arange(W) % bs
         h["tables"][n:P] = -1
         h["tables"][n:P, : -(-W // bs)] = self.pad_block
+        layout.held[n:P] = [None] * (P - n)
         h["first_tokens"].reshape(P, 2)[n:] = 0
         h["first_positions"].reshape(P, 2)[n:] = (0, 1)
         h["first_slots"].reshape(P, 2)[n:] = pad_slots[:2]

@@ -21,6 +21,7 @@ class SequenceState:
     odds: Optional[dict] = None                # DraftPlanner's acceptance odds, by draft kind
     copy: Optional[list[int]] = None           # DraftStack's: [preemptions then, right K/V up to, written up to]
     index: Any = None                          # prompt lookup's NgramIndex of the sequence's tokens
+    fused: Optional[list[int]] = None          # RoundRecorder's counts of fused rounds: [rounds, drafted, accepted]
 
 
 SLOTS = tuple(f.name for f in fields(SequenceState))

@@ -59,21 +59,39 @@ class RoundRecorder:
             st["layer_drafted"] += drafted - lookup_drafted
             st["layer_accepted"] += accepted - lookup_accepted
 
-    def record_layer_rounds(self, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
-        """`record` for a fused round: each of `seqs` drafted `drafts` layer tokens (every one of
-        them run by the copy) and kept the first accepted[i]."""
-        draft_length = self.draft_length
+    def record_layer_rounds(self, states, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
+        """`record` for a fused round: each of `seqs` drafted `drafts` layer tokens (every one of them
+        run by the copy) and kept the first accepted[i]. Three counts a sequence, kept in its state
+        (`states`, SequenceStates) until `flush` adds them to its stats. The draft-length rule learns
+        nothing from them: a fused round drafts its length whatever the first draft's confidence."""
+        get = states.get
         for seq, kept in zip(seqs, accepted):
-            if draft_length is not None:
-                draft_length.record(seq, kept > 0)
-            st = seq.stats
-            st["layer_proposals"] += drafts
-            st["spec_drafted"] += drafts
-            st["spec_accepted"] += kept
-            st["spec_steps"] += 1
-            st["spec_emitted"] += kept + 1
-            st["layer_drafted"] += drafts
-            st["layer_accepted"] += kept
+            state = get(seq)
+            counts = state.fused
+            if counts is None:
+                state.fused = [1, drafts, kept]
+            else:
+                counts[0] += 1
+                counts[1] += drafts
+                counts[2] += kept
+
+    @staticmethod
+    def flush(seq: Sequence, states) -> None:
+        """`seq`'s fused rounds' counts into its stats (before metrics read them, and when it ends)."""
+        state = states.get(seq)
+        counts = None if state is None else state.fused
+        if counts is None:
+            return
+        rounds, drafted, accepted = counts
+        st = seq.stats
+        st["spec_steps"] += rounds
+        st["spec_emitted"] += rounds + accepted
+        st["spec_drafted"] += drafted
+        st["spec_accepted"] += accepted
+        st["layer_proposals"] += drafted
+        st["layer_drafted"] += drafted
+        st["layer_accepted"] += accepted
+        state.fused = None
 
     def metrics(self, seq: Sequence) -> dict[str, float]:
         st = seq.stats
