@@ -12,6 +12,7 @@ import eecore
 from eecore.engine.decoding import Token
 from eecore.engine.sequence import Sequence
 from eecore.engine.stopping import StopChecker
+from eecore.engine.tokens import TokenRun
 
 EOS = 3
 
@@ -56,6 +57,25 @@ def test_appending_a_round_at_once_stops_where_token_by_token_does(seed):
         expected = _one_by_one(checker, single, tokens)
         assert checker.append(bulk, tokens) == expected
         assert _state(bulk) == _state(single)
+        if expected is not None:
+            break
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_token_run_stops_where_its_tokens_one_by_one_do(seed):
+    """A TokenRun (ids of one exit layer, as fused rounds give them) ends a sequence where the same
+    tokens as Token objects, one by one, would."""
+    rng = random.Random(seed)
+    checker = StopChecker(LetterTokenizer(), eos_token_ids=(EOS,), max_model_len=rng.randint(4, 20))
+    params = _params(rng)
+    prompt = [rng.randrange(8) for _ in range(rng.randint(1, 3))]
+    run, single = Sequence(prompt, params), Sequence(prompt, params)
+    while True:
+        layer = rng.choice([4, 30])
+        ids = [rng.randrange(8) for _ in range(rng.randint(1, 5))]
+        expected = _one_by_one(checker, single, [Token(t, layer) for t in ids])
+        assert checker.append(run, TokenRun(ids, layer)) == expected
+        assert _state(run) == _state(single)
         if expected is not None:
             break
 

@@ -1,7 +1,6 @@
 """What a decode step returns, and the full-depth decode step every other strategy builds on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -12,14 +11,8 @@ from eecore.engine.runner import ModelRunner
 from eecore.engine.sampler import Sampler, argmax_rows, eecore_argmax_selected, logprob_dicts, logprob_tensors
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_decode import AheadStep, decode_ahead_enabled
+from eecore.engine.tokens import Token  # (strategies import it from here)
 from eecore.engine.transfer import device_tensor
-
-
-@dataclass(slots=True)
-class Token:
-    token_id: int
-    exit_layer: int                               # layers that ran for it (L is full depth)
-    logprobs: Optional[dict[int, float]] = None
 
 
 class DecodeStrategy:

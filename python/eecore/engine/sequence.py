@@ -159,8 +159,16 @@ class Sequence:
 
     def append_tokens(self, tokens) -> None:
         """append_token for each of `tokens` (engine.decoding.Token), at once (a loop: a step brings
-        one to a few tokens a sequence, too few for list comprehensions to pay their setup)."""
+        one to a few tokens a sequence, too few for list comprehensions to pay their setup), or for
+        a TokenRun's ids."""
         ids, layers = self.output_token_ids, self.exit_layers
+        exit_layer = getattr(tokens, "exit_layer", None)  # a TokenRun
+        if exit_layer is not None:
+            ids.extend(tokens)
+            layers.extend([exit_layer] * len(tokens))
+            if self.times.first_token is None and tokens:
+                self.times.first_token = time.perf_counter()
+            return
         for t in tokens:
             ids.append(int(t.token_id))
             layers.append(int(t.exit_layer))

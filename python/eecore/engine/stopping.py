@@ -5,6 +5,7 @@ from typing import Optional
 
 from eecore.engine.detokenizer import IncrementalDetokenizer
 from eecore.engine.sequence import Sequence
+from eecore.engine.tokens import TokenRun
 
 
 class StopChecker:
@@ -45,13 +46,18 @@ class StopChecker:
         return self._token_reason(seq)
 
     def append(self, seq: Sequence, tokens) -> Optional[str]:
-        """Appends `tokens` (engine.decoding.Token) to `seq` up to the first one that ends it; returns
-        the finish reason, or None to go on. Without stop strings that token is found from the ids
-        alone and the rest are appended at once (a self-speculation round brings several tokens a
-        sequence, and a GPU waits while the host appends them)."""
+        """Appends `tokens` (engine.decoding.Token objects, or a TokenRun of ids) to `seq` up to the
+        first one that ends it; returns the finish reason, or None to go on. Without stop strings
+        that token is found from the ids alone and the rest are appended at once (a
+        self-speculation round brings several tokens a sequence, and a GPU waits while the host
+        appends them)."""
+        run = isinstance(tokens, TokenRun)
         if seq.params.stop:  # stop strings read the text after every token
             for token in tokens:
-                seq.append_token(token.token_id, token.exit_layer, token.logprobs)
+                if run:
+                    seq.append_token(token, tokens.exit_layer)
+                else:
+                    seq.append_token(token.token_id, token.exit_layer, token.logprobs)
                 reason = self.check(seq)
                 if reason is not None:
                     return reason
@@ -62,8 +68,9 @@ class StopChecker:
         # _stops_on, inlined: this runs for every sequence at every step
         stop_ids, eos = p.stop_token_ids, (() if p.ignore_eos else self.eos)
         for i, token in enumerate(tokens):
-            if token.token_id in stop_ids or token.token_id in eos or i + 1 >= room:
-                seq.append_tokens(tokens[: i + 1])
+            token_id = token if run else token.token_id
+            if token_id in stop_ids or token_id in eos or i + 1 >= room:
+                seq.append_tokens(TokenRun(tokens[: i + 1], tokens.exit_layer) if run else tokens[: i + 1])
                 return self._token_reason(seq)
         seq.append_tokens(tokens)
         return None

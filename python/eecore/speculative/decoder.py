@@ -38,6 +38,7 @@ import torch
 
 from eecore import envs
 from eecore.engine.decoding import DecodeStrategy, FullDepthDecoder, Token
+from eecore.engine.tokens import TokenRun
 from eecore.engine.inputs import Row
 from eecore.engine.sampler import Sampler
 from eecore.engine.sequence import Sequence
@@ -212,7 +213,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             seq.num_computed_tokens = position + kept + 1
             settle(seq, position, drafts, kept)
             accepted.append(kept)
-            results.append([Token(t, L) for t in row[: kept + 1]])
+            results.append(TokenRun(row[: kept + 1], L))
         self.policy.record_fused(seqs, drafts, accepted)
         if self.planner is not None and self._captures() == self._round_captures:
             # as a round op by op is timed: its draft passes, and the rest of its wall time

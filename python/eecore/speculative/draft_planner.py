@@ -458,17 +458,21 @@ class DraftPlanner:
             hits, misses, shares = odds.hits, odds.misses, odds.shares
             hit = kept > 0
             later_miss = hit and kept < drafts
-            for place, new_hits, new_misses in ((FIRST, 1.0 if hit else 0.0, 0.0 if hit else 1.0),
-                                                (LATER, float(max(0, min(kept, drafts) - 1)),
-                                                 1.0 if later_miss else 0.0)):
-                h = hits[place] = forget * hits[place] + new_hits
-                m = misses[place] = forget * misses[place] + new_misses
-                seen = h + m
-                weight = 1.0 / (full if seen < full else seen)
-                old_hits, old_misses = shares[place]
-                shares[place] = (h * weight, m * weight)
-                moved[2 * place] += h * weight - old_hits
-                moved[2 * place + 1] += m * weight - old_misses
+            # the first draft, then the later ones (unrolled: this runs for every sequence of the batch)
+            h = hits[FIRST] = forget * hits[FIRST] + (1.0 if hit else 0.0)
+            m = misses[FIRST] = forget * misses[FIRST] + (0.0 if hit else 1.0)
+            weight = 1.0 / max(h + m, full)
+            old_hits, old_misses = shares[FIRST]
+            shares[FIRST] = (h * weight, m * weight)
+            moved[0] += h * weight - old_hits
+            moved[1] += m * weight - old_misses
+            h = hits[LATER] = forget * hits[LATER] + max(0, min(kept, drafts) - 1)
+            m = misses[LATER] = forget * misses[LATER] + (1.0 if later_miss else 0.0)
+            weight = 1.0 / max(h + m, full)
+            old_hits, old_misses = shares[LATER]
+            shares[LATER] = (h * weight, m * weight)
+            moved[2] += h * weight - old_hits
+            moved[3] += m * weight - old_misses
             if hit and not later_miss:
                 odds.wait = first_wait
             odds.idle = 0
