@@ -110,13 +110,15 @@ def random_checkpoint(name: str, folder: str, dtype: torch.dtype, device: str):
 
 # a draft copy's round: pass by pass, its chain on the device, and its verify pass behind the chain
 AHEAD_MODES = {"": {}, ", ahead": {"EECORE_DRAFT_AHEAD": "1"},
-               ", ahead, verify ahead": {"EECORE_DRAFT_AHEAD": "1", "EECORE_VERIFY_AHEAD": "1"}}
+               ", ahead, verify ahead": {"EECORE_DRAFT_AHEAD": "1", "EECORE_VERIFY_AHEAD": "1"},
+               ", fused": {"EECORE_FUSED_ROUNDS": "1"}}
 
 
 def exit_configs(num_layers: int, d: int) -> dict:
     """Early exit and self-speculation at E = L/4 and L/2, by row name ("ahead": the draft copy's
     chain on the device, EECORE_DRAFT_AHEAD=1; "verify ahead": its verify pass launched behind it,
-    EECORE_VERIFY_AHEAD=1; "adaptive": lengths from the draft planner)."""
+    EECORE_VERIFY_AHEAD=1; "fused": the round fused, one read-back, EECORE_FUSED_ROUNDS=1;
+    "adaptive": lengths from the draft planner)."""
     configs = {}
     for E in sorted({num_layers // 4, num_layers // 2}):
         configs[f"static exit E={E}"] = dict(early_exit=eecore.EarlyExitConfig(measure="static", exit_layer=E))

@@ -529,3 +529,43 @@ def test_plain_rounds_of_a_planner_that_stopped_drafting_launch_ahead_with_graph
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     assert llm.engine.runner.static_decode.ahead_taken > 0
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_fused_rounds_with_graphs_give_full_depths_tokens(tiny):
+    """LLM(fused_rounds=True) on a GPU: the copy's passes and the verify-and-accept pass captured as
+    graphs per padded batch, fed by one input copy a round: full depth's greedy tokens; and with
+    every draft accepted (eecore.testing.accept_every_draft, acceptance inside the graph) a round
+    emits d + 1 tokens a sequence."""
+    from eecore.testing import accept_every_draft
+
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7], seed=11)
+    prompts = [p + p[: len(p) // 2] + p for p in prompts]
+    params = greedy(20)
+    expected = [o.token_ids for o in _llm(path, enforce_eager=True).generate(prompts, params)]
+    spec = eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy()))
+    llm = _llm(path, fused_rounds=True, speculative=spec)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    fused = llm.engine.strategy.fused
+    assert fused.rounds > 0 and fused.chain.graphs and fused.verify.graphs
+    perfect = _llm(path, fused_rounds=True, speculative=spec)
+    accept_every_draft(perfect)
+    outs = perfect.generate(prompts, params)
+    assert all(o.metrics["num_accepted_tokens"] == o.metrics["num_drafted_tokens"] for o in outs)
+    assert all(o.metrics["mean_accepted_tokens_per_step"] > 3 for o in outs)
+
+
+def test_fused_rounds_launch_their_passes_without_a_host_sync(tiny):
+    """Between a fused round's input copy and its read-back nothing waits for the GPU: under
+    torch.cuda.set_sync_debug_mode("error") any op in the passes that synchronizes raises."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5], seed=11)
+    llm = _llm(path, fused_rounds=True, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=4, layer=eecore.LayerDrafts(1, copy=eecore.DraftCopy())))
+    llm.generate(prompts, greedy(16))  # captures the graphs (a capture synchronizes) that the run below replays
+    fused, launched = llm.engine.strategy.fused, []
+    fused.chain.launch = _without_sync(fused.chain.launch, "chain", launched)
+    fused.verify.launch = _without_sync(fused.verify.launch, "verify", launched)
+    llm.generate(prompts, greedy(16))
+    assert {"chain", "verify"} <= set(launched)

@@ -51,7 +51,8 @@ def test_e2e_with_every_section(tmp_path):
     assert all(v["identical"] == f"{row['batch']}/{row['batch']}" for row in out["rows"] for v in row["variants"])
     configs = {row["config"] for row in out["exits"]}
     assert {"static exit E=1", "softmax check at E=2, all exit", "draft copy E=1 d=3, perfect drafts",
-            "draft copy E=1 d=3, perfect drafts, ahead", "draft copy E=1 d=3, perfect drafts, ahead, verify ahead"} <= configs
+            "draft copy E=1 d=3, perfect drafts, ahead", "draft copy E=1 d=3, perfect drafts, ahead, verify ahead",
+            "draft copy E=1 d=3, perfect drafts, fused"} <= configs
     assert len(out["exits"]) == 2 * len(configs)
 
 
@@ -62,7 +63,8 @@ def test_step_profile(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = written(str(tmp_path), "cpu-step-profile-*.json")["rows"]
     configs = ["full depth", "full depth, EECORE_PREFETCH_WEIGHTS=1", "static exit E=1"] + [
-        f"draft copy E={E} d=3{mode}" for E in (1, 2) for mode in ("", ", ahead", ", ahead, verify ahead", ", adaptive")]
+        f"draft copy E={E} d=3{mode}" for E in (1, 2)
+        for mode in ("", ", ahead", ", ahead, verify ahead", ", fused", ", adaptive")]
     assert [(r["config"], r["batch"]) for r in rows] == [(c, b) for c in configs for b in (1, 2)]
     assert all(r["kernels_per_step"] > 0 for r in rows)
     assert all(set(r["host_us_per_step"]) == {"schedule", "build", "sample", "append"} for r in rows)
