@@ -11,10 +11,10 @@ from re import escape
 import pytest
 
 import eecore
-from eecore import AcceptanceGuard, DraftCopy, LayerDrafts, LookupDrafts, SelfSpeculativeConfig
+from eecore import AcceptanceGuard, DraftCopy, FeatureDrafts, LayerDrafts, LookupDrafts, SelfSpeculativeConfig
 from eecore.cli.speculative_flags import flat_name, from_flat, preset_with, walk
 
-PARTS = (SelfSpeculativeConfig, LayerDrafts, DraftCopy, AcceptanceGuard, LookupDrafts)
+PARTS = (SelfSpeculativeConfig, LayerDrafts, DraftCopy, AcceptanceGuard, LookupDrafts, FeatureDrafts)
 
 
 def test_the_parts_are_exported():
@@ -127,7 +127,7 @@ FLAT_ONLY_ERRORS = {
     "unknown-draft-layers": (dict(exit_layer=2, draft_layers="own"),
                              "SelfSpeculativeConfig: 'draft_layers' must be one of shared, separate, got 'own'"),
     "unknown-draft": (dict(exit_layer=2, draft="ngram"),
-                      "SelfSpeculativeConfig: 'draft' must be one of layer, lookup, hybrid, got 'ngram'"),
+                      "SelfSpeculativeConfig: 'draft' must be one of layer, lookup, hybrid, feature, got 'ngram'"),
     "hybrid-without-exit-layer": (dict(draft="hybrid"),
                                   "SelfSpeculativeConfig: 'exit_layer' is required with draft='hybrid'"),
 }
@@ -226,6 +226,11 @@ FLAG_CONFIGS = {
         SelfSpeculativeConfig(num_speculations=6, lookup=LookupDrafts(max_ngram=5), disable_by_batch_size=3,
                               adaptive=True)),
     "short": (["--exit-layer", "3"], SelfSpeculativeConfig(exit_layer=3)),
+    "feature": (
+        ["--draft", "feature", "--feature-head", "head.safetensors", "--num-speculations", "3",
+         "--feature-max-length", "2", "--feature-stop-below", "0.1"],
+        SelfSpeculativeConfig(num_speculations=3, feature=FeatureDrafts(head="head.safetensors", max_length=2,
+                                                                         stop_below=0.1))),
 }
 
 
@@ -253,12 +258,14 @@ def test_each_flag_lands_on_its_field():
               "--exit-measure": None,  # (a None default: FLAG_CONFIGS["exits"] sets it)
               "--min-acceptance": "0.125", "--probe-every": "32", "--draft-dtype": "float16", "--draft-top-k": "2",
               "--layer-disable-by-batch-size": "3", "--disable-by-batch-size": "7", "--lookup-min-ngram": "2",
-              "--lookup-max-ngram": "6", "--hybrid-switch": "token", "--adaptive-drafts": "on"}
+              "--lookup-max-ngram": "6", "--hybrid-switch": "token", "--adaptive-drafts": "on",
+              # feature drafts run alone, not beside `base`'s: FLAG_CONFIGS["feature"] sets these
+              "--feature-head": None, "--feature-max-length": None, "--feature-stop-below": None}
     before = tree_of(_parsed_config(*base))
     for path, f in walk(SelfSpeculativeConfig):
         flag = f.metadata["flag"]
         assert flag in values, flag
-        if values[flag] is None:  # exits do not combine with the guard in `base`: FLAG_CONFIGS["exits"]
+        if values[flag] is None:  # set by FLAG_CONFIGS instead (exits, feature drafts)
             continue
         value = values[flag]
         after = tree_of(_parsed_config(*base, flag, value))

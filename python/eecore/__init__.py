@@ -12,10 +12,11 @@ from eecore.exits.config import EarlyExitConfig
 from eecore.llm import LLM, generate
 from eecore.outputs import RequestDelta, RequestOutput
 from eecore.sampling_params import SamplingParams
-from eecore.speculative import AcceptanceGuard, DraftCopy, LayerDrafts, LookupDrafts, SelfSpeculativeConfig
+from eecore.speculative import (AcceptanceGuard, DraftCopy, FeatureDrafts, LayerDrafts, LookupDrafts,
+                                SelfSpeculativeConfig)
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "generate", "SamplingParams", "EarlyExitConfig", "SelfSpeculativeConfig", "LayerDrafts",
-           "LookupDrafts", "DraftCopy", "AcceptanceGuard", "RequestOutput",
+           "LookupDrafts", "DraftCopy", "AcceptanceGuard", "FeatureDrafts", "RequestOutput",
            "RequestDelta", "ops"]

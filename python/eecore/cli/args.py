@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eecore.exits.config import MEASURES
+from eecore.speculative.options import DRAFT_MODES
 from eecore.speculative.presets import PRESETS
 
 
@@ -82,10 +83,11 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
                         "with SelfSpeculativeConfig.exit_ready (its shipped draft layers as an int8 copy of layers "
                         "0-7; hybrid: with prompt lookup); self-speculation flags given as well override it")
     # (None: SelfSpeculativeConfig's default, or --exit-ready's)
-    t.add_argument("--draft", choices=["layer", "lookup", "hybrid"], default=None,
+    t.add_argument("--draft", choices=list(DRAFT_MODES), default=None,
                    help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
                         "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
-                        "needs no --exit-layer), or lookup where it finds a match and layer E elsewhere (hybrid)")
+                        "needs no --exit-layer), lookup where it finds a match and layer E elsewhere (hybrid), or "
+                        "a feature head over the model's own states (feature, with --feature-head)")
     t.add_argument("--num-speculations", type=int, default=None, help="(default: 4)")
 
 
@@ -271,9 +273,11 @@ def speculative_config(args):
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     preset = getattr(args, "exit_ready", None)
     draft = given.get("draft", "layer")
-    if preset is None and "exit_layer" not in given and draft != "lookup":
+    if preset is None and "exit_layer" not in given and draft in ("layer", "hybrid"):
         which = "--speculate" if draft == "layer" else f"--draft {draft}"
-        raise SystemExit(f"eecore: {which} needs --exit-layer E (only --draft lookup runs without one)")
+        raise SystemExit(f"eecore: {which} needs --exit-layer E (--draft lookup and feature run without one)")
+    if preset is None and draft == "feature" and "feature_head" not in given:
+        raise SystemExit("eecore: --draft feature needs --feature-head FILE (python -m eecore.train.feature_head)")
     try:
         if preset is not None:
             return preset_with(eecore.SelfSpeculativeConfig.exit_ready(preset, device=getattr(args, "device", None)),

@@ -6,7 +6,7 @@ is derived from the fields' metadata (eecore.speculative.options.option), so a n
 flag by being declared.
 
 Two flat names choose parts rather than set a field:
-    draft="layer" | "lookup" | "hybrid"     which of `layer` and `lookup` there are
+    draft="layer" | "lookup" | "hybrid" | "feature"   which of `layer`, `lookup` and `feature` there are
     draft_layers="shared" | "separate"      whether `layer.copy` is there
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ PART_CHOICES = {"draft": DRAFT_MODES, "draft_layers": ("shared", "separate")}
 PART_NAMES = {"layer": "layer drafts (draft='layer' or 'hybrid', with exit_layer)",
               "lookup": "lookup drafts (draft='lookup' or 'hybrid')",
               "copy": "a draft copy (draft_layers='separate')",
-              "guard": "the acceptance guard (min_acceptance)"}
+              "guard": "the acceptance guard (min_acceptance)",
+              "feature": "feature drafts (draft='feature', with feature_head)"}
 
 
 def walk(cls, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Field]]:
@@ -63,7 +64,7 @@ def from_flat(config_cls, options: dict, base=None):
         if name in options and options[name] not in choices:
             raise ValueError(f"SelfSpeculativeConfig: '{name}' must be one of {', '.join(choices)}, "
                              f"got {options[name]!r}")
-    tree = {"layer": None, "lookup": None} if base is None else tree_of(base)
+    tree = {"layer": None, "lookup": None, "feature": None} if base is None else tree_of(base)
     _choose_parts(tree, options, base is None)
     if tree["layer"] is None:
         options.pop("exit_layer", None)  # lookup drafts only: the depth of layer drafts has no use
@@ -78,6 +79,7 @@ def _choose_parts(tree: dict, options: dict, fresh: bool) -> None:
     if draft is not None:
         tree["layer"] = (tree["layer"] or {}) if draft in ("layer", "hybrid") else None
         tree["lookup"] = (tree["lookup"] or {}) if draft in ("lookup", "hybrid") else None
+        tree["feature"] = (tree.get("feature") or {}) if draft == "feature" else None
     if tree["layer"] is not None and tree["layer"].get("exit_layer") is None and options.get("exit_layer") is None:
         raise ValueError(f"SelfSpeculativeConfig: 'exit_layer' is required with draft={draft or 'layer'!r} "
                          f"(only draft='lookup' runs without one)")

@@ -156,20 +156,30 @@ class ModelRunner:
             logits = self._logits_f32[:n].copy_(logits)
         return logits
 
-    def forward(self, rows: list[Row], tap: Optional[tuple[int, torch.Tensor]] = None) -> tuple[StepInputs, torch.Tensor]:
+    def forward(self, rows: list[Row], tap=None) -> tuple[StepInputs, torch.Tensor]:
         """All layers over `rows`; returns the inputs and the final residual stream `[T, d]`.
-        `tap=(E, out)` also copies the residual stream after layer E-1 into `out` `[T, d]`."""
+        `tap=(E, out)` also copies the residual stream after layer E-1 into `out` `[T, d]`; with E a
+        tuple of layers (ascending), after each of them, side by side into `out` `[T, len(E) * d]`."""
         if tap is None and self.piecewise is not None and self.piecewise.takes(rows):
             return self.piecewise.run(rows)
         inputs = self.prepare(rows)
         hidden = self.embed(inputs)
-        split = self.num_layers if tap is None else tap[0]
-        self.run_layers(hidden, inputs.attn, 0, split)
-        if tap is not None:
-            tap[1].copy_(hidden)
-            self.run_layers(hidden, inputs.attn, split, self.num_layers)
+        self.run_layers_tapped(hidden, inputs.attn, tap)
         self.mark_computed(rows)
         return inputs, hidden
+
+    def run_layers_tapped(self, hidden: torch.Tensor, attn: AttentionInputs, tap=None) -> torch.Tensor:
+        """Every layer over `hidden` (in place), copying the stream out where `tap` (as in `forward`) says."""
+        if tap is None:
+            return self.run_layers(hidden, attn, 0, self.num_layers)
+        points, out = tap
+        points = (points,) if isinstance(points, int) else points
+        d, start = hidden.shape[1], 0
+        for k, E in enumerate(points):
+            self.run_layers(hidden, attn, start, E)
+            out[:, k * d: (k + 1) * d].copy_(hidden)
+            start = E
+        return self.run_layers(hidden, attn, start, self.num_layers)
 
     @staticmethod
     def mark_computed(rows: list[Row]) -> None:

@@ -247,7 +247,35 @@ class ExitAdapters:
             raise ValueError(f"{source}: draft_vocab holds ids outside the model's vocabulary 0..{c.vocab_size - 1}")
 
 
-class DraftHead:
+class DraftColumns:
+    """The columns of a draft head's logits and the tokens they stand for: the draft vocabulary's
+    (all tokens without one). Draft heads score those columns only; sampling and rejection sampling
+    read them widened to the whole vocabulary, -inf elsewhere."""
+
+    def __init__(self, vocab: Optional[torch.Tensor], vocab_size: int, max_rows: int, device):
+        self.vocab = None if vocab is None else vocab.to(device)
+        self._vocab_list = None if vocab is None else vocab.tolist()
+        # Those columns are written once, here: widen copies the draft columns into the rest.
+        self._full = torch.full((max_rows, vocab_size), float("-inf"), dtype=torch.float32, device=device) \
+            if vocab is not None else None
+
+    def widen(self, columns: torch.Tensor) -> torch.Tensor:
+        """Column logits `[n, K]` (from `columns`) as vocabulary-wide logits `[n, V]`, -inf outside
+        the draft vocabulary (a view of an internal buffer; `columns` itself without one)."""
+        if self._full is None:
+            return columns
+        return self._full[: columns.shape[0]].index_copy_(1, self.vocab, columns)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of columns of the draft head's weight."""
+        return columns if self.vocab is None else self.vocab[columns]
+
+    def token_id_list(self, columns: list[int]) -> list[int]:
+        """token_ids on the host: for columns already read back, without one more tensor op."""
+        return columns if self._vocab_list is None else [self._vocab_list[c] for c in columns]
+
+
+class DraftHead(DraftColumns):
     """Reads draft logits off layer-E residual states at inference, with preallocated buffers:
     the exit's adapter block (if any), the final norm, and the LM head rows of the draft
     vocabulary (all of them without one). `logits` returns fp32 `[n, K]`; `token_ids` maps a
@@ -263,8 +291,7 @@ class DraftHead:
         if self.block is not None and model.weight_dtype == torch.int8:
             self.block = self.block.eight_bit()
         vocab = adapters.vocab if adapters is not None else None
-        self.vocab = None if vocab is None else vocab.to(device)
-        self._vocab_list = None if vocab is None else vocab.tolist()
+        super().__init__(vocab, model.config.vocab_size, max_rows, device)
         head = model.lm_head
         if self.vocab is not None:
             head = head.index_select(0, self.vocab).contiguous() if isinstance(head, torch.Tensor) \
@@ -281,11 +308,6 @@ class DraftHead:
             self._gate_up = torch.empty(max_rows, 2 * self.block.hidden, dtype=dtype, device=device)
             self._act = torch.empty(max_rows, self.block.hidden, dtype=dtype, device=device)
         self._logits = torch.empty(max_rows, width, dtype=dtype, device=device)
-        # Draft logits come back vocabulary-wide, -inf outside the draft vocabulary, so sampling,
-        # argmax and rejection sampling need no id mapping. Those columns are written once, here.
-        vocab_size = model.config.vocab_size
-        self._full = torch.full((max_rows, vocab_size), float("-inf"), dtype=torch.float32, device=device) \
-            if self.vocab is not None else None
         self._logits_f32 = self._logits if dtype == torch.float32 else \
             torch.empty(max_rows, width, dtype=torch.float32, device=device)
 
@@ -330,13 +352,6 @@ class DraftHead:
             logits = self._logits_f32[:n].copy_(logits)
         return logits
 
-    def widen(self, columns: torch.Tensor) -> torch.Tensor:
-        """Column logits `[n, K]` (from `columns`) as vocabulary-wide logits `[n, V]`, -inf outside
-        the draft vocabulary (a view of an internal buffer; `columns` itself without one)."""
-        if self._full is None:
-            return columns
-        return self._full[: columns.shape[0]].index_copy_(1, self.vocab, columns)
-
     def top2_gap(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(p1 - p2 over the draft vocabulary, the top-1 token id) per row, fused: no logits (an
         int8 or GGUF head computes them, then takes the gap)."""
@@ -346,14 +361,6 @@ class DraftHead:
         else:
             gap, top1 = ops.lm_head_top2_gap(self._normed(hidden), self.head)
         return gap, self.token_ids(top1)
-
-    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Token ids of columns of the draft head's weight."""
-        return columns if self.vocab is None else self.vocab[columns]
-
-    def token_id_list(self, columns: list[int]) -> list[int]:
-        """token_ids on the host: for columns already read back, without one more tensor op."""
-        return columns if self._vocab_list is None else [self._vocab_list[c] for c in columns]
 
 
 def _adapter_path(spec, model_path, is_encoder_decoder: bool, separate_draft_layers: bool = False) -> Optional[str]:

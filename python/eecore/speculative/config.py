@@ -4,6 +4,7 @@
     SelfSpeculativeConfig(lookup=LookupDrafts())                                 prompt lookup
     SelfSpeculativeConfig(layer=LayerDrafts(8, copy=DraftCopy("int8")), lookup=LookupDrafts(),
                           hybrid_switch="token")                                 both, per token
+    SelfSpeculativeConfig(feature=FeatureDrafts(head="head.safetensors"))        a feature head
     SelfSpeculativeConfig.exit_ready("hybrid")                                   the tuned presets
 
 The parts are in eecore.speculative.options; `exit_layer=E` is the short form of
@@ -18,8 +19,8 @@ from typing import Optional
 
 from eecore.engine.inputs import MAX_TREE_TOKENS
 from eecore.models.exit_adapter import ExitAdapters
-from eecore.speculative.options import (BREAK_EVEN, DRAFT_MODES, AcceptanceGuard, DraftCopy, LayerDrafts,
-                                        LookupDrafts, invalid, is_int, option)
+from eecore.speculative.options import (BREAK_EVEN, DRAFT_MODES, AcceptanceGuard, DraftCopy, FeatureDrafts,
+                                        LayerDrafts, LookupDrafts, invalid, is_int, option)
 from eecore.speculative.presets import exit_ready_preset
 
 HYBRID_SWITCHES = ("round", "token")
@@ -61,6 +62,7 @@ class SelfSpeculativeConfig:
     num_speculations: int = option(4, "--num-speculations", "the most tokens a sequence drafts a round")
     layer: Optional[LayerDrafts] = option(None, "", "", nested=LayerDrafts)
     lookup: Optional[LookupDrafts] = option(None, "", "", nested=LookupDrafts)
+    feature: Optional[FeatureDrafts] = option(None, "", "", nested=FeatureDrafts)
     hybrid_switch: str = option(
         "round", "--hybrid-switch", "--draft hybrid: pick the draft's source per round, or per drafted position "
         "(token: lookup while the draft ends in a match, layer E where it does not; --draft-layers separate)",
@@ -75,13 +77,13 @@ class SelfSpeculativeConfig:
 
     def __init__(self, num_speculations: int = 4, layer: Optional[LayerDrafts] = None,
                  lookup: Optional[LookupDrafts] = None, hybrid_switch: str = "round",
-                 disable_by_batch_size: Optional[int] = None, adaptive: bool = False, *,
-                 exit_layer: Optional[int] = None):
+                 disable_by_batch_size: Optional[int] = None, adaptive: bool = False,
+                 feature: Optional[FeatureDrafts] = None, *, exit_layer: Optional[int] = None):
         if exit_layer is not None:
             if layer is not None:
                 raise ValueError("SelfSpeculativeConfig: give 'exit_layer' (the short form) or 'layer', not both")
             layer = LayerDrafts(exit_layer=exit_layer)
-        self.num_speculations, self.layer, self.lookup = num_speculations, layer, lookup
+        self.num_speculations, self.layer, self.lookup, self.feature = num_speculations, layer, lookup, feature
         self.hybrid_switch, self.disable_by_batch_size = hybrid_switch, disable_by_batch_size
         self.adaptive = adaptive
         self._check()
@@ -103,9 +105,18 @@ class SelfSpeculativeConfig:
             raise invalid(SelfSpeculativeConfig, "layer", "a LayerDrafts or None", self.layer)
         if self.lookup is not None and not isinstance(self.lookup, LookupDrafts):
             raise invalid(SelfSpeculativeConfig, "lookup", "a LookupDrafts or None", self.lookup)
-        if self.layer is None and self.lookup is None:
+        if self.feature is not None:
+            if not isinstance(self.feature, FeatureDrafts):
+                raise invalid(SelfSpeculativeConfig, "feature", "a FeatureDrafts or None", self.feature)
+            if self.layer is not None or self.lookup is not None:
+                raise ValueError("SelfSpeculativeConfig: feature drafts run alone (no layer or lookup drafts beside "
+                                 "them)")
+            if self.feature.max_length is not None and self.feature.max_length > self.num_speculations:
+                raise invalid(FeatureDrafts, "max_length", f"at most num_speculations ({self.num_speculations})",
+                              self.feature.max_length)
+        elif self.layer is None and self.lookup is None:
             raise ValueError("SelfSpeculativeConfig: drafts need a source: layer=LayerDrafts(exit_layer=E) (or "
-                             "exit_layer=E), lookup=LookupDrafts(), or both")
+                             "exit_layer=E), lookup=LookupDrafts(), both, or feature=FeatureDrafts(head=...)")
         limit = self.disable_by_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise invalid(SelfSpeculativeConfig, "disable_by_batch_size", "an int >= 1 or None", limit)
@@ -150,7 +161,9 @@ class SelfSpeculativeConfig:
 
     @property
     def draft(self) -> str:
-        """The draft sources by name: "layer", "lookup" or "hybrid"."""
+        """The draft sources by name: "layer", "lookup", "hybrid" or "feature"."""
+        if self.feature is not None:
+            return "feature"
         if self.layer is not None and self.lookup is not None:
             return "hybrid"
         return "layer" if self.layer is not None else "lookup"
@@ -162,6 +175,10 @@ class SelfSpeculativeConfig:
     @property
     def uses_lookup(self) -> bool:
         return self.lookup is not None
+
+    @property
+    def uses_feature(self) -> bool:
+        return self.feature is not None
 
     @property
     def exit_layer(self) -> Optional[int]:
@@ -188,8 +205,9 @@ class SelfSpeculativeConfig:
 
     @property
     def layer_draft_length(self) -> int:
-        """The longest draft layer E makes."""
-        return min(self.layer.max_length or self.num_speculations, self.num_speculations) if self.layer else 0
+        """The longest draft layer E (or the feature head) makes."""
+        drafts = self.layer or self.feature
+        return min(drafts.max_length or self.num_speculations, self.num_speculations) if drafts else 0
 
     @property
     def plain_above(self) -> Optional[int]:
@@ -221,5 +239,5 @@ class SelfSpeculativeConfig:
                              f"adapters cover exit layers {adapters.exit_layers()}")
 
 
-__all__ = ["SelfSpeculativeConfig", "LayerDrafts", "LookupDrafts", "DraftCopy", "AcceptanceGuard", "BREAK_EVEN",
-           "DRAFT_MODES"]
+__all__ = ["SelfSpeculativeConfig", "LayerDrafts", "LookupDrafts", "DraftCopy", "AcceptanceGuard", "FeatureDrafts",
+           "BREAK_EVEN", "DRAFT_MODES"]

@@ -49,6 +49,7 @@ from eecore.speculative.draft import Draft, DraftPicker
 from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.exit_decision import agreement_measure
+from eecore.speculative.feature_drafts import build_feature_drafts
 from eecore.speculative.fused_round import FusedRound
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.policy import DraftPolicy
@@ -85,8 +86,13 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.measure = None
         self._static_drafts = self._static_exit_verify = None  # LayerSkip's passes as CUDA graphs
         self.picker = self.proposer = None
+        self.features = None  # feature drafts' proposer (speculative.feature_drafts), which taps every pass
+        self._tapped: Optional[torch.Tensor] = None  # the last verify pass's tapped streams (feature drafts)
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
+        elif config.uses_feature:
+            self.draft_head, self.features = build_feature_drafts(config, runner.model, sampler, self.states, rows)
+            self.proposer, self.picker = self.features, self.features.picker
         fuses = envs.flag("EECORE_FUSED_ROUNDS") and self._fuses(config)
         self.policy = DraftPolicy(config, self.states, layers=self.draft_head is not None, guard=self.guard,
                                   draft_length=self.draft_length, shadow_checks=self.draft_stack is None,
@@ -232,7 +238,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         # lookup drafts or a copy's: one varlen pass through every layer
         rows = [tree_row(s, d.tokens, d.alternatives) for s, d in zip(seqs, drafts)]
         widths = [len(row.tokens) for row in rows]
-        return self.verifier.full(rows, shadowed, logit_rows(widths, drafts)), widths, sum(widths)
+        tap = None if self.features is None else self.features.tap(sum(widths))
+        logits = self.verifier.full(rows, shadowed, logit_rows(widths, drafts), tap=tap)
+        self._tapped = None if tap is None else tap[1]
+        return logits, widths, sum(widths)
 
     def _draft_passes(self, propose, ahead: Optional[VerifyAhead] = None) -> float:
         """Runs `propose` (a proposer's draft passes); returns its seconds. The planner's clock
@@ -282,6 +291,11 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 self.policy.record_undrafted(seq, draft)
                 if draft.copy_ran:  # the copy's K/V of the pending token is right
                     self.draft_stack.settle(seq, begin + 1)
+        elif self.features is not None:  # feature drafts read the step's tapped streams next round
+            self.policy.record_plain(seqs)
+            tap = self.features.tap(len(seqs))
+            results, _ = self._plain.step(seqs, tap=tap)
+            self.features.keep(seqs, list(range(len(seqs))), tap[1])
         elif not shadowed:
             self.policy.record_plain(seqs)
             self._plain.allow_ahead = self.policy.plain_ahead(lookup=self.lookup is not None)
@@ -298,6 +312,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         accepted, offsets = self.acceptor.accept_all(seqs, drafts, widths, logits)
         for seq, draft, a in zip(seqs, drafts, accepted):
             self.policy.record(seq, draft, a.drafts_accepted, a.alternative_accepted)
+        if self.features is not None:  # each sequence's last accepted position, for its next round's drafts
+            self.features.keep(seqs, [o + a.drafts_accepted for o, a in zip(offsets, accepted)], self._tapped)
         return [a.tokens for a in accepted], offsets
 
     # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------

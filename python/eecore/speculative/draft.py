@@ -70,8 +70,9 @@ class DraftPicker:
     def __init__(self, config, draft_head, sampler: Sampler, draft_length=None, measure=None):
         self.head = draft_head
         self.sampler = sampler
-        self.stop_below = config.layer.stop_below
-        self.exit_threshold = config.layer.exit_threshold
+        rules = config.layer if config.layer is not None else config.feature  # the draft source's stop rules
+        self.stop_below = rules.stop_below
+        self.exit_threshold = rules.exit_threshold
         self.top_k = config.top_k
         self.draft_length = draft_length
         self.measure = measure

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 BREAK_EVEN = "break-even"  # AcceptanceGuard.min_acceptance: the bandwidth-bound break-even for E and d
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
-DRAFT_MODES = ("layer", "lookup", "hybrid")  # which of SelfSpeculativeConfig's draft sources there are
+DRAFT_MODES = ("layer", "lookup", "hybrid", "feature")  # which of SelfSpeculativeConfig's draft sources there are
 
 
 def option(default, flag: str, help: str, nested: Optional[type] = None, choices=None):
@@ -187,3 +187,27 @@ class LookupDrafts:
             raise invalid(LookupDrafts, "min_ngram", "an int >= 1", self.min_ngram)
         if not is_int(self.max_ngram) or self.max_ngram < self.min_ngram:
             raise invalid(LookupDrafts, "max_ngram", f"an int >= min_ngram ({self.min_ngram})", self.max_ngram)
+
+
+@dataclass
+class FeatureDrafts:
+    """Drafts from a feature head (eecore.models.feature_head, trained with eecore.train.feature_head):
+    one decoder layer that reads the target's own hidden states at the last verified position and
+    drafts from there, each draft from its own state. The verify pass runs every layer and keeps
+    the tapped states of each sequence's last accepted position for the next round."""
+
+    head: Optional[str] = option(None, "--feature-head", "the feature head file (.safetensors, made by "
+                                 "python -m eecore.train.feature_head for this model)")
+    max_length: Optional[int] = option(None, "--feature-max-length",
+                                       "the most tokens a feature draft holds (default: --num-speculations)")
+    stop_below: Optional[float] = option(None, "--feature-stop-below",
+                                         "end a feature draft at a token whose top-1 probability is below this")
+    exit_threshold = None  # (what DraftPicker reads of a draft source: feature drafts never exit unverified)
+
+    def __post_init__(self):
+        if not isinstance(self.head, str) or not self.head:
+            raise invalid(FeatureDrafts, "head", "the path of a feature head file", self.head)
+        if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 1):
+            raise invalid(FeatureDrafts, "max_length", "an int >= 1 or None", self.max_length)
+        if self.stop_below is not None and not is_probability(self.stop_below):
+            raise invalid(FeatureDrafts, "stop_below", "a probability in [0, 1] or None", self.stop_below)

@@ -22,6 +22,7 @@ class SequenceState:
     copy: Optional[list[int]] = None           # DraftStack's: [preemptions then, right K/V up to, written up to]
     index: Any = None                          # prompt lookup's NgramIndex of the sequence's tokens
     fused: Optional[list[int]] = None          # RoundRecorder's counts of fused rounds: [rounds, drafted, accepted]
+    features: Any = None                       # FeatureProposer's: the target's tapped streams at the last verified position
 
 
 SLOTS = tuple(f.name for f in fields(SequenceState))

@@ -67,16 +67,21 @@ class Verifier:
         self.runner.run_layers(hidden, inputs.attn, self.exit_layer, self.num_layers)
         return self._logits(hidden, rows_read)
 
-    def full(self, rows: list[Row], shadowed: list[int] = (), rows_read: Optional[list[int]] = None) -> torch.Tensor:
+    def full(self, rows: list[Row], shadowed: list[int] = (), rows_read: Optional[list[int]] = None,
+             tap=None) -> torch.Tensor:
         """`rows` (pending tokens and drafts, possibly token trees) through every layer; for the
         sequences in `shadowed`, the layer-E state of their first row is copied to slot 0 of their
-        exit-query cache row on the way (the guard's shadow check); the logits of `rows_read`."""
+        exit-query cache row on the way (the guard's shadow check); the logits of `rows_read`.
+        `tap`: (layers, out) the streams after those layers are copied to, for every token (feature
+        drafts: ModelRunner.run_layers_tapped)."""
         static = self.runner.static_verify
-        if not shadowed and static is not None and static.takes(rows):
+        if not shadowed and tap is None and static is not None and static.takes(rows):
             return _rows_of(static.run(rows), rows_read)  # a CUDA graph replay on a GPU
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
-        if shadowed:
+        if tap is not None:
+            self.runner.run_layers_tapped(hidden, inputs.attn, tap)
+        elif shadowed:
             self.runner.run_layers(hidden, inputs.attn, 0, self.exit_layer)
             starts = inputs.attn.query_start_loc[:-1].tolist()
             rows_at = torch.tensor([starts[b] for b in shadowed], device=hidden.device)

@@ -1,0 +1,119 @@
+"""Feature drafts (`SelfSpeculativeConfig(feature=FeatureDrafts(head=...))`): a feature head
+(eecore.models.feature_head) drafts each sequence's tokens from the target's own hidden states at
+its last verified position.
+
+The states come from the passes the target runs anyway: every verify pass (and every plain step of
+a round that drafted nothing) copies the streams after the head's tapped layers for each of its
+tokens, and after acceptance each sequence keeps those of its last accepted position (the row whose
+output is the token it emits last). A sequence without them (its first round after the prompt, or
+after a step the strategy did not run) drafts nothing that round, which taps them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from eecore.engine.sequence import Sequence
+from eecore.models.exit_adapter import DraftColumns
+from eecore.models.feature_head import FeatureHead
+from eecore.models.int8_weights import weight_rows
+from eecore.speculative.draft import Budgets, Draft, DraftPicker
+from eecore.speculative.proposers import Proposer
+from eecore.speculative.state import SequenceStates
+
+
+class FeatureDraftHead(DraftColumns):
+    """The head at inference: its weights on the model's device (fp32), the target's LM head rows
+    of its draft vocabulary and the target's embedding, read as a draft picker reads a draft head
+    (DraftColumns: its logits' columns and their tokens)."""
+
+    def __init__(self, head: FeatureHead, model, max_rows: int):
+        super().__init__(head.vocab, model.config.vocab_size, max_rows, model.device)
+        self.head = head.to(model.device)
+        self.model = model
+        d = model.config.hidden_size
+        ids = self.vocab if self.vocab is not None else torch.arange(model.config.vocab_size, device=model.device)
+        # the LM head's rows once, dense (they may be GGUF blocks), in the model's dtype
+        self.head_rows = weight_rows(torch.empty(ids.shape[0], d, dtype=model.dtype, device=model.device),
+                                     model.lm_head, ids)
+        self._embedded = torch.empty(max_rows, d, dtype=model.dtype, device=model.device)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.head.taps
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return weight_rows(self._embedded[: token_ids.shape[0]], self.model.embed, token_ids)
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.head.weights.values()) + self.head_rows.nbytes
+
+
+class FeatureProposer(Proposer):
+    """Each drafting sequence's chain from the feature head: the first draft from its kept target
+    states and pending token, each later one from the head's own state and the draft before; the
+    draft picker turns each step's logits into tokens (greedy, or drawn, for rejection sampling)."""
+
+    def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates):
+        self.head = head
+        self.picker = picker
+        self.states = states
+        self.passes = 0  # head steps run (the draft planner's clock)
+
+    def tap(self, num_tokens: int) -> tuple[tuple[int, ...], torch.Tensor]:
+        """A pass's tap for `num_tokens` tokens: the head's layers, and where their streams go."""
+        model = self.head.model
+        out = torch.empty(num_tokens, len(self.head.taps) * model.config.hidden_size, dtype=model.dtype,
+                          device=model.device)
+        return self.head.taps, out
+
+    def keep(self, seqs: list[Sequence], rows: list[int], tapped: torch.Tensor) -> None:
+        """After a pass that tapped `tapped` (one row a token) and advanced `seqs`: seqs[i]'s last
+        verified position is row rows[i]. Kept with that position: a step that did not tap (a plain
+        step above the drafting batch limit, one beside prompt chunks) leaves them stale, and stale
+        states are not drafted from."""
+        kept = tapped.index_select(0, torch.tensor(rows, device=tapped.device))
+        for seq, features in zip(seqs, kept):
+            self.states.of(seq).features = (features, seq.num_computed_tokens - 1)
+
+    def features_of(self, seq: Sequence) -> Optional[torch.Tensor]:
+        """`seq`'s tapped streams at its last verified position; None where none were kept there."""
+        kept = self.states.slot(seq, "features")
+        return kept[0] if kept is not None and kept[1] == seq.num_computed_tokens - 1 else None
+
+    def propose(self, seqs: list[Sequence], drafts: list[Draft], budgets: Budgets, verify_ahead=None) -> None:
+        budgets = budgets.tokens
+        features = [self.features_of(seq) if n else None for seq, n in zip(seqs, budgets)]
+        live = [b for b, f in enumerate(features) if f is not None]
+        if not live:
+            return
+        head = self.head
+        state = head.head.start_state(torch.stack([features[b] for b in live]))
+        tokens = torch.tensor([seqs[b].last_token_id for b in live], device=state.device)
+        window: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        for step in range(max(budgets[b] for b in live)):
+            state, logits, window = head.head.step(state, head.embed(tokens), head.head_rows, window)
+            self.passes += 1
+            kept, ended = self.picker.take(logits, live, seqs, drafts, opening=live if step == 0 else ())
+            going = set(b for b in kept if len(drafts[b]) < budgets[b] and b not in ended)
+            rows = [i for i, b in enumerate(live) if b in going]
+            if not rows:
+                return
+            if len(rows) < len(live):
+                index = torch.tensor(rows, device=state.device)
+                state, window = state.index_select(0, index), (window[0].index_select(0, index),
+                                                               window[1].index_select(0, index))
+                live = [live[i] for i in rows]
+            tokens = torch.tensor([drafts[b].tokens[-1] for b in live], device=state.device)
+
+    def release(self, seq: Sequence) -> None:
+        self.states.clear_slot(seq, "features")
+
+
+def build_feature_drafts(config, model, sampler, states: SequenceStates, max_rows: int
+                         ) -> tuple[FeatureDraftHead, FeatureProposer]:
+    """The head of `config.feature` (checked to fit `model`) and its proposer."""
+    head = FeatureDraftHead(FeatureHead.load(config.feature.head, model), model, max_rows)
+    picker = DraftPicker(config, head, sampler)
+    return head, FeatureProposer(head, picker, states)

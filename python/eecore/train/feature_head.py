@@ -1,0 +1,214 @@
+"""Train a feature draft head (eecore.models.feature_head) on the target's own text.
+
+    python -m eecore.train.generated_corpus --out gen/ ...          # the target's continuations
+    python -m eecore.train.feature_head --corpus gen/ --checkpoint-dir ckpt/ --out head.safetensors \\
+        [--steps 3000] [--drafts 4] [--draft-vocab shipped] [--stop-after-minutes 110]
+
+Each step takes `batch_size` windows of `seq_len` tokens of the corpus, runs the target over them
+(its Hugging Face twin in fp32, no gradients) for its tapped streams and its next-token
+distributions, and unrolls the head from every position t of every window as it drafts: from the
+target's state at t and the token at t + 1, then from its own states, `drafts` steps, each scored
+against the target's distribution of the token it drafts (cross-entropy with the target's
+probabilities over the draft vocabulary). The unroll is the drafting procedure itself, so the head
+is trained on its own states as it will run (EAGLE-3's "training-time test").
+
+Resumable (the same command again: eecore.train.loop), seeded, and the file records its data,
+steps and held-out agreement by depth (the share of windows whose first k drafts all equal the
+target's greedy tokens: what greedy acceptance of k drafts would be).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eecore.models.exit_adapter import model_fingerprint
+from eecore.models.feature_head import FeatureHead
+from eecore.train.exit_ready_trainer import hf_twin
+from eecore.train.loop import heldout_windows, run
+
+
+@dataclasses.dataclass
+class FeatureHeadConfig:
+    steps: int = 3000
+    batch_size: int = 8
+    seq_len: int = 128
+    drafts: int = 4               # the unroll: drafts a window is trained to make
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    seed: int = 0
+    intermediate_size: Optional[int] = None  # the head's MLP (default: the target's)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "drafts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"FeatureHeadConfig: '{name}' must be an int >= 1, got {value!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < self.drafts + 2:
+            raise ValueError(f"FeatureHeadConfig: 'seq_len' must be an int >= drafts + 2 ({self.drafts + 2}), "
+                             f"got {self.seq_len!r}")
+
+
+class FeatureHeadTrainer:
+    """The head's parameters, the frozen target (its HF twin) and the optimizer (eecore.train.loop's
+    trainer interface: step, train_step, evaluate, state_dict, load_state_dict)."""
+
+    def __init__(self, llm, config: FeatureHeadConfig, vocab: Optional[torch.Tensor] = None,
+                 head: Optional[FeatureHead] = None, taps: Optional[tuple[int, ...]] = None):
+        model = llm.model
+        if model.dtype != torch.float32:
+            raise ValueError(f"FeatureHeadTrainer: load the target in float32 for training, got {model.dtype}")
+        self.llm, self.config, self.vocab = llm, config, vocab
+        torch.manual_seed(config.seed)
+        self.hf = hf_twin(model).eval().requires_grad_(False)
+        self.head = head or FeatureHead.initialized(model, taps, config.intermediate_size, vocab, config.seed)
+        self.head.vocab = vocab
+        self.params = {name: torch.nn.Parameter(t.float().clone()) for name, t in self.head.weights.items()}
+        self.head.weights = self.params
+        self.embed = self.hf.model.embed_tokens.weight
+        rows = self.hf.lm_head.weight
+        self.head_rows = rows if vocab is None else rows.index_select(0, vocab)
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.lr, weight_decay=config.weight_decay)
+        self.step, self.history = 0, []
+
+    # ---- the loss --------------------------------------------------------------------------------
+    def _target(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's tapped streams `[B, T, taps * d]` and its next-token probabilities over the
+        draft vocabulary `[B, T, K]` (renormalized there), at every position of `windows` `[B, T]`."""
+        with torch.no_grad():
+            out = self.hf(input_ids=windows, output_hidden_states=True)
+            # hidden_states[E] is the stream after E layers (E < L: before the final norm)
+            features = torch.cat([out.hidden_states[t] for t in self.head.taps], dim=-1)
+            logits = out.logits if self.vocab is None else out.logits.index_select(-1, self.vocab)
+            return features, logits.float().softmax(dim=-1)
+
+    def unroll(self, windows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The mean loss over the unroll and, per depth k, whether each window's first k drafts all
+        equal the target's greedy tokens `[N]`."""
+        features, probs = self._target(windows)
+        B, T = windows.shape
+        d = self.config.drafts
+        starts = T - d - 1  # every position with d tokens after it and a target for the last draft
+        state = self.head.start_state(features[:, :starts].reshape(B * starts, -1))
+        window, loss, all_right, agreed = None, 0.0, None, []
+        for j in range(d):
+            token = windows[:, 1 + j: 1 + j + starts].reshape(-1)
+            target = probs[:, 1 + j: 1 + j + starts].reshape(B * starts, -1)
+            state, logits, window = self.head.step(state, self.embed[token], self.head_rows, window)
+            loss = loss + -(target * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
+            right = logits.argmax(dim=-1) == target.argmax(dim=-1)
+            all_right = right if all_right is None else all_right & right
+            agreed.append(all_right)
+        return loss / d, agreed
+
+    def train_step(self, windows: torch.Tensor) -> dict:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, agreed = self.unroll(windows)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params.values(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        record = {"step": self.step, "loss": round(float(loss.detach()), 4)} | {
+            f"agree_{k + 1}": round(float(a.float().mean()), 3) for k, a in enumerate(agreed)}
+        self.history.append(record)
+        return record
+
+    def evaluate(self, windows: torch.Tensor) -> dict:
+        with torch.no_grad():
+            loss, agreed = self.unroll(windows)
+        return {"loss": round(float(loss), 4)} | {f"agree_{k + 1}": round(float(a.float().mean()), 3)
+                                                  for k, a in enumerate(agreed)}
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"config": dataclasses.asdict(self.config), "taps": list(self.head.taps),
+                "vocab": None if self.vocab is None else self.vocab.tolist(),
+                "model": model_fingerprint(self.llm.model), "step": self.step, "history": self.history,
+                "weights": {name: p.detach().clone() for name, p in self.params.items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        theirs = (state["config"], state["taps"], state["vocab"], state["model"])
+        ours = (dataclasses.asdict(self.config), list(self.head.taps),
+                None if self.vocab is None else self.vocab.tolist(), model_fingerprint(self.llm.model))
+        if theirs != ours:
+            raise ValueError("checkpoint was made by another run (configuration, taps, draft vocabulary or model)")
+        with torch.no_grad():
+            for name, value in state["weights"].items():
+                self.params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.history = state["step"], state["history"]
+
+    def trained_head(self, info: dict) -> FeatureHead:
+        """The head as it stands, with `info` (data, steps, figures) for its file."""
+        head = dataclasses.replace(self.head, weights={n: p.detach().clone() for n, p in self.params.items()},
+                                   info=info)
+        return head
+
+
+def train(llm, tokens: np.ndarray, config: FeatureHeadConfig, *, vocab: Optional[torch.Tensor] = None,
+          taps: Optional[tuple[int, ...]] = None, checkpoint_dir: Optional[str] = None, heldout=None,
+          eval_every: int = 0, log=None, progress: bool = False, stop_after: Optional[int] = None,
+          deadline: Optional[float] = None) -> FeatureHeadTrainer:
+    """Trains (or resumes) to `config.steps` (eecore.train.loop.run)."""
+    return run(FeatureHeadTrainer(llm, config, vocab, taps=taps), tokens, config, desc="feature head",
+               checkpoint_dir=checkpoint_dir, checkpoint_every=25, heldout=heldout, eval_every=eval_every,
+               log=log, progress=progress, stop_after=stop_after, deadline=deadline)
+
+
+def main(argv=None) -> int:
+    from eecore.train.exit_ready import corpus_tokens
+
+    ap = argparse.ArgumentParser(prog="python -m eecore.train.feature_head", description=__doc__.split("\n")[0])
+    ap.add_argument("--corpus", required=True, help="a folder with train.txt and heldout.txt (or .npy streams)")
+    ap.add_argument("--out", required=True, help="the head file to write (.safetensors)")
+    ap.add_argument("--checkpoint-dir", default=None, help="resumable checkpoints, the log and the token cache")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--draft-vocab", default="shipped",
+                    help="'shipped': the shipped exit adapters' draft vocabulary; 'none': the whole vocabulary")
+    ap.add_argument("--taps", type=int, nargs="+", default=None, help="the target's layers it reads (default: "
+                    "a low, a middle and a high one)")
+    ap.add_argument("--stop-after-minutes", type=float, default=None)
+    for f in dataclasses.fields(FeatureHeadConfig):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=float if f.type == "float" else int, default=f.default)
+    args = ap.parse_args(argv)
+    import eecore
+
+    config = FeatureHeadConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FeatureHeadConfig)})
+    dense = args.model is None or args.model.endswith(".gguf")  # (training needs dense fp32 weights)
+    llm = eecore.LLM(args.model, dtype="float32", device="cpu", quantization="none" if dense else None)
+    vocab = None
+    if args.draft_vocab == "shipped":
+        from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE, ExitAdapters
+
+        vocab = ExitAdapters.load(SHIPPED_DRAFT_FILE).vocab
+    cache = args.checkpoint_dir
+    tokens = corpus_tokens(llm.tokenizer, args.corpus, "train", cache)
+    heldout = corpus_tokens(llm.tokenizer, args.corpus, "heldout", cache)
+    log_file = None if cache is None else open(os.path.join(cache, "log.jsonl"), "a")
+
+    def log(record):
+        if log_file is not None:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+
+    deadline = None if args.stop_after_minutes is None else time.time() + 60 * args.stop_after_minutes
+    trainer = train(llm, tokens, config, vocab=vocab, taps=None if args.taps is None else tuple(args.taps),
+                    checkpoint_dir=args.checkpoint_dir, heldout=heldout, eval_every=100, log=log, progress=True,
+                    deadline=deadline)
+    figures = trainer.evaluate(heldout_windows(heldout, config))
+    trainer.trained_head({"corpus": os.path.abspath(args.corpus), "config": dataclasses.asdict(config),
+                          "steps": trainer.step, "heldout": figures}).save(args.out)
+    print(json.dumps({"steps": trainer.step, "heldout": figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

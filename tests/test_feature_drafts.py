@@ -1,0 +1,139 @@
+"""Feature drafts (eecore.models.feature_head, eecore.speculative.feature_drafts,
+eecore.train.feature_head): a head trained a few steps on a tiny model, its file and its refusals,
+and self-speculation with it: full depth's greedy tokens, and the full model's law when sampling."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import eecore
+from eecore.models.feature_head import FeatureHead, default_taps
+from eecore.train.feature_head import FeatureHeadConfig, train
+from engine_utils import greedy, law_p_value, random_prompts
+from model_factory import make_tiny_hf_model
+
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("feature"), num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return eecore.LLM(tiny[0], dtype="float32", device="cpu")
+
+
+def _stream(vocab_size: int, n: int = 3000, seed: int = 0) -> np.ndarray:
+    """A token stream a head can learn something of: a repeating pattern."""
+    base = np.random.default_rng(seed).integers(0, vocab_size, 40)
+    return base[(np.arange(n) * 7) % 40].astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def head_file(llm, tiny, tmp_path_factory):
+    config = FeatureHeadConfig(steps=30, batch_size=4, seq_len=24, drafts=3, lr=3e-3)
+    trainer = train(llm, _stream(tiny[1].config.vocab_size), config)
+    path = str(tmp_path_factory.mktemp("head") / "head.safetensors")
+    trainer.trained_head({"steps": trainer.step}).save(path)
+    return path, trainer
+
+
+def test_training_lowers_the_loss_and_resumes_where_it_stopped(llm, tiny, tmp_path, head_file):
+    _, trainer = head_file
+    losses = [r["loss"] for r in trainer.history]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    assert trainer.history[-1]["agree_1"] > trainer.history[0]["agree_1"]
+    # interrupted after 4 steps and resumed: the weights of an uninterrupted run of 8
+    tokens = _stream(tiny[1].config.vocab_size)
+    config = FeatureHeadConfig(steps=8, batch_size=2, seq_len=16, drafts=2)
+    whole = train(llm, tokens, config)
+    ckpt = str(tmp_path / "ckpt")
+    train(llm, tokens, config, checkpoint_dir=ckpt, stop_after=4)
+    resumed = train(llm, tokens, config, checkpoint_dir=ckpt)
+    assert resumed.step == 8
+    for name, p in whole.params.items():
+        assert torch.allclose(p, resumed.params[name], atol=1e-6), name
+
+
+def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file):
+    path, trainer = head_file
+    head = FeatureHead.load(path, llm.model)
+    assert head.taps == default_taps(NUM_LAYERS) and head.info == {"steps": trainer.step}
+    for name, w in head.weights.items():  # (stored in bf16)
+        assert torch.allclose(w, trainer.params[name].detach().bfloat16().float()), name
+    other_path, _ = make_tiny_hf_model(tmp_path / "other", num_layers=NUM_LAYERS, seed=1)
+    with pytest.raises(ValueError, match="another model of the same shape"):
+        FeatureHead.load(path, eecore.LLM(other_path, dtype="float32", device="cpu").model)
+    wider, _ = make_tiny_hf_model(tmp_path / "wider", num_layers=NUM_LAYERS, hidden_size=96)
+    with pytest.raises(ValueError, match="hidden_size"):
+        FeatureHead.load(path, eecore.LLM(wider, dtype="float32", device="cpu").model)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "not-a-head.safetensors"))
+    with pytest.raises(ValueError, match="not a feature head file"):
+        FeatureHead.load(str(tmp_path / "not-a-head.safetensors"))
+
+
+def _spec(path, head, drafts=3, adaptive=False, **kw):
+    return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=kw.pop("max_num_seqs", 8), **kw,
+                      speculative=eecore.SelfSpeculativeConfig(
+                          num_speculations=drafts, adaptive=adaptive, feature=eecore.FeatureDrafts(head=head)))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_feature_drafts_emit_full_depths_greedy_tokens(tiny, llm, head_file, adaptive):
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = [greedy(8 + 4 * i) for i in range(len(prompts))]
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    spec = _spec(path, head_file[0], adaptive=adaptive)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+def test_feature_drafts_keep_the_full_models_law_when_sampling(tmp_path):
+    """(t2, t3) of sampled requests: t3 comes out of a round the head drafted (t2's step taps the
+    states it drafts from), and the pair follows the full model's joint law."""
+    path, hf = make_tiny_hf_model(tmp_path, num_layers=NUM_LAYERS, vocab_size=12, with_tokenizer=False)
+    llm = eecore.LLM(path, dtype="float32", device="cpu")
+    head = FeatureHead.initialized(llm.model, seed=3)
+    head.save(str(tmp_path / "head.safetensors"), dtype=torch.float32)
+    prompt, n, V = [3, 7, 1], 2000, 12
+    params = [eecore.SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = _spec(path, str(tmp_path / "head.safetensors"), drafts=2, max_num_seqs=64,
+                 mixed_steps=False).generate([prompt] * n, params)
+    assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
+    with torch.no_grad():  # p(t2, t3 | prompt) = sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2)
+        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p2 = hf(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1].softmax(-1)
+        p3 = hf(torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])).logits[:, -1].softmax(-1)
+    law = torch.einsum("a,ab,abc->bc", p1, p2, p3.view(V, V, V))
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    assert law_p_value(counts, law) > 1e-3
+
+
+def test_config_errors_name_the_option(head_file):
+    with pytest.raises(ValueError, match="'head'"):
+        eecore.FeatureDrafts(head="")
+    with pytest.raises(ValueError, match="'max_length'"):
+        eecore.SelfSpeculativeConfig(num_speculations=2, feature=eecore.FeatureDrafts(head="h", max_length=3))
+    with pytest.raises(ValueError, match="feature drafts run alone"):
+        eecore.SelfSpeculativeConfig(exit_layer=1, feature=eecore.FeatureDrafts(head="h"))
+    from eecore.cli.speculative_flags import from_flat
+
+    config = from_flat(eecore.SelfSpeculativeConfig, {"draft": "feature", "feature_head": head_file[0]})
+    assert config.feature.head == head_file[0] and config.layer is None and config.draft == "feature"
+
+
+def test_a_missing_head_file_is_a_clear_error(tiny):
+    with pytest.raises((FileNotFoundError, OSError), match="nope"):
+        _spec(tiny[0], os.path.join("nope", "head.safetensors"))
