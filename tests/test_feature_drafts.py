@@ -98,9 +98,30 @@ def test_feature_drafts_emit_full_depths_greedy_tokens(tiny, llm, head_file, ada
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("mixed_steps", [False, True])
+def test_a_prompts_pass_taps_the_states_its_first_round_drafts_from(tiny, llm, head_file, mixed_steps):
+    """Requests of three tokens: the second comes from the first round, which drafts from the states
+    the prompt's pass tapped (alone, or beside other sequences' decodes in a mixed step)."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12, 7, 4, 11], seed=5)
+    params = [greedy(3 if i % 2 else 12) for i in range(len(prompts))]
+    spec = _spec(path, head_file[0], max_num_seqs=4, mixed_steps=mixed_steps, max_num_batched_tokens=24)
+    features, kept_before_first_token = spec.engine.strategy.features, []
+    keep = features.keep
+    features.keep = lambda seqs, *rest: kept_before_first_token.extend(
+        s for s in seqs if not s.output_token_ids) or keep(seqs, *rest)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    if mixed_steps:  # a prompt that ends in a mixed step: its states kept there (its next steps may be mixed too)
+        assert kept_before_first_token
+        assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+    else:
+        assert all(o.metrics["num_drafted_tokens"] >= 1 for o in outs)
+
+
 def test_feature_drafts_keep_the_full_models_law_when_sampling(tmp_path):
-    """(t2, t3) of sampled requests: t3 comes out of a round the head drafted (t2's step taps the
-    states it drafts from), and the pair follows the full model's joint law."""
+    """(t2, t3) of sampled requests, each out of a round the head drafted (from the states the
+    prompt's pass, then the first round, tapped): the pair follows the full model's joint law."""
     path, hf = make_tiny_hf_model(tmp_path, num_layers=NUM_LAYERS, vocab_size=12, with_tokenizer=False)
     llm = eecore.LLM(path, dtype="float32", device="cpu")
     head = FeatureHead.initialized(llm.model, seed=3)

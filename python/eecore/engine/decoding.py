@@ -59,6 +59,15 @@ class DecodeStrategy:
         tokens, and for each chunk the first output token if it completed its prefill, else None."""
         raise NotImplementedError(f"{type(self).__name__} does not support mixed steps")
 
+    def prefill_tap(self, num_tokens: int):
+        """What a prompt pass of `num_tokens` tokens should copy out on the way (a ModelRunner.forward
+        tap), for `prefilled`; None: nothing (the default)."""
+        return None
+
+    def prefilled(self, seqs: list[Sequence], rows: list[int], tapped) -> None:
+        """`seqs` finished their prompts in a pass that tapped `tapped` (prefill_tap's buffer); seqs[i]'s
+        last prompt token is its row rows[i]."""
+
     def release(self, seq: Sequence) -> None:
         """Drop any per-sequence state once `seq` finished."""
 
@@ -137,14 +146,15 @@ class FullDepthDecoder(DecodeStrategy):
                 logprobs[i] = d
         return [[Token(t, self.num_layers, lp)] for t, lp in zip(token_list, logprobs)]
 
-    def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]
+    def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row], tap=None
                      ) -> tuple[list[list[Token]], list[Optional[Token]]]:
-        if not prefill_rows:
+        """`tap`: as ModelRunner.forward's (the decodes' tokens first, then the chunks')."""
+        if not prefill_rows and tap is None:
             return self.decode(seqs), []
         # Decode rows first: one query token each, so row i's last token is at index i. The
         # varlen paged attention takes the chunks' longer query runs in the same call.
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs] + prefill_rows
-        inputs, hidden = self.runner.forward(rows)
+        inputs, hidden = self.runner.forward(rows, tap)
         B = len(seqs)
         done = [B + j for j, r in enumerate(prefill_rows) if not r.seq.in_prefill]
         picked = list(range(B)) + done

@@ -225,7 +225,8 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence], counts: list[int]) -> list[Sequence]:
         rows = self._chunk_rows(seqs, counts)
-        inputs, hidden = self.runner.forward(rows)
+        tap = self.strategy.prefill_tap(sum(counts))
+        inputs, hidden = self.runner.forward(rows, tap)
         done = [i for i, s in enumerate(seqs) if not s.in_prefill]
         if not done:
             return []
@@ -234,6 +235,8 @@ class LLMEngine:
         tokens, logprobs = self.sampler.sample(self.runner.logits(hidden.index_select(0, last)), finished)
         for seq, token, lp in zip(finished, tokens, logprobs):
             self.append_tokens(seq, [Token(token, self.model.num_layers, lp)])
+        if tap is not None:
+            self.strategy.prefilled(finished, last.tolist(), tap[1])
         return finished
 
     def append_tokens(self, seq: Sequence, tokens: list[Token]) -> None:

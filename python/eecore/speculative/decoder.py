@@ -324,9 +324,29 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._plain.allow_ahead = True
         return self._plain.decode(seqs)
 
+    def prefill_tap(self, num_tokens: int):
+        """Feature drafts: a prompt pass taps the head's layers, so a sequence drafts from its first round."""
+        return None if self.features is None else self.features.tap(num_tokens)
+
+    def prefilled(self, seqs: list[Sequence], rows: list[int], tapped) -> None:
+        if self.features is not None:
+            self.features.keep(seqs, rows, tapped)
+
     def decode_mixed(self, seqs: list[Sequence], prefill_rows: list[Row]):
         self.policy.record_plain(seqs)
-        return self._plain.decode_mixed(seqs, prefill_rows)
+        if self.features is None:
+            return self._plain.decode_mixed(seqs, prefill_rows)
+        # feature drafts: the decodes' and the finished prompts' states, tapped on the way
+        tap = self.features.tap(len(seqs) + sum(len(r.tokens) for r in prefill_rows))
+        results, firsts = self._plain.decode_mixed(seqs, prefill_rows, tap=tap)
+        kept, rows, end = list(seqs), list(range(len(seqs))), len(seqs)
+        for row, first in zip(prefill_rows, firsts):
+            end += len(row.tokens)
+            if first is not None:
+                kept.append(row.seq)
+                rows.append(end - 1)
+        self.features.keep(kept, rows, tap[1])
+        return results, firsts
 
     def _record_shadow(self, seqs, rows: list[int], rows_in_logits: list[int], logits: torch.Tensor) -> None:
         """The shadow check for seqs[b], b in `rows` (sequences that drafted nothing, so slot 0
