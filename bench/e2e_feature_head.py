@@ -1,0 +1,83 @@
+"""A feature draft head (docs/feature-heads.md) against full depth and the exit-ready layer preset,
+on held-out prompts of each domain, the same run, side by side.
+
+    PYTHONPATH=python python bench/e2e_feature_head.py --head head.safetensors [--kinds code chat everyday]
+        [--batch-sizes 1] [--max-tokens 64] [--requests 8] [--drafts 1 4] [--repeats 2] [--quantized]
+
+For each kind of prompt (bench/common.py's held-out sets) and batch size: full depth, the head at
+each `--drafts` length (d = 1: the head's first draft alone, whose acceptance is the first-draft
+acceptance), and the exit-ready layer preset, alternating run by run. Rows: tokens per second,
+the ratio to full depth, drafts accepted / drafted, tokens a round, and whether every output equals
+full depth's. Over dequantized fp32 weights by default (`--quantized`: the embedded file's own
+blocks, eecore's default). Writes bench/results/<machine>/cpu-feature-head-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import eecore
+from common import bench_prompt_ids, cpu_model, save_results, timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", required=True, help="a feature head file (python -m eecore.train.feature_head)")
+    ap.add_argument("--kinds", nargs="+", default=["code", "chat", "everyday"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=8, help="prompts of each kind")
+    ap.add_argument("--drafts", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quantized", action="store_true", help="the embedded file's own blocks (default: dequantized)")
+    ap.add_argument("--out-name", default="cpu-feature-head")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    quant = None if args.quantized else "none"
+    full = eecore.LLM(quantization=quant, max_num_seqs=max(args.batch_sizes))
+    engines = {f"feature head d={d}": eecore.LLM(quantization=quant, max_num_seqs=max(args.batch_sizes),
+                                                 speculative=eecore.SelfSpeculativeConfig(
+                                                     num_speculations=d, feature=eecore.FeatureDrafts(head=args.head)))
+               for d in args.drafts}
+    engines["exit-ready layer"] = eecore.LLM(quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
+                                             speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
+    params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for kind in args.kinds:
+        prompts = bench_prompt_ids(full.tokenizer, kind, args.requests)
+        for batch in args.batch_sizes:
+            groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+            reference = [o.token_ids for g in groups for o in full.generate(g, params)]
+            for label, llm in engines.items():
+                t_full, t_this, outs = [], [], []
+                for _ in range(args.repeats):
+                    t_full.append(sum(timed(full.generate, g, params)[1] for g in groups))
+                    this, seconds = [], 0.0
+                    for g in groups:
+                        out, t = timed(llm.generate, g, params)
+                        this += out
+                        seconds += t
+                    t_this.append(seconds)
+                    outs = this
+                tokens = sum(len(o.token_ids) for o in outs)
+                drafted = sum(o.metrics.get("num_drafted_tokens", 0) for o in outs)
+                accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
+                rounds = sum(o.metrics.get("num_verify_steps", 0) for o in outs)
+                row = dict(kind=kind, batch=batch, config=label, tok_s=tokens / statistics.median(t_this),
+                           vs_full=statistics.median(t_full) / statistics.median(t_this),
+                           acceptance=accepted / max(drafted, 1), tokens_per_round=tokens / max(rounds, 1),
+                           identical=f"{sum(o.token_ids == r for o, r in zip(outs, reference))}/{len(outs)}",
+                           t_full=t_full, t=t_this)
+                rows.append(row)
+                print(f"{kind:9s} batch {batch:2d}  {label:18s} {row['tok_s']:7.1f} tok/s  {row['vs_full']:5.2f}x full"
+                      f"  accepted {row['acceptance']:.2f}  {row['tokens_per_round']:.2f} tokens a round"
+                      f"  identical {row['identical']}", flush=True)
+    path = save_results(args.out_name, dict(cpu=cpu_model(), head=args.head, quantized=args.quantized,
+                                            max_tokens=args.max_tokens, requests=args.requests, rows=rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
