@@ -44,38 +44,33 @@ def _state(seq: Sequence):
     return (seq.output_token_ids, seq.exit_layers, seq.logprobs, seq.stop_reason, seq.output_text)
 
 
+def _random_round(rng: random.Random) -> list[Token]:
+    return [Token(rng.randrange(8), rng.choice([4, 30]), {0: -1.0} if rng.random() < 0.5 else None)
+            for _ in range(rng.randint(1, 5))]
+
+
+def _token_run(rng: random.Random) -> TokenRun:
+    """A TokenRun (ids of one exit layer, as fused rounds give them)."""
+    return TokenRun([rng.randrange(8) for _ in range(rng.randint(1, 5))], rng.choice([4, 30]))
+
+
+def _as_tokens(tokens) -> list[Token]:
+    return [Token(t, tokens.exit_layer) for t in tokens] if isinstance(tokens, TokenRun) else tokens
+
+
 @pytest.mark.parametrize("seed", range(200))
-def test_appending_a_round_at_once_stops_where_token_by_token_does(seed):
+@pytest.mark.parametrize("make_round", [_random_round, _token_run], ids=["tokens", "token-run"])
+def test_appending_a_round_at_once_stops_where_token_by_token_does(seed, make_round):
     rng = random.Random(seed)
     checker = StopChecker(LetterTokenizer(), eos_token_ids=(EOS,), max_model_len=rng.randint(4, 20))
     params = _params(rng)
     prompt = [rng.randrange(8) for _ in range(rng.randint(1, 3))]
     bulk, single = Sequence(prompt, params), Sequence(prompt, params)
     while True:
-        tokens = [Token(rng.randrange(8), rng.choice([4, 30]), {0: -1.0} if rng.random() < 0.5 else None)
-                  for _ in range(rng.randint(1, 5))]
-        expected = _one_by_one(checker, single, tokens)
+        tokens = make_round(rng)
+        expected = _one_by_one(checker, single, _as_tokens(tokens))
         assert checker.append(bulk, tokens) == expected
         assert _state(bulk) == _state(single)
-        if expected is not None:
-            break
-
-
-@pytest.mark.parametrize("seed", range(100))
-def test_a_token_run_stops_where_its_tokens_one_by_one_do(seed):
-    """A TokenRun (ids of one exit layer, as fused rounds give them) ends a sequence where the same
-    tokens as Token objects, one by one, would."""
-    rng = random.Random(seed)
-    checker = StopChecker(LetterTokenizer(), eos_token_ids=(EOS,), max_model_len=rng.randint(4, 20))
-    params = _params(rng)
-    prompt = [rng.randrange(8) for _ in range(rng.randint(1, 3))]
-    run, single = Sequence(prompt, params), Sequence(prompt, params)
-    while True:
-        layer = rng.choice([4, 30])
-        ids = [rng.randrange(8) for _ in range(rng.randint(1, 5))]
-        expected = _one_by_one(checker, single, [Token(t, layer) for t in ids])
-        assert checker.append(run, TokenRun(ids, layer)) == expected
-        assert _state(run) == _state(single)
         if expected is not None:
             break
 
