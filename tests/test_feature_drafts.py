@@ -158,3 +158,34 @@ def test_config_errors_name_the_option(head_file):
 def test_a_missing_head_file_is_a_clear_error(tiny):
     with pytest.raises((FileNotFoundError, OSError), match="nope"):
         _spec(tiny[0], os.path.join("nope", "head.safetensors"))
+
+
+def test_what_runs_is_what_was_trained(tiny, llm, head_file):
+    """The engine's drafts for a prompt's first round equal the trainer's unroll from the target's
+    hidden states (its Hugging Face twin's) at the prompt's last token: the taps, the head's steps
+    and the LM head rows are the same in both."""
+    from eecore.train.feature_head import FeatureHeadTrainer
+
+    path, hf = tiny
+    prompt = random_prompts(hf.config.vocab_size, [9], seed=2)[0]
+    spec = _spec(path, head_file[0], drafts=3)
+    drafted = []
+    picker = spec.engine.strategy.features.picker
+    take = picker.take
+
+    def spy(logits, rows, seqs, drafts, **kw):
+        kept, ended = take(logits, rows, seqs, drafts, **kw)
+        drafted.append(drafts[0].tokens[-1] if kept else None)
+        return kept, ended
+    picker.take = spy
+    first = spec.generate([prompt], greedy(5))[0].token_ids[0]
+    trainer = FeatureHeadTrainer(llm, FeatureHeadConfig(drafts=3), head=FeatureHead.load(head_file[0], llm.model))
+    with torch.no_grad():
+        features, _ = trainer._target(torch.tensor([prompt]))
+        state, window, token, unrolled = trainer.head.start_state(features[0, -1:]), None, first, []
+        for _ in range(3):
+            state, logits, window = trainer.head.step(state, trainer.embed[torch.tensor([token])], trainer.head_rows,
+                                                      window)
+            token = int(logits.argmax(-1))
+            unrolled.append(token)
+    assert drafted[:3] == unrolled
