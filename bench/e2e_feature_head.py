@@ -2,7 +2,7 @@
 on held-out prompts of each domain, the same run, side by side.
 
     PYTHONPATH=python python bench/e2e_feature_head.py --head head.safetensors [--kinds code chat everyday]
-        [--batch-sizes 1] [--max-tokens 64] [--requests 8] [--drafts 1 4] [--repeats 2] [--quantized]
+        [--batch-sizes 1] [--max-tokens 64] [--requests 8] [--drafts 1 4] [--repeats 2] [--quantized] [--adaptive]
 
 For each kind of prompt (bench/common.py's held-out sets) and batch size: full depth, the head at
 each `--drafts` length (d = 1: the head's first draft alone, whose acceptance is the first-draft
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quantized", action="store_true", help="the embedded file's own blocks (default: dequantized)")
+    ap.add_argument("--adaptive", action="store_true", help="also the head with the draft planner's lengths")
     ap.add_argument("--out-name", default="cpu-feature-head")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -41,6 +42,11 @@ def main() -> None:
                                                  speculative=eecore.SelfSpeculativeConfig(
                                                      num_speculations=d, feature=eecore.FeatureDrafts(head=args.head)))
                for d in args.drafts}
+    if args.adaptive:  # the head's lengths from the draft planner (which turns drafting off where it does not pay)
+        engines["feature head adaptive"] = eecore.LLM(
+            quantization=quant, max_num_seqs=max(args.batch_sizes),
+            speculative=eecore.SelfSpeculativeConfig(num_speculations=max(args.drafts), adaptive=True,
+                                                     feature=eecore.FeatureDrafts(head=args.head)))
     engines["exit-ready layer"] = eecore.LLM(quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
                                              speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
