@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from eecore import ops
 from eecore.models.amx_weights import tiled
 from eecore.models.int8_weights import Int8Weight, eight_bit, leading_rows, project
+from eecore.models.draft_columns import DraftColumns
 from eecore.models.lora import LoraDeltas
 
 FORMAT = "eecore-exit-adapter-1"
@@ -245,34 +246,6 @@ class ExitAdapters:
                 raise ValueError(f"{source}: exit {E} is for hidden size {b.norm.shape[0]}, the model has {c.hidden_size}")
         if self.vocab is not None and (int(self.vocab[0]) < 0 or int(self.vocab[-1]) >= c.vocab_size):
             raise ValueError(f"{source}: draft_vocab holds ids outside the model's vocabulary 0..{c.vocab_size - 1}")
-
-
-class DraftColumns:
-    """The columns of a draft head's logits and the tokens they stand for: the draft vocabulary's
-    (all tokens without one). Draft heads score those columns only; sampling and rejection sampling
-    read them widened to the whole vocabulary, -inf elsewhere."""
-
-    def __init__(self, vocab: Optional[torch.Tensor], vocab_size: int, max_rows: int, device):
-        self.vocab = None if vocab is None else vocab.to(device)
-        self._vocab_list = None if vocab is None else vocab.tolist()
-        # Those columns are written once, here: widen copies the draft columns into the rest.
-        self._full = torch.full((max_rows, vocab_size), float("-inf"), dtype=torch.float32, device=device) \
-            if vocab is not None else None
-
-    def widen(self, columns: torch.Tensor) -> torch.Tensor:
-        """Column logits `[n, K]` (from `columns`) as vocabulary-wide logits `[n, V]`, -inf outside
-        the draft vocabulary (a view of an internal buffer; `columns` itself without one)."""
-        if self._full is None:
-            return columns
-        return self._full[: columns.shape[0]].index_copy_(1, self.vocab, columns)
-
-    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Token ids of columns of the draft head's weight."""
-        return columns if self.vocab is None else self.vocab[columns]
-
-    def token_id_list(self, columns: list[int]) -> list[int]:
-        """token_ids on the host: for columns already read back, without one more tensor op."""
-        return columns if self._vocab_list is None else [self._vocab_list[c] for c in columns]
 
 
 class DraftHead(DraftColumns):

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from eecore.engine.sequence import Sequence
-from eecore.models.exit_adapter import DraftColumns
+from eecore.models.draft_columns import DraftColumns
 from eecore.models.feature_head import FeatureHead
 from eecore.models.int8_weights import weight_rows
 from eecore.speculative.draft import Budgets, Draft, DraftPicker
