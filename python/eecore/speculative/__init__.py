@@ -14,7 +14,8 @@ full model in one pass.
     draft.py, verification.py, acceptance.py, stats.py: the steps of a round
     guard.py, draft_length.py, draft_planner.py, pass_clock.py: the policy's parts
     static_passes.py LayerSkip's draft and verify passes as CUDA graphs
-    fused_round.py, round_inputs.py: a draft copy's greedy round with one host round trip
+    fused_round.py, round_inputs.py, round_planning.py: a draft copy's greedy round with one host
+                     round trip, its inputs, and its planning and books for the whole batch
 """
 from eecore.speculative.config import DRAFT_MODES, SelfSpeculativeConfig
 from eecore.speculative.decoder import SelfSpeculativeDecoder
