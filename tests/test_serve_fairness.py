@@ -25,6 +25,13 @@ def _subs(prompts: list[list[int]], max_tokens: int) -> list[SubRequest]:
     return [SubRequest(None, p, params, i) for i, p in enumerate(prompts)]
 
 
+async def _drain(events: list[str], name: str, handle) -> None:
+    """Appends `name` to `events` as each of the request's choices finishes."""
+    async for delta in handle.deltas():
+        if delta.finished:
+            events.append(name)
+
+
 async def _finish_events(engine: AsyncEngine, long_prompts: list[list[int]]) -> list[str]:
     """A request of `long_prompts`, then, once its prefill has started, a short one: which request
     each finished choice belonged to, in the order they finished."""
@@ -32,16 +39,11 @@ async def _finish_events(engine: AsyncEngine, long_prompts: list[list[int]]) -> 
     try:
         events: list[str] = []
 
-        async def drain(name, handle):
-            async for delta in handle.deltas():
-                if delta.finished:
-                    events.append(name)
-
-        long = asyncio.ensure_future(drain("long", engine.add(_subs(long_prompts, 1))))
+        long = asyncio.ensure_future(_drain(events, "long", engine.add(_subs(long_prompts, 1))))
         while not engine.engine.scheduler.running:  # the long request's first prompt is in prefill
             await asyncio.sleep(0.001)
         events.append("short added")  # (on a loaded machine some long prompts may be done by then)
-        await asyncio.gather(long, drain("short", engine.add(_subs([[5, 6, 7]], 1))))
+        await asyncio.gather(long, _drain(events, "short", engine.add(_subs([[5, 6, 7]], 1))))
         return events
     finally:
         engine.stop()
@@ -113,17 +115,12 @@ async def _client_events(engine: AsyncEngine, long_prompts, clients: tuple) -> l
     try:
         events: list[str] = []
 
-        async def drain(name, handle):
-            async for delta in handle.deltas():
-                if delta.finished:
-                    events.append(name)
-
-        many = [asyncio.ensure_future(drain("many", engine.add(_subs([p], 1), client=clients[0])))
+        many = [asyncio.ensure_future(_drain(events, "many", engine.add(_subs([p], 1), client=clients[0])))
                 for p in long_prompts]
         while not engine.engine.scheduler.running:
             await asyncio.sleep(0.001)
         events.append("short added")
-        await asyncio.gather(*many, drain("short", engine.add(_subs([[5, 6, 7]], 1), client=clients[1])))
+        await asyncio.gather(*many, _drain(events, "short", engine.add(_subs([[5, 6, 7]], 1), client=clients[1])))
         return events
     finally:
         engine.stop()

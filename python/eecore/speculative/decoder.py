@@ -91,7 +91,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
         elif config.uses_feature:
-            self.draft_head, self.features = build_feature_drafts(config, runner.model, sampler, self.states, rows)
+            self.draft_head, self.features = build_feature_drafts(config, runner, sampler, self.states)
             self.proposer, self.picker = self.features, self.features.picker
         fuses = envs.flag("EECORE_FUSED_ROUNDS") and self._fuses(config)
         self.policy = DraftPolicy(config, self.states, layers=self.draft_head is not None, guard=self.guard,

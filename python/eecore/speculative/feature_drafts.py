@@ -55,18 +55,19 @@ class FeatureProposer(Proposer):
     states and pending token, each later one from the head's own state and the draft before; the
     draft picker turns each step's logits into tokens (greedy, or drawn, for rejection sampling)."""
 
-    def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates):
+    def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates, max_tokens: int):
         self.head = head
         self.picker = picker
         self.states = states
         self.passes = 0  # head steps run (the draft planner's clock)
+        model = head.model
+        # every pass's tapped streams, for up to a step's tokens (`keep` copies out what it keeps)
+        self._tapped = torch.empty(max_tokens, len(head.taps) * model.config.hidden_size, dtype=model.dtype,
+                                   device=model.device)
 
     def tap(self, num_tokens: int) -> tuple[tuple[int, ...], torch.Tensor]:
         """A pass's tap for `num_tokens` tokens: the head's layers, and where their streams go."""
-        model = self.head.model
-        out = torch.empty(num_tokens, len(self.head.taps) * model.config.hidden_size, dtype=model.dtype,
-                          device=model.device)
-        return self.head.taps, out
+        return self.head.taps, self._tapped[:num_tokens]
 
     def keep(self, seqs: list[Sequence], rows: list[int], tapped: torch.Tensor) -> None:
         """After a pass that tapped `tapped` (one row a token) and advanced `seqs`: seqs[i]'s last
@@ -111,9 +112,9 @@ class FeatureProposer(Proposer):
         self.states.clear_slot(seq, "features")
 
 
-def build_feature_drafts(config, model, sampler, states: SequenceStates, max_rows: int
-                         ) -> tuple[FeatureDraftHead, FeatureProposer]:
-    """The head of `config.feature` (checked to fit `model`) and its proposer."""
-    head = FeatureDraftHead(FeatureHead.load(config.feature.head, model), model, max_rows)
+def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tuple[FeatureDraftHead, FeatureProposer]:
+    """The head of `config.feature` (checked to fit the runner's model) and its proposer."""
+    model = runner.model
+    head = FeatureDraftHead(FeatureHead.load(config.feature.head, model), model, runner.max_seqs)
     picker = DraftPicker(config, head, sampler)
-    return head, FeatureProposer(head, picker, states)
+    return head, FeatureProposer(head, picker, states, runner.max_tokens)
