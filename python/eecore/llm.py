@@ -128,24 +128,43 @@ class LLM:
                  draft_ahead: Optional[bool] = None, verify_ahead: Optional[bool] = None,
                  fused_rounds: Optional[bool] = None, fused_projections: Optional[bool] = None,
                  gguf_activations: Optional[str] = None, batch_invariant: Optional[bool] = None,
-                 huge_pages: Optional[bool] = None, amx: Optional[bool] = None):
+                 huge_pages: Optional[bool] = None, amx: Optional[bool] = None,
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0):
+        options = {k: v for k, v in locals().items() if k != "self"}
+        group = None
+        if tensor_parallel_size != 1:
+            group = _torchrun_group(tensor_parallel_size, resolve_device(device), distributed_timeout_s)
+            if group is not None and not group.is_leader:  # a torchrun rank > 0: follow rank 0, then end
+                from eecore.distributed.launch import serve_as_follower
+
+                serve_as_follower(group, options)
+                raise SystemExit(0)
+        self._init(options, group)
+
+    @classmethod
+    def follower(cls, group, options: dict) -> "LLM":
+        """A tensor-parallel rank > 0's LLM: the same options, this rank's slice of the weights
+        (eecore.distributed.launch starts it; its engine follows rank 0's)."""
+        llm = cls.__new__(cls)
+        llm._init(options, group)
+        return llm
+
+    def _init(self, options: dict, group) -> None:
+        o = dict(options)
+        model, dtype, device = o["model"], o["dtype"], o["device"]
+        early_exit, speculative, exit_adapter = o["early_exit"], o["speculative"], o["exit_adapter"]
+        quantization, decode_ahead = o["quantization"], o["decode_ahead"]
         envs.check_all()
-        switches = runtime_switches(decode_ahead=decode_ahead, draft_ahead=draft_ahead, verify_ahead=verify_ahead,
-                                    fused_rounds=fused_rounds, fused_projections=fused_projections,
-                                    gguf_activations=gguf_activations, batch_invariant=batch_invariant,
-                                    huge_pages=huge_pages, amx=amx)
-        engine_config = EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory_fraction=kv_cache_memory_fraction,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            mixed_steps=mixed_steps, enable_prefix_caching=enable_prefix_caching, seed=seed,
-            enforce_eager=enforce_eager, decode_ahead=decode_ahead)
+        switches = runtime_switches(**{k: o[k] for k in _SWITCH_OPTIONS})
+        engine_config = EngineConfig(**{k: o[k] for k in _ENGINE_OPTIONS})
         # the options are read where the environment's switches are, while the model and the engine
         # are built (eecore.envs.overridden); decode ahead, read at every step, goes with the engine
         with envs.overridden(switches):
-            self._build(model, dtype, device, early_exit, speculative, exit_adapter, quantization, engine_config)
+            self._build(model, dtype, device, early_exit, speculative, exit_adapter, quantization, engine_config,
+                        o["tensor_parallel_size"], o["distributed_timeout_s"], options, group)
 
     def _build(self, model, dtype, device, early_exit, speculative, exit_adapter, quantization,
-               engine_config: EngineConfig) -> None:
+               engine_config: EngineConfig, tp_size: int, tp_timeout_s: float, options: dict, group) -> None:
         from eecore.models.build import build_model
         from eecore.models.config import ModelConfig
         from eecore.models.exit_adapter import load_exit_adapters
@@ -165,6 +184,19 @@ class LLM:
             else resolve_dtype(dtype, self.device)
         loaded = load_model(model, dtype=explicit or "auto",
                             keep_quantized=self.device.type == "cpu" and quantization is None)
+        # tensor parallelism: checked against the checkpoint before any worker starts
+        from eecore.models.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(loaded.config, tp_size, loaded.state_dict)
+        self.workers = None
+        if tp_size > 1 and group is None:  # rank 0 on one machine: spawn the others
+            from eecore.distributed.launch import Workers
+
+            if not isinstance(tp_timeout_s, (int, float)) or not tp_timeout_s > 0:
+                raise ValueError(f"LLM: 'distributed_timeout_s' must be a number > 0, got {tp_timeout_s!r}")
+            self.workers = Workers(tp_size, options, self.device, float(tp_timeout_s))
+            group = self.workers.group
+        self.tp_group = group
         self.dtype = explicit or resolve_dtype("auto", self.device, loaded.precision)
         # what the weights compute in: a GGUF block type's name, or the activations' dtype
         if quantization not in (None, "none"):
@@ -185,7 +217,7 @@ class LLM:
         # (or, with separate draft layers, into their copy alone)
         self.exit_adapters = load_exit_adapters(exit_adapter, model, loaded, merge_lora=not separate)
         # the checkpoint is read once more only to build a draft copy
-        self.model = build_model(loaded, self.dtype, self.device, consume=not separate)
+        self.model = build_model(loaded, self.dtype, self.device, consume=not separate, tp=group)
         if self.exit_adapters is not None:
             self.exit_adapters.check_model(self.model)
         draft_model = None
@@ -199,11 +231,38 @@ class LLM:
                 draft_weights = None
             draft_model = build_draft_model(loaded, speculative.exit_layer, getattr(self.exit_adapters, "lora", None),
                                             draft_dtype, self.device, getattr(self.exit_adapters, "source", ""),
-                                            weight_dtype=draft_weights)
+                                            weight_dtype=draft_weights, tp=group)
         del loaded
         strategy, lookahead = _strategy(early_exit, speculative, self.model.num_layers, self.exit_adapters,
                                         self.model, draft_model)
-        self.engine = LLMEngine(self.model, self.tokenizer, engine_config, strategy=strategy, lookahead=lookahead)
+        if group is not None and group.is_leader:
+            from eecore.distributed.lockstep import LeaderEngine
+
+            self.engine = LeaderEngine(self.model, self.tokenizer, engine_config, strategy=strategy,
+                                       lookahead=lookahead, group=group)
+        else:
+            self.engine = LLMEngine(self.model, self.tokenizer, engine_config, strategy=strategy, lookahead=lookahead)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do on one rank); the LLM generates no more."""
+        if getattr(self, "tp_group", None) is None or not self.tp_group.is_leader:
+            return
+        try:
+            self.engine.shutdown()
+        finally:
+            if self.workers is not None:
+                self.workers.terminate()
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.tp_group = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Prompts, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -270,6 +329,28 @@ class LLM:
         # Validate every request before any is queued: a bad one fails the call, not the engine.
         encoded = [self.engine.validate(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
         return [self.engine.enqueue(p, ids, sp, i) for i, (p, ids, sp) in enumerate(zip(prompts, encoded, params))]
+
+_SWITCH_OPTIONS = ("decode_ahead", "draft_ahead", "verify_ahead", "fused_rounds", "fused_projections",
+                   "gguf_activations", "batch_invariant", "huge_pages", "amx")
+_ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
+                   "max_model_len", "mixed_steps", "enable_prefix_caching", "seed", "enforce_eager", "decode_ahead")
+
+
+def _torchrun_group(world_size: int, device: torch.device, timeout_s: float):
+    """This process's group when torchrun started it (None otherwise: rank 0 spawns its workers)."""
+    from eecore.distributed.launch import check_devices, rank_device, torchrun_world
+    from eecore.distributed.group import init_group
+
+    world = torchrun_world()
+    if world is None:
+        return None
+    rank, size, local_rank = world
+    if size != world_size:
+        raise ValueError(f"LLM: tensor_parallel_size={world_size}, but torchrun started {size} processes")
+    if device.type == "cuda":
+        check_devices(device, local_rank + 1)
+    return init_group(rank, size, "env://", timeout_s, rank_device(device, local_rank))
+
 
 def _strategy(early_exit, speculative, num_layers, adapters, model=None, draft_model=None):
     from eecore.engine.decoding import FullDepthDecoder

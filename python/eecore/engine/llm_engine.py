@@ -79,6 +79,8 @@ class LLMEngine:
             # an encoder-decoder request also holds up to max_len encoder tokens of cross-attention K/V
             max_useful_tokens=config.max_num_seqs * (max_len + lookahead) * (2 if model.is_encoder_decoder else 1),
             num_blocks=config.num_blocks)
+        if model.tp is not None:  # each rank sized from its own free memory: every rank takes the smallest
+            num_blocks = model.tp.agree_min(num_blocks)
         # A lone sequence must always fit, or preemption could not make progress.
         self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
         if self.max_model_len < 2:

@@ -67,7 +67,9 @@ class SoftmaxGap(ConfidenceMeasure):
             torch.empty(max_rows, model.config.vocab_size, dtype=model.dtype, device=model.device)
 
     def __call__(self, exit_layer, hidden, previous):
-        if self._logits is None:
+        if self.model.vocab_parallel is not None:  # the head split over ranks: one all-gather of their stats
+            gap, self.top1 = self.model.vocab_parallel.top2_gap(self.normed(hidden), self.model.lm_head)
+        elif self._logits is None:
             gap, self.top1 = ops.lm_head_top2_gap(self.normed(hidden), self.model.lm_head)
         else:
             logits = project(self._logits[: hidden.shape[0]], self.normed(hidden), self.model.lm_head)

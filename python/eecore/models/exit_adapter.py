@@ -266,7 +266,10 @@ class DraftHead(DraftColumns):
         vocab = adapters.vocab if adapters is not None else None
         super().__init__(vocab, model.config.vocab_size, max_rows, device)
         head = model.lm_head
-        if self.vocab is not None:
+        if getattr(model, "vocab_parallel", None) is not None:  # the head split over ranks: its rows gathered
+            ids = self.vocab if self.vocab is not None else torch.arange(model.config.vocab_size, device=device)
+            head = model.head_rows(torch.empty(ids.shape[0], d, dtype=dtype, device=device), ids)
+        elif self.vocab is not None:
             head = head.index_select(0, self.vocab).contiguous() if isinstance(head, torch.Tensor) \
                 else head.rows(self.vocab)
         self.head = head

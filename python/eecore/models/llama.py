@@ -22,6 +22,8 @@ from eecore.models.huge_pages import place_in_huge_pages
 from eecore.models.gguf_weights import q8_activations, stack_weights, with_q8_activations
 from eecore.models.int8_weights import Weight, dense, eight_bit, project, weight_rows
 from eecore.models.rope import cos_sin_cache
+from eecore.models.tensor_parallel import shard_config, shard_state_dict
+from eecore.models.vocab_parallel import VocabParallel
 from eecore.models.weight_prefetch import WeightPrefetch
 from eecore.models.weights import weight_taker
 from eecore.models.workspace import RowViewCache
@@ -112,15 +114,25 @@ class LlamaModel:
     is_encoder_decoder = False
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, weight_dtype: Optional[torch.dtype] = None, consume_state_dict: bool = False):
+                 device: torch.device, weight_dtype: Optional[torch.dtype] = None, consume_state_dict: bool = False,
+                 tp=None):
         """`dtype`: activations and weights. `weight_dtype=torch.int8`: the projections and the LM
         head are 8-bit instead (int8_weights.eight_bit: per-row int8, or Q8_0 blocks where GGUF
         blocks run with 8-bit activations), activations stay in `dtype`; the embeddings and norms
         keep theirs. `consume_state_dict`: take the tensors out
-        of `state_dict` as they are used (a caller that needs the checkpoint no more saves a copy)."""
+        of `state_dict` as they are used (a caller that needs the checkpoint no more saves a copy).
+        `tp`: a TensorParallelGroup of more than one rank: this rank keeps its slice of the weights
+        (eecore.distributed.sharding), `config` becomes its slice's (its heads and MLP units), and
+        the layers, the embedding and the LM head make their collectives."""
         if weight_dtype not in (None, dtype, torch.int8):
             raise ValueError(f"LlamaModel: 'weight_dtype' must be None, the model's dtype or torch.int8, "
                              f"got {weight_dtype}")
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.vocab_parallel = None
+        if self.tp is not None:
+            state_dict = shard_state_dict(state_dict, config, tp.rank, tp.world_size)
+            config = shard_config(config, tp.world_size)
+            self.vocab_parallel = VocabParallel(tp, config.vocab_size, dtype, torch.device(device))
         self.config = config
         self.dtype = dtype
         self.weight_dtype = dtype if weight_dtype is None else weight_dtype
@@ -172,7 +184,8 @@ class LlamaModel:
         self.cos_sin = cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, c.rope_scaling,
                                      device=self.device)
         self.prefetch = WeightPrefetch.for_device(self.device)  # EECORE_PREFETCH_WEIGHTS=1 on a GPU
-        self.fused_projections = envs.flag("EECORE_FUSED_PROJECTIONS") and all(
+        # (the fused ops add the projections into the stream, where tensor parallelism must sum them first)
+        self.fused_projections = self.tp is None and envs.flag("EECORE_FUSED_PROJECTIONS") and all(
             _is_dense(getattr(w, name), dtype) for w in self.layers for name in ("qkv", "o_proj", "gate_up", "down"))
         self._kv_fill_weights: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
@@ -181,6 +194,8 @@ class LlamaModel:
 
     # ---- pieces ----------------------------------------------------------------------------
     def embed_tokens(self, token_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.rows_of(out, self.embed, token_ids)
         return weight_rows(out, self.embed, token_ids)
 
     def layer(self, i: int, hidden: torch.Tensor, attn: AttentionInputs, k_cache: torch.Tensor,
@@ -230,16 +245,29 @@ class LlamaModel:
             act = ops.gate_up_projection(v.act, v.gate_up, v.normed, hidden, w.post_norm, self.eps, w.gate_up)
             return project(hidden, act, w.down, accumulate=True)  # hidden += mlp
         o = project(v.o, v.attn_flat, w.o_proj)
+        if self.tp is not None:  # this rank's heads' share of the output
+            self.tp.all_reduce_(o)
         ops.fused_add_rms_norm(o, hidden, w.post_norm, self.eps)  # hidden += attention; o = norm(hidden)
         project(v.gate_up, o, w.gate_up)
         act = ops.silu_and_mul(v.act, v.gate_up)
+        if self.tp is not None:  # this rank's MLP units' share, summed before it joins the stream
+            return hidden.add_(self.tp.all_reduce_(project(v.o, act, w.down)))
         return project(hidden, act, w.down, accumulate=True)  # hidden += mlp
 
     def final_norm_(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(out, hidden, self.final_norm, self.eps)
 
     def lm_head_logits(self, normed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.logits(out, normed, self.lm_head_proj)
         return project(out, normed, self.lm_head_proj)
+
+    def head_rows(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`out [n, d]` = the LM head's rows of token `ids`, dense (a draft vocabulary's, or the
+        candidates a guard scores), whichever rank holds them."""
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.rows_of(out, self.lm_head, ids)
+        return weight_rows(out, self.lm_head, ids)
 
     # ---- early exit support ----------------------------------------------------------------
     def kv_fill_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -94,6 +94,9 @@ class LayerViews:
 class T5Model:
     is_encoder_decoder = True
 
+    tp = None               # encoder-decoders run on one rank
+    vocab_parallel = None
+
     def __init__(self, config: T5Config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device):
         self.config = config

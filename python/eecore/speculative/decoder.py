@@ -98,6 +98,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                                   draft_length=self.draft_length, shadow_checks=self.draft_stack is None,
                                   fused_rounds=fuses)
         self.planner = self.policy.planner  # config.adaptive: each sequence's draft lengths from the measured pass costs
+        if self.planner is not None and runner.model.tp is not None:
+            self.planner.clock.shared = runner.model.tp.leader_float
         # the round's proposers, in order: lookup first, then the layers (the token switch is both)
         if config.switches_per_token:
             self.proposers: list[Proposer] = [self.proposer]

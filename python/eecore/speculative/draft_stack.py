@@ -42,11 +42,13 @@ from eecore.speculative.static_passes import StaticLayers
 
 
 def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype: torch.dtype,
-                      device: torch.device, source: str = "exit adapter", weight_dtype: Optional[torch.dtype] = None):
+                      device: torch.device, source: str = "exit adapter", weight_dtype: Optional[torch.dtype] = None,
+                      tp=None):
     """A LlamaModel of `loaded`'s layers 0..exit_layer-1 (and its embeddings, final norm and LM
     head, which the draft head reads), in `dtype`, with `lora`'s pairs for those layers merged in
     (pairs of later layers change nothing the drafts run, and are left out). `weight_dtype=torch.int8`
-    makes its matrices 8-bit after the merge (eecore.models.int8_weights.eight_bit)."""
+    makes its matrices 8-bit after the merge (eecore.models.int8_weights.eight_bit). `tp`: split over
+    tensor-parallel ranks as the model is."""
     from eecore.models.llama import LlamaModel
 
     if not 1 <= exit_layer < loaded.config.num_layers:
@@ -57,7 +59,7 @@ def build_draft_model(loaded, exit_layer: int, lora: Optional[LoraDeltas], dtype
         below = {p: ab for p, ab in lora.pairs.items() if layer_index(p) is not None and layer_index(p) < exit_layer}
         LoraDeltas(below, lora.scale).merge_into(state, source)
     config = dataclasses.replace(loaded.config, num_layers=exit_layer)
-    return LlamaModel(config, state, dtype, device, weight_dtype)
+    return LlamaModel(config, state, dtype, device, weight_dtype, tp=tp)
 
 
 # the widest first pass a draft copy runs as a graph (widths 2, 4, 8, 16): the copy catches up on

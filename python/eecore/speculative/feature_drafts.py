@@ -17,7 +17,6 @@ import torch
 from eecore.engine.sequence import Sequence
 from eecore.models.draft_columns import DraftColumns
 from eecore.models.feature_head import FeatureHead
-from eecore.models.int8_weights import weight_rows
 from eecore.speculative.draft import Budgets, Draft, DraftPicker
 from eecore.speculative.proposers import Proposer
 from eecore.speculative.state import SequenceStates
@@ -35,8 +34,7 @@ class FeatureDraftHead(DraftColumns):
         d = model.config.hidden_size
         ids = self.vocab if self.vocab is not None else torch.arange(model.config.vocab_size, device=model.device)
         # the LM head's rows once, dense (they may be GGUF blocks), in the model's dtype
-        self.head_rows = weight_rows(torch.empty(ids.shape[0], d, dtype=model.dtype, device=model.device),
-                                     model.lm_head, ids)
+        self.head_rows = model.head_rows(torch.empty(ids.shape[0], d, dtype=model.dtype, device=model.device), ids)
         self._embedded = torch.empty(max_rows, d, dtype=model.dtype, device=model.device)
 
     @property
@@ -44,7 +42,7 @@ class FeatureDraftHead(DraftColumns):
         return self.head.taps
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return weight_rows(self._embedded[: token_ids.shape[0]], self.model.embed, token_ids)
+        return self.model.embed_tokens(token_ids, self._embedded[: token_ids.shape[0]])
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.head.weights.values()) + self.head_rows.nbytes

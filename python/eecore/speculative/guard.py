@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 
 from eecore.engine.sequence import Sequence
-from eecore.models.int8_weights import weight_rows
 from eecore.speculative.state import SequenceStates
 
 
@@ -205,7 +204,7 @@ class ShadowCheck:
         else:
             states = self._states[:n].copy_(exit_states)  # the exit-query cache rows are strided
         normed = self.model.final_norm_(states, self._normed[:n])
-        rows = weight_rows(self._rows[: n * k], self.model.lm_head, ids.view(-1)).view(n, k, -1)
+        rows = self.model.head_rows(self._rows[: n * k], ids.view(-1)).view(n, k, -1)
         scores = torch.bmm(rows.to(normed.dtype), normed.unsqueeze(-1), out=self._scores[:n])
         wins = scores.squeeze(-1).argmax(dim=-1) == 0
         if self._in_vocab is not None:

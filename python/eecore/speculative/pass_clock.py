@@ -2,7 +2,7 @@
 (`eecore.speculative.draft_planner`, whose module doc says how the decoder times a round)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 
 class PassClock:
@@ -33,10 +33,14 @@ class PassClock:
         self.copy_pass: Optional[float] = None
         self.catch_up_token: float = 0.0  # until measured: drafting starts hopeful
         self.version = 0  # counts the changes of any cost (DraftPlanner caches what it derives from them)
+        # Under tensor parallelism every rank plans the same rounds, so every rank must price them
+        # alike: each measured time goes through `shared` (rank 0's measurement on every rank).
+        self.shared: Callable[[float], float] = lambda seconds: seconds
 
     def record_verify(self, rows: int, seconds: float, batch: Optional[int] = None) -> None:
         """A verify pass of `rows` rows for `batch` sequences (a plain step where they are equal, the
         default) took `seconds`."""
+        seconds = self.shared(seconds)
         self.rounds += 1
         for stale, plain in self._drifted:
             at, b, then = self._timed[stale]
@@ -61,6 +65,7 @@ class PassClock:
         return bool(self._drifted)
 
     def record_copy(self, passes: int, seconds: float) -> None:
+        seconds = self.shared(seconds)
         if passes > 0:
             self.copy_pass = self._average(self.copy_pass, seconds / passes)
             self.version += 1
@@ -68,6 +73,7 @@ class PassClock:
     def record_catch_up(self, passes: int, tokens: int, seconds: float) -> None:
         """Draft passes that also ran `tokens` catch-up tokens: the time beyond `passes` plain copy
         passes is theirs (nothing is learned before a plain copy pass has been timed)."""
+        seconds = self.shared(seconds)
         if tokens > 0 and self.copy_pass is not None:
             extra = max(0.0, seconds - passes * self.copy_pass) / tokens
             self.catch_up_token = self._average(self.catch_up_token or None, extra)
