@@ -42,6 +42,7 @@ class TensorParallelGroup:
         self.counts: Counter = Counter()  # collectives made, by kind
         # the launcher's view of the other ranks (exit codes of spawned workers), for error messages
         self.diagnose: Callable[[], str] = lambda: ""
+        self.failed = False  # a collective failed: the group is unusable (shutdown sends nothing more)
         self._header = torch.zeros(2, dtype=torch.int64)
         self._scalar = torch.zeros(1, dtype=torch.float64, device=self.device)
 
@@ -81,10 +82,14 @@ class TensorParallelGroup:
     def send_control(self, kind: int, payload: Optional[object] = None) -> None:
         data = b"" if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         self._header[0], self._header[1] = kind, len(data)
-        self._run(lambda: dist.broadcast(self._header, src=0, group=self.control_group), "control")
+        # the control group waits without end (a worker idles there), so rank 0 bounds its own sends
+        bounded = timedelta(seconds=self.timeout_s)
+        self._run(lambda: dist.broadcast(self._header, src=0, group=self.control_group, async_op=True).wait(bounded),
+                  "a step message")
         if data:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self._run(lambda: dist.broadcast(buf, src=0, group=self.control_group), "control")
+            self._run(lambda: dist.broadcast(buf, src=0, group=self.control_group, async_op=True).wait(bounded),
+                      "a step message")
 
     def receive_control(self) -> tuple[int, Optional[object]]:
         dist.broadcast(self._header, src=0, group=self.control_group)
@@ -99,6 +104,7 @@ class TensorParallelGroup:
         try:
             collective()
         except Exception as e:  # gloo and NCCL raise RuntimeError or DistBackendError
+            self.failed = True
             state = self.diagnose()
             raise TensorParallelError(
                 f"tensor parallel rank {self.rank} of {self.world_size}: {what} failed within "

@@ -65,8 +65,8 @@ class LeaderEngine(LLMEngine):
         return suspects
 
     def step(self) -> list[Sequence]:
-        if self._stopped:
-            raise TensorParallelError("the tensor-parallel workers were shut down")
+        if self._stopped or self.group.failed:
+            raise TensorParallelError("the tensor-parallel workers were shut down, or a rank failed before")
         with self._lock:
             changes, self._changes = self._changes, []
         self.group.send_control(STEP, (changes, self._last))
@@ -80,10 +80,12 @@ class LeaderEngine(LLMEngine):
         return seqs
 
     def shutdown(self) -> None:
-        """Tells the workers to exit (their engines end with the process)."""
+        """Tells the workers to exit (their engines end with the process); after a failed collective
+        nothing is sent (the launcher ends the workers)."""
         if not self._stopped:
             self._stopped = True
-            self.group.send_control(STOP)
+            if not self.group.failed:
+                self.group.send_control(STOP)
 
 
 def follow(engine: LLMEngine, group: TensorParallelGroup) -> None:
