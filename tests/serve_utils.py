@@ -2,8 +2,11 @@
 OpenAI client for it, and the offline results it must reproduce."""
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -91,3 +94,31 @@ def error_of(response: httpx.Response) -> dict:
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
     assert re.search(r"\S", body["error"]["message"])
     return body["error"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server_process(path: str, *extra: str):
+    """`eecore serve` on a free port as a child process, once /health answers: (process, url)."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "eecore.cli", "serve", "--model", path, "--port", str(port),
+                             "--num-blocks", "256", "--block-size", "8", "--max-num-seqs", "8",
+                             "--log-level", "warning", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the server did not start:\n{proc.communicate()[0]}")
+        time.sleep(0.2)

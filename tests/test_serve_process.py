@@ -14,39 +14,13 @@ import httpx
 import pytest
 
 from model_factory import make_tiny_hf_model
+from serve_utils import start_server_process as _start
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path, _ = make_tiny_hf_model(tmp_path_factory.mktemp("serve-proc"), num_layers=2)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(path: str, *extra: str):
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "eecore.cli", "serve", "--model", path, "--port", str(port),
-                             "--num-blocks", "256", "--block-size", "8", "--max-num-seqs", "8",
-                             "--log-level", "warning", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the server did not start:\n{proc.communicate()[0]}")
-        time.sleep(0.2)
 
 
 def _long_stream(url: str, results: list, i: int) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ import eecore
 from eecore.distributed import TensorParallelError
 from engine_utils import greedy, random_prompts
 from model_factory import make_tiny_hf_model, write_gguf
+from serve_utils import start_server_process
 
 NUM_LAYERS = 3
 # 8 query heads, 4 KV heads, 128 MLP units: 1, 2 and 4 ranks split them; a vocabulary of 322 leaves
@@ -134,3 +137,21 @@ def test_a_worker_that_dies_or_stops_fails_the_engine_in_bounded_time(tiny, how)
     finally:
         llm.workers.processes[0].kill()
         llm.shutdown()
+
+
+def test_the_server_answers_503_and_exits_when_a_worker_dies(tiny):
+    path, _ = tiny
+    proc, url = start_server_process(path, "--tensor-parallel-size", "2", "--distributed-timeout", "3")
+    try:
+        body = {"model": os.path.basename(path), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 1
+        os.kill(int(workers[0]), signal.SIGKILL)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "rank" in r.json()["error"]["message"]
+        assert proc.wait(timeout=20) == 1
+        output = proc.communicate()[0]
+        assert "the engine stopped" in output and "Traceback" not in output, output[-3000:]
+    finally:
+        proc.kill()

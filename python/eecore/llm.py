@@ -1,6 +1,7 @@
 """`eecore.LLM` and `eecore.generate`: the public entry points (docs/architecture.md, "The public API")."""
 from __future__ import annotations
 
+import atexit
 import inspect
 from typing import Iterator, Optional, Sequence, Union
 
@@ -240,6 +241,7 @@ class LLM:
 
             self.engine = LeaderEngine(self.model, self.tokenizer, engine_config, strategy=strategy,
                                        lookahead=lookahead, group=group)
+            atexit.register(self.shutdown)  # the workers stop with the script that made them
         else:
             self.engine = LLMEngine(self.model, self.tokenizer, engine_config, strategy=strategy, lookahead=lookahead)
 

@@ -164,6 +164,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(a system prompt) is computed once (default: off; eecore serve: on)")
     b.add_argument("--enforce-eager", action="store_true",
                    help="launch every kernel from Python: no CUDA graphs of the decode step (on a GPU they are on)")
+    d = p.add_argument_group("tensor parallelism (docs/distributed.md)")
+    d.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split the model over this many processes (GPUs, or CPU cores shared out); "
+                        "under torchrun, the number of processes it starts (default: %(default)s)")
+    d.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a rank that does not answer within this long fails the engine (default: %(default)s)")
     add_runtime_flags(p)
 
 
@@ -249,7 +255,8 @@ def build_llm(args, num_blocks=None):
                           num_blocks=args.num_blocks if args.num_blocks is not None else num_blocks,
                           block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                          **runtime_options(args))
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          distributed_timeout_s=args.distributed_timeout, **runtime_options(args))
     except (ThresholdsFileError, DecisionFileError) as exc:  # a file made for another model: a message
         raise SystemExit(f"eecore: {exc}") from None
 

@@ -5,6 +5,7 @@ import argparse
 import gc
 import logging
 import signal
+import sys
 
 from eecore import envs
 from eecore.cli.args import add_model_flags, build_llm
@@ -116,5 +117,11 @@ def cmd_serve(args) -> int:
     # no-op so that a SIGINT / SIGTERM shutdown exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.shutdown()  # the tensor-parallel workers, if any
+    if engine.failure is not None:
+        print(f"eecore: the engine stopped: {engine.failure}", file=sys.stderr)
+        return 1
     return 0

@@ -29,6 +29,8 @@ STEP, STOP = 1, 2
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed, died or stopped answering; the engine cannot go on."""
 
+    fatal = True  # the server ends every request (503) and exits, instead of retrying the step
+
 
 class TensorParallelGroup:
     def __init__(self, rank: int, world_size: int, data_group, control_group, timeout_s: float,

@@ -27,7 +27,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from eecore.engine.sequence import Sequence
 from eecore.engine.streaming import DeltaTracker
@@ -48,6 +48,11 @@ class ShuttingDownError(RuntimeError):
 
 class EngineError(RuntimeError):
     """A step failed inside the engine; the requests in it were aborted (500)."""
+
+
+class EngineDownError(EngineError):
+    """The engine cannot go on (a tensor-parallel rank died: an exception marked `fatal`); every
+    request ends with this (503) and the server shuts down."""
 
 
 @dataclass
@@ -140,6 +145,8 @@ class AsyncEngine:
         self._failed_in_a_row = 0                          # engine thread only
         self._shutting_down = False
         self._stop = False
+        self.failure: Optional[Exception] = None  # what stopped the engine for good (EngineDownError)
+        self.on_fatal: Optional[Callable[[], None]] = None  # called once the engine is down (the server exits)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -310,7 +317,10 @@ class AsyncEngine:
         try:
             seqs = self.engine.step()
         except Exception as exc:  # one request's failure must not take the others (or the server) down
-            self._recover(exc, out)
+            if getattr(exc, "fatal", False):  # unless the engine itself is gone
+                self._go_down(exc, out)
+            else:
+                self._recover(exc, out)
             return
         self._failed_in_a_row = 0
         self.metrics.observe_step(len(seqs), self.engine.last_step)
@@ -344,6 +354,20 @@ class AsyncEngine:
             self._live.pop(handle.request_id, None)
             out.append((handle, error))
 
+
+    def _go_down(self, exc: Exception, out: list) -> None:
+        """The engine cannot step again: every request ends with an EngineDownError, no new one is
+        taken, and `on_fatal` (the server's shutdown) is called."""
+        logger.error("the engine cannot go on: %s: %s", type(exc).__name__, exc)
+        self.failure = exc
+        self._shutting_down = True
+        error = EngineDownError(f"the engine cannot go on: {exc}")
+        for handle in list(self._live.values()):
+            handle.held.clear()
+            out.append((handle, error))
+        self._live.clear()
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _route(self, seq: Sequence, out: list) -> None:
         delta = self._tracker.delta(seq)

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
 from eecore.serve import responses as R
-from eecore.serve.async_engine import EngineError, QueueFullError, RequestHandle, ShuttingDownError, SubRequest
+from eecore.serve.async_engine import EngineDownError, EngineError, QueueFullError, RequestHandle, ShuttingDownError, SubRequest
 from eecore.serve.protocol import APIError, error_body
 
 # sse-starlette would cut a stream this long after SIGTERM: never, in effect. The engine ends every
@@ -84,7 +84,8 @@ class RequestRun:
             yield "[DONE]"
         except EngineError as exc:
             finished = True
-            yield json.dumps(error_body(str(exc), "server_error"))
+            kind = "service_unavailable" if isinstance(exc, EngineDownError) else "server_error"
+            yield json.dumps(error_body(str(exc), kind))
         finally:
             if not finished:  # the client went away, or the server is stopping the stream
                 self.engine.abort(self.handle)
@@ -140,6 +141,8 @@ class RequestRun:
             return Response(status_code=499)
         try:
             consumer.result()
+        except EngineDownError as exc:
+            raise APIError(503, str(exc), type="service_unavailable") from None
         except EngineError as exc:
             raise APIError(500, str(exc), type="server_error") from None
         if "abort" in reasons and self.engine.shutting_down:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -176,6 +177,8 @@ class EngineServer(uvicorn.Server):
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self._watchdog: Optional[threading.Timer] = None
+        # an engine that cannot go on (a tensor-parallel rank died) shuts the server down as a signal would
+        engine.on_fatal = lambda: self.handle_exit(signal.SIGTERM, None)
 
     def handle_exit(self, sig, frame) -> None:
         self.engine.begin_shutdown()
