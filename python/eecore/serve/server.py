@@ -57,7 +57,9 @@ def server_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: 
             raise ValueError(f"server_config: '{name}' must be > 0, got {value!r}")
     if max_connections is not None and max_connections < 1:
         raise ValueError(f"server_config: 'max_connections' must be >= 1, got {max_connections!r}")
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=EecoreH11Protocol,
+    # loop="asyncio": quiet_accept_errors hooks asyncio's loop, and uvicorn would take uvloop where it
+    # is installed (Ray Serve brings it), whose accept errors go elsewhere
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=EecoreH11Protocol, loop="asyncio",
                             timeout_keep_alive=keep_alive_timeout, limit_concurrency=max_connections,
                             timeout_graceful_shutdown=graceful_shutdown_s(shutdown_timeout))
     config.eecore_header_timeout = header_timeout
