@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -77,12 +78,25 @@ def test_early_exit_takes_the_same_exits(tiny):
     prompts = random_prompts(hf.config.vocab_size, [5, 9, 2])
     ee = eecore.EarlyExitConfig(measure="softmax", threshold=0.2)
     one, _ = _outputs(path, prompts, greedy(12), 1, early_exit=ee)
-    two, counts = _outputs(path, prompts, greedy(12), 2, early_exit=ee)
+    two, _ = _outputs(path, prompts, greedy(12), 2, early_exit=ee)
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
     assert [o.exit_layers for o in one] == [o.exit_layers for o in two]
     exits = [e for o in one for e in o.exit_layers]
     assert min(exits) < NUM_LAYERS and max(exits) == NUM_LAYERS  # the threshold exits some tokens, not all
-    assert counts["all_gather"] > 12  # the checks' statistics beside the logits
+
+
+def test_an_exit_check_makes_one_collective(tiny):
+    """One sequence: an all-reduce for its embedding and two a layer that ran; an all-gather per exit
+    check (at layers 1.. while it has not exited, L - 1 at most) and per full-depth token's logits
+    (a token that exits is the check's own top-1)."""
+    path, hf = tiny
+    ee = eecore.EarlyExitConfig(measure="softmax", threshold=0.2)
+    (out,), counts = _outputs(path, random_prompts(hf.config.vocab_size, [5]), greedy(12), 2, early_exit=ee)
+    exits = out.exit_layers
+    assert min(exits) < NUM_LAYERS
+    checks = sum(min(e, NUM_LAYERS - 1) for e in exits[1:])  # the prompt's token is never checked
+    assert counts == {"all_reduce": sum(1 + 2 * e for e in exits),
+                      "all_gather": checks + sum(e == NUM_LAYERS for e in exits)}
 
 
 @pytest.mark.parametrize("drafts", ["layer", "lookup", "copy"])
@@ -155,3 +169,21 @@ def test_the_server_answers_503_and_exits_when_a_worker_dies(tiny):
         assert "the engine stopped" in output and "Traceback" not in output, output[-3000:]
     finally:
         proc.kill()
+
+
+def test_ranks_started_by_torchrun(tiny, tmp_path):
+    """Under torchrun every process runs the script: rank 0's LLM generates, rank 1's follows it and
+    ends its process when rank 0 shuts down."""
+    path, hf = tiny
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import eecore\n"
+        f"llm = eecore.LLM({path!r}, dtype='float32', device='cpu', tensor_parallel_size=2, block_size=4)\n"
+        "out = llm.generate([[5, 6, 7, 8]], eecore.SamplingParams(max_tokens=8, temperature=0))\n"
+        "print('TOKENS', out[0].token_ids, flush=True)\n"
+        "llm.shutdown()\n")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = _llm(path).generate([[5, 6, 7, 8]], greedy(8))[0].token_ids
+    assert run.stdout.count("TOKENS") == 1 and f"TOKENS {expected}" in run.stdout

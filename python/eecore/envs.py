@@ -150,6 +150,15 @@ def raw(name: str) -> Optional[str]:
     return value
 
 
+def torchrun_world() -> Optional[tuple[int, int, int]]:
+    """(rank, world size, local rank) from the variables torchrun sets for the processes it starts
+    (not eecore's switches: read here because this module alone reads the environment), or None
+    when torchrun did not start this process."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "GROUP_RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def value(name: str) -> str:
     """The variable's value, or its default where unset."""
     set_value = raw(name)

@@ -139,6 +139,7 @@ class LLM:
                 from eecore.distributed.launch import serve_as_follower
 
                 serve_as_follower(group, options)
+                group.close()
                 raise SystemExit(0)
         self._init(options, group)
 
@@ -254,10 +255,7 @@ class LLM:
         finally:
             if self.workers is not None:
                 self.workers.terminate()
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            self.tp_group.close()
             self.tp_group = None
 
     def __enter__(self) -> "LLM":
@@ -340,10 +338,10 @@ _ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_memory_fraction", "max_
 
 def _torchrun_group(world_size: int, device: torch.device, timeout_s: float):
     """This process's group when torchrun started it (None otherwise: rank 0 spawns its workers)."""
-    from eecore.distributed.launch import check_devices, rank_device, torchrun_world
     from eecore.distributed.group import init_group
+    from eecore.distributed.launch import check_devices, rank_device
 
-    world = torchrun_world()
+    world = envs.torchrun_world()
     if world is None:
         return None
     rank, size, local_rank = world

@@ -80,6 +80,13 @@ class TensorParallelGroup:
         self._run(lambda: dist.broadcast(self._scalar, src=0, group=self.data_group), "broadcast")
         return float(self._scalar.item())
 
+    def close(self) -> None:
+        """Leaves the process groups. The ProcessGroup objects go now, not at interpreter exit, where
+        destroying gloo's threads in no set order aborted the process."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.data_group = self.control_group = None
+
     # ---- control messages (rank 0 to the others) -------------------------------------------------
     def send_control(self, kind: int, payload: Optional[object] = None) -> None:
         data = b"" if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)

@@ -28,13 +28,6 @@ import torch
 from eecore.distributed.group import TensorParallelGroup, init_group
 
 
-def torchrun_world() -> Optional[tuple[int, int, int]]:
-    """(rank, world size, local rank) when this process was started by torchrun, else None."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ and "GROUP_RANK" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
     """A rank's device: its own GPU (cuda:local_rank), or the CPU."""
     device = torch.device(device)

@@ -9,7 +9,6 @@ import threading
 import time
 
 import torch
-import torch.distributed
 
 from eecore.distributed.group import init_group
 from eecore.distributed.launch import rank_device, serve_as_follower
@@ -30,7 +29,7 @@ def main(rank: int, world_size: int, init_method: str, timeout_s: float, options
     device = rank_device(torch.device(device_type), rank)
     group = init_group(rank, world_size, init_method, timeout_s, device)
     serve_as_follower(group, dict(options, device=str(device)))
-    torch.distributed.destroy_process_group()
+    group.close()
 
 
 if __name__ == "__main__":
