@@ -150,10 +150,9 @@ def model_identity(model) -> dict:
     """eecore.models.exit_adapter.model_fingerprint, plus the signed sum of the same embedding rows:
     the absolute sum alone tells two random models of one shape apart only to ~1e-3 (its
     tolerance), while signed sums of different weights differ by far more than that tolerance."""
-    from eecore.models.exit_adapter import model_fingerprint
-    from eecore.models.int8_weights import leading_rows
+    from eecore.models.exit_adapter import leading_embedding_rows, model_fingerprint
 
-    return dict(model_fingerprint(model), embed_sum=float(leading_rows(model.embed, 256).double().sum()))
+    return dict(model_fingerprint(model), embed_sum=float(leading_embedding_rows(model).double().sum()))
 
 
 def check_model(data: dict, path: str, model, adapters, kind: str = "thresholds file", made: str = "calibrated"

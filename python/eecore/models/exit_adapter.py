@@ -117,12 +117,22 @@ def adapter_reference(block: AdapterBlock, hidden: torch.Tensor, eps: float) -> 
     return x + (F.silu(gate) * up) @ block.down.float().t()
 
 
+def leading_embedding_rows(model, n: int = 256) -> torch.Tensor:
+    """The embedding's first `n` rows (under tensor parallelism gathered from the ranks holding them:
+    every rank must call this)."""
+    if getattr(model, "vocab_parallel", None) is None:
+        return leading_rows(model.embed, n)
+    ids = torch.arange(min(n, model.config.vocab_size), device=model.device)
+    out = torch.empty(ids.shape[0], model.config.hidden_size, dtype=model.dtype, device=model.device)
+    return model.embed_tokens(ids, out)
+
+
 def model_fingerprint(model) -> dict:
     """What an adapter file must match: the model's shape, and a checksum of its embedding that does
     not depend on the dtype it was loaded in (compared with a relative tolerance)."""
     c = model.config
     return {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
-            "embed_abs_sum": float(leading_rows(model.embed, 256).double().abs().sum())}
+            "embed_abs_sum": float(leading_embedding_rows(model).double().abs().sum())}
 
 
 def check_fingerprint(expected: dict, model, source: str) -> None:

@@ -81,10 +81,12 @@ def project(out: torch.Tensor, input: torch.Tensor, weight: Weight, bias: Option
 
 
 def weight_rows(out: torch.Tensor, weight: Union[torch.Tensor, GGUFWeight], ids: torch.Tensor) -> torch.Tensor:
-    """The rows `ids` of a dense or GGUF weight, in `out`'s dtype, into `out` (an embedding lookup;
-    the rows of an LM head)."""
+    """The rows `ids` of a dense, GGUF or 8-bit weight, in `out`'s dtype, into `out` (an embedding
+    lookup; the rows of an LM head)."""
     if isinstance(weight, GGUFWeight):
         return gguf_rows(out, weight, ids)
+    if isinstance(weight, Int8Weight):  # (a draft copy's head: read once, when its draft head is built)
+        return out.copy_(dense(weight.rows(ids), out.dtype))
     return torch.index_select(weight, 0, ids, out=out)
 
 
