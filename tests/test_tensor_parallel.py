@@ -187,3 +187,17 @@ def test_ranks_started_by_torchrun(tiny, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     expected = _llm(path).generate([[5, 6, 7, 8]], greedy(8))[0].token_ids
     assert run.stdout.count("TOKENS") == 1 and f"TOKENS {expected}" in run.stdout
+
+
+def test_sampled_requests_keep_the_ranks_in_step(tiny):
+    """Sampling (seeded and by the engine's generator) draws the same tokens on every rank: a rank
+    that drew another would leave lockstep and fail the run."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [5, 9, 2])
+    params = [eecore.SamplingParams(max_tokens=10, temperature=0.8, seed=7),
+              eecore.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9),
+              eecore.SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=3)]
+    first, _ = _outputs(path, prompts, params, 2)
+    again, _ = _outputs(path, prompts, params, 2)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == 10 for o in first)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 from typing import Iterator, Optional, Sequence, Union
 
@@ -167,12 +168,9 @@ class LLM:
 
     def _build(self, model, dtype, device, early_exit, speculative, exit_adapter, quantization,
                engine_config: EngineConfig, tp_size: int, tp_timeout_s: float, options: dict, group) -> None:
-        from eecore.models.build import build_model
-        from eecore.models.config import ModelConfig
-        from eecore.models.exit_adapter import load_exit_adapters
         from eecore.models.gguf_weights import q8_activations
         from eecore.models.loader import load_model
-        from eecore.speculative.draft_stack import build_draft_model
+        from eecore.models.tensor_parallel import check_tensor_parallel
 
         if early_exit is not None and speculative is not None:
             raise ValueError("LLM: choose either 'early_exit' or 'speculative', not both")
@@ -186,19 +184,6 @@ class LLM:
             else resolve_dtype(dtype, self.device)
         loaded = load_model(model, dtype=explicit or "auto",
                             keep_quantized=self.device.type == "cpu" and quantization is None)
-        # tensor parallelism: checked against the checkpoint before any worker starts
-        from eecore.models.tensor_parallel import check_tensor_parallel
-
-        check_tensor_parallel(loaded.config, tp_size, loaded.state_dict)
-        self.workers = None
-        if tp_size > 1 and group is None:  # rank 0 on one machine: spawn the others
-            from eecore.distributed.launch import Workers
-
-            if not isinstance(tp_timeout_s, (int, float)) or not tp_timeout_s > 0:
-                raise ValueError(f"LLM: 'distributed_timeout_s' must be a number > 0, got {tp_timeout_s!r}")
-            self.workers = Workers(tp_size, options, self.device, float(tp_timeout_s))
-            group = self.workers.group
-        self.tp_group = group
         self.dtype = explicit or resolve_dtype("auto", self.device, loaded.precision)
         # what the weights compute in: a GGUF block type's name, or the activations' dtype
         if quantization not in (None, "none"):
@@ -210,6 +195,36 @@ class LLM:
             self.weight_format = str(self.dtype).removeprefix("torch.")
         if self.weight_format not in _DTYPES and q8_activations():  # the model will repack its blocks
             self.weight_format += ", 8-bit activations"
+        # tensor parallelism: checked against the checkpoint before any worker starts
+        check_tensor_parallel(loaded.config, tp_size, loaded.state_dict)
+        self.workers = None
+        if tp_size > 1 and group is None:  # rank 0 on one machine: spawn the others
+            from eecore.distributed.launch import Workers
+
+            if not isinstance(tp_timeout_s, (int, float)) or not tp_timeout_s > 0:
+                raise ValueError(f"LLM: 'distributed_timeout_s' must be a number > 0, got {tp_timeout_s!r}")
+            self.workers = Workers(tp_size, options, self.device, float(tp_timeout_s))
+            group = self.workers.group
+        self.tp_group = group
+        if group is not None:
+            from eecore.distributed.launch import measured_choices
+
+            with envs.overridden(measured_choices(group)):  # rank 0's, on every rank
+                self._build_model(loaded, early_exit, speculative, exit_adapter, model, engine_config, group)
+            group.counts.clear()  # what the passes send from here on (the build's collectives are not theirs)
+        else:
+            self._build_model(loaded, early_exit, speculative, exit_adapter, model, engine_config, group)
+
+    def _build_model(self, loaded, early_exit, speculative, exit_adapter, model, engine_config: EngineConfig,
+                     group) -> None:
+        from eecore.models.build import build_model
+        from eecore.models.config import ModelConfig
+        from eecore.models.exit_adapter import load_exit_adapters
+        from eecore.speculative.draft_stack import build_draft_model
+
+        if group is not None and self.device.type == "cuda":
+            # graphs that capture NCCL's collectives have not run on a multi-GPU machine yet: eager until they have
+            engine_config = dataclasses.replace(engine_config, enforce_eager=True)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         separate = speculative is not None and speculative.separate_draft_layers
