@@ -189,3 +189,14 @@ def test_what_runs_is_what_was_trained(tiny, llm, head_file):
             token = int(logits.argmax(-1))
             unrolled.append(token)
     assert drafted[:3] == unrolled
+
+
+def test_feature_drafts_under_tensor_parallelism(tiny, llm, head_file):
+    """The head reads the tapped streams and the LM head's rows of a model split over 2 ranks."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 5], seed=11)
+    expected = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    with _spec(path, head_file[0], tensor_parallel_size=2) as spec:
+        outs = spec.generate(prompts, greedy(10))
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0

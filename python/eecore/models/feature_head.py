@@ -163,7 +163,7 @@ class FeatureHead:
 
     def check_fits(self, model, source: str = "FeatureHead") -> None:
         """Raises unless this head was made for `model` (shape, embedding checksum, layers, vocabulary)."""
-        c = model.config
+        c = getattr(model, "full_config", model.config)  # (the head is whole on every tensor-parallel rank)
         check_fingerprint(self.base, model, source)
         if self.weights["fuse"].shape != (c.hidden_size, c.hidden_size * len(self.taps)) or \
                 (self.num_heads, self.num_kv_heads, self.head_dim) != (c.num_heads, c.num_kv_heads, c.head_dim):

@@ -128,6 +128,7 @@ class LlamaModel:
             raise ValueError(f"LlamaModel: 'weight_dtype' must be None, the model's dtype or torch.int8, "
                              f"got {weight_dtype}")
         self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.full_config = config  # the whole model's (config is this rank's slice under tensor parallelism)
         self.vocab_parallel = None
         if self.tp is not None:
             state_dict = shard_state_dict(state_dict, config, tp.rank, tp.world_size)
