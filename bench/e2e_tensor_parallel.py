@@ -25,9 +25,12 @@ def run(label: str, make, prompts, params) -> tuple[dict, list]:
         outs, seconds = timed(llm.generate, prompts, params)
         tokens = sum(len(o.token_ids) for o in outs)
         counts = dict(llm.tp_group.counts) if llm.tp_group is not None else {}
+        layers = [e for o in outs for e in o.exit_layers]
         row = {"config": label, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+               "mean_layers_per_token": round(sum(layers) / len(layers), 2),
                "collectives_per_token": {k: round(v / tokens, 2) for k, v in counts.items()}}
-        print(f"{label:<40} {row['tokens_per_s']:>8.1f} tok/s  {row['collectives_per_token']}", flush=True)
+        print(f"{label:<40} {row['tokens_per_s']:>8.1f} tok/s  {row['mean_layers_per_token']:>5.2f} layers  "
+              f"{row['collectives_per_token']}", flush=True)
         return row, outs
     finally:
         llm.shutdown()
@@ -39,7 +42,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["code", "chat"])
     ap.add_argument("--requests", type=int, default=8, help="prompts of each kind")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.9, help="the softmax exit threshold (with the exit adapters)")
+    ap.add_argument("--threshold", type=float, default=0.5, help="the softmax exit threshold (with the exit adapters)")
     ap.add_argument("--quantized", action="store_true", help="the embedded file's own blocks (default: dequantized)")
     args = ap.parse_args()
     quant = None if args.quantized else "none"
