@@ -117,6 +117,11 @@ class LLM:
         rows beside it, so greedy self-speculation equals full depth at any batch (slower; for the
         whole process once on, as cuBLAS's switch it needs is). huge_pages / amx: CPU weights in
         huge pages / tiled for AMX where available (default on).
+    tensor_parallel_size: split the model over this many processes (docs/distributed.md): rank 0 is
+        this one and starts the others (under torchrun, every rank is torchrun's); a Llama-family
+        model whose heads and MLP width the size divides. distributed_timeout_s: how long a rank may
+        go without answering before the engine raises TensorParallelError. `shutdown()` (or a `with`
+        block) stops the workers; they also stop when the script ends.
     """
 
     def __init__(self, model: Optional[str] = None, dtype="auto", device=None,
