@@ -49,7 +49,8 @@ def main() -> None:
     base = dict(quantization=quant, dtype="float32", device="cpu", max_num_seqs=args.requests)
     tokenizer = eecore.LLM(**base, num_blocks=8).tokenizer
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    ee = dict(exit_adapter=True, early_exit=eecore.EarlyExitConfig(measure="softmax", threshold=args.threshold))
+    ee = dict(exit_adapter=True, early_exit=eecore.EarlyExitConfig(measure="softmax", threshold=args.threshold,
+                                                                     batch_rule="compact"))
     preset = dataclasses.replace(eecore.SelfSpeculativeConfig.exit_ready("layer", "cpu"), disable_by_batch_size=None)
     spec = dict(exit_adapter=True, speculative=preset)
     rows, checks = [], {}
