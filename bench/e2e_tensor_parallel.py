@@ -8,7 +8,8 @@ tensor parallelism; the time each takes and the collectives a token makes (docs/
 SmolLM2-135M has 9 query heads and 3 KV heads, so it splits 3 ways (not 2). Over dequantized fp32
 weights by default (`--quantized`: the file's own Q4_1 blocks, split on block boundaries). On a
 CPU the ranks share its cores: the times say what the collectives and the smaller per-rank
-matrices cost there, not what a rank per GPU gains. Writes bench/results/<machine>/cpu-tensor-parallel-<date>.json.
+matrices cost there, not what a rank per GPU gains. Writes
+bench/results/<machine>/cpu-tensor-parallel[-quantized]-<date>.json.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def main() -> None:
                 tokens(("exit-ready layer", args.tp)) == tokens(("full depth", args.tp)),
         }
         print(kind, checks[kind], flush=True)
-    path = save_results("cpu-tensor-parallel", {
+    path = save_results("cpu-tensor-parallel" + ("-quantized" if args.quantized else ""), {
         "cpu": cpu_model(), "tp": args.tp, "weights": "Q4_1 blocks" if args.quantized else "dequantized fp32",
         "requests": args.requests, "max_tokens": args.max_tokens, "rows": rows, "checks": checks})
     print("saved", path)
