@@ -87,7 +87,7 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
                    help="where drafts come from: layers 0..E-1 (layer, the default), prompt lookup: the tokens "
                         "that followed the last earlier occurrence of the sequence's last n tokens (lookup; "
                         "needs no --exit-layer), lookup where it finds a match and layer E elsewhere (hybrid), or "
-                        "a feature head over the model's own states (feature, with --feature-head)")
+                        "a feature head over the model's own states (feature: the shipped head, or --feature-head FILE)")
     t.add_argument("--num-speculations", type=int, default=None, help="(default: 4)")
 
 
@@ -283,8 +283,6 @@ def speculative_config(args):
     if preset is None and "exit_layer" not in given and draft in ("layer", "hybrid"):
         which = "--speculate" if draft == "layer" else f"--draft {draft}"
         raise SystemExit(f"eecore: {which} needs --exit-layer E (--draft lookup and feature run without one)")
-    if preset is None and draft == "feature" and "feature_head" not in given:
-        raise SystemExit("eecore: --draft feature needs --feature-head FILE (python -m eecore.train.feature_head)")
     try:
         if preset is not None:
             return preset_with(eecore.SelfSpeculativeConfig.exit_ready(preset, device=getattr(args, "device", None)),

@@ -23,16 +23,19 @@ the fingerprint of the target it was trained on, which loading checks.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from eecore.models.exit_adapter import check_fingerprint, model_fingerprint
+from eecore.models.exit_adapter import _DATA, check_fingerprint, model_fingerprint
 from eecore.models.rope import cos_sin_cache
 
 FORMAT = "eecore-feature-head-1"
+# the head trained by eecore for the default model, shipped inside the package (its card beside it)
+SHIPPED_FILE = os.path.join(_DATA, "smollm2-135m-instruct-feature-head.safetensors")
 WEIGHTS = ("fuse", "merge", "norm_attn", "qkv", "o", "norm_mlp", "gate_up", "down", "norm_out")
 
 

@@ -16,7 +16,7 @@ import torch
 
 from eecore.engine.sequence import Sequence
 from eecore.models.draft_columns import DraftColumns
-from eecore.models.feature_head import FeatureHead
+from eecore.models.feature_head import SHIPPED_FILE, FeatureHead
 from eecore.speculative.draft import Budgets, Draft, DraftPicker
 from eecore.speculative.proposers import Proposer
 from eecore.speculative.state import SequenceStates
@@ -113,6 +113,7 @@ class FeatureProposer(Proposer):
 def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tuple[FeatureDraftHead, FeatureProposer]:
     """The head of `config.feature` (checked to fit the runner's model) and its proposer."""
     model = runner.model
-    head = FeatureDraftHead(FeatureHead.load(config.feature.head, model), model, runner.max_seqs)
+    path = config.feature.head if config.feature.head is not None else SHIPPED_FILE
+    head = FeatureDraftHead(FeatureHead.load(path, model), model, runner.max_seqs)
     picker = DraftPicker(config, head, sampler)
     return head, FeatureProposer(head, picker, states, runner.max_tokens)

@@ -197,7 +197,8 @@ class FeatureDrafts:
     the tapped states of each sequence's last accepted position for the next round."""
 
     head: Optional[str] = option(None, "--feature-head", "the feature head file (.safetensors, made by "
-                                 "python -m eecore.train.feature_head for this model)")
+                                 "python -m eecore.train.feature_head for this model; default: the head "
+                                 "shipped for the embedded SmolLM2-135M-Instruct)")
     max_length: Optional[int] = option(None, "--feature-max-length",
                                        "the most tokens a feature draft holds (default: --num-speculations)")
     stop_below: Optional[float] = option(None, "--feature-stop-below",
@@ -205,8 +206,9 @@ class FeatureDrafts:
     exit_threshold = None  # (what DraftPicker reads of a draft source: feature drafts never exit unverified)
 
     def __post_init__(self):
-        if not isinstance(self.head, str) or not self.head:
-            raise invalid(FeatureDrafts, "head", "the path of a feature head file", self.head)
+        if self.head is not None and (not isinstance(self.head, str) or not self.head):
+            raise invalid(FeatureDrafts, "head", "the path of a feature head file, or None (the shipped head)",
+                          self.head)
         if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 1):
             raise invalid(FeatureDrafts, "max_length", "an int >= 1 or None", self.max_length)
         if self.stop_below is not None and not is_probability(self.stop_below):
