@@ -90,7 +90,8 @@ class LeaderEngine(LLMEngine):
 
 def follow(engine: LLMEngine, group: TensorParallelGroup) -> None:
     """A worker's life after its engine is built: rank 0's changes and steps, until it says stop."""
-    seqs: dict[int, Sequence] = {}
+    seqs: dict[int, Sequence] = {}  # rank 0's numbers -> this rank's sequences
+    numbers_of: dict[int, int] = {}  # id(sequence) -> its number
     last, step = 0, 0
     while True:
         kind, payload = group.receive_control()
@@ -104,7 +105,11 @@ def follow(engine: LLMEngine, group: TensorParallelGroup) -> None:
                 f"tensor parallel rank {group.rank} left lockstep with rank 0 at step {step}: the ranks' last "
                 "outcomes differ (a decision made from a value that is not the same on every rank)")
         for change in changes:
-            _apply(engine, seqs, change)
+            seq = _apply(engine, seqs, change)
+            if change[0] == "enqueue":
+                numbers_of[id(seq)] = change[1]
+            elif change[0] == "abort" and seq is not None:
+                numbers_of.pop(id(seq), None)
         step += 1
         last = _FAILED
         try:
@@ -113,18 +118,11 @@ def follow(engine: LLMEngine, group: TensorParallelGroup) -> None:
             raise
         except Exception:  # noqa: BLE001: rank 0's step raised the same; its recovery comes as a change
             continue
-        numbers = [_number_of(seqs, s) for s in results]
+        numbers = [numbers_of[id(s)] for s in results]
         last = outcome(numbers, results)
         for n, seq in zip(numbers, results):
             if seq.is_finished:
-                seqs.pop(n, None)
-
-
-def _number_of(seqs: dict[int, Sequence], seq: Sequence) -> int:
-    for n, s in seqs.items():
-        if s is seq:
-            return n
-    raise TensorParallelError("a worker's step returned a sequence rank 0 never queued")
+                numbers_of.pop(id(seqs.pop(n)), None)
 
 
 def _apply(engine: LLMEngine, seqs: dict[int, Sequence], change: tuple) -> Optional[Sequence]:
