@@ -140,6 +140,9 @@ class LLM:
         options = {k: v for k, v in locals().items() if k != "self"}
         group = None
         if tensor_parallel_size != 1:
+            if isinstance(distributed_timeout_s, bool) or not isinstance(distributed_timeout_s, (int, float)) \
+                    or not distributed_timeout_s > 0:
+                raise ValueError(f"LLM: 'distributed_timeout_s' must be a number > 0, got {distributed_timeout_s!r}")
             group = _torchrun_group(tensor_parallel_size, resolve_device(device), distributed_timeout_s)
             if group is not None and not group.is_leader:  # a torchrun rank > 0: follow rank 0, then end
                 from eecore.distributed.launch import serve_as_follower
@@ -161,7 +164,7 @@ class LLM:
         o = dict(options)
         model, dtype, device = o["model"], o["dtype"], o["device"]
         early_exit, speculative, exit_adapter = o["early_exit"], o["speculative"], o["exit_adapter"]
-        quantization, decode_ahead = o["quantization"], o["decode_ahead"]
+        quantization = o["quantization"]
         envs.check_all()
         switches = runtime_switches(**{k: o[k] for k in _SWITCH_OPTIONS})
         engine_config = EngineConfig(**{k: o[k] for k in _ENGINE_OPTIONS})
@@ -206,8 +209,6 @@ class LLM:
         if tp_size > 1 and group is None:  # rank 0 on one machine: spawn the others
             from eecore.distributed.launch import Workers
 
-            if not isinstance(tp_timeout_s, (int, float)) or not tp_timeout_s > 0:
-                raise ValueError(f"LLM: 'distributed_timeout_s' must be a number > 0, got {tp_timeout_s!r}")
             self.workers = Workers(tp_size, options, self.device, float(tp_timeout_s))
             group = self.workers.group
         self.tp_group = group

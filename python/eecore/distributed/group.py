@@ -60,7 +60,7 @@ class TensorParallelGroup:
         return tensor
 
     def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """`out [world, *tensor.shape]` gets every rank's `tensor`, in rank order."""
+        """`out` (world_size times `tensor`'s rows) gets every rank's `tensor`, in rank order."""
         self.counts["all_gather"] += 1
         self._run(lambda: _all_gather(out, tensor.contiguous(), group=self.data_group),
                   "all_gather")

@@ -91,10 +91,10 @@ class Workers:
 def measured_choices(group: TensorParallelGroup) -> dict[str, str]:
     """The choices a process makes by timing its own machine, as environment switches, made by rank 0
     for every rank (ranks that chose apart would run different arithmetic): the 8-bit form of a
-    draft copy's weights. Every rank calls this, in step."""
+    draft copy's weights. Every rank calls this, in step; only rank 0 times anything."""
     from eecore.models.int8_weights import integer_gguf_kernel
 
-    q8 = group.leader_float(1.0 if integer_gguf_kernel() else 0.0)
+    q8 = group.leader_float((1.0 if integer_gguf_kernel() else 0.0) if group.is_leader else 0.0)
     return {"EECORE_EIGHT_BIT": "q8_0" if q8 else "int8"}
 
 

@@ -31,7 +31,7 @@ class VocabParallel:
     def _buf(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A reused buffer of at least shape[0] rows, viewed at `shape`."""
         have = self._buffers.get(name)
-        if have is None or have.shape[0] < shape[0] or have.shape[1:] != shape[1:]:
+        if have is None or have.shape[0] < shape[0] or have.shape[1:] != shape[1:] or have.dtype != dtype:
             have = self._buffers[name] = torch.empty((max(shape[0], 1),) + shape[1:], dtype=dtype,
                                                      device=self.device)
         return have[: shape[0]]
@@ -61,7 +61,7 @@ class VocabParallel:
         self.group.all_gather_into(gathered, local)
         # [world, n, rows] -> [n, world * rows], then the real columns
         full = gathered.view(world, n, self.rows).transpose(0, 1)
-        out.view(n, -1)[:, :].copy_(full.reshape(n, world * self.rows)[:, : self.vocab_size])
+        out.copy_(full.reshape(n, world * self.rows)[:, : self.vocab_size])
         return out
 
     def top2_gap(self, normed: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +76,7 @@ class VocabParallel:
         stats[:, 0] = peak[:, 0]
         torch.sum(torch.exp(logits - peak), dim=1, out=stats[:, 1])
         stats[:, 2:4] = top
-        stats[:, 4] = (arg[:, 0] + self.start).float()
+        stats[:, 4] = (arg[:, 0] + self.start).float()  # (token ids below 2^24 are exact in fp32)
         everyone = self._buf("every", (world * n, 5), torch.float32)
         self.group.all_gather_into(everyone, stats)
         every = everyone.view(world, n, 5)
