@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=8, help="prompts of each kind")
     ap.add_argument("--drafts", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--top-k", type=int, nargs="+", default=[1], help="the head's token trees: K tokens verified "
+                    "at each drafted position (FeatureDrafts.top_k)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quantized", action="store_true", help="the embedded file's own blocks (default: dequantized)")
     ap.add_argument("--adaptive", action="store_true", help="also the head with the draft planner's lengths")
@@ -38,10 +40,10 @@ def main() -> None:
     torch.set_num_threads(2)
     quant = None if args.quantized else "none"
     full = eecore.LLM(quantization=quant, max_num_seqs=max(args.batch_sizes))
-    engines = {f"feature head d={d}": eecore.LLM(quantization=quant, max_num_seqs=max(args.batch_sizes),
-                                                 speculative=eecore.SelfSpeculativeConfig(
-                                                     num_speculations=d, feature=eecore.FeatureDrafts(head=args.head)))
-               for d in args.drafts}
+    engines = {f"feature head d={d}" + (f" k={k}" if k > 1 else ""): eecore.LLM(
+        quantization=quant, max_num_seqs=max(args.batch_sizes), speculative=eecore.SelfSpeculativeConfig(
+            num_speculations=d, feature=eecore.FeatureDrafts(head=args.head, top_k=k)))
+        for d in args.drafts for k in args.top_k}
     if args.adaptive:  # the head's lengths from the draft planner (which turns drafting off where it does not pay)
         engines["feature head adaptive"] = eecore.LLM(
             quantization=quant, max_num_seqs=max(args.batch_sizes),

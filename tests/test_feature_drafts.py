@@ -79,22 +79,28 @@ def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file
         FeatureHead.load(str(tmp_path / "not-a-head.safetensors"))
 
 
-def _spec(path, head, drafts=3, adaptive=False, **kw):
+def _spec(path, head, drafts=3, adaptive=False, top_k=1, head_dtype="int8", **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=kw.pop("max_num_seqs", 8), **kw,
                       speculative=eecore.SelfSpeculativeConfig(
-                          num_speculations=drafts, adaptive=adaptive, feature=eecore.FeatureDrafts(head=head)))
+                          num_speculations=drafts, adaptive=adaptive,
+                          feature=eecore.FeatureDrafts(head=head, top_k=top_k, dtype=head_dtype)))
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_feature_drafts_emit_full_depths_greedy_tokens(tiny, llm, head_file, adaptive):
+@pytest.mark.parametrize("adaptive, top_k, head_dtype", [(False, 1, "int8"), (True, 1, "int8"),
+                                                        (False, 3, "float32"), (True, 2, "int8")])
+def test_feature_drafts_emit_full_depths_greedy_tokens(tiny, llm, head_file, adaptive, top_k, head_dtype):
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
     params = [greedy(8 + 4 * i) for i in range(len(prompts))]
     expected = [o.token_ids for o in llm.generate(prompts, params)]
-    spec = _spec(path, head_file[0], adaptive=adaptive)
+    spec = _spec(path, head_file[0], adaptive=adaptive, top_k=top_k, head_dtype=head_dtype)
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+    if top_k > 1 and not adaptive:  # token trees: the head's runners-up verified, and some accepted
+        stats = [o.metrics for o in outs]
+        assert sum(m["num_tree_alternatives"] for m in stats) > 0
+        assert sum(m["num_tree_alternatives_accepted"] for m in stats) > 0
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
@@ -147,8 +153,16 @@ def test_config_errors_name_the_option(head_file):
         eecore.FeatureDrafts(head="")
     with pytest.raises(ValueError, match="'max_length'"):
         eecore.SelfSpeculativeConfig(num_speculations=2, feature=eecore.FeatureDrafts(head="h", max_length=3))
-    with pytest.raises(ValueError, match="feature drafts run alone"):
+    with pytest.raises(ValueError, match="feature drafts beside layer drafts need"):
         eecore.SelfSpeculativeConfig(exit_layer=1, feature=eecore.FeatureDrafts(head="h"))
+    with pytest.raises(ValueError, match="do not combine with lookup"):
+        eecore.SelfSpeculativeConfig(lookup=eecore.LookupDrafts(), feature=eecore.FeatureDrafts(head="h"))
+    with pytest.raises(ValueError, match="'top_k'"):
+        eecore.FeatureDrafts(head="h", top_k=0)
+    with pytest.raises(ValueError, match="'dtype'"):
+        eecore.FeatureDrafts(head="h", dtype="bfloat16")
+    with pytest.raises(ValueError, match="fit a token tree"):
+        eecore.SelfSpeculativeConfig(num_speculations=8, feature=eecore.FeatureDrafts(head="h", top_k=8))
     from eecore.cli.speculative_flags import from_flat
 
     config = from_flat(eecore.SelfSpeculativeConfig, {"draft": "feature", "feature_head": head_file[0]})
@@ -168,7 +182,7 @@ def test_what_runs_is_what_was_trained(tiny, llm, head_file):
 
     path, hf = tiny
     prompt = random_prompts(hf.config.vocab_size, [9], seed=2)[0]
-    spec = _spec(path, head_file[0], drafts=3)
+    spec = _spec(path, head_file[0], drafts=3, head_dtype="float32")  # (int8 weights draft nearly the same)
     drafted = []
     picker = spec.engine.strategy.features.picker
     take = picker.take

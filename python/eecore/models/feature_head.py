@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,24 +89,26 @@ class FeatureHead:
                    None if vocab is None else vocab.to(torch.int64), model_fingerprint(model))
 
     # ---- the head's step -------------------------------------------------------------------------
-    def start_state(self, features: torch.Tensor) -> torch.Tensor:
-        """The fused state `[N, d]` of the target's tapped streams `[N, len(taps) * d]`."""
+    def start_state(self, features: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
+        """The fused state `[N, d]` of the target's tapped streams `[N, len(taps) * d]` (`linear`: as step's)."""
         d = self.weights["fuse"].shape[0]
         parts = features.float().view(features.shape[0], len(self.taps), d)
         normed = F.rms_norm(parts, (d,), eps=self.eps).reshape(features.shape[0], -1)
-        return F.linear(normed, self.weights["fuse"].float())
+        return linear(normed, self.weights["fuse"])
 
-    def step(self, state: torch.Tensor, token_embedding: torch.Tensor, head_rows: torch.Tensor,
-             window: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+    def step(self, state: torch.Tensor, token_embedding: torch.Tensor, head_rows,
+             window: Optional[tuple[torch.Tensor, torch.Tensor]] = None, linear: Callable = F.linear):
         """One drafted position for N windows at once: the window's state so far (`state` `[N, d]`:
         the fused target state at the window's start, then the head's own output), the embedding of
         the token at this position `[N, d]`, and the window's keys and values so far (None at its
         start). Returns (the output state `[N, d]`, fp32 logits over `head_rows` `[N, K]` (the target's
-        LM head rows of the draft vocabulary), the window's keys and values with this position's)."""
-        w = {name: t.float() for name, t in self.weights.items()}
+        LM head rows of the draft vocabulary), the window's keys and values with this position's).
+        `linear(x, weight)` multiplies: F.linear to train (autograd), eecore's own kernel to draft
+        (FeatureDraftHead: the weights there may be 8-bit)."""
+        w = self.weights
         N, H, Hkv, hd = state.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.linear(torch.cat([token_embedding.float(), state.float()], dim=-1), w["merge"])
-        qkv = F.linear(F.rms_norm(h, (h.shape[-1],), w["norm_attn"], self.eps), w["qkv"])
+        h = linear(torch.cat([token_embedding.float(), state.float()], dim=-1), w["merge"])
+        qkv = linear(F.rms_norm(h, (h.shape[-1],), w["norm_attn"], self.eps), w["qkv"])
         q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
         position = 0 if window is None else window[0].shape[1]
         cos, sin = self._rope(position, state.device)
@@ -116,10 +118,10 @@ class FeatureHead:
         groups = H // Hkv
         scores = torch.einsum("nhd,njhd->nhj", q, keys.repeat_interleave(groups, dim=2)) / hd ** 0.5
         attended = torch.einsum("nhj,njhd->nhd", scores.softmax(dim=-1), values.repeat_interleave(groups, dim=2))
-        h = h + F.linear(attended.reshape(N, H * hd), w["o"])
-        gate, up = F.linear(F.rms_norm(h, (h.shape[-1],), w["norm_mlp"], self.eps), w["gate_up"]).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, w["down"])
-        logits = F.linear(F.rms_norm(h, (h.shape[-1],), w["norm_out"], self.eps), head_rows.float())
+        h = h + linear(attended.reshape(N, H * hd), w["o"])
+        gate, up = linear(F.rms_norm(h, (h.shape[-1],), w["norm_mlp"], self.eps), w["gate_up"]).chunk(2, dim=-1)
+        h = h + linear(F.silu(gate) * up, w["down"])
+        logits = linear(F.rms_norm(h, (h.shape[-1],), w["norm_out"], self.eps), head_rows)
         return h, logits, (keys, values)
 
     def _rope(self, position: int, device) -> tuple[torch.Tensor, torch.Tensor]:

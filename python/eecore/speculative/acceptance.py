@@ -25,6 +25,7 @@ class Accepted:
     tokens: list[Token]        # the round's new tokens: leading exits, accepted drafts, the model's own
     drafts_accepted: int       # leading drafts kept (exits included)
     alternative_accepted: bool
+    last_row: int              # the verify row (of this sequence) whose output is the last new token
 
 
 class Acceptor:
@@ -87,7 +88,7 @@ class Acceptor:
             if draft.copy_ran:
                 # the copy's K/V is right through the last chain draft the model agreed with
                 self.draft_stack.settle(seq, start + agreed + 1)
-            out.append(Accepted(tokens, len(tokens) - 1, leaf >= 0))
+            out.append(Accepted(tokens, len(tokens) - 1, leaf >= 0, leaf if leaf >= 0 else len(tokens) - 1))
         if moves:
             self._move_kv(moves)
         return out, offsets

@@ -108,12 +108,17 @@ class SelfSpeculativeConfig:
         if self.feature is not None:
             if not isinstance(self.feature, FeatureDrafts):
                 raise invalid(SelfSpeculativeConfig, "feature", "a FeatureDrafts or None", self.feature)
-            if self.layer is not None or self.lookup is not None:
-                raise ValueError("SelfSpeculativeConfig: feature drafts run alone (no layer or lookup drafts beside "
-                                 "them)")
+            if self.lookup is not None:
+                raise ValueError("SelfSpeculativeConfig: feature drafts do not combine with lookup drafts")
+            if self.layer is not None and (self.layer.copy is None or not self.adaptive or self.layer.guard is not None
+                                           or self.layer.exit_threshold is not None):
+                raise ValueError("SelfSpeculativeConfig: feature drafts beside layer drafts need the layers' copy "
+                                 "(LayerDrafts.copy) and adaptive=True, which picks one source per sequence and "
+                                 "round by their measured costs and acceptance, and no guard or exit_threshold")
             if self.feature.max_length is not None and self.feature.max_length > self.num_speculations:
                 raise invalid(FeatureDrafts, "max_length", f"at most num_speculations ({self.num_speculations})",
                               self.feature.max_length)
+            self._check_tree_width()
         elif self.layer is None and self.lookup is None:
             raise ValueError("SelfSpeculativeConfig: drafts need a source: layer=LayerDrafts(exit_layer=E) (or "
                              "exit_layer=E), lookup=LookupDrafts(), both, or feature=FeatureDrafts(head=...)")
@@ -155,8 +160,11 @@ class SelfSpeculativeConfig:
         if layer.disable_by_batch_size is not None and limit is not None and layer.disable_by_batch_size > limit:
             raise invalid(LayerDrafts, "disable_by_batch_size",
                           f"at most the config's disable_by_batch_size ({limit})", layer.disable_by_batch_size)
-        if self.top_k > 1 and self.verify_width > MAX_TREE_TOKENS:
-            raise ValueError(f"SelfSpeculativeConfig: a round verifies 1 + layer draft length x top_k = "
+        self._check_tree_width()
+
+    def _check_tree_width(self) -> None:
+        if max(self.top_k, self.feature_top_k) > 1 and self.verify_width > MAX_TREE_TOKENS:
+            raise ValueError(f"SelfSpeculativeConfig: a round verifies 1 + draft length x top_k = "
                              f"{self.verify_width} tokens per sequence; at most {MAX_TREE_TOKENS} fit a token tree")
 
     @property
@@ -199,14 +207,26 @@ class SelfSpeculativeConfig:
         return self.layer.copy.top_k if self.separate_draft_layers else 1
 
     @property
+    def feature_top_k(self) -> int:
+        """Tokens verified per feature-drafted position (FeatureDrafts.top_k; 1 without a head)."""
+        return self.feature.top_k if self.feature is not None else 1
+
+    @property
     def trusts_drafts(self) -> bool:
         """Whether sure layer drafts are emitted unverified (LayerDrafts.exit_threshold)."""
         return self.layer is not None and self.layer.exit_threshold is not None
 
     @property
     def layer_draft_length(self) -> int:
-        """The longest draft layer E (or the feature head) makes."""
-        drafts = self.layer or self.feature
+        """The longest draft layer E makes."""
+        return self._length(self.layer)
+
+    @property
+    def feature_draft_length(self) -> int:
+        """The longest draft the feature head makes."""
+        return self._length(self.feature)
+
+    def _length(self, drafts) -> int:
         return min(drafts.max_length or self.num_speculations, self.num_speculations) if drafts else 0
 
     @property
@@ -225,8 +245,9 @@ class SelfSpeculativeConfig:
     @property
     def verify_width(self) -> int:
         """The most tokens a sequence's verify pass holds: its pending token and the drafts (with
-        draft trees, the alternatives of each layer-drafted position too)."""
-        return 1 + max(self.num_speculations if self.lookup else 0, self.layer_draft_length * self.top_k)
+        draft trees, the alternatives of each drafted position too)."""
+        return 1 + max(self.num_speculations if self.lookup else 0, self.layer_draft_length * self.top_k,
+                       self.feature_draft_length * self.feature_top_k)
 
     def validate_for(self, num_layers: int, adapters: Optional[ExitAdapters] = None) -> None:
         if self.layer is None:

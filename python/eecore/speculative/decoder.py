@@ -90,9 +90,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._tapped: Optional[torch.Tensor] = None  # the last verify pass's tapped streams (feature drafts)
         if config.uses_layers:
             self._build_layer_drafts(config, runner, sampler, adapters, draft_model, rows)
-        elif config.uses_feature:
-            self.draft_head, self.features = build_feature_drafts(config, runner, sampler, self.states)
-            self.proposer, self.picker = self.features, self.features.picker
+        if config.uses_feature:  # alone, or beside a copy's layer drafts (the planner picks per sequence)
+            head, self.features = build_feature_drafts(config, runner, sampler, self.states)
+            if not config.uses_layers:
+                self.draft_head, self.proposer, self.picker = head, self.features, self.features.picker
         fuses = envs.flag("EECORE_FUSED_ROUNDS") and self._fuses(config)
         self.policy = DraftPolicy(config, self.states, layers=self.draft_head is not None, guard=self.guard,
                                   draft_length=self.draft_length, shadow_checks=self.draft_stack is None,
@@ -104,7 +105,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         if config.switches_per_token:
             self.proposers: list[Proposer] = [self.proposer]
         else:
-            self.proposers = [p for p in (self.lookup, self.proposer) if p is not None]
+            self.proposers = list(dict.fromkeys(p for p in (self.lookup, self.features, self.proposer) if p is not None))
         self._round_captures = 0  # graphs recorded before this round (_clock_round)
         # a draft copy's greedy rounds with one host round trip, where asked (fused_round)
         self.fused = FusedRound(runner, self.draft_stack, self.layer_drafts, capture=bool(runner.graph_capture)) \
@@ -115,7 +116,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
     def _fuses(self, config: SelfSpeculativeConfig) -> bool:
         """Whether the config's rounds can be fused (eecore.speculative.fused_round): a draft copy's
         chains alone, without token trees, exits, an exit measure or the acceptance guard."""
-        return (self.draft_stack is not None and not config.uses_lookup and not config.switches_per_token
+        return (self.draft_stack is not None and not config.uses_lookup and not config.uses_feature
                 and config.top_k == 1 and config.layer.exit_threshold is None and self.measure is None
                 and self.guard is None and not self.runner.model.is_encoder_decoder)
 
@@ -148,7 +149,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self.measure = None if layer.exit_measure is None else agreement_measure(
             getattr(adapters, "source", None), self.lookup,
             *(() if layer.exit_measure == "agreement" else (layer.exit_measure,)))
-        self.picker = DraftPicker(config, self.draft_head, sampler, self.draft_length, self.measure)
+        self.picker = DraftPicker(layer, config.top_k, self.draft_head, sampler, self.draft_length, self.measure)
         if config.switches_per_token:
             self.proposer = TokenSwitchProposer(self.draft_stack, self.picker, self.lookup)
         elif self.draft_stack is not None:
@@ -190,9 +191,10 @@ class SelfSpeculativeDecoder(DecodeStrategy):
             if proposer.kind == "layer":
                 for draft, n in zip(drafts, budgets.tokens):
                     draft.layer_turn = n > 0
+            # (not beside feature drafts: a pass launched ahead would not tap their states)
             ahead = VerifyAhead.for_round(self.runner.static_verify, seqs, drafts) \
-                if proposer.verifies_ahead and not shadowed else None
-            drafting = self._draft_passes(lambda: proposer.propose(seqs, drafts, budgets, ahead), ahead)
+                if proposer.verifies_ahead and not shadowed and self.features is None else None
+            drafting += self._draft_passes(proposer, lambda: proposer.propose(seqs, drafts, budgets, ahead), ahead)
         if not any(drafts) and (ran is None or not ran.verifies_empty_drafts):
             # no match, the guard, the last tokens, or a token switch that found nothing sure enough
             return self._plain_round(seqs, shadowed, start, None if ran is None else drafts, drafting)
@@ -245,8 +247,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         self._tapped = None if tap is None else tap[1]
         return logits, widths, sum(widths)
 
-    def _draft_passes(self, propose, ahead: Optional[VerifyAhead] = None) -> float:
-        """Runs `propose` (a proposer's draft passes); returns its seconds. The planner's clock
+    def _draft_passes(self, proposer: Proposer, propose, ahead: Optional[VerifyAhead] = None) -> float:
+        """Runs `propose` (`proposer`'s draft passes); returns its seconds. The planner's clock
         learns what one pass costs from rounds whose passes ran one token per sequence: a pass that
         catches the copy up on a prompt or on plain rounds' tokens is the price of starting to
         draft, not of a draft. `ahead`: the verify pass the passes launched (VerifyAhead.seconds is
@@ -254,12 +256,15 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         if self.planner is None:
             propose()
             return 0.0
-        stack, clock = self.draft_stack, self.planner.clock
-        passes, caught_up, begin = self.proposer.passes, stack.catch_up_tokens if stack else 0, time.perf_counter()
+        stack, clock = self.draft_stack if proposer is not self.features else None, self.planner.clock
+        passes, caught_up, begin = proposer.passes, stack.catch_up_tokens if stack else 0, time.perf_counter()
         propose()
         seconds = time.perf_counter() - begin - (0.0 if ahead is None else ahead.seconds)
-        passes, caught_up = self.proposer.passes - passes, (stack.catch_up_tokens if stack else 0) - caught_up
+        passes, caught_up = proposer.passes - passes, (stack.catch_up_tokens if stack else 0) - caught_up
         if self._captures() != self._round_captures:  # a pass recorded its graph: a one-time cost
+            return seconds
+        if proposer is self.features:
+            clock.record_feature(passes, seconds)
             return seconds
         if caught_up:
             clock.record_catch_up(passes, caught_up, seconds)
@@ -315,7 +320,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         for seq, draft, a in zip(seqs, drafts, accepted):
             self.policy.record(seq, draft, a.drafts_accepted, a.alternative_accepted)
         if self.features is not None:  # each sequence's last accepted position, for its next round's drafts
-            self.features.keep(seqs, [o + a.drafts_accepted for o, a in zip(offsets, accepted)], self._tapped)
+            self.features.keep(seqs, [o + a.last_row for o, a in zip(offsets, accepted)], self._tapped)
         return [a.tokens for a in accepted], offsets
 
     # ---- plain steps: more sequences decode than disable_by_batch_size ----------------------

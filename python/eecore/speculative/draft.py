@@ -19,8 +19,9 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     # each token's proposal distribution q (None: greedy, or a lookup token, whose q is one-hot)
     probs: list = field(default_factory=list)
-    from_lookup: list[bool] = field(default_factory=list)  # per token: prompt lookup drafted it, else layers
-    # per layer-drafted position (token trees, DraftCopy.top_k > 1): the runners-up verified beside it
+    from_lookup: list[bool] = field(default_factory=list)  # per token: prompt lookup drafted it, else `source`
+    source: str = "layer"     # what drafted its other tokens: "layer" (layer E or the copy) or "feature" (a head)
+    # per drafted position (token trees, DraftCopy.top_k or FeatureDrafts.top_k > 1): the runners-up verified beside it
     alternatives: list[list[int]] = field(default_factory=list)
     # the logprobs (None unless asked) of the leading tokens emitted as exits (LayerDrafts.exit_threshold)
     exits: list = field(default_factory=list)
@@ -67,13 +68,14 @@ class DraftPicker:
     """Layer drafts from the draft head's column logits `[n, K]` (DraftHead.columns). `measure`: an
     exit_decision.AgreementMeasure whose probability the rules read instead of the top-1 probability."""
 
-    def __init__(self, config, draft_head, sampler: Sampler, draft_length=None, measure=None):
+    def __init__(self, rules, top_k: int, draft_head, sampler: Sampler, draft_length=None, measure=None):
+        """`rules`: the draft source's options (LayerDrafts, FeatureDrafts: stop_below, exit_threshold);
+        `top_k`: tokens verified per drafted position (token trees)."""
         self.head = draft_head
         self.sampler = sampler
-        rules = config.layer if config.layer is not None else config.feature  # the draft source's stop rules
         self.stop_below = rules.stop_below
         self.exit_threshold = rules.exit_threshold
-        self.top_k = config.top_k
+        self.top_k = top_k
         self.draft_length = draft_length
         self.measure = measure
 

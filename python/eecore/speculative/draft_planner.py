@@ -55,7 +55,7 @@ from eecore.speculative.pass_clock import PassClock
 from eecore.speculative.round_planning import FIRST, LATER, BatchRounds
 from eecore.speculative.state import SequenceStates
 
-KINDS = ("layer", "lookup")
+KINDS = ("layer", "lookup", "feature")
 
 
 @dataclass
@@ -109,12 +109,14 @@ class _Prior:
 
 
 class DraftPlan(NamedTuple):
-    """A sequence's caps for this round: the most tokens it may draft by lookup, and by layers."""
+    """A sequence's caps for this round: the most tokens it may draft by lookup, by layers, and by
+    a feature head (the planner gives a sequence layer or feature drafts in a round, not both)."""
     lookup: int
     layer: int
+    feature: int = 0
 
 
-NO_DRAFTS = DraftPlan(0, 0)
+NO_DRAFTS = DraftPlan(0, 0, 0)
 
 
 def never_drafts(seq: Sequence) -> bool:
@@ -137,11 +139,14 @@ class DraftPlanner(BatchRounds):
     RELAX = 0.998            # per round: the released sequences' rates are back near hopeful after ~1,000 rounds
 
     def __init__(self, max_layer: int, max_lookup: int, states: Optional[SequenceStates] = None,
-                 shared_rounds: bool = False):
+                 shared_rounds: bool = False, max_feature: int = 0, feature_width: int = 1):
         """`shared_rounds`: the batch's rounds are fused (eecore.speculative.fused_round), so every
         sequence verifies the round's length and the round's passes serve all of them: a length is
-        priced as if every sequence of the batch drafted it at the sequence's rates."""
-        self.max_length = {"layer": max_layer, "lookup": max_lookup}
+        priced as if every sequence of the batch drafted it at the sequence's rates. `max_feature`:
+        the longest feature-head draft, `feature_width` the rows each of its positions verifies
+        (FeatureDrafts.top_k)."""
+        self.max_length = {"layer": max_layer, "lookup": max_lookup, "feature": max_feature}
+        self._rows_per_draft = {"layer": 1, "lookup": 1, "feature": feature_width}
         self.shared_rounds = shared_rounds
         self._kinds = [kind for kind in KINDS if self.max_length[kind] > 0]  # the kinds it plans
         self.clock = PassClock()
@@ -177,21 +182,21 @@ class DraftPlanner(BatchRounds):
             if never_drafts(seq):
                 plans.append(NO_DRAFTS)
                 continue
-            lookup = layer = 0
+            lengths = {"layer": (0, 0.0), "lookup": (0, 0.0), "feature": (0, 0.0)}
             mine = states.slot(seq, "odds")
             for kind in kinds:
                 most = min(budget, self.max_length[kind])
                 if most > 0:
                     prices = shared.get((kind, most))
                     if prices is None:
-                        prices = shared[kind, most] = self._prices(batch, most, kind == "layer") + self._prior(kind)
+                        prices = shared[kind, most] = self._prices(batch, most, kind) + self._prior(kind)
                     if mine is None:
                         mine = self._seq(seq)
-                    if kind == "layer":
-                        layer = self._length(mine[kind], kind, batch, prices, room, behind)
-                    else:
-                        lookup = self._length(mine[kind], kind, batch, prices, room, behind)
-            plans.append(DraftPlan(lookup, layer) if lookup or layer else NO_DRAFTS)
+                    lengths[kind] = self._length(mine[kind], kind, batch, prices, room, behind)
+            (lookup, _), (layer, by_layer), (feature, by_feature) = lengths["lookup"], lengths["layer"], lengths["feature"]
+            if layer and feature:  # the copy or the head, whichever emits more tokens a second
+                layer, feature = (0, feature) if by_feature > by_layer else (layer, 0)
+            plans.append(DraftPlan(lookup, layer, feature) if lookup or layer or feature else NO_DRAFTS)
             quiet = quiet and self._no_probe_next(mine)
         self.all_quiet = quiet
         return plans
@@ -235,14 +240,16 @@ class DraftPlanner(BatchRounds):
         sequences verifying one row each; 0 until a plain step of `batch` rows (or fewer) was timed."""
         if most <= 0:
             return 0
-        return self._best(self._prices(batch, most, copy_passes), acceptance, batch, catch_up)
+        return self._best(self._prices(batch, most, "layer" if copy_passes else "lookup"), acceptance, batch,
+                          catch_up)[0]
 
-    def _best(self, prices: tuple, acceptance: tuple[float, float], batch: int, catch_up: float) -> int:
-        """best_length at `prices` (_prices)."""
+    def _best(self, prices: tuple, acceptance: tuple[float, float], batch: int, catch_up: float
+              ) -> tuple[int, float]:
+        """best_length at `prices` (_prices), and its expected tokens a second."""
         plain, rounds, floor = prices[:3]
         first, later = acceptance
         if plain is None or first < floor:
-            return 0  # nothing timed yet, or no length pays even if every draft after the first were accepted
+            return 0, 0.0  # nothing timed yet, or no length pays even if every draft after the first were accepted
         best, best_rate = 0, batch / plain
         tokens, reach = float(batch), first  # reach: the chance that the d-th draft is accepted
         # whose tokens a round's cost buys: this sequence's alone, or every sequence's (shared rounds)
@@ -253,38 +260,42 @@ class DraftPlanner(BatchRounds):
             rate = tokens / (cost + catch_up * (tokens if shared else tokens - batch + 1))
             if rate > best_rate:
                 best, best_rate = d, rate
-        return best
+        return best, best_rate
 
-    def _prices(self, batch: int, most: int, copy_passes: bool) -> tuple:
+    def _prices(self, batch: int, most: int, kind: str) -> tuple:
         """(the plain step's cost, the cost of a round of d = 1..most drafts without catch-up, the
         first-draft rate a1 at or below which no length pays) at the clock's costs. The last: with
         every later draft accepted (a2 = 1) and no catch-up, the best any rates can do, a round of
         d drafts emits batch + a1 d tokens at cost verify(batch + d) + d copy passes, against batch
         tokens at verify(batch); where drafting is off (failing drafts, or rounds dearer than their
         tokens) most sequences stop there instead of pricing every length. The same for all of a
-        round's sequences, so derived once a round (once per change of the clock's costs)."""
+        round's sequences, so derived once a round (once per change of the clock's costs). A draft
+        of `kind` costs its pass (a copy's or a feature head's; lookup none) and verifies that many
+        rows a position (a token tree's)."""
         stamp = (self.clock, self.clock.version)
         if self._prices_stamp != stamp:
             self._prices_stamp, self._price_list = stamp, {}
-        key = (batch, most, copy_passes)
+        key = (batch, most, kind)
         prices = self._price_list.get(key)
         if prices is None:
             plain = self.clock.verify(batch)
             if plain is None:
                 prices = (None, (), 0.0)
             else:
-                copy = (self.clock.copy_pass or 0.0) if copy_passes else 0.0
+                copy = self.clock.draft_pass(kind)
                 # the rows verified: this sequence's d + 1 beside one each, or everyone's (shared rounds)
-                width = batch if self.shared_rounds else 1
+                width = (batch if self.shared_rounds else 1) * self._rows_per_draft[kind]
                 rounds = tuple(self.clock.verify(batch + width * d) + d * copy for d in range(1, most + 1))
                 floor = min(batch * (cost - plain) / (width * d * plain) for d, cost in enumerate(rounds, 1))
                 prices = (plain, rounds, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
             self._price_list[key] = prices
         return prices
 
-    def _length(self, odds: _Odds, kind: str, batch: int, prices: tuple, room: int, behind: int) -> int:
-        """The length of `kind` drafts for a sequence with `odds`, or its probe; `prices`: _prices's
-        plain step, round costs and floor, then the prior's two rates."""
+    def _length(self, odds: _Odds, kind: str, batch: int, prices: tuple, room: int, behind: int
+                ) -> tuple[int, float]:
+        """The length of `kind` drafts for a sequence with `odds`, or its probe, and its expected
+        tokens a second; `prices`: _prices's plain step, round costs and floor, then the prior's
+        two rates."""
         plain, _, floor, first_prior, later_prior = prices
         first = self._rate(odds, FIRST, first_prior)
         catch_up = 0.0
@@ -292,12 +303,12 @@ class DraftPlanner(BatchRounds):
             later = self._rate(odds, LATER, later_prior)
             if kind == "layer":
                 catch_up = self._catch_up(room, behind)
-            d = self._best(prices, (first, later), batch, catch_up)
-            if d > 0:
-                return d
+            best = self._best(prices, (first, later), batch, catch_up)
+            if best[0] > 0:
+                return best
         odds.idle += 1
         if odds.idle < odds.wait:
-            return 0
+            return 0, 0.0
         odds.idle = 0
         odds.wait = min(2 * odds.wait, self.MAX_PROBE_WAIT)
         # a probe: the length that would pay at the prior (recent sequences' rates), so that one
@@ -335,12 +346,12 @@ class DraftPlanner(BatchRounds):
         # rejected one was judged
         outcome: dict[str, list[int]] = {}
         sources = draft.from_lookup
-        if sources and not any(sources):  # layer drafts alone (a batch's usual round), counted at once
+        if sources and not any(sources):  # layer or feature drafts alone (a batch's usual round), counted at once
             n, hit = len(sources), accepted > 0
-            outcome["layer"] = [int(hit), int(not hit), max(0, min(accepted, n) - 1), int(hit and accepted < n)]
+            outcome[draft.source] = [int(hit), int(not hit), max(0, min(accepted, n) - 1), int(hit and accepted < n)]
             sources = ()
         for i, from_lookup in enumerate(sources[: accepted + 1]):
-            kind = "lookup" if from_lookup else "layer"
+            kind = "lookup" if from_lookup else draft.source
             counts = outcome.get(kind)
             if counts is None:
                 counts = outcome[kind] = [0, 0, 0, 0]

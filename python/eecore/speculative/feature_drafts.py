@@ -10,6 +10,7 @@ after a step the strategy did not run) drafts nothing that round, which taps the
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -17,25 +18,47 @@ import torch
 from eecore.engine.sequence import Sequence
 from eecore.models.draft_columns import DraftColumns
 from eecore.models.feature_head import SHIPPED_FILE, FeatureHead
+from eecore.models.int8_weights import eight_bit, project
 from eecore.speculative.draft import Budgets, Draft, DraftPicker
 from eecore.speculative.proposers import Proposer
 from eecore.speculative.state import SequenceStates
 
 
 class FeatureDraftHead(DraftColumns):
-    """The head at inference: its weights on the model's device (fp32), the target's LM head rows
-    of its draft vocabulary and the target's embedding, read as a draft picker reads a draft head
-    (DraftColumns: its logits' columns and their tokens)."""
+    """The head at inference: its weights on the model's device, the target's LM head rows of its
+    draft vocabulary and the target's embedding, read as a draft picker reads a draft head
+    (DraftColumns: its logits' columns and their tokens).
 
-    def __init__(self, head: FeatureHead, model, max_rows: int):
+    Its matrices multiply with eecore's own kernel (`project`), not F.linear: for one or a few rows
+    PyTorch's CPU matmul reads the weights 1.5-4x slower (the draft vocabulary's rows 589 us
+    against 138 on Zen 5), and a head step is only worth running while it costs a few percent of a
+    target step. Its activations stay fp32 whatever the model's dtype (the head is small)."""
+
+    def __init__(self, head: FeatureHead, model, max_rows: int, eight_bits: bool = True):
         super().__init__(head.vocab, model.config.vocab_size, max_rows, model.device)
-        self.head = head.to(model.device)
+        head = head.to(model.device)
         self.model = model
         d = model.config.hidden_size
         ids = self.vocab if self.vocab is not None else torch.arange(model.config.vocab_size, device=model.device)
-        # the LM head's rows once, dense (they may be GGUF blocks), in the model's dtype
-        self.head_rows = model.head_rows(torch.empty(ids.shape[0], d, dtype=model.dtype, device=model.device), ids)
+        # the LM head's rows once, dense (they may be GGUF blocks), in fp32 as the head's activations
+        rows = model.head_rows(torch.empty(ids.shape[0], d, dtype=torch.float32, device=model.device), ids)
+        form = eight_bit if eight_bits else (lambda w: w)
+        self.head_rows = form(rows)
+        self.head = dataclasses.replace(head, weights={
+            name: form(w) if w.dim() == 2 else w for name, w in head.weights.items()})
         self._embedded = torch.empty(max_rows, d, dtype=model.dtype, device=model.device)
+
+    @staticmethod
+    def linear(input: torch.Tensor, weight) -> torch.Tensor:
+        """FeatureHead.step's `linear` at inference: eecore's kernel into a fresh output."""
+        return project(input.new_empty(input.shape[0], weight.shape[0]), input.contiguous(), weight)
+
+    def start(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head.start_state(features, self.linear)
+
+    def step(self, state: torch.Tensor, tokens: torch.Tensor, window):
+        """One draft for each row: (its state, its logits over the draft vocabulary, the window)."""
+        return self.head.step(state, self.embed(tokens), self.head_rows, window, self.linear)
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -51,7 +74,10 @@ class FeatureDraftHead(DraftColumns):
 class FeatureProposer(Proposer):
     """Each drafting sequence's chain from the feature head: the first draft from its kept target
     states and pending token, each later one from the head's own state and the draft before; the
-    draft picker turns each step's logits into tokens (greedy, or drawn, for rejection sampling)."""
+    draft picker turns each step's logits into tokens (greedy, or drawn, for rejection sampling),
+    and with FeatureDrafts.top_k > 1 each position's runners-up too (a token tree)."""
+
+    kind = "feature"
 
     def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates, max_tokens: int):
         self.head = head
@@ -87,14 +113,17 @@ class FeatureProposer(Proposer):
         live = [b for b, f in enumerate(features) if f is not None]
         if not live:
             return
+        for b in live:
+            drafts[b].source = "feature"
         head = self.head
-        state = head.head.start_state(torch.stack([features[b] for b in live]))
+        state = head.start(torch.stack([features[b] for b in live]))
         tokens = torch.tensor([seqs[b].last_token_id for b in live], device=state.device)
         window: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         for step in range(max(budgets[b] for b in live)):
-            state, logits, window = head.head.step(state, head.embed(tokens), head.head_rows, window)
+            state, logits, window = head.step(state, tokens, window)
             self.passes += 1
-            kept, ended = self.picker.take(logits, live, seqs, drafts, opening=live if step == 0 else ())
+            kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
+                                           opening=live if step == 0 else ())
             going = set(b for b in kept if len(drafts[b]) < budgets[b] and b not in ended)
             rows = [i for i, b in enumerate(live) if b in going]
             if not rows:
@@ -114,6 +143,7 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
     """The head of `config.feature` (checked to fit the runner's model) and its proposer."""
     model = runner.model
     path = config.feature.head if config.feature.head is not None else SHIPPED_FILE
-    head = FeatureDraftHead(FeatureHead.load(path, model), model, runner.max_seqs)
-    picker = DraftPicker(config, head, sampler)
+    head = FeatureDraftHead(FeatureHead.load(path, model), model, runner.max_seqs,
+                            eight_bits=config.feature.dtype == "int8")
+    picker = DraftPicker(config.feature, config.feature_top_k, head, sampler)
     return head, FeatureProposer(head, picker, states, runner.max_tokens)

@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 BREAK_EVEN = "break-even"  # AcceptanceGuard.min_acceptance: the bandwidth-bound break-even for E and d
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
+FEATURE_DTYPES = ("int8", "float32")
 DRAFT_MODES = ("layer", "lookup", "hybrid", "feature")  # which of SelfSpeculativeConfig's draft sources there are
 
 
@@ -203,6 +204,11 @@ class FeatureDrafts:
                                        "the most tokens a feature draft holds (default: --num-speculations)")
     stop_below: Optional[float] = option(None, "--feature-stop-below",
                                          "end a feature draft at a token whose top-1 probability is below this")
+    top_k: int = option(1, "--feature-top-k", "verify K tokens at each drafted position at once (the chain "
+                        "and the head's K-1 runners-up, a token tree), as DraftCopy.top_k")
+    dtype: str = option("int8", "--feature-dtype", "the head's weights and LM head rows as it drafts: int8 "
+                        "(8-bit, a quarter of fp32's bytes: eecore.models.int8_weights.eight_bit) or float32 "
+                        "(as trained); its activations are fp32 either way", choices=FEATURE_DTYPES)
     exit_threshold = None  # (what DraftPicker reads of a draft source: feature drafts never exit unverified)
 
     def __post_init__(self):
@@ -213,3 +219,7 @@ class FeatureDrafts:
             raise invalid(FeatureDrafts, "max_length", "an int >= 1 or None", self.max_length)
         if self.stop_below is not None and not is_probability(self.stop_below):
             raise invalid(FeatureDrafts, "stop_below", "a probability in [0, 1] or None", self.stop_below)
+        if not is_int(self.top_k) or self.top_k < 1:
+            raise invalid(FeatureDrafts, "top_k", "an int >= 1", self.top_k)
+        if self.dtype not in FEATURE_DTYPES:
+            raise invalid(FeatureDrafts, "dtype", f"one of {', '.join(FEATURE_DTYPES)}", self.dtype)

@@ -6,7 +6,8 @@ from typing import Callable, Optional
 
 
 class PassClock:
-    """Running averages of measured pass costs, in seconds: a verify pass by its rows, a copy pass."""
+    """Running averages of measured pass costs, in seconds: a verify pass by its rows, a copy pass,
+    a feature head's pass."""
 
     DECAY = 0.8  # weight on the past: a few rounds ride out noise, a phase change passes in ~10
     # A pass the planner stopped running keeps the time it took then, while the machine's speed
@@ -31,6 +32,7 @@ class PassClock:
         # row counts, and each answer would otherwise scan every row count measured
         self._estimates: dict[int, Optional[float]] = {}
         self.copy_pass: Optional[float] = None
+        self.feature_pass: Optional[float] = None  # a feature head's step (eecore.speculative.feature_drafts)
         self.catch_up_token: float = 0.0  # until measured: drafting starts hopeful
         self.version = 0  # counts the changes of any cost (DraftPlanner caches what it derives from them)
         # Under tensor parallelism every rank plans the same rounds, so every rank must price them
@@ -69,6 +71,18 @@ class PassClock:
         if passes > 0:
             self.copy_pass = self._average(self.copy_pass, seconds / passes)
             self.version += 1
+
+    def record_feature(self, passes: int, seconds: float) -> None:
+        seconds = self.shared(seconds)
+        if passes > 0:
+            self.feature_pass = self._average(self.feature_pass, seconds / passes)
+            self.version += 1
+
+    def draft_pass(self, kind: str) -> float:
+        """What one draft pass of `kind` costs ("layer": the copy's, "feature": the head's, "lookup":
+        nothing; 0 until timed: drafting starts hopeful)."""
+        cost = self.copy_pass if kind == "layer" else self.feature_pass if kind == "feature" else None
+        return cost or 0.0
 
     def record_catch_up(self, passes: int, tokens: int, seconds: float) -> None:
         """Draft passes that also ran `tokens` catch-up tokens: the time beyond `passes` plain copy

@@ -36,6 +36,7 @@ class DraftPolicy:
         self.states = states
         self.num_drafts = config.num_speculations
         self.layer_drafts = config.layer_draft_length
+        self.feature_drafts = config.feature_draft_length
         self.layers_above = config.layers_above  # more decoding: lookup drafts alone
         self.uses_lookup = config.uses_lookup
         self.switches_per_token = config.switches_per_token
@@ -44,9 +45,10 @@ class DraftPolicy:
         self.draft_length = draft_length
         self.shadow_checks = shadow_checks
         self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if config.uses_lookup else 0, states,
-                                    shared_rounds=fused_rounds) if config.adaptive else None
-        self.recorder = RoundRecorder(guard, draft_length, lookup=config.uses_lookup, layers=layers,
-                                      trees=config.top_k > 1)
+                                    shared_rounds=fused_rounds, max_feature=self.feature_drafts,
+                                    feature_width=config.feature_top_k) if config.adaptive else None
+        self.recorder = RoundRecorder(guard, draft_length, lookup=config.uses_lookup, layers=config.uses_layers,
+                                      trees=max(config.top_k, config.feature_top_k) > 1, features=config.uses_feature)
         self._room_budgets: list[int] = []
         self._round_plan = None  # plan_round's last: (the batch's sequence ids, rounds it still holds, length)
         self._layers_now = False
@@ -61,7 +63,7 @@ class DraftPolicy:
         self._room_budgets = budgets = [max(0, min(self.num_drafts, room - 1)) for room in rooms]
         self._layers_now = self.has_layers and (self.layers_above is None or len(seqs) <= self.layers_above)
         if self.planner is None:
-            return [DraftPlan(lookup=n, layer=min(n, self.layer_drafts)) for n in budgets]
+            return [DraftPlan(n, min(n, self.layer_drafts), min(n, self.feature_drafts)) for n in budgets]
         if new_round:
             self.planner.new_round()
         return self.planner.plan_all(seqs, len(seqs), budgets, rooms, behinds or [0] * len(seqs))
@@ -95,7 +97,8 @@ class DraftPolicy:
         """Nobody may draft and the guard has nothing to watch: the round is a plain step before
         any proposer runs. (Never with the token switch, whose round records every sequence,
         drafted or not.)"""
-        return self.guard is None and not self.switches_per_token and not any(p.lookup or p.layer for p in plans)
+        return self.guard is None and not self.switches_per_token and \
+            not any(p.lookup or p.layer or p.feature for p in plans)
 
     def budgets(self, kind: str, seqs: list[Sequence], drafts: list[Draft], plans: list[DraftPlan]) -> Budgets:
         """What a proposer of `kind` may draft now (see Proposer.kind). Layer drafts go to the
@@ -103,6 +106,8 @@ class DraftPolicy:
         in which a sequence could draft with the layers (its calls count them)."""
         if kind == "lookup":
             return Budgets([p.lookup for p in plans])
+        if kind == "feature":  # (beside layer drafts the planner gives a sequence one or the other)
+            return Budgets([0 if d else p.feature for d, p in zip(drafts, plans)])
         if kind == "hybrid":  # one draft of lookup and copy tokens, at most plan.layer copy passes
             passes = [p.layer if self._layers_now and (self.guard is None or self.guard.allows(s)) else 0
                       for s, p in zip(seqs, plans)]

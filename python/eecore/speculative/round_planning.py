@@ -27,7 +27,7 @@ class BatchRounds:
         `plan` probes a sequence: after a wait of plain rounds, one round at the length the prior
         would pay for. Also sets `all_quiet`."""
         B, most = len(seqs), min(max(budgets, default=0), self.max_length["layer"])
-        plain, rounds, _ = self._prices(B, most, True) if most > 0 else (None, (), 0.0)
+        plain, rounds, _ = self._prices(B, most, "layer") if most > 0 else (None, (), 0.0)
         if plain is None:
             self.all_quiet = False
             return 0

@@ -10,12 +10,13 @@ from eecore.speculative.draft import Draft
 
 class RoundRecorder:
     def __init__(self, guard=None, draft_length=None, lookup: bool = False, layers: bool = False,
-                 trees: bool = False):
+                 trees: bool = False, features: bool = False):
         self.guard = guard
         self.draft_length = draft_length
-        self.lookup = lookup    # which metric groups apply: lookup drafts, layer drafts, token trees
+        self.lookup = lookup    # which metric groups apply: lookup drafts, layer drafts, token trees, a feature head
         self.layers = layers
         self.trees = trees
+        self.features = features
 
     def plain(self, seqs: list[Sequence]) -> None:
         """A round in which `seqs` drafted nothing: one verify step of one token each (what record
@@ -56,8 +57,9 @@ class RoundRecorder:
             st["lookup_drafted"] += lookup_drafted
             st["lookup_accepted"] += lookup_accepted
         if drafted > lookup_drafted:
-            st["layer_drafted"] += drafted - lookup_drafted
-            st["layer_accepted"] += accepted - lookup_accepted
+            source = draft.source  # (the rest of a draft is the layers' or a feature head's)
+            st[source + "_drafted"] += drafted - lookup_drafted
+            st[source + "_accepted"] += accepted - lookup_accepted
 
     def record_layer_rounds(self, states, seqs: list[Sequence], drafts: int, accepted: list[int]) -> None:
         """`record` for a fused round: each of `seqs` drafted `drafts` layer tokens (every one of them
@@ -111,6 +113,10 @@ class RoundRecorder:
                      num_layer_drafted_tokens=st["layer_drafted"],
                      num_layer_accepted_tokens=st["layer_accepted"],
                      layer_acceptance_rate=st["layer_accepted"] / max(st["layer_drafted"], 1))
+        if self.features:
+            m.update(num_feature_drafted_tokens=st["feature_drafted"],
+                     num_feature_accepted_tokens=st["feature_accepted"],
+                     feature_acceptance_rate=st["feature_accepted"] / max(st["feature_drafted"], 1))
         if self.trees:
             m.update(num_tree_alternatives=st["tree_alternatives"],
                      num_tree_alternatives_accepted=st["tree_alternatives_accepted"])
