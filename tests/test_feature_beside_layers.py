@@ -4,6 +4,8 @@ the source that emits more tokens a second at the measured costs and that sequen
 outputs stay full depth's whichever it picks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -111,3 +113,24 @@ def test_greedy_is_full_depth_with_the_clock_measuring(tiny, lora_file, head_fil
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
     assert len(llm.engine.strategy.planner) == 0
+
+
+def test_the_layer_preset_on_another_model_drafts_with_its_copy_alone(tiny, lora_file):  # noqa: F811
+    """The exit-ready layer preset's head is the one shipped for the embedded model: with another
+    model's exit-ready file the copy drafts alone (a warning says why); a head named by file must fit."""
+    path, _ = tiny
+    preset = replace(eecore.SelfSpeculativeConfig.exit_ready("layer", device="cpu"),
+                     layer=eecore.LayerDrafts(exit_layer=2, copy=eecore.DraftCopy()))
+    assert preset.feature is not None and preset.feature.head is None
+    with pytest.warns(UserWarning, match="shipped feature head does not fit this model"):
+        llm = eecore.LLM(path, dtype="float32", device="cpu", block_size=4, exit_adapter=lora_file[0],
+                         speculative=preset)
+    assert llm.engine.strategy.features is None
+    prompts, params = _prompts(2), greedy(12)
+    expected = eecore.LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in expected]
+    from eecore.models.feature_head import SHIPPED_FILE
+
+    named = replace(preset, feature=eecore.FeatureDrafts(head=SHIPPED_FILE))
+    with pytest.raises(ValueError, match="made for a model with"):
+        eecore.LLM(path, dtype="float32", device="cpu", exit_adapter=lora_file[0], speculative=named)

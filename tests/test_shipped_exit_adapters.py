@@ -120,7 +120,12 @@ def test_exit_ready_presets():
     assert layer == eecore.SelfSpeculativeConfig(
         num_speculations=4, disable_by_batch_size=4 if amx_available(torch.int8) else 2, adaptive=True,
         layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5,
-                                 copy=eecore.DraftCopy(dtype="int8")))
+                                 copy=eecore.DraftCopy(dtype="int8")),
+        feature=eecore.FeatureDrafts(top_k=3, max_length=2))  # the shipped head beside the copy (CPU)
+    assert eecore.SelfSpeculativeConfig.exit_ready(device="cpu").feature is not None
+    # flags the head does not combine with leave it out
+    for flags in (dict(adaptive_drafts=False), dict(exit_threshold=0.8), dict(min_acceptance=0.3)):
+        assert preset_with(layer, flags).feature is None
     hybrid = preset_with(eecore.SelfSpeculativeConfig.exit_ready("hybrid"), dict(num_speculations=6))
     assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer.max_length,
             hybrid.lookup.min_ngram, hybrid.lookup.max_ngram, hybrid.layer.stop_below) == \

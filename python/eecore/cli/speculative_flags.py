@@ -11,7 +11,8 @@ Two flat names choose parts rather than set a field:
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, Field, fields, is_dataclass
+
+from dataclasses import MISSING, Field, fields, is_dataclass, replace
 from typing import Iterator
 
 from eecore.speculative.options import DRAFT_MODES
@@ -126,10 +127,16 @@ def preset_with(preset, options: dict):
     names) applied, as `--exit-ready` and its flags build it: exits (`exit_threshold`) turn the
     planner off unless `adaptive_drafts` is given (exits need fixed lengths:
     SelfSpeculativeConfig.adaptive), and a lower overall batch limit given alone lowers the layer
-    drafts' with it."""
+    drafts' with it. Flags that a feature head beside the copy does not combine with (no planner, a
+    guard, exits, shared layers) leave the layer preset's head out."""
     options = dict(options)
     if options.get("exit_threshold") is not None and options.get("adaptive_drafts") is None:
         options["adaptive_drafts"] = False
+    if preset.feature is not None and (options.get("adaptive_drafts") is False or options.get("draft_layers") == "shared"
+                                       or options.get("exit_threshold") is not None
+                                       or options.get("min_acceptance") is not None):
+        # a feature head beside the copy needs the planner's choice and none of these: the copy goes on alone
+        preset = replace(preset, feature=None)
     limit = options.get("disable_by_batch_size")
     if limit is not None and preset.layer is not None and preset.layer.disable_by_batch_size is not None \
             and "layer_disable_by_batch_size" not in options:

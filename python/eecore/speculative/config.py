@@ -114,7 +114,8 @@ class SelfSpeculativeConfig:
                                            or self.layer.exit_threshold is not None):
                 raise ValueError("SelfSpeculativeConfig: feature drafts beside layer drafts need the layers' copy "
                                  "(LayerDrafts.copy) and adaptive=True, which picks one source per sequence and "
-                                 "round by their measured costs and acceptance, and no guard or exit_threshold")
+                                 "round by their measured costs and acceptance, and no guard or exit_threshold "
+                                 "(to change the exit-ready layer preset so, leave its head out: feature=None)")
             if self.feature.max_length is not None and self.feature.max_length > self.num_speculations:
                 raise invalid(FeatureDrafts, "max_length", f"at most num_speculations ({self.num_speculations})",
                               self.feature.max_length)
@@ -169,8 +170,9 @@ class SelfSpeculativeConfig:
 
     @property
     def draft(self) -> str:
-        """The draft sources by name: "layer", "lookup", "hybrid" or "feature"."""
-        if self.feature is not None:
+        """The draft sources by name: "layer", "lookup", "hybrid" or "feature" (a feature head alone;
+        beside layer drafts, "layer")."""
+        if self.feature is not None and self.layer is None:
             return "feature"
         if self.layer is not None and self.lookup is not None:
             return "hybrid"

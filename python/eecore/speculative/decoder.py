@@ -49,7 +49,7 @@ from eecore.speculative.draft import Draft, DraftPicker
 from eecore.speculative.draft_length import DraftLength
 from eecore.speculative.draft_stack import DraftStack
 from eecore.speculative.exit_decision import agreement_measure
-from eecore.speculative.feature_drafts import build_feature_drafts
+from eecore.speculative.feature_drafts import build_feature_drafts, without_unfit_shipped_head
 from eecore.speculative.fused_round import FusedRound
 from eecore.speculative.guard import SpeculationGuard, break_even_acceptance
 from eecore.speculative.policy import DraftPolicy
@@ -66,6 +66,7 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """`draft_model`: with a draft copy (`config.layer.copy`), the copy of layers 0..E-1 that
         drafts (eecore.speculative.draft_stack.build_draft_model)."""
         super().__init__(runner, sampler)
+        config = without_unfit_shipped_head(config, runner.model)
         self.config = config
         self.num_drafts = config.num_speculations
         self.layer_drafts = config.layer_draft_length

@@ -11,6 +11,7 @@ after a step the strategy did not run) drafts nothing that round, which taps the
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -147,3 +148,19 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
                             eight_bits=config.feature.dtype == "int8")
     picker = DraftPicker(config.feature, config.feature_top_k, head, sampler)
     return head, FeatureProposer(head, picker, states, runner.max_tokens)
+
+
+def without_unfit_shipped_head(config, model):
+    """`config` without its feature drafts where they would be the shipped head's beside layer
+    drafts (the exit-ready layer preset) and the shipped head was not made for `model`: another
+    model's exit-ready file then drafts with its copy alone (a warning says so). A head named by
+    file, or feature drafts alone, must fit (loading raises)."""
+    if not (config.uses_feature and config.uses_layers and config.feature.head is None):
+        return config
+    try:
+        FeatureHead.load(SHIPPED_FILE).check_fits(model, SHIPPED_FILE)
+    except ValueError as exc:
+        warnings.warn(f"the shipped feature head does not fit this model ({exc}); layer drafts go on alone",
+                      stacklevel=3)
+        return dataclasses.replace(config, feature=None)
+    return config

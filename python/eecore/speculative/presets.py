@@ -5,7 +5,12 @@ Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pa
 8-bit: int8_weights.eight_bit) and verify with the original model:
 - "layer": d = 4, a chain stopped below top-1 probability 0.15, and past its first draft only when
   that draft is at least 0.5 sure while the sequence's first drafts are accepted less than half the
-  time;
+  time; on a CPU, beside the copy, the shipped feature head (eecore.speculative.feature_drafts:
+  token trees of 3 tokens a position, at most 2 positions), and each round the planner gives each
+  sequence the copy's chain or the head's tree, whichever emits more tokens a second at the
+  measured costs and that sequence's acceptance: the copy on code, the head on chat and everyday
+  requests (docs/feature-heads.md). With another model's exit-ready file, whom the shipped head
+  does not fit, the preset drafts with the copy alone;
 - "hybrid": 4 drafted tokens, each position from a prompt-lookup match of 2-4 tokens where the draft
   so far ends in one and from the copy otherwise (at most 3 copy passes), with the same stops.
 
@@ -39,12 +44,14 @@ import torch
 
 from eecore.device import resolve_device
 from eecore.models.amx_weights import amx_available
-from eecore.speculative.options import DraftCopy, LayerDrafts, LookupDrafts
+from eecore.speculative.options import DraftCopy, FeatureDrafts, LayerDrafts, LookupDrafts
 
 PRESETS = ("layer", "hybrid")
 LAYER_PRESET_AMX_MAX_BATCH = 4
 HYBRID_PRESET_AMX_LOOKUP_MAX_BATCH = 8
 HYBRID_PRESET_GPU_MAX_BATCH = 2
+# the layer preset's feature head on a CPU: a tree of 3 tokens a position, at most 2 positions
+FEATURE_TOP_K, FEATURE_MAX_LENGTH = 3, 2
 
 
 def preset_device(device) -> str:
@@ -66,7 +73,9 @@ def exit_ready_preset(config_cls, preset: str, device=None):
     stops = dict(stop_below=0.15, long_draft_acceptance=0.5, copy=DraftCopy(dtype=None if gpu else "int8"))
     if preset == "layer":
         limit = None if gpu else LAYER_PRESET_AMX_MAX_BATCH if amx_available(torch.int8) else 2
-        return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **stops),
+        # the shipped feature head beside the copy on a CPU (not yet timed on a GPU, where it runs op by op)
+        feature = None if gpu else FeatureDrafts(top_k=FEATURE_TOP_K, max_length=FEATURE_MAX_LENGTH)
+        return config_cls(num_speculations=4, layer=LayerDrafts(exit_layer=8, **stops), feature=feature,
                           disable_by_batch_size=limit, adaptive=True)
     if gpu:
         lookup_limit, layer_limit = HYBRID_PRESET_GPU_MAX_BATCH, None
