@@ -5,8 +5,9 @@ on held-out prompts of each domain, the same run, side by side.
         [--batch-sizes 1] [--max-tokens 64] [--requests 8] [--drafts 1 4] [--repeats 2] [--quantized] [--adaptive]
 
 For each kind of prompt (bench/common.py's held-out sets) and batch size: full depth, the head at
-each `--drafts` length (d = 1: the head's first draft alone, whose acceptance is the first-draft
-acceptance), and the exit-ready layer preset, alternating run by run. Rows: tokens per second,
+each `--drafts` length and `--top-k` tree width (d = 1, k = 1: the head's first draft alone, whose
+acceptance is the first-draft acceptance), the exit-ready layer preset's copy alone, and the preset
+as it drafts (the copy and the head, the planner picking), alternating run by run. Rows: tokens per second,
 the ratio to full depth, drafts accepted / drafted, tokens a round, and whether every output equals
 full depth's. Over dequantized fp32 weights by default (`--quantized`: the embedded file's own
 blocks, eecore's default). Writes bench/results/<machine>/cpu-feature-head-<date>.json.
@@ -14,6 +15,7 @@ blocks, eecore's default). Writes bench/results/<machine>/cpu-feature-head-<date
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -24,7 +26,8 @@ from common import bench_prompt_ids, cpu_model, save_results, timed
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head", required=True, help="a feature head file (python -m eecore.train.feature_head)")
+    ap.add_argument("--head", default=None, help="a feature head file (python -m eecore.train.feature_head; "
+                    "default: the shipped one)")
     ap.add_argument("--kinds", nargs="+", default=["code", "chat", "everyday"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -49,42 +52,58 @@ def main() -> None:
             quantization=quant, max_num_seqs=max(args.batch_sizes),
             speculative=eecore.SelfSpeculativeConfig(num_speculations=max(args.drafts), adaptive=True,
                                                      feature=eecore.FeatureDrafts(head=args.head)))
-    engines["exit-ready layer"] = eecore.LLM(quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
-                                             speculative=eecore.SelfSpeculativeConfig.exit_ready("layer"))
+    preset = eecore.SelfSpeculativeConfig.exit_ready("layer", device="cpu")
+    # the preset as it drafts (the copy and the shipped head, the planner picking), and its copy alone
+    for label, config in (("exit-ready layer, copy alone", dataclasses.replace(preset, feature=None)),
+                          ("exit-ready layer", dataclasses.replace(preset, feature=dataclasses.replace(
+                              preset.feature, head=args.head)))):
+        engines[label] = eecore.LLM(quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
+                                    speculative=config)
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows = []
+    for llm in [full, *engines.values()]:  # (first calls pay one-time costs)
+        llm.generate([[1, 2, 3]], eecore.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for kind in args.kinds:
         prompts = bench_prompt_ids(full.tokenizer, kind, args.requests)
         for batch in args.batch_sizes:
             groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
             reference = [o.token_ids for g in groups for o in full.generate(g, params)]
-            for label, llm in engines.items():
-                t_full, t_this, outs = [], [], []
-                for _ in range(args.repeats):
-                    t_full.append(sum(timed(full.generate, g, params)[1] for g in groups))
-                    this, seconds = [], 0.0
-                    for g in groups:
+            # every engine right after full depth on each group of prompts in turn: the machine's
+            # drift (a neighbour, the clock) falls on all of them alike
+            t_full = [0.0] * args.repeats
+            t_this = {label: [0.0] * args.repeats for label in engines}
+            outs: dict = {label: [] for label in engines}
+            for r in range(args.repeats):
+                for g in groups:
+                    t_full[r] += timed(full.generate, g, params)[1]
+                    for label, llm in engines.items():
                         out, t = timed(llm.generate, g, params)
-                        this += out
-                        seconds += t
-                    t_this.append(seconds)
-                    outs = this
-                tokens = sum(len(o.token_ids) for o in outs)
-                drafted = sum(o.metrics.get("num_drafted_tokens", 0) for o in outs)
-                accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
-                rounds = sum(o.metrics.get("num_verify_steps", 0) for o in outs)
-                row = dict(kind=kind, batch=batch, config=label, tok_s=tokens / statistics.median(t_this),
-                           vs_full=statistics.median(t_full) / statistics.median(t_this),
-                           acceptance=accepted / max(drafted, 1), tokens_per_round=tokens / max(rounds, 1),
-                           identical=f"{sum(o.token_ids == r for o, r in zip(outs, reference))}/{len(outs)}",
-                           t_full=t_full, t=t_this)
+                        t_this[label][r] += t
+                        if r == args.repeats - 1:
+                            outs[label] += out
+            for label in engines:
+                row = _row(kind, batch, label, outs[label], reference, t_full, t_this[label])
                 rows.append(row)
-                print(f"{kind:9s} batch {batch:2d}  {label:18s} {row['tok_s']:7.1f} tok/s  {row['vs_full']:5.2f}x full"
+                print(f"{kind:9s} batch {batch:2d}  {label:28s} {row['tok_s']:7.1f} tok/s  {row['vs_full']:5.2f}x full"
                       f"  accepted {row['acceptance']:.2f}  {row['tokens_per_round']:.2f} tokens a round"
                       f"  identical {row['identical']}", flush=True)
     path = save_results(args.out_name, dict(cpu=cpu_model(), head=args.head, quantized=args.quantized,
                                             max_tokens=args.max_tokens, requests=args.requests, rows=rows))
     print(f"wrote {path}")
+
+
+def _row(kind, batch, label, outs, reference, t_full, t_this) -> dict:
+    tokens = sum(len(o.token_ids) for o in outs)
+    drafted = sum(o.metrics.get("num_drafted_tokens", 0) for o in outs)
+    accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
+    rounds = sum(o.metrics.get("num_verify_steps", 0) for o in outs)
+    return dict(kind=kind, batch=batch, config=label, tok_s=tokens / statistics.median(t_this),
+                vs_full=statistics.median(t_full) / statistics.median(t_this),
+                acceptance=accepted / max(drafted, 1), tokens_per_round=tokens / max(rounds, 1),
+                feature_drafted=sum(o.metrics.get("num_feature_drafted_tokens", 0) for o in outs),
+                layer_drafted=sum(o.metrics.get("num_layer_drafted_tokens", 0) for o in outs),
+                identical=f"{sum(o.token_ids == r for o, r in zip(outs, reference))}/{len(outs)}",
+                t_full=t_full, t=t_this)
 
 
 if __name__ == "__main__":
