@@ -79,7 +79,7 @@ def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file
         FeatureHead.load(str(tmp_path / "not-a-head.safetensors"))
 
 
-def _spec(path, head, drafts=3, adaptive=False, top_k=1, head_dtype="int8", **kw):
+def _spec(path, head, drafts=3, adaptive=False, top_k=1, head_dtype=None, **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=kw.pop("max_num_seqs", 8), **kw,
                       speculative=eecore.SelfSpeculativeConfig(
                           num_speculations=drafts, adaptive=adaptive,

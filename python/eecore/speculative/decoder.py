@@ -106,7 +106,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         if config.switches_per_token:
             self.proposers: list[Proposer] = [self.proposer]
         else:
-            self.proposers = list(dict.fromkeys(p for p in (self.lookup, self.features, self.proposer) if p is not None))
+            # lookup first; a head beside a copy before it (the planner gives a sequence one of the two)
+            sources = (self.lookup, self.features) + ((self.proposer,) if self.proposer is not self.features else ())
+            self.proposers = [p for p in sources if p is not None]
         self._round_captures = 0  # graphs recorded before this round (_clock_round)
         # a draft copy's greedy rounds with one host round trip, where asked (fused_round)
         self.fused = FusedRound(runner, self.draft_stack, self.layer_drafts, capture=bool(runner.graph_capture)) \
@@ -116,9 +118,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
 
     def _fuses(self, config: SelfSpeculativeConfig) -> bool:
         """Whether the config's rounds can be fused (eecore.speculative.fused_round): a draft copy's
-        chains alone, without token trees, exits, an exit measure or the acceptance guard."""
-        return (self.draft_stack is not None and not config.uses_lookup and not config.uses_feature
-                and config.top_k == 1 and config.layer.exit_threshold is None and self.measure is None
+        chains alone, without token trees, exits, an exit measure, the acceptance guard or a feature head."""
+        return (self.draft_stack is not None and not config.uses_lookup and not config.switches_per_token
+                and not config.uses_feature and config.top_k == 1 and config.layer.exit_threshold is None and self.measure is None
                 and self.guard is None and not self.runner.model.is_encoder_decoder)
 
     def _build_layer_drafts(self, config, runner, sampler, adapters, draft_model, rows: int) -> None:

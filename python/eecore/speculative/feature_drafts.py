@@ -42,7 +42,7 @@ class FeatureDraftHead(DraftColumns):
         d = model.config.hidden_size
         ids = self.vocab if self.vocab is not None else torch.arange(model.config.vocab_size, device=model.device)
         # the LM head's rows once, dense (they may be GGUF blocks), in fp32 as the head's activations
-        rows = model.head_rows(torch.empty(ids.shape[0], d, dtype=torch.float32, device=model.device), ids)
+        rows = model.head_rows(torch.empty(ids.shape[0], d, dtype=model.dtype, device=model.device), ids).float()
         form = eight_bit if eight_bits else (lambda w: w)
         self.head_rows = form(rows)
         self.head = dataclasses.replace(head, weights={
@@ -145,7 +145,8 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
     model = runner.model
     path = config.feature.head if config.feature.head is not None else SHIPPED_FILE
     head = FeatureDraftHead(FeatureHead.load(path, model), model, runner.max_seqs,
-                            eight_bits=config.feature.dtype == "int8")
+                            eight_bits=(config.feature.dtype or ("int8" if model.device.type == "cpu" else
+                                                                 "float32")) == "int8")
     picker = DraftPicker(config.feature, config.feature_top_k, head, sampler)
     return head, FeatureProposer(head, picker, states, runner.max_tokens)
 

@@ -206,9 +206,11 @@ class FeatureDrafts:
                                          "end a feature draft at a token whose top-1 probability is below this")
     top_k: int = option(1, "--feature-top-k", "verify K tokens at each drafted position at once (the chain "
                         "and the head's K-1 runners-up, a token tree), as DraftCopy.top_k")
-    dtype: str = option("int8", "--feature-dtype", "the head's weights and LM head rows as it drafts: int8 "
-                        "(8-bit, a quarter of fp32's bytes: eecore.models.int8_weights.eight_bit) or float32 "
-                        "(as trained); its activations are fp32 either way", choices=FEATURE_DTYPES)
+    dtype: Optional[str] = option(None, "--feature-dtype", "the head's weights and LM head rows as it drafts: "
+                                  "int8 (8-bit, a quarter of fp32's bytes: eecore.models.int8_weights.eight_bit) or "
+                                  "float32 (as trained); default: int8 on a CPU, float32 on a GPU (where int8 weights "
+                                  "are widened on every call); its activations are fp32 either way",
+                                  choices=FEATURE_DTYPES)
     exit_threshold = None  # (what DraftPicker reads of a draft source: feature drafts never exit unverified)
 
     def __post_init__(self):
@@ -221,5 +223,5 @@ class FeatureDrafts:
             raise invalid(FeatureDrafts, "stop_below", "a probability in [0, 1] or None", self.stop_below)
         if not is_int(self.top_k) or self.top_k < 1:
             raise invalid(FeatureDrafts, "top_k", "an int >= 1", self.top_k)
-        if self.dtype not in FEATURE_DTYPES:
-            raise invalid(FeatureDrafts, "dtype", f"one of {', '.join(FEATURE_DTYPES)}", self.dtype)
+        if self.dtype is not None and self.dtype not in FEATURE_DTYPES:
+            raise invalid(FeatureDrafts, "dtype", f"one of {', '.join(FEATURE_DTYPES)} or None", self.dtype)
