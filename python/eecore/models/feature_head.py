@@ -110,14 +110,20 @@ class FeatureHead:
         h = linear(torch.cat([token_embedding.float(), state.float()], dim=-1), w["merge"])
         qkv = linear(F.rms_norm(h, (h.shape[-1],), w["norm_attn"], self.eps), w["qkv"])
         q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-        position = 0 if window is None else window[0].shape[1]
-        cos, sin = self._rope(position, state.device)
-        q, k = _rotate(q.view(N, H, hd), cos, sin), _rotate(k.view(N, Hkv, hd), cos, sin)
-        keys = k[:, None] if window is None else torch.cat([window[0], k[:, None]], dim=1)      # [N, j+1, Hkv, hd]
-        values = v.view(N, 1, Hkv, hd) if window is None else torch.cat([window[1], v.view(N, 1, Hkv, hd)], dim=1)
         groups = H // Hkv
-        scores = torch.einsum("nhd,njhd->nhj", q, keys.repeat_interleave(groups, dim=2)) / hd ** 0.5
-        attended = torch.einsum("nhj,njhd->nhd", scores.softmax(dim=-1), values.repeat_interleave(groups, dim=2))
+        if window is None:
+            # the window's first position attends to itself alone: its softmax weight is 1, and the
+            # rotation at position 0 is the identity, so each head reads its group's value as it is
+            # (the same numbers, without a dozen small ops: every draft round runs this step)
+            keys, values = k.reshape(N, 1, Hkv, hd), v.reshape(N, 1, Hkv, hd)
+            attended = values.expand(N, groups, Hkv, hd).transpose(1, 2)                   # [N, Hkv, groups, hd]
+        else:
+            cos, sin = self._rope(window[0].shape[1], state.device)
+            q, k = _rotate(q.view(N, H, hd), cos, sin), _rotate(k.view(N, Hkv, hd), cos, sin)
+            keys = torch.cat([window[0], k[:, None]], dim=1)                                 # [N, j+1, Hkv, hd]
+            values = torch.cat([window[1], v.view(N, 1, Hkv, hd)], dim=1)
+            scores = torch.einsum("nhd,njhd->nhj", q, keys.repeat_interleave(groups, dim=2)) / hd ** 0.5
+            attended = torch.einsum("nhj,njhd->nhd", scores.softmax(dim=-1), values.repeat_interleave(groups, dim=2))
         h = h + linear(attended.reshape(N, H * hd), w["o"])
         gate, up = linear(F.rms_norm(h, (h.shape[-1],), w["norm_mlp"], self.eps), w["gate_up"]).chunk(2, dim=-1)
         h = h + linear(F.silu(gate) * up, w["down"])
