@@ -11,7 +11,6 @@ Two flat names choose parts rather than set a field:
 """
 from __future__ import annotations
 
-
 from dataclasses import MISSING, Field, fields, is_dataclass, replace
 from typing import Iterator
 

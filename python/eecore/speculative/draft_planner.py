@@ -182,7 +182,8 @@ class DraftPlanner(BatchRounds):
             if never_drafts(seq):
                 plans.append(NO_DRAFTS)
                 continue
-            lengths = {"layer": (0, 0.0), "lookup": (0, 0.0), "feature": (0, 0.0)}
+            lookup = layer = feature = 0
+            by_layer = by_feature = 0.0  # their expected tokens a second
             mine = states.slot(seq, "odds")
             for kind in kinds:
                 most = min(budget, self.max_length[kind])
@@ -192,8 +193,13 @@ class DraftPlanner(BatchRounds):
                         prices = shared[kind, most] = self._prices(batch, most, kind) + self._prior(kind)
                     if mine is None:
                         mine = self._seq(seq)
-                    lengths[kind] = self._length(mine[kind], kind, batch, prices, room, behind)
-            (lookup, _), (layer, by_layer), (feature, by_feature) = lengths["lookup"], lengths["layer"], lengths["feature"]
+                    length, rate = self._length(mine[kind], kind, batch, prices, room, behind)
+                    if kind == "layer":
+                        layer, by_layer = length, rate
+                    elif kind == "feature":
+                        feature, by_feature = length, rate
+                    else:
+                        lookup = length
             if layer and feature:  # the copy or the head, whichever emits more tokens a second
                 layer, feature = (0, feature) if by_feature > by_layer else (layer, 0)
             plans.append(DraftPlan(lookup, layer, feature) if lookup or layer or feature else NO_DRAFTS)
@@ -283,9 +289,11 @@ class DraftPlanner(BatchRounds):
                 prices = (None, (), 0.0)
             else:
                 copy = self.clock.draft_pass(kind)
-                # the rows verified: this sequence's d + 1 beside one each, or everyone's (shared rounds)
-                width = (batch if self.shared_rounds else 1) * self._rows_per_draft[kind]
-                rounds = tuple(self.clock.verify(batch + width * d) + d * copy for d in range(1, most + 1))
+                # the sequences drafting: this one beside one row each, or everyone (shared rounds);
+                # each drafted position verifies its tree's rows, and emits at most one token
+                width = batch if self.shared_rounds else 1
+                rows = width * self._rows_per_draft[kind]
+                rounds = tuple(self.clock.verify(batch + rows * d) + d * copy for d in range(1, most + 1))
                 floor = min(batch * (cost - plain) / (width * d * plain) for d, cost in enumerate(rounds, 1))
                 prices = (plain, rounds, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
             self._price_list[key] = prices
