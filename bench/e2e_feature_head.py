@@ -3,6 +3,7 @@ on held-out prompts of each domain, the same run, side by side.
 
     PYTHONPATH=python python bench/e2e_feature_head.py --head head.safetensors [--kinds code chat everyday]
         [--batch-sizes 1] [--max-tokens 64] [--requests 8] [--drafts 1 4] [--repeats 2] [--quantized] [--adaptive]
+        [--lookup]
 
 For each kind of prompt (bench/common.py's held-out sets) and batch size: full depth, the head at
 each `--drafts` length and `--top-k` tree width (d = 1, k = 1: the head's first draft alone, whose
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quantized", action="store_true", help="the embedded file's own blocks (default: dequantized)")
     ap.add_argument("--adaptive", action="store_true", help="also the head with the draft planner's lengths")
+    ap.add_argument("--lookup", action="store_true", help="also the preset and the head (the planner's lengths) with "
+                    "prompt lookup first (LookupDrafts(2, 4)): a sequence whose text ends in a match drafts it")
     ap.add_argument("--out-name", default="cpu-feature-head")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -59,6 +62,15 @@ def main() -> None:
                               preset.feature, head=args.head)))):
         engines[label] = eecore.LLM(quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
                                     speculative=config)
+    if args.lookup:
+        lookup = eecore.LookupDrafts(min_ngram=2, max_ngram=4)
+        head = dataclasses.replace(preset.feature, head=args.head)
+        engines["exit-ready layer + lookup"] = eecore.LLM(
+            quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
+            speculative=dataclasses.replace(preset, feature=head, lookup=lookup))
+        engines["feature head + lookup"] = eecore.LLM(
+            quantization=quant, max_num_seqs=max(args.batch_sizes), speculative=eecore.SelfSpeculativeConfig(
+                num_speculations=preset.num_speculations, adaptive=True, feature=head, lookup=lookup))
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for llm in [full, *engines.values()]:  # (first calls pay one-time costs)
@@ -102,6 +114,7 @@ def _row(kind, batch, label, outs, reference, t_full, t_this) -> dict:
                 acceptance=accepted / max(drafted, 1), tokens_per_round=tokens / max(rounds, 1),
                 feature_drafted=sum(o.metrics.get("num_feature_drafted_tokens", 0) for o in outs),
                 layer_drafted=sum(o.metrics.get("num_layer_drafted_tokens", 0) for o in outs),
+                lookup_drafted=sum(o.metrics.get("num_lookup_drafted_tokens", 0) for o in outs),
                 identical=f"{sum(o.token_ids == r for o, r in zip(outs, reference))}/{len(outs)}",
                 t_full=t_full, t=t_this)
 

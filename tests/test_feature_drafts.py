@@ -60,6 +60,26 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(llm, tiny, tmp_pa
         assert torch.allclose(p, resumed.params[name], atol=1e-6), name
 
 
+def test_training_goes_on_from_a_head_file(llm, tiny, head_file):
+    """`init`: the trainer starts from the file's weights (a step at lr 0 leaves them as they were)
+    and refuses a file that does not match what it was asked to train."""
+    path, _ = head_file
+    tokens = _stream(tiny[1].config.vocab_size)
+    init = FeatureHead.load(path, llm.model)
+    config = FeatureHeadConfig(steps=1, batch_size=2, seq_len=16, drafts=2, lr=0.0)
+    trainer = train(llm, tokens, config, init=init)
+    assert trainer.step == 1
+    for name, w in FeatureHead.load(path).weights.items():
+        assert torch.equal(trainer.params[name].detach(), w), name
+    with pytest.raises(ValueError, match="init: the head reads layers"):
+        train(llm, tokens, config, init=FeatureHead.load(path), taps=(1,))
+    with pytest.raises(ValueError, match="init: the head scores another draft vocabulary"):
+        train(llm, tokens, config, init=FeatureHead.load(path), vocab=torch.arange(10))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        train(llm, tokens, FeatureHeadConfig(steps=1, batch_size=2, seq_len=16, drafts=2, intermediate_size=7),
+              init=FeatureHead.load(path))
+
+
 def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file):
     path, trainer = head_file
     head = FeatureHead.load(path, llm.model)
@@ -101,6 +121,24 @@ def test_feature_drafts_emit_full_depths_greedy_tokens(tiny, llm, head_file, ada
         stats = [o.metrics for o in outs]
         assert sum(m["num_tree_alternatives"] for m in stats) > 0
         assert sum(m["num_tree_alternatives_accepted"] for m in stats) > 0
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_prompt_lookup_drafts_first_and_the_head_where_it_finds_nothing(tiny, llm, head_file, adaptive):
+    """Lookup beside the head: a sequence whose text ends in a match drafts it, the others draft
+    with the head (their states tapped by every pass whichever source drafted); full depth's tokens."""
+    path, hf = tiny
+    base = random_prompts(hf.config.vocab_size, [10], seed=4)[0]
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17], seed=11) + [base * 3, base[3:8] * 4]
+    params = [greedy(10 + 4 * i) for i in range(len(prompts))]
+    spec = eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=8, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=3, adaptive=adaptive, lookup=eecore.LookupDrafts(),
+        feature=eecore.FeatureDrafts(head=head_file[0], top_k=2)))
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
+    assert sum(o.metrics["num_feature_drafted_tokens"] for o in outs) > 0
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
@@ -155,8 +193,6 @@ def test_config_errors_name_the_option(head_file):
         eecore.SelfSpeculativeConfig(num_speculations=2, feature=eecore.FeatureDrafts(head="h", max_length=3))
     with pytest.raises(ValueError, match="feature drafts beside layer drafts need"):
         eecore.SelfSpeculativeConfig(exit_layer=1, feature=eecore.FeatureDrafts(head="h"))
-    with pytest.raises(ValueError, match="do not combine with lookup"):
-        eecore.SelfSpeculativeConfig(lookup=eecore.LookupDrafts(), feature=eecore.FeatureDrafts(head="h"))
     with pytest.raises(ValueError, match="'top_k'"):
         eecore.FeatureDrafts(head="h", top_k=0)
     with pytest.raises(ValueError, match="'dtype'"):

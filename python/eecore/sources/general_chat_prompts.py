@@ -63,6 +63,14 @@ TEMPLATES = (
     ("child", "How would you explain {topic} to a child?"),
     ("why", "Why do people care about {topic}?"),
     ("describe", "Describe {topic}."),
+    ("haiku", "Write a haiku about {topic}."),
+    ("history", "What is the history of {topic}?"),
+    ("beginner", "What should a beginner know about {topic}?"),
+    ("letter", "Write a short letter to a friend about {topic}."),
+    ("myths", "What are some common myths about {topic}?"),
+    ("changes", "How has {topic} changed over time?"),
+    ("summary", "Summarize what makes {topic} interesting in a few sentences."),
+    ("expert", "What would you ask an expert on {topic}?"),
 )
 
 # The request the model answers to write a question of its own.

@@ -5,6 +5,7 @@
     SelfSpeculativeConfig(layer=LayerDrafts(8, copy=DraftCopy("int8")), lookup=LookupDrafts(),
                           hybrid_switch="token")                                 both, per token
     SelfSpeculativeConfig(feature=FeatureDrafts(head="head.safetensors"))        a feature head
+    SelfSpeculativeConfig(feature=FeatureDrafts(), lookup=LookupDrafts())         lookup, else the head
     SelfSpeculativeConfig.exit_ready("hybrid")                                   the tuned presets
 
 The parts are in eecore.speculative.options; `exit_layer=E` is the short form of
@@ -35,7 +36,7 @@ class SelfSpeculativeConfig:
 
     hybrid_switch: with both sources, how a draft picks one.
       - "round": per sequence and round, a lookup draft when the sequence has a match, a layer
-        draft otherwise.
+        draft (or a feature head's) otherwise.
       - "token": per drafted position. While the draft so far ends in an n-gram the sequence has
         seen, the draft goes on with that occurrence's continuation; where it does not, the copy
         drafts one token (at most `layer.max_length` copy passes a round), after which the lookup
@@ -108,8 +109,6 @@ class SelfSpeculativeConfig:
         if self.feature is not None:
             if not isinstance(self.feature, FeatureDrafts):
                 raise invalid(SelfSpeculativeConfig, "feature", "a FeatureDrafts or None", self.feature)
-            if self.lookup is not None:
-                raise ValueError("SelfSpeculativeConfig: feature drafts do not combine with lookup drafts")
             if self.layer is not None and (self.layer.copy is None or not self.adaptive or self.layer.guard is not None
                                            or self.layer.exit_threshold is not None):
                 raise ValueError("SelfSpeculativeConfig: feature drafts beside layer drafts need the layers' copy "

@@ -2,7 +2,7 @@
 
     python -m eecore.train.generated_corpus --out gen/ ...          # the target's continuations
     python -m eecore.train.feature_head --corpus gen/ --checkpoint-dir ckpt/ --out head.safetensors \\
-        [--steps 3000] [--drafts 4] [--draft-vocab shipped] [--stop-after-minutes 110]
+        [--steps 3000] [--drafts 4] [--draft-vocab shipped] [--stop-after-minutes 110] [--init head.safetensors]
 
 Each step takes `batch_size` windows of `seq_len` tokens of the corpus, runs the target over them
 (its Hugging Face twin in fp32, no gradients) for its tapped streams and its next-token
@@ -11,6 +11,9 @@ target's state at t and the token at t + 1, then from its own states, `drafts` s
 against the target's distribution of the token it drafts (cross-entropy with the target's
 probabilities over the draft vocabulary). The unroll is the drafting procedure itself, so the head
 is trained on its own states as it will run (EAGLE-3's "training-time test").
+
+`--init FILE` starts from a head file's weights (its taps and shapes) instead of a new head: a
+trained head goes on learning on another corpus, with an optimizer of its own.
 
 Resumable (the same command again: eecore.train.loop), seeded, and the file records its data,
 steps and held-out agreement by depth (the share of windows whose first k drafts all equal the
@@ -154,11 +157,22 @@ class FeatureHeadTrainer:
 
 
 def train(llm, tokens: np.ndarray, config: FeatureHeadConfig, *, vocab: Optional[torch.Tensor] = None,
-          taps: Optional[tuple[int, ...]] = None, checkpoint_dir: Optional[str] = None, heldout=None,
-          eval_every: int = 0, log=None, progress: bool = False, stop_after: Optional[int] = None,
-          deadline: Optional[float] = None) -> FeatureHeadTrainer:
-    """Trains (or resumes) to `config.steps` (eecore.train.loop.run)."""
-    return run(FeatureHeadTrainer(llm, config, vocab, taps=taps), tokens, config, desc="feature head",
+          taps: Optional[tuple[int, ...]] = None, init: Optional[FeatureHead] = None,
+          checkpoint_dir: Optional[str] = None, heldout=None, eval_every: int = 0, log=None, progress: bool = False,
+          stop_after: Optional[int] = None, deadline: Optional[float] = None) -> FeatureHeadTrainer:
+    """Trains (or resumes) to `config.steps` (eecore.train.loop.run), from `init`'s weights where
+    given (a head made for this model, with the draft vocabulary `vocab`)."""
+    if init is not None:
+        init.check_fits(llm.model, "init")
+        theirs = None if init.vocab is None else init.vocab.tolist()
+        if theirs != (None if vocab is None else vocab.tolist()):
+            raise ValueError("init: the head scores another draft vocabulary than the one given")
+        if taps is not None and tuple(taps) != init.taps:
+            raise ValueError(f"init: the head reads layers {init.taps}, not the taps given ({tuple(taps)})")
+        if config.intermediate_size is not None and config.intermediate_size != init.weights["down"].shape[1]:
+            raise ValueError(f"init: the head's MLP is {init.weights['down'].shape[1]} wide, not "
+                             f"intermediate_size={config.intermediate_size}")
+    return run(FeatureHeadTrainer(llm, config, vocab, head=init, taps=taps), tokens, config, desc="feature head",
                checkpoint_dir=checkpoint_dir, checkpoint_every=25, heldout=heldout, eval_every=eval_every,
                log=log, progress=progress, stop_after=stop_after, deadline=deadline)
 
@@ -176,6 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--taps", type=int, nargs="+", default=None, help="the target's layers it reads (default: "
                     "a low, a middle and a high one)")
     ap.add_argument("--stop-after-minutes", type=float, default=None)
+    ap.add_argument("--init", default=None, help="start from this head file's weights (default: a new head)")
     for f in dataclasses.fields(FeatureHeadConfig):
         ap.add_argument("--" + f.name.replace("_", "-"), type=float if f.type == "float" else int, default=f.default)
     args = ap.parse_args(argv)
@@ -200,12 +215,14 @@ def main(argv=None) -> int:
             log_file.flush()
 
     deadline = None if args.stop_after_minutes is None else time.time() + 60 * args.stop_after_minutes
+    init = None if args.init is None else FeatureHead.load(args.init, llm.model)
     trainer = train(llm, tokens, config, vocab=vocab, taps=None if args.taps is None else tuple(args.taps),
-                    checkpoint_dir=args.checkpoint_dir, heldout=heldout, eval_every=100, log=log, progress=True,
+                    init=init, checkpoint_dir=args.checkpoint_dir, heldout=heldout, eval_every=100, log=log, progress=True,
                     deadline=deadline)
     figures = trainer.evaluate(heldout_windows(heldout, config))
     trainer.trained_head({"corpus": os.path.abspath(args.corpus), "config": dataclasses.asdict(config),
-                          "steps": trainer.step, "heldout": figures}).save(args.out)
+                          "steps": trainer.step, "heldout": figures}
+                         | ({} if init is None else {"init": init.info})).save(args.out)
     print(json.dumps({"steps": trainer.step, "heldout": figures}))
     return 0
 
