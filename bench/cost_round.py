@@ -3,7 +3,7 @@
     python bench/cost_round.py round [--exit-adapter [FILE]] [--exit-layer 8] [--num-speculations 2]
         [--prompts 4] [--batch 1] [--draft-layers shared|separate] [--draft-dtype int8]
         [--dtype float32|bfloat16] [--max-tokens 64] [--repeats 2]
-    python bench/cost_round.py verify-rows [--batch 1] [--rows 1 2 3 4 5 7 9 13] [--dtype float32]
+    python bench/cost_round.py verify-rows [--batch 1] [--rows 1 2 3 4 5 7 9 13] [--dtype float32] [--dequantized]
         [--draft-dtype bfloat16] [--exit-layer 8] [--context 100] [--repeats 15]
         [--tokens-per-round 1.67 2.15 2.55 2.9] [--out-name NAME]
     python bench/cost_round.py oracle [--batch-sizes 1 8] [--drafts 1 2 4] [--prompts code]
@@ -84,6 +84,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, draft_dtype: str | None) 
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
                         help="the model's dtype (auto: GGUF weights in their own precision)")
     parser.add_argument("--draft-dtype", default=draft_dtype, help="the separate draft copy's dtype")
+    parser.add_argument("--dequantized", action="store_true",
+                        help="GGUF weights dequantized to --dtype (default: the file's own blocks)")
 
 
 # --- round: where a round's time goes -----------------------------------------------------------
@@ -125,7 +127,8 @@ def round_cost(args) -> None:
     seconds, calls = instrument(parts)
     prompts = heldout_code_prompts(args.prompts)
     params = eecore.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    kw = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.batch, exit_adapter=args.exit_adapter)
+    kw = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.batch, exit_adapter=args.exit_adapter,
+              quantization="none" if args.dequantized else None)
     llms = {"full": eecore.LLM(**kw),
             "spec": eecore.LLM(**kw, speculative=eecore.SelfSpeculativeConfig(
                 num_speculations=args.num_speculations, layer=eecore.LayerDrafts(
@@ -164,6 +167,7 @@ def verify_rows(args) -> None:
     if 1 not in args.rows:
         args.rows = [1] + args.rows
     llm = eecore.LLM(dtype=args.dtype, exit_adapter=True, max_num_seqs=max(8, args.batch),
+                     quantization="none" if args.dequantized else None,
                      speculative=eecore.SelfSpeculativeConfig(
                          num_speculations=max(args.rows),
                          layer=eecore.LayerDrafts(exit_layer=args.exit_layer, copy=eecore.DraftCopy(args.draft_dtype))))

@@ -1,0 +1,93 @@
+"""How often feature heads draft the model's own greedy tokens, by kind of text: the head's first
+k drafts all right (k = 1..--drafts), on the held-out answers of generated corpora.
+
+    PYTHONPATH=python python bench/analysis/feature_head_agreement.py --heads A.safetensors B.safetensors \
+        --corpus gen/ [gen2/ ...] [--documents 32] [--drafts 3]
+
+Each held-out document of each corpus (`python -m eecore.train.generated_corpus`: a prompt and the
+model's continuation) runs through the model (its Hugging Face twin, fp32) once; from every
+position of its answer the head unrolls as it drafts in the engine (the target's tapped streams at
+p and the token at p + 1, then its own states and drafts), and a draft is right when it equals the
+model's greedy token over the whole vocabulary (so the draft vocabulary's misses count as misses).
+Kinds: "code" (completions: the continuation's last 128 tokens), "everyday" (requests naming a
+held-out everyday topic, eecore.sources.general_chat_prompts) and "technical chat" (the other
+requests). Prints one line a head and kind; writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+import torch
+
+import eecore
+from eecore.sources.corpus import FILE_SEPARATOR
+from eecore.models.feature_head import FeatureHead
+from eecore.sources.general_chat_prompts import HELDOUT_TOPICS
+from eecore.train.feature_head import FeatureHeadConfig, FeatureHeadTrainer
+
+ANSWER = "<|im_start|>assistant\n"
+USER = "<|im_start|>user\n"
+
+
+def documents_by_kind(tokenizer, folders: list[str], per_kind: int) -> dict[str, list[tuple[list[int], int]]]:
+    """kind -> [(token ids, where the answer starts)], at most `per_kind` each."""
+    kinds = collections.defaultdict(list)
+    for folder in folders:
+        with open(os.path.join(folder, "heldout.txt")) as f:
+            for doc in f.read().split(FILE_SEPARATOR):
+                ids = tokenizer.encode(doc, add_special_tokens=False)
+                if ANSWER in doc:
+                    user = doc.split(USER, 1)[-1].split("<|im_end|>")[0].lower()
+                    kind = "everyday" if any(t.lower() in user for t in HELDOUT_TOPICS) else "technical chat"
+                    start = len(tokenizer.encode(doc.split(ANSWER, 1)[0] + ANSWER, add_special_tokens=False))
+                else:
+                    kind, start = "code", max(0, len(ids) - 128)
+                kinds[kind].append((ids, start))
+    return {kind: docs[:per_kind] for kind, docs in kinds.items()}
+
+
+def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
+    """Share of answer positions whose first k drafts are all right, k = 1..drafts."""
+    head = trainer.head
+    right = [[] for _ in range(drafts)]
+    with torch.no_grad():
+        for ids, start in docs:
+            positions = torch.arange(max(start - 1, 0), len(ids) - drafts - 1)
+            if len(positions) == 0:
+                continue
+            window = torch.tensor([ids])
+            out = trainer.hf(input_ids=window, output_hidden_states=True)
+            features = torch.cat([out.hidden_states[t] for t in head.taps], dim=-1)[0]
+            greedy = out.logits[0].argmax(-1)
+            state, keys, all_right = head.start_state(features[positions]), None, None
+            token = window[0, positions + 1]
+            for j in range(drafts):
+                state, logits, keys = head.step(state, trainer.embed[token], trainer.head_rows, keys)
+                token = logits.argmax(-1) if head.vocab is None else head.vocab[logits.argmax(-1)]
+                hit = token == greedy[positions + 1 + j]
+                all_right = hit if all_right is None else all_right & hit
+                right[j].append(all_right.float())
+    return [round(float(torch.cat(r).mean()), 3) for r in right]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", nargs="+", required=True, help="feature head files")
+    ap.add_argument("--corpus", nargs="+", required=True, help="generated corpus folders (their heldout.txt)")
+    ap.add_argument("--documents", type=int, default=32, help="held-out documents of each kind")
+    ap.add_argument("--drafts", type=int, default=3)
+    args = ap.parse_args()
+    llm = eecore.LLM(dtype="float32", device="cpu", quantization="none")
+    kinds = documents_by_kind(llm.tokenizer, args.corpus, args.documents)
+    for path in args.heads:
+        head = FeatureHead.load(path, llm.model)
+        trainer = FeatureHeadTrainer(llm, FeatureHeadConfig(drafts=args.drafts), head.vocab, head=head)
+        for kind, docs in sorted(kinds.items()):
+            print(f"{os.path.basename(path):50s} {kind:15s} {len(docs):3d} documents  first k right, k = 1..: "
+                  f"{agreement(trainer, docs, args.drafts)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
