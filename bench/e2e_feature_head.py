@@ -7,8 +7,9 @@ on held-out prompts of each domain, the same run, side by side.
 
 For each kind of prompt (bench/common.py's held-out sets) and batch size: full depth, the head at
 each `--drafts` length and `--top-k` tree width (d = 1, k = 1: the head's first draft alone, whose
-acceptance is the first-draft acceptance), the exit-ready layer preset's copy alone, and the preset
-as it drafts (the copy and the head, the planner picking), alternating run by run. Rows: tokens per second,
+acceptance is the first-draft acceptance), the exit-ready layer preset's copy alone, the preset
+without its prompt lookup (the copy and the head, the planner picking) and as it drafts (lookup
+first), alternating run by run. Rows: tokens per second,
 the ratio to full depth, drafts accepted / drafted, tokens a round, and whether every output equals
 full depth's. Over dequantized fp32 weights by default (`--quantized`: the embedded file's own
 blocks, eecore's default). Writes bench/results/<machine>/cpu-feature-head-<date>.json.
@@ -39,8 +40,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quantized", action="store_true", help="the embedded file's own blocks (default: dequantized)")
     ap.add_argument("--adaptive", action="store_true", help="also the head with the draft planner's lengths")
-    ap.add_argument("--lookup", action="store_true", help="also the preset and the head (the planner's lengths) with "
-                    "prompt lookup first (LookupDrafts(2, 4)): a sequence whose text ends in a match drafts it")
+    ap.add_argument("--lookup", action="store_true", help="also the head (the planner's lengths) with prompt lookup "
+                    "first (LookupDrafts(2, 4)): a sequence whose text ends in a match drafts it")
     ap.add_argument("--out-name", default="cpu-feature-head")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -56,18 +57,16 @@ def main() -> None:
             speculative=eecore.SelfSpeculativeConfig(num_speculations=max(args.drafts), adaptive=True,
                                                      feature=eecore.FeatureDrafts(head=args.head)))
     preset = eecore.SelfSpeculativeConfig.exit_ready("layer", device="cpu")
-    # the preset as it drafts (the copy and the shipped head, the planner picking), and its copy alone
-    for label, config in (("exit-ready layer, copy alone", dataclasses.replace(preset, feature=None)),
-                          ("exit-ready layer", dataclasses.replace(preset, feature=dataclasses.replace(
-                              preset.feature, head=args.head)))):
+    # the preset as it drafts (prompt lookup first, then the copy or the shipped head, the planner
+    # picking), without its lookup, and its copy alone
+    head = dataclasses.replace(preset.feature, head=args.head)
+    for label, config in (("exit-ready layer, copy alone", dataclasses.replace(preset, feature=None, lookup=None)),
+                          ("exit-ready layer, no lookup", dataclasses.replace(preset, feature=head, lookup=None)),
+                          ("exit-ready layer", dataclasses.replace(preset, feature=head))):
         engines[label] = eecore.LLM(quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
                                     speculative=config)
     if args.lookup:
         lookup = eecore.LookupDrafts(min_ngram=2, max_ngram=4)
-        head = dataclasses.replace(preset.feature, head=args.head)
-        engines["exit-ready layer + lookup"] = eecore.LLM(
-            quantization=quant, exit_adapter=True, max_num_seqs=max(args.batch_sizes),
-            speculative=dataclasses.replace(preset, feature=head, lookup=lookup))
         engines["feature head + lookup"] = eecore.LLM(
             quantization=quant, max_num_seqs=max(args.batch_sizes), speculative=eecore.SelfSpeculativeConfig(
                 num_speculations=preset.num_speculations, adaptive=True, feature=head, lookup=lookup))

@@ -113,19 +113,21 @@ def test_exit_ready_presets():
     from eecore import cli
     from eecore.cli.speculative_flags import preset_with
     layer = eecore.SelfSpeculativeConfig.exit_ready()
-    # drafting stops above 2 running sequences, or 4 where the int8 copy runs on AMX-INT8 tiles
+    # drafting stops above 2 running sequences, or 4 where the int8 copy runs on AMX-INT8 tiles; on a
+    # CPU lookup first, then the copy or the shipped head (a draft of layers and lookup: "hybrid")
     assert (layer.exit_layer, layer.num_speculations, layer.layer.stop_below, layer.layer.copy, layer.draft,
-            layer.disable_by_batch_size) == (8, 4, 0.15, eecore.DraftCopy(dtype="int8"), "layer",
-                                             4 if amx_available(torch.int8) else 2)
+            layer.hybrid_switch, layer.disable_by_batch_size) == (8, 4, 0.15, eecore.DraftCopy(dtype="int8"), "hybrid",
+                                                                 "round", 4 if amx_available(torch.int8) else 2)
     assert layer == eecore.SelfSpeculativeConfig(
         num_speculations=4, disable_by_batch_size=4 if amx_available(torch.int8) else 2, adaptive=True,
         layer=eecore.LayerDrafts(exit_layer=8, stop_below=0.15, long_draft_acceptance=0.5,
                                  copy=eecore.DraftCopy(dtype="int8")),
-        feature=eecore.FeatureDrafts(top_k=3, max_length=2))  # the shipped head beside the copy (CPU)
+        feature=eecore.FeatureDrafts(top_k=3, max_length=2), lookup=eecore.LookupDrafts(min_ngram=2, max_ngram=4))
     assert eecore.SelfSpeculativeConfig.exit_ready(device="cpu").feature is not None
-    # flags the head does not combine with leave it out
+    # flags the head does not combine with leave it out, and the lookup that comes with it
     for flags in (dict(adaptive_drafts=False), dict(exit_threshold=0.8), dict(min_acceptance=0.3)):
-        assert preset_with(layer, flags).feature is None
+        alone = preset_with(layer, flags)
+        assert alone.feature is None and alone.lookup is None and alone.draft == "layer"
     hybrid = preset_with(eecore.SelfSpeculativeConfig.exit_ready("hybrid"), dict(num_speculations=6))
     assert (hybrid.draft, hybrid.hybrid_switch, hybrid.num_speculations, hybrid.layer.max_length,
             hybrid.lookup.min_ngram, hybrid.lookup.max_ngram, hybrid.layer.stop_below) == \

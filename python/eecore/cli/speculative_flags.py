@@ -127,15 +127,16 @@ def preset_with(preset, options: dict):
     planner off unless `adaptive_drafts` is given (exits need fixed lengths:
     SelfSpeculativeConfig.adaptive), and a lower overall batch limit given alone lowers the layer
     drafts' with it. Flags that a feature head beside the copy does not combine with (no planner, a
-    guard, exits, shared layers) leave the layer preset's head out."""
+    guard, exits, shared layers) leave the layer preset's head and prompt lookup out."""
     options = dict(options)
     if options.get("exit_threshold") is not None and options.get("adaptive_drafts") is None:
         options["adaptive_drafts"] = False
     if preset.feature is not None and (options.get("adaptive_drafts") is False or options.get("draft_layers") == "shared"
                                        or options.get("exit_threshold") is not None
                                        or options.get("min_acceptance") is not None):
-        # a feature head beside the copy needs the planner's choice and none of these: the copy goes on alone
-        preset = replace(preset, feature=None)
+        # a feature head beside the copy needs the planner's choice and none of these: the copy goes on
+        # alone (without the lookup that comes with the head, as the layer preset was before it)
+        preset = replace(preset, feature=None, lookup=None)
     limit = options.get("disable_by_batch_size")
     if limit is not None and preset.layer is not None and preset.layer.disable_by_batch_size is not None \
             and "layer_disable_by_batch_size" not in options:

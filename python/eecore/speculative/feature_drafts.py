@@ -154,14 +154,15 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
 def without_unfit_shipped_head(config, model):
     """`config` without its feature drafts where they would be the shipped head's beside layer
     drafts (the exit-ready layer preset) and the shipped head was not made for `model`: another
-    model's exit-ready file then drafts with its copy alone (a warning says so). A head named by
+    model's exit-ready file then drafts with its copy (and lookup, where configured) without it (a
+    warning says so). A head named by
     file, or feature drafts alone, must fit (loading raises)."""
     if not (config.uses_feature and config.uses_layers and config.feature.head is None):
         return config
     try:
         FeatureHead.load(SHIPPED_FILE).check_fits(model, SHIPPED_FILE)
     except ValueError as exc:
-        warnings.warn(f"the shipped feature head does not fit this model ({exc}); layer drafts go on alone",
+        warnings.warn(f"the shipped feature head does not fit this model ({exc}); the other drafts go on without it",
                       stacklevel=3)
         return dataclasses.replace(config, feature=None)
     return config
