@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import eecore
 
@@ -40,10 +41,19 @@ def _configs(tiny: str) -> dict:
         # dequantized: over the file's own blocks a lone row and a row among several round differently,
         # and these adaptive presets' verify widths follow the machine's timings
         "exit-ready layer": dict(model=None, exit_adapter=True, quantization="none",
-                                 speculative=S.exit_ready("layer", device="cpu")),
+                                 speculative=_as_at_the_reshaping(S.exit_ready("layer", device="cpu"))),
         "exit-ready hybrid": dict(model=None, exit_adapter=True, quantization="none",
                                   speculative=S.exit_ready("hybrid", device="cpu")),
     }
+
+
+def _as_at_the_reshaping(preset):
+    """The layer preset as it was when the reshaping was made (the copy alone): the draft sources it
+    gained since (a feature head, prompt lookup first) change which rows verify together, and so a
+    row's rounding, in ways the reshaping has nothing to do with."""
+    if not hasattr(preset, "feature"):
+        return preset
+    return replace(preset, feature=None, lookup=None)
 
 
 # what an adaptive config (the exit-ready presets) drafts follows the pass costs it measures while

@@ -57,19 +57,4 @@ def test_the_reshaping_changed_no_output(tmp_path):
     assert len(after) >= 12
     assert before.keys() == after.keys()
     for name in after:
-        if name.startswith("exit-ready"):
-            # adaptive: which rows verify together follows the machine's timings (and the presets have
-            # gained draft sources since), and a row's log-probabilities may then differ in the last
-            # rounded digit; tokens, exit layers and untimed metrics stay exactly the same
-            _assert_same_but_rounding(after[name], before[name], name)
-        else:
-            assert after[name] == before[name], name
-
-
-def _assert_same_but_rounding(after: dict, before: dict, name: str) -> None:
-    for mode in after:
-        for a, b in zip(after[mode], before[mode], strict=True):
-            assert {k: v for k, v in a.items() if k != "logprobs"} == \
-                {k: v for k, v in b.items() if k != "logprobs"}, name
-            for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
-                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 2e-5 for t in x), (name, x, y)
+        assert after[name] == before[name], name

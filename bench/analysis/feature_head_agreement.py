@@ -22,8 +22,8 @@ import os
 import torch
 
 import eecore
-from eecore.sources.corpus import FILE_SEPARATOR
 from eecore.models.feature_head import FeatureHead
+from eecore.sources.corpus import FILE_SEPARATOR
 from eecore.sources.general_chat_prompts import HELDOUT_TOPICS
 from eecore.train.feature_head import FeatureHeadConfig, FeatureHeadTrainer
 

@@ -155,8 +155,7 @@ def without_unfit_shipped_head(config, model):
     """`config` without its feature drafts where they would be the shipped head's beside layer
     drafts (the exit-ready layer preset) and the shipped head was not made for `model`: another
     model's exit-ready file then drafts with its copy (and lookup, where configured) without it (a
-    warning says so). A head named by
-    file, or feature drafts alone, must fit (loading raises)."""
+    warning says so). A head named by file, or feature drafts alone, must fit (loading raises)."""
     if not (config.uses_feature and config.uses_layers and config.feature.head is None):
         return config
     try:

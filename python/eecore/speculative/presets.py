@@ -12,7 +12,7 @@ Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pa
   requests (docs/feature-heads.md); and before either, prompt lookup: a sequence whose text ends in
   a 2-4-gram seen before drafts that occurrence's continuation (on code 1.71-2.06x full depth
   against 1.54-1.87x without it in the same runs; on chat and everyday requests the same within
-  the runs' spread). With another model's exit-ready file, whom the shipped head does not fit, the
+  the runs' spread). With another model's exit-ready file, which the shipped head does not fit, the
   preset drafts with the copy and lookup;
 - "hybrid": 4 drafted tokens, each position from a prompt-lookup match of 2-4 tokens where the draft
   so far ends in one and from the copy otherwise (at most 3 copy passes), with the same stops.

@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     deadline = None if args.stop_after_minutes is None else time.time() + 60 * args.stop_after_minutes
     init = None if args.init is None else FeatureHead.load(args.init, llm.model)
     trainer = train(llm, tokens, config, vocab=vocab, taps=None if args.taps is None else tuple(args.taps),
-                    init=init, checkpoint_dir=args.checkpoint_dir, heldout=heldout, eval_every=100, log=log, progress=True,
-                    deadline=deadline)
+                    init=init, checkpoint_dir=args.checkpoint_dir, heldout=heldout, eval_every=100, log=log,
+                    progress=True, deadline=deadline)
     figures = trainer.evaluate(heldout_windows(heldout, config))
     trainer.trained_head({"corpus": os.path.abspath(args.corpus), "config": dataclasses.asdict(config),
                           "steps": trainer.step, "heldout": figures}
