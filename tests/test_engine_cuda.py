@@ -569,3 +569,45 @@ def test_fused_rounds_launch_their_passes_without_a_host_sync(tiny):
     fused.verify.launch = _without_sync(fused.verify.launch, "verify", launched)
     llm.generate(prompts, greedy(16))
     assert {"chain", "verify"} <= set(launched)
+
+
+@pytest.fixture(scope="module")
+def feature_head(tiny, tmp_path_factory):
+    """A feature head for the tiny model, as initialized (what it drafts does not matter here: the
+    graphs must draft what eager mode drafts)."""
+    from eecore.models.feature_head import FeatureHead
+
+    out = str(tmp_path_factory.mktemp("head") / "head.safetensors")
+    FeatureHead.initialized(eecore.LLM(tiny[0], dtype="float32", device="cpu").model).save(out)
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_graphs_of_feature_drafts_give_eager_tokens_and_drafts(tiny, feature_head, adaptive, monkeypatch):
+    """EECORE_FEATURE_GRAPHS=1: the head's steps, and the verify passes and plain steps that tap the
+    target's states for it, as CUDA graphs, against enforce_eager=True: same tokens, and (fixed
+    lengths) the same drafts."""
+    monkeypatch.setenv("EECORE_FEATURE_GRAPHS", "1")
+    path, hf = tiny
+    spec = lambda: eecore.SelfSpeculativeConfig(num_speculations=3, adaptive=adaptive,  # noqa: E731
+                                                feature=eecore.FeatureDrafts(head=feature_head))
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = [greedy(6 + 3 * i) for i in range(len(prompts))]
+    engines = _llm(path, speculative=spec(), enforce_eager=True), _llm(path, speculative=spec())
+    drafted = []
+    for llm in engines:
+        picker, seen = llm.engine.strategy.features.picker, []
+
+        def spy(logits, rows, seqs, drafts, take=picker.take, seen=seen, **kw):
+            kept, ended = take(logits, rows, seqs, drafts, **kw)
+            seen.append([drafts[b].tokens[-1] for b in kept])
+            return kept, ended
+        picker.take = spy
+        drafted.append(seen)
+    eager, graphed = (llm.generate(prompts, params) for llm in engines)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    if not adaptive:
+        assert drafted[1] == drafted[0]
+    steps, runner = engines[1].engine.strategy.features.static, engines[1].engine.runner
+    assert steps is not None and steps.graphs, "the head's steps were not captured"
+    assert any(k[-1] == steps.head.taps for k in runner.static_verify.graphs), "no tapped verify pass was captured"

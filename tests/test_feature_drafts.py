@@ -12,7 +12,7 @@ import torch
 import eecore
 from eecore.models.feature_head import FeatureHead, default_taps
 from eecore.train.feature_head import FeatureHeadConfig, train
-from engine_utils import greedy, law_p_value, random_prompts
+from engine_utils import emulate_graphs, greedy, law_p_value, random_prompts
 from model_factory import make_tiny_hf_model
 
 NUM_LAYERS = 4
@@ -250,3 +250,109 @@ def test_feature_drafts_under_tensor_parallelism(tiny, llm, head_file):
         outs = spec.generate(prompts, greedy(10))
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics["num_drafted_tokens"] for o in outs) > 0
+
+
+def _on_static_passes(spec, monkeypatch):
+    """`spec`'s decode steps, verify passes and head steps on static buffers, replayed as emulated
+    CUDA graphs (engine_utils.emulate_graphs), with the target's states tapped inside them
+    (EECORE_FEATURE_GRAPHS, read when a static pass is built)."""
+    from eecore.engine.static_decode import StaticDecode, StaticVerify
+    from eecore.speculative.static_passes import StaticFeatureSteps
+
+    monkeypatch.setenv("EECORE_FEATURE_GRAPHS", "1")
+    runner, strategy, rows = spec.engine.runner, spec.engine.strategy, spec.engine.config.max_num_seqs
+    runner.static_decode = emulate_graphs(StaticDecode(runner, rows, capture=False))
+    runner.static_verify = emulate_graphs(StaticVerify(runner, rows, capture=False, width=strategy.lookahead))
+    features = strategy.features
+    features.static = emulate_graphs(StaticFeatureSteps(runner, features.head, rows,
+                                                        strategy.config.feature_draft_length, capture=False))
+    return runner, features.static
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head_file, adaptive, monkeypatch):
+    """EECORE_FEATURE_GRAPHS: the head's steps as graphs of a padded batch (rows that stopped
+    drafting step on unread), and the decode steps and chain verify passes tapping the target's
+    states inside their graphs. Full depth's tokens, and at fixed lengths the drafts the op-by-op
+    passes make (wrong taps or windows would draft other tokens, which lossless verification alone
+    would hide)."""
+    path, hf = tiny
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    params = [greedy(8 + 4 * i) for i in range(len(prompts))]
+    eager, spec = (_spec(path, head_file[0], adaptive=adaptive, head_dtype="float32") for _ in range(2))
+    runner, steps = _on_static_passes(spec, monkeypatch)
+    drafted = {id(eager): [], id(spec): []}  # every head step's drafts, in order
+    for engine in (eager, spec):
+        picker = engine.engine.strategy.features.picker
+
+        def spy(logits, rows, seqs, drafts, take=picker.take, seen=drafted[id(engine)], **kw):
+            kept, ended = take(logits, rows, seqs, drafts, **kw)
+            seen.append([drafts[b].tokens[-1] for b in kept])
+            return kept, ended
+        picker.take = spy
+    eager.generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(o.metrics["num_feature_drafted_tokens"] for o in outs) > 0
+    if not adaptive:  # (the planner's lengths follow the passes' timings)
+        assert drafted[id(spec)] == drafted[id(eager)]
+    taps = steps.head.taps
+    assert any(k[-1] == taps for k in runner.static_verify.graphs), "no verify pass tapped inside its graph"
+    if adaptive:  # (the planner's plain rounds: fixed lengths draft every round)
+        assert any(k[-1] == taps for k in runner.static_decode.graphs), "no plain step tapped inside its graph"
+    assert {k for _, k in steps.graphs} >= {0, 1, 2}, "the head's later steps never ran as graphs"
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+def test_the_heads_static_steps_give_its_op_by_op_steps(tiny, llm, head_file):
+    """StaticFeatureSteps over a padded batch (3 windows in a pass of 4) against FeatureDraftHead's
+    own steps on the same states and tokens, step by step."""
+    from eecore.speculative.feature_drafts import FeatureDraftHead
+    from eecore.speculative.static_passes import StaticFeatureSteps
+
+    head = FeatureDraftHead(FeatureHead.load(head_file[0], llm.model), llm.model, 8, eight_bits=False)
+    steps = emulate_graphs(StaticFeatureSteps(llm.engine.runner, head, 8, 3, capture=False))
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(3, steps.features.shape[1], generator=g)
+    tokens = torch.randint(0, tiny[1].config.vocab_size, (3, 3), generator=g)
+    steps.features[:3].copy_(features)
+    state, window = head.start(features), None
+    for k in range(3):
+        steps.tokens[k, :3].copy_(tokens[k])
+        state, expected, window = head.step(state, tokens[k], window)
+        torch.testing.assert_close(steps.run(3, k), expected, rtol=1e-5, atol=1e-5)
+    assert set(steps.graphs) == {(4, 0), (4, 1), (4, 2)}
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_static_passes_tap_the_streams_the_varlen_pass_taps(tiny, head_file, width, monkeypatch):
+    """A decode step (width 1) and a verify pass of rows of 1-3 tokens (width 3) on static buffers,
+    tapping the streams after layers 1 and 3 inside the pass: the same streams, in the varlen pass's
+    row order, and the same logits."""
+    from eecore.engine.inputs import Row
+    from eecore.engine.static_decode import StaticDecode, StaticVerify
+
+    monkeypatch.setenv("EECORE_FEATURE_GRAPHS", "1")
+    path, hf = tiny
+    llm = _spec(path, head_file[0], drafts=2, block_size=4)  # (its runner sized for verify passes of 3 tokens)
+    runner, engine = llm.engine.runner, llm.engine
+    static = StaticDecode(runner, 8, capture=False) if width == 1 else StaticVerify(runner, 8, capture=False, width=3)
+    emulate_graphs(static)
+    seqs = llm._add_all(random_prompts(hf.config.vocab_size, [3, 9, 6], seed=7), greedy(4))
+    engine.step()  # the prompts' pass
+    rows = []
+    for b, seq in enumerate(seqs):
+        start = seq.num_computed_tokens
+        engine.blocks.grow(seq, start + width)
+        rows.append(Row(seq, start, [seq.last_token_id] + [5 + b] * min(b, width - 1)))
+    n, taps, d = sum(len(r.tokens) for r in rows), (1, 3), hf.config.hidden_size
+    eager_out = torch.full((n, 2 * d), float("nan"))
+    _, hidden = runner.forward(rows, (taps, eager_out))
+    eager_logits = runner.logits(hidden).clone()
+    for _ in range(2):  # the pass recorded, then replayed
+        static_out = torch.full((n, 2 * d), float("nan"))
+        logits = static.run(rows, (taps, static_out))
+        logits = logits[1] if width == 1 else logits
+        torch.testing.assert_close(static_out, eager_out)
+        torch.testing.assert_close(logits, eager_logits)
+    assert any(k[-1] == taps for k in static.graphs)

@@ -290,8 +290,8 @@ def test_buffers_are_reused_step_to_step(tiny, monkeypatch):
     seen = {}
     run = static.run
 
-    def spy(rows):
-        inputs, logits = run(rows)
+    def spy(rows, tap=None):
+        inputs, logits = run(rows, tap)
         size = static.padded_size(len(rows))
         ptrs = (inputs.token_ids.data_ptr(), inputs.attn.block_table.data_ptr(), inputs.attn.seq_lens.data_ptr(),
                 inputs.attn.slot_mapping.data_ptr(), logits.data_ptr(), tuple(inputs.attn.block_table.shape))

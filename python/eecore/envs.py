@@ -64,6 +64,9 @@ _SWITCHES = (
            "steps that carry prompt chunks run as piecewise CUDA graphs"),
     Switch("EECORE_LAYERSKIP_GRAPHS", ("0", "1"), "1", "engine build",
            "LayerSkip's draft and verify passes run as CUDA graphs"),
+    Switch("EECORE_FEATURE_GRAPHS", ("0", "1"), "0", "engine build",
+           "feature drafts on a GPU run as CUDA graphs: the head's steps, and the verify passes and "
+           "plain steps that tap the target's states for it (op by op until a GPU has timed them)"),
     Switch("EECORE_PREPARE_NEXT_STEP", ("0", "1"), "0", "every step",
            "the host fills the next decode step's inputs while the current step's graph runs"),
     Switch("EECORE_PREFETCH_WEIGHTS", ("0", "1"), "0", "model build",

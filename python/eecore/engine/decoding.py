@@ -182,12 +182,13 @@ class FullDepthDecoder(DecodeStrategy):
                 self.blocks.grow(row.seq, row.start + 2)
 
     def step(self, seqs: list[Sequence], tap=None) -> tuple[list[list[Token]], torch.Tensor]:
-        """The step's tokens and its fp32 logits `[B, V]`; `tap` as in ModelRunner.forward. Without
-        a tap the step runs static (a CUDA graph replay on a GPU) where the runner has one."""
+        """The step's tokens and its fp32 logits `[B, V]`; `tap` as in ModelRunner.forward. The step
+        runs static (a CUDA graph replay on a GPU) where the runner has one that takes its rows
+        (and, with a tap, taps: StaticPass.takes_taps)."""
         rows = [Row(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
         static = self.runner.static_decode
-        if tap is None and static is not None and static.takes(rows):
-            _, logits = static.run(rows)
+        if static is not None and (tap is None or static.takes_taps) and static.takes(rows):
+            _, logits = static.run(rows, tap)
             static.prepare_next(rows)  # on a GPU, while the step's graph runs
         else:
             _, hidden = self.runner.forward(rows, tap)

@@ -168,18 +168,20 @@ class ModelRunner:
         self.mark_computed(rows)
         return inputs, hidden
 
-    def run_layers_tapped(self, hidden: torch.Tensor, attn: AttentionInputs, tap=None) -> torch.Tensor:
-        """Every layer over `hidden` (in place), copying the stream out where `tap` (as in `forward`) says."""
+    def run_layers_tapped(self, hidden: torch.Tensor, attn: AttentionInputs, tap=None, *,
+                          count: bool = True) -> torch.Tensor:
+        """Every layer over `hidden` (in place), copying the stream out where `tap` (as in `forward`)
+        says (into the first rows of its `out`: one a row of `hidden`); `count` as in run_layers."""
         if tap is None:
-            return self.run_layers(hidden, attn, 0, self.num_layers)
+            return self.run_layers(hidden, attn, 0, self.num_layers, count=count)
         points, out = tap
         points = (points,) if isinstance(points, int) else points
-        d, start = hidden.shape[1], 0
+        d, n, start = hidden.shape[1], hidden.shape[0], 0
         for k, E in enumerate(points):
-            self.run_layers(hidden, attn, start, E)
-            out[:, k * d: (k + 1) * d].copy_(hidden)
+            self.run_layers(hidden, attn, start, E, count=count)
+            out[:n, k * d: (k + 1) * d].copy_(hidden)
             start = E
-        return self.run_layers(hidden, attn, start, self.num_layers)
+        return self.run_layers(hidden, attn, start, self.num_layers, count=count)
 
     @staticmethod
     def mark_computed(rows: list[Row]) -> None:

@@ -79,8 +79,11 @@ class StaticDecode(StaticPass):
         return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
                 and all(len(r.tokens) == 1 and r.parents is None for r in rows))
 
-    def run(self, rows: list[Row]) -> tuple[StepInputs, torch.Tensor]:
-        inputs, logits = self._run_padded(rows, 1)
+    def run(self, rows: list[Row], tap=None) -> tuple[StepInputs, torch.Tensor]:
+        """`tap` (where `takes_taps`): as ModelRunner.forward's, its `out` filled one row a sequence."""
+        inputs, logits = self._run_padded(rows, 1, tap_points=None if tap is None else _points(tap))
+        if tap is not None:
+            tap[1][: len(rows)].copy_(self.tapped(_points(tap))[: len(rows)])
         self._count(rows, 1)
         self.runner.mark_computed(rows)
         return inputs, logits[: len(rows)]
@@ -147,20 +150,28 @@ class StaticVerify(StaticPass):
 
     def __init__(self, runner, max_batch: int, capture: bool, width: int):
         super().__init__(runner, max_batch, capture)
-        self.width = width
+        self.width = self.tap_width = width
 
     def takes(self, rows: list[Row]) -> bool:
         return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
                 and all(1 <= len(r.tokens) <= self.width and r.parents is None for r in rows))
 
-    def run(self, rows: list[Row]) -> torch.Tensor:
+    def run(self, rows: list[Row], tap=None) -> torch.Tensor:
+        """`tap` (where `takes_taps`): as ModelRunner.forward's, its `out` filled one row a real
+        token, in the order of the logits."""
         W = self.width
-        _, logits = self._run_padded(rows, W)
+        _, logits = self._run_padded(rows, W, tap_points=None if tap is None else _points(tap))
         self._count(rows, W)
+        tapped = None if tap is None else self.tapped(_points(tap))
         if all(len(r.tokens) == W for r in rows):
+            if tapped is not None:
+                tap[1][: len(rows) * W].copy_(tapped[: len(rows) * W])
             return logits[: len(rows) * W]
-        index = [b * W + k for b, r in enumerate(rows) for k in range(len(r.tokens))]
-        return logits.index_select(0, torch.tensor(index, device=logits.device))
+        index = torch.tensor([b * W + k for b, r in enumerate(rows) for k in range(len(r.tokens))],
+                             device=logits.device)
+        if tapped is not None:
+            torch.index_select(tapped, 0, index, out=tap[1][: index.shape[0]])
+        return logits.index_select(0, index)
 
     def run_with_tokens(self, rows: list[Row], values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """`run` with some tokens still on the device: `values` (int64, on the device) go to the
@@ -174,6 +185,11 @@ class StaticVerify(StaticPass):
         logits = self._launch(key + (W,), inputs, self.step)
         self._count(rows, W)
         return logits[: len(rows) * W]
+
+
+def _points(tap) -> tuple[int, ...]:
+    """A tap's layers as a tuple (ModelRunner.forward also takes one layer as an int)."""
+    return (tap[0],) if isinstance(tap[0], int) else tuple(tap[0])
 
 
 def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional[StaticDecode]:

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from eecore import envs
 from eecore.engine.inputs import Row, StepInputs
 
 
@@ -53,6 +54,12 @@ class StaticPass:
         # (P, table width, then the pass's own: verify width or segment) -> the pass's static output
         self.outputs: dict[tuple, object] = {}
         self.captures = 0  # graphs recorded: a pass that recorded one paid a one-time cost
+        # tapped passes (feature drafts' target states): their buffers by tapped layers, the
+        # tokens a row holds (a verify pass's width), and whether taps run static at all (else the
+        # caller's tapped passes run op by op: EECORE_FEATURE_GRAPHS, until a GPU has timed them)
+        self._tapped: dict[tuple[int, ...], torch.Tensor] = {}
+        self.tap_width = 1
+        self.takes_taps = envs.flag("EECORE_FEATURE_GRAPHS")
 
     @property
     def max_batch(self) -> int:
@@ -61,9 +68,28 @@ class StaticPass:
     def padded_size(self, batch: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
-    def _run_padded(self, rows: list[Row], width: int, continues: bool = False) -> tuple[StepInputs, torch.Tensor]:
+    def _run_padded(self, rows: list[Row], width: int, continues: bool = False,
+                    tap_points: Optional[tuple[int, ...]] = None) -> tuple[StepInputs, torch.Tensor]:
+        """The pass over `rows` padded to `width` tokens each; with `tap_points`, a pass of its own
+        (a graph of its own) that also copies the streams after those layers into `tapped(points)`."""
         inputs, key = self._build(rows, width, continues)
-        return inputs, self._launch(key + (width,), inputs, self.step)
+        if tap_points is None:
+            return inputs, self._launch(key + (width,), inputs, self.step)
+        buffer = self.tapped(tap_points)  # (allocated here, never inside a recording)
+        return inputs, self._launch(key + (width, tap_points), inputs,
+                                    lambda i: self.runner.logits(self._all_layers(i, (tap_points, buffer))))
+
+    def tapped(self, points: tuple[int, ...]) -> torch.Tensor:
+        """The pass's own buffer of tapped streams `[max_batch x width, len(points) x d]` (one row a
+        padded token, row b * width + k for row b's token k), at a fixed address: what a tapped
+        pass's graph writes."""
+        buffer = self._tapped.get(points)
+        if buffer is None:
+            model = self.runner.model
+            buffer = self._tapped[points] = torch.empty(
+                self.max_batch * self.tap_width, len(points) * model.config.hidden_size, dtype=model.dtype,
+                device=model.device)
+        return buffer
 
     def _build(self, rows: list[Row], width: int = 1, continues: bool = False) -> tuple[StepInputs, tuple[int, int]]:
         """The rows' inputs padded to a capture size and a table-width bucket, and (P, table width):
@@ -96,11 +122,11 @@ class StaticPass:
         """Every layer, final norm and LM head: fp32 logits of every padded row."""
         return self.runner.logits(self._all_layers(inputs))
 
-    def _all_layers(self, inputs: StepInputs) -> torch.Tensor:
+    def _all_layers(self, inputs: StepInputs, tap=None) -> torch.Tensor:
         """Embedding and every layer over the padded rows: the final residual stream (the rows' work
-        is counted by `_count`, on the real rows only)."""
+        is counted by `_count`, on the real rows only); `tap` as ModelRunner.run_layers_tapped's."""
         runner = self.runner
-        return runner.run_layers(runner.embed(inputs), inputs.attn, 0, runner.num_layers, count=False)
+        return runner.run_layers_tapped(runner.embed(inputs), inputs.attn, tap, count=False)
 
     def _count(self, rows: list[Row], tokens_per_row: int, layers: Optional[range] = None) -> None:
         """Only the real rows' work counts (tests prove with it that no work is repeated)."""

@@ -286,7 +286,8 @@ class SelfSpeculativeDecoder(DecodeStrategy):
         """CUDA graphs recorded so far by the passes a round may run (engine.static_decode, speculative.static_passes)."""
         runner = self.runner
         passes = (runner.static_decode, runner.static_verify, self._static_drafts, self._static_exit_verify,
-                  None if self.draft_stack is None else self.draft_stack.static, self.fused)
+                  None if self.draft_stack is None else self.draft_stack.static, self.fused,
+                  None if self.features is None else self.features.static)
         return sum(p.captures for p in passes if p is not None)
 
     def _plain_round(self, seqs: list[Sequence], shadowed: list[int], start: float,

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from eecore import envs
 from eecore.engine.sequence import Sequence
 from eecore.models.draft_columns import DraftColumns
 from eecore.models.feature_head import SHIPPED_FILE, FeatureHead
@@ -23,6 +24,7 @@ from eecore.models.int8_weights import eight_bit, project
 from eecore.speculative.draft import Budgets, Draft, DraftPicker
 from eecore.speculative.proposers import Proposer
 from eecore.speculative.state import SequenceStates
+from eecore.speculative.static_passes import StaticFeatureSteps
 
 
 class FeatureDraftHead(DraftColumns):
@@ -80,10 +82,12 @@ class FeatureProposer(Proposer):
 
     kind = "feature"
 
-    def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates, max_tokens: int):
+    def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates, max_tokens: int,
+                 static: Optional[StaticFeatureSteps] = None):
         self.head = head
         self.picker = picker
         self.states = states
+        self.static = static  # the head's steps as CUDA graphs (EECORE_FEATURE_GRAPHS), else op by op
         self.passes = 0  # head steps run (the draft planner's clock)
         model = head.model
         # every pass's tapped streams, for up to a step's tokens (`keep` copies out what it keeps)
@@ -116,6 +120,10 @@ class FeatureProposer(Proposer):
             return
         for b in live:
             drafts[b].source = "feature"
+        static = self.static
+        if static is not None and len(live) <= static.max_batch and max(budgets[b] for b in live) <= static.max_steps:
+            self._propose_static(seqs, drafts, budgets, live, features)
+            return
         head = self.head
         state = head.start(torch.stack([features[b] for b in live]))
         tokens = torch.tensor([seqs[b].last_token_id for b in live], device=state.device)
@@ -136,6 +144,30 @@ class FeatureProposer(Proposer):
                 live = [live[i] for i in rows]
             tokens = torch.tensor([drafts[b].tokens[-1] for b in live], device=state.device)
 
+    def _propose_static(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
+                        features: list[Optional[torch.Tensor]]) -> None:
+        """`propose` on the head's static steps: every live row steps on to the longest budget's
+        end (what it drafts past its own end is not read), the picker reads the rows still going."""
+        static, n = self.static, len(live)
+        device = static.tokens.device
+        torch.stack([features[b] for b in live], out=static.features[:n])
+        static.tokens[0, :n].copy_(torch.tensor([seqs[b].last_token_id for b in live]))
+        rows = list(range(n))  # each live sequence's row of the padded batch
+        for step in range(max(budgets[b] for b in live)):
+            logits = static.run(n, step)
+            self.passes += 1
+            if len(rows) < n:
+                logits = logits.index_select(0, torch.tensor(rows, device=device))
+            kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
+                                           opening=live if step == 0 else ())
+            going = set(b for b in kept if len(drafts[b]) < budgets[b] and b not in ended)
+            still = [i for i, b in enumerate(live) if b in going]
+            if not still:
+                return
+            rows, live = [rows[i] for i in still], [live[i] for i in still]
+            static.tokens[step + 1].index_copy_(0, torch.tensor(rows, device=device),
+                                                torch.tensor([drafts[b].tokens[-1] for b in live], device=device))
+
     def release(self, seq: Sequence) -> None:
         self.states.clear_slot(seq, "features")
 
@@ -148,7 +180,11 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
                             eight_bits=(config.feature.dtype or ("int8" if model.device.type == "cpu" else
                                                                  "float32")) == "int8")
     picker = DraftPicker(config.feature, config.feature_top_k, head, sampler)
-    return head, FeatureProposer(head, picker, states, runner.max_tokens)
+    static = None
+    if runner.graph_capture is not None and envs.flag("EECORE_FEATURE_GRAPHS"):
+        static = StaticFeatureSteps(runner, head, runner.max_seqs, config.feature_draft_length,
+                                    capture=runner.graph_capture)
+    return head, FeatureProposer(head, picker, states, runner.max_tokens, static)
 
 
 def without_unfit_shipped_head(config, model):

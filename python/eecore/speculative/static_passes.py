@@ -1,8 +1,9 @@
 """Self-speculation's passes on static buffers (CUDA graphs on a GPU), which only its strategy
 builds and runs: StaticLayers (a draft pass through layers 0..E-1 of the model, or through a
-draft copy's E layers with its draft head) and StaticExitVerify (LayerSkip's verify pass from the
-exit-query cache through layers E..L-1). The full-depth verify pass, StaticVerify, which the
-engine builds, is in engine.static_decode; the graph machinery is engine.static_pass.
+draft copy's E layers with its draft head), StaticFeatureSteps (a feature head's draft steps) and
+StaticExitVerify (LayerSkip's verify pass from the exit-query cache through layers E..L-1). The
+full-depth verify pass, StaticVerify, which the engine builds, is in engine.static_decode; the
+graph machinery is engine.static_pass.
 """
 from __future__ import annotations
 
@@ -101,6 +102,40 @@ class StaticLayers(StaticPass):
         if hidden.shape[0] != P:  # rows of several tokens: each row's last (run sets _last_rows)
             hidden = torch.index_select(hidden, 0, self._last_rows[:P], out=self._last_states[:P])
         return self.head.columns(hidden)
+
+
+class StaticFeatureSteps(StaticPass):
+    """A feature head's draft steps (eecore.speculative.feature_drafts) on static buffers: step k
+    over a padded batch of P windows is a pass (a graph) of its own, keyed (P, k), reading the
+    target's tapped states and the steps' tokens from buffers at fixed addresses and its window so
+    far from step k - 1's outputs. The host fills `features` and `tokens[0]` for the first n rows,
+    then each later step's tokens (the drafts picked from the step before), and reads each step's
+    logits. Padded rows and rows that stopped drafting compute on unread, so a step's shapes are
+    its batch's whatever the drafts; the head has no cache, so nothing they write lasts."""
+
+    def __init__(self, runner, head, max_batch: int, max_steps: int, capture: bool):
+        super().__init__(runner, max_batch, capture)
+        self.head = head  # a FeatureDraftHead: start, step, taps
+        model = runner.model
+        self.max_steps = max_steps
+        self.features = torch.zeros(max_batch, len(head.taps) * model.config.hidden_size, dtype=model.dtype,
+                                    device=model.device)
+        self.tokens = torch.zeros(max_steps, max_batch, dtype=torch.int64, device=model.device)
+
+    def run(self, n: int, k: int) -> torch.Tensor:
+        """Step k of the first `n` rows: their fp32 logits over the draft vocabulary `[n, K]` (a view)."""
+        P = self.padded_size(n)
+        return self._launch((P, k), (P, k), self.step)[1][:n]
+
+    def step(self, key: tuple[int, int]):
+        P, k = key
+        if k == 0:
+            state, window = self.head.start(self.features[:P]), None
+        else:
+            state, _, keys, values = self.outputs[P, k - 1]  # the outputs step k - 1's graph writes
+            window = (keys, values)
+        state, logits, (keys, values) = self.head.step(state, self.tokens[k, :P], window)
+        return state, logits, keys, values
 
 
 class StaticExitVerify(StaticVerify):

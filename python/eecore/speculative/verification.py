@@ -75,8 +75,8 @@ class Verifier:
         `tap`: (layers, out) the streams after those layers are copied to, for every token (feature
         drafts: ModelRunner.run_layers_tapped)."""
         static = self.runner.static_verify
-        if not shadowed and tap is None and static is not None and static.takes(rows):
-            return _rows_of(static.run(rows), rows_read)  # a CUDA graph replay on a GPU
+        if not shadowed and static is not None and (tap is None or static.takes_taps) and static.takes(rows):
+            return _rows_of(static.run(rows, tap), rows_read)  # a CUDA graph replay on a GPU
         inputs = self.runner.prepare(rows)
         hidden = self.runner.embed(inputs)
         if tap is not None:
