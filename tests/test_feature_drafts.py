@@ -272,8 +272,8 @@ def _on_static_passes(spec, monkeypatch):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head_file, adaptive, monkeypatch):
     """EECORE_FEATURE_GRAPHS: the head's steps as graphs of a padded batch (rows that stopped
-    drafting step on unread), and the decode steps and chain verify passes tapping the target's
-    states inside their graphs. Full depth's tokens, and at fixed lengths the drafts the op-by-op
+    drafting step on unread), and the chain verify passes (and the planner's plain steps) tapping the
+    target's states inside their graphs (the decode step's tap alone: the test after the next). Full depth's tokens, and at fixed lengths the drafts the op-by-op
     passes make (wrong taps or windows would draft other tokens, which lossless verification alone
     would hide)."""
     path, hf = tiny
@@ -298,8 +298,6 @@ def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head
         assert drafted[id(spec)] == drafted[id(eager)]
     taps = steps.head.taps
     assert any(k[-1] == taps for k in runner.static_verify.graphs), "no verify pass tapped inside its graph"
-    if adaptive:  # (the planner's plain rounds: fixed lengths draft every round)
-        assert any(k[-1] == taps for k in runner.static_decode.graphs), "no plain step tapped inside its graph"
     assert {k for _, k in steps.graphs} >= {0, 1, 2}, "the head's later steps never ran as graphs"
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
@@ -356,3 +354,21 @@ def test_static_passes_tap_the_streams_the_varlen_pass_taps(tiny, head_file, wid
         torch.testing.assert_close(static_out, eager_out)
         torch.testing.assert_close(logits, eager_logits)
     assert any(k[-1] == taps for k in static.graphs)
+
+
+def test_plain_rounds_the_planner_keeps_quiet_tap_nothing(tiny, llm, head_file):
+    """Where the planner has planned a round quiet (nobody drafts in the next either), its plain
+    step neither taps the head's states nor keeps them; a head that is never right (a new one)
+    soon has every round so. Full depth's tokens all the same."""
+    path, hf = tiny
+    fresh = os.path.join(os.path.dirname(head_file[0]), "fresh.safetensors")
+    FeatureHead.initialized(llm.model, seed=3).save(fresh)
+    spec = _spec(path, fresh, adaptive=True)
+    features, kept = spec.engine.strategy.features, []
+    keep = features.keep
+    features.keep = lambda seqs, *rest: kept.append(len(seqs)) or keep(seqs, *rest)
+    prompts = random_prompts(hf.config.vocab_size, [3, 9], seed=5)
+    outs = spec.generate(prompts, greedy(60))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, greedy(60))]
+    rounds = max(o.metrics["num_verify_steps"] for o in outs)
+    assert len(kept) < rounds - 10, f"{len(kept)} of {rounds} rounds kept the head's states"

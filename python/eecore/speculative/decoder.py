@@ -302,7 +302,9 @@ class SelfSpeculativeDecoder(DecodeStrategy):
                 self.policy.record_undrafted(seq, draft)
                 if draft.copy_ran:  # the copy's K/V of the pending token is right
                     self.draft_stack.settle(seq, begin + 1)
-        elif self.features is not None:  # feature drafts read the step's tapped streams next round
+        elif self.features is not None and not (self.planner is not None and self.planner.all_quiet):
+            # feature drafts read the step's tapped streams next round (where the planner has planned
+            # this round quiet, the next drafts nothing: a step without the tap and the keeping)
             self.policy.record_plain(seqs)
             tap = self.features.tap(len(seqs))
             results, _ = self._plain.step(seqs, tap=tap)
