@@ -35,7 +35,8 @@ tools/gpu_train_exit_ready.sh), the exit-ready presets for a GPU (`SelfSpeculati
 preset, device="cuda")` with the shipped draft layers) run against that model's full depth on
 held-out prompts (--exit-ready-prompts: code, and "everyday" chat requests), at every batch size:
 real weights, real acceptance; on a GPU also the shipped feature head, alone and beside the layer
-preset's copy, op by op and as graphs ("..., graphs": EECORE_FEATURE_GRAPHS=1). --exit-configs
+preset's copy, op by op and as graphs ("..., graphs": EECORE_FEATURE_GRAPHS=1 and
+EECORE_TREE_GRAPHS=1). --exit-configs
 filters these rows too. Writes
 bench/results/<gpu>/<device>-e2e-<date>.json (cuda_ops.py names both).
 """
@@ -169,18 +170,16 @@ def exit_ready_configs(device: str) -> dict:
     for ahead, env in AHEAD_MODES.items():
         if env:
             configs["exit-ready layer" + ahead] = dict(configs["exit-ready layer"], env=env)
-    if device == "cuda":  # the shipped feature head (chains: a token tree's verify pass runs op by op there),
-        # alone and beside the layer preset's copy, op by op and as CUDA graphs (EECORE_FEATURE_GRAPHS)
-        head = eecore.FeatureDrafts(max_length=2)
+    if device == "cuda":  # the shipped feature head, alone (chains) and beside the layer preset's copy
+        # (trees of 3, as the CPU preset), op by op and as CUDA graphs (EECORE_FEATURE_GRAPHS, EECORE_TREE_GRAPHS)
         layer = configs["exit-ready layer"]
         for graphs in ("0", "1"):
-            label = ", graphs" if graphs == "1" else ""
-            configs["feature head d=2" + label] = dict(env={"EECORE_FEATURE_GRAPHS": graphs},
-                                                       speculative=eecore.SelfSpeculativeConfig(
-                                                           num_speculations=2, adaptive=True, feature=head))
-            configs["exit-ready layer + head" + label] = dict(
-                layer, env={"EECORE_FEATURE_GRAPHS": graphs},
-                speculative=dataclasses.replace(layer["speculative"], feature=head))
+            label, env = (", graphs" if graphs == "1" else ""), {"EECORE_FEATURE_GRAPHS": graphs,
+                                                                 "EECORE_TREE_GRAPHS": graphs}
+            configs["feature head d=2" + label] = dict(env=env, speculative=eecore.SelfSpeculativeConfig(
+                num_speculations=2, adaptive=True, feature=eecore.FeatureDrafts(max_length=2)))
+            configs["exit-ready layer + head" + label] = dict(layer, env=env, speculative=dataclasses.replace(
+                layer["speculative"], feature=eecore.FeatureDrafts(top_k=3, max_length=2)))
     return configs
 
 

@@ -312,14 +312,18 @@ def test_graphs_with_preemption_and_bf16(tiny):
             assert abs(a.logprobs[0][token] - b.logprobs[0][token]) < 0.05
 
 
-@pytest.mark.parametrize("draft", ["lookup", "copy", "hybrid-token"])
-def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft):
+@pytest.mark.parametrize("draft", ["lookup", "copy", "hybrid-token", "copy-tree"])
+def test_graphs_of_the_verify_pass_give_eager_tokens(tiny, draft, monkeypatch):
     """Self-speculation's verify pass captured per padded batch at the round's verify width, and a
-    draft copy's one-token passes, against enforce_eager=True: same tokens and logprobs."""
+    draft copy's one-token passes, against enforce_eager=True: same tokens and logprobs (token
+    trees: EECORE_TREE_GRAPHS=1)."""
+    monkeypatch.setenv("EECORE_TREE_GRAPHS", "1")
     path, hf = tiny
     spec = {"lookup": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts()),
             "copy": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
                 1, copy=eecore.DraftCopy())),
+            "copy-tree": lambda: eecore.SelfSpeculativeConfig(num_speculations=2, layer=eecore.LayerDrafts(
+                1, copy=eecore.DraftCopy(top_k=3))),
             "hybrid-token": lambda: eecore.SelfSpeculativeConfig(
                 num_speculations=4, layer=eecore.LayerDrafts(1, max_length=2, copy=eecore.DraftCopy()),
                 lookup=eecore.LookupDrafts(min_ngram=2), hybrid_switch="token")}[draft]
@@ -582,15 +586,16 @@ def feature_head(tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_graphs_of_feature_drafts_give_eager_tokens_and_drafts(tiny, feature_head, adaptive, monkeypatch):
-    """EECORE_FEATURE_GRAPHS=1: the head's steps, and the verify passes and plain steps that tap the
-    target's states for it, as CUDA graphs, against enforce_eager=True: same tokens, and (fixed
-    lengths) the same drafts."""
+@pytest.mark.parametrize("adaptive, top_k", [(False, 1), (True, 1), (False, 3)])
+def test_graphs_of_feature_drafts_give_eager_tokens_and_drafts(tiny, feature_head, adaptive, top_k, monkeypatch):
+    """EECORE_FEATURE_GRAPHS=1 and EECORE_TREE_GRAPHS=1: the head's steps, and the verify passes
+    (of chains, and of token trees with top_k=3) and plain steps that tap the target's states for
+    it, as CUDA graphs, against enforce_eager=True: same tokens, and (fixed lengths) the same drafts."""
     monkeypatch.setenv("EECORE_FEATURE_GRAPHS", "1")
+    monkeypatch.setenv("EECORE_TREE_GRAPHS", "1")
     path, hf = tiny
     spec = lambda: eecore.SelfSpeculativeConfig(num_speculations=3, adaptive=adaptive,  # noqa: E731
-                                                feature=eecore.FeatureDrafts(head=feature_head))
+                                                feature=eecore.FeatureDrafts(head=feature_head, top_k=top_k))
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
     params = [greedy(6 + 3 * i) for i in range(len(prompts))]
     engines = _llm(path, speculative=spec(), enforce_eager=True), _llm(path, speculative=spec())
@@ -600,7 +605,7 @@ def test_graphs_of_feature_drafts_give_eager_tokens_and_drafts(tiny, feature_hea
 
         def spy(logits, rows, seqs, drafts, take=picker.take, seen=seen, **kw):
             kept, ended = take(logits, rows, seqs, drafts, **kw)
-            seen.append([drafts[b].tokens[-1] for b in kept])
+            seen.append([(drafts[b].tokens[-1], drafts[b].alternatives[-1] if top_k > 1 else None) for b in kept])
             return kept, ended
         picker.take = spy
         drafted.append(seen)
@@ -611,3 +616,5 @@ def test_graphs_of_feature_drafts_give_eager_tokens_and_drafts(tiny, feature_hea
     steps, runner = engines[1].engine.strategy.features.static, engines[1].engine.runner
     assert steps is not None and steps.graphs, "the head's steps were not captured"
     assert any(k[-1] == steps.head.taps for k in runner.static_verify.graphs), "no tapped verify pass was captured"
+    if top_k > 1:
+        assert any("tree" in k for k in runner.static_verify.graphs), "no tree's verify pass was captured"

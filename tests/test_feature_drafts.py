@@ -99,10 +99,10 @@ def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file
         FeatureHead.load(str(tmp_path / "not-a-head.safetensors"))
 
 
-def _spec(path, head, drafts=3, adaptive=False, top_k=1, head_dtype=None, **kw):
+def _spec(path, head, drafts=3, adaptive=False, top_k=1, head_dtype=None, lookup=None, **kw):
     return eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=kw.pop("max_num_seqs", 8), **kw,
                       speculative=eecore.SelfSpeculativeConfig(
-                          num_speculations=drafts, adaptive=adaptive,
+                          num_speculations=drafts, adaptive=adaptive, lookup=lookup,
                           feature=eecore.FeatureDrafts(head=head, top_k=top_k, dtype=head_dtype)))
 
 
@@ -255,11 +255,13 @@ def test_feature_drafts_under_tensor_parallelism(tiny, llm, head_file):
 def _on_static_passes(spec, monkeypatch):
     """`spec`'s decode steps, verify passes and head steps on static buffers, replayed as emulated
     CUDA graphs (engine_utils.emulate_graphs), with the target's states tapped inside them
-    (EECORE_FEATURE_GRAPHS, read when a static pass is built)."""
+    (EECORE_FEATURE_GRAPHS) and token trees verified in them (EECORE_TREE_GRAPHS; both read when a
+    static pass is built)."""
     from eecore.engine.static_decode import StaticDecode, StaticVerify
     from eecore.speculative.static_passes import StaticFeatureSteps
 
     monkeypatch.setenv("EECORE_FEATURE_GRAPHS", "1")
+    monkeypatch.setenv("EECORE_TREE_GRAPHS", "1")
     runner, strategy, rows = spec.engine.runner, spec.engine.strategy, spec.engine.config.max_num_seqs
     runner.static_decode = emulate_graphs(StaticDecode(runner, rows, capture=False))
     runner.static_verify = emulate_graphs(StaticVerify(runner, rows, capture=False, width=strategy.lookahead))
@@ -269,17 +271,22 @@ def _on_static_passes(spec, monkeypatch):
     return runner, features.static
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head_file, adaptive, monkeypatch):
+@pytest.mark.parametrize("adaptive, trees", [(False, False), (True, False), (False, True)])
+def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head_file, adaptive, trees,
+                                                                 monkeypatch):
     """EECORE_FEATURE_GRAPHS: the head's steps as graphs of a padded batch (rows that stopped
-    drafting step on unread), and the chain verify passes (and the planner's plain steps) tapping the
-    target's states inside their graphs (the decode step's tap alone: the test after the next). Full depth's tokens, and at fixed lengths the drafts the op-by-op
-    passes make (wrong taps or windows would draft other tokens, which lossless verification alone
-    would hide)."""
+    drafting step on unread), and the verify passes (and the planner's plain steps) tapping the
+    target's states inside their graphs (the decode step's tap alone: the test after the next);
+    `trees`: the head's token trees of 2 beside prompt lookup's chains, so that rounds of trees and
+    rounds of chains alone replay graphs of their own (EECORE_TREE_GRAPHS). Full depth's tokens, and
+    at fixed lengths the drafts the op-by-op passes make (wrong taps, windows or tree masks would
+    draft other tokens, which lossless verification alone would hide)."""
     path, hf = tiny
-    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
+    base = random_prompts(hf.config.vocab_size, [10], seed=4)[0]
+    prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11) + ([base * 3] if trees else [])
     params = [greedy(8 + 4 * i) for i in range(len(prompts))]
-    eager, spec = (_spec(path, head_file[0], adaptive=adaptive, head_dtype="float32") for _ in range(2))
+    extra = dict(top_k=2, lookup=eecore.LookupDrafts()) if trees else {}
+    eager, spec = (_spec(path, head_file[0], adaptive=adaptive, head_dtype="float32", **extra) for _ in range(2))
     runner, steps = _on_static_passes(spec, monkeypatch)
     drafted = {id(eager): [], id(spec): []}  # every head step's drafts, in order
     for engine in (eager, spec):
@@ -287,7 +294,7 @@ def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head
 
         def spy(logits, rows, seqs, drafts, take=picker.take, seen=drafted[id(engine)], **kw):
             kept, ended = take(logits, rows, seqs, drafts, **kw)
-            seen.append([drafts[b].tokens[-1] for b in kept])
+            seen.append([(drafts[b].tokens[-1], drafts[b].alternatives[-1] if trees else None) for b in kept])
             return kept, ended
         picker.take = spy
     eager.generate(prompts, params)
@@ -298,6 +305,10 @@ def test_feature_drafts_on_graphs_draft_what_they_draft_op_by_op(tiny, llm, head
         assert drafted[id(spec)] == drafted[id(eager)]
     taps = steps.head.taps
     assert any(k[-1] == taps for k in runner.static_verify.graphs), "no verify pass tapped inside its graph"
+    if trees:
+        assert any("tree" in k for k in runner.static_verify.graphs), "no tree's verify pass ran as a graph"
+        assert any("tree" not in k for k in runner.static_verify.graphs), "no chain's verify pass ran as a graph"
+        assert sum(o.metrics["num_lookup_drafted_tokens"] for o in outs) > 0
     assert {k for _, k in steps.graphs} >= {0, 1, 2}, "the head's later steps never ran as graphs"
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 

@@ -347,8 +347,10 @@ def test_padding_errors():
         builder.build([Row(seq, 1, [7, 8])], pad_to=2)
     with pytest.raises(ValueError, match="rows of 1 to 2 tokens each"):
         builder.build([Row(seq, 1, [7, 8, 9])], pad_to=2, width=2)
-    with pytest.raises(ValueError, match="no token trees"):
-        builder.build([Row(seq, 1, [7, 8], parents=[-1, 0])], pad_to=2, width=2)
+    wide = InputBuilder(max_tokens=160, max_seqs=2, max_blocks_per_seq=20, block_size=4, device=torch.device("cpu"),
+                        pad_block=9)
+    with pytest.raises(ValueError, match="token trees: rows of at most 64"):
+        wide.build([Row(seq, 1, list(range(65)), parents=[-1] + list(range(64)))], pad_to=2, width=65)
     no_pad = InputBuilder(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, block_size=4, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="padding needs the KV cache's pad block"):
         no_pad.build([Row(seq, 3, [7])], pad_to=2)
@@ -374,6 +376,27 @@ def test_rows_padded_to_a_width():
     assert inputs.attn.block_table.tolist() == [[2, 5, 6], [3, 4, -1], [9, 9, -1]]
 
 
+def test_token_trees_padded_to_a_width():
+    """A tree row of a padded step: its tokens at their depths, seeing their ancestors; the padding
+    after them at the tree's deepest position, each seeing itself alone (its K/V in the round's
+    reserved slots); a chain row beside it and the padding rows see every token before them."""
+    builder = InputBuilder(max_tokens=16, max_seqs=3, max_blocks_per_seq=3, block_size=4,
+                           device=torch.device("cpu"), pad_block=9)
+    seq = Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=4))
+    seq.block_table = [2, 5, 6]
+    chain = Sequence([1, 2], eecore.SamplingParams(max_tokens=4))
+    chain.block_table = [3, 4]
+    # the pending token 7, its draft 8 and runner-up 9 (both children of 7), then 10 after 8
+    inputs = builder.build([Row(seq, 4, [7, 8, 9, 10], parents=[-1, 0, 0, 1]), Row(chain, 1, [6, 1])],
+                           pad_to=3, width=5)
+    assert inputs.token_ids.tolist() == [7, 8, 9, 10, 10, 6, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert inputs.attn.positions.tolist() == [4, 5, 5, 6, 6, 1, 2, 2, 2, 2, 0, 1, 2, 3, 4]
+    assert inputs.attn.slot_mapping.tolist() == [20, 21, 22, 23, 24, 13, 14, 15, 16, 17, 36, 37, 38, 39, 36]
+    chains = [1, 3, 7, 15, 31]
+    assert inputs.attn.tree_mask.tolist() == [1, 3, 5, 11, 16] + chains + chains
+    assert inputs.attn.query_start_loc.tolist() == [0, 5, 10, 15]
+
+
 SPEC_CONFIGS = {
     "lookup": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, lookup=eecore.LookupDrafts()),
     "copy": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
@@ -383,15 +406,19 @@ SPEC_CONFIGS = {
         lookup=eecore.LookupDrafts(min_ngram=2), hybrid_switch="token"),
     "copy-exits": lambda: eecore.SelfSpeculativeConfig(num_speculations=3, layer=eecore.LayerDrafts(
         2, stop_below=0.0, exit_threshold=0.0035, copy=eecore.DraftCopy())),
+    # token trees: the copy's runners-up verified beside its chain (EECORE_TREE_GRAPHS)
+    "copy-tree": lambda: eecore.SelfSpeculativeConfig(num_speculations=2, layer=eecore.LayerDrafts(
+        2, copy=eecore.DraftCopy(top_k=3))),
 }
 
 
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
-def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
+def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name, monkeypatch):
     """Self-speculation's verify pass through every layer, padded to the verify width on static
     buffers, and a draft copy's one-token passes on static buffers (the code CUDA graphs capture,
     run eagerly), give the varlen passes' tokens, exits and logprobs, do the same work, and leave
     every block free."""
+    monkeypatch.setenv("EECORE_TREE_GRAPHS", "1")  # (read when the static verify pass is built)
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]  # repeats: prompt lookup finds matches
@@ -417,6 +444,8 @@ def test_static_verify_pass_gives_the_varlen_pass_tokens(tiny, name):
         assert stack.runner.layer_tokens == plain_llm.engine.strategy.draft_stack.runner.layer_tokens
         if name == "hybrid-token":  # rounds drafted by lookup alone: the copy catches up on several tokens
             assert max(key[-1] for key in stack.static.outputs) > 2
+    if name == "copy-tree":
+        assert any(key[-1] == "tree" for key in llm.engine.runner.static_verify.outputs), "no tree ran static"
     _assert_same_rounds(llm, static, plain_llm, plain)
 
 
@@ -613,12 +642,14 @@ def test_early_exit_segments_replayed_as_graphs_give_the_eager_iteration(tiny, n
         [o.metrics.get("layers_wasted_per_token") for o in eager]
 
 
-def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny):
+def test_decode_and_verify_replayed_as_graphs_give_the_eager_tokens(tiny, monkeypatch):
+    """(Token trees' verify passes, EECORE_TREE_GRAPHS: graphs of their own, on their own buffers.)"""
+    monkeypatch.setenv("EECORE_TREE_GRAPHS", "1")
     path, hf = tiny
     prompts = random_prompts(hf.config.vocab_size, [3, 9, 17, 5, 12], seed=11)
     prompts = [p + p[: len(p) // 2] + p for p in prompts]
     params = [greedy(6 + 3 * i) for i in range(len(prompts))]
-    for config in (None, SPEC_CONFIGS["hybrid-token"]()):
+    for config in (None, SPEC_CONFIGS["hybrid-token"](), SPEC_CONFIGS["copy-tree"]()):
         eager = _llm(path, static=False, speculative=config).generate(prompts, params)
         llm = _llm(path, static=True, speculative=config)
         runner = llm.engine.runner

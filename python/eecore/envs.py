@@ -67,6 +67,8 @@ _SWITCHES = (
     Switch("EECORE_FEATURE_GRAPHS", ("0", "1"), "0", "engine build",
            "feature drafts on a GPU run as CUDA graphs: the head's steps, and the verify passes and "
            "plain steps that tap the target's states for it (op by op until a GPU has timed them)"),
+    Switch("EECORE_TREE_GRAPHS", ("0", "1"), "0", "engine build",
+           "token trees' verify passes on a GPU run as CUDA graphs (op by op until a GPU has timed them)"),
     Switch("EECORE_PREPARE_NEXT_STEP", ("0", "1"), "0", "every step",
            "the host fills the next decode step's inputs while the current step's graph runs"),
     Switch("EECORE_PREFETCH_WEIGHTS", ("0", "1"), "0", "model build",

@@ -168,6 +168,8 @@ class InputBuilder(StepPrediction):
         if has_tree:
             self._trees(rows, h)
         self._pad(n, B, width, h)
+        if has_tree and B > n:  # padding rows are chains of `width` tokens
+            h["tree"][int(qsl[n]): int(qsl[B])] = np.tile(_chain_masks(width), B - n)
         if padded_T > T:
             h["tokens"][T:padded_T] = 0
             h["positions"][T:padded_T] = 0
@@ -209,24 +211,32 @@ class InputBuilder(StepPrediction):
         other row of the step is a chain (each token sees the ones before it)."""
         qsl, tree, positions = h["qsl"], h["tree"], h["positions"]
         for b, row in enumerate(rows):
-            lo, n = int(qsl[b]), int(qsl[b + 1] - qsl[b])
+            lo, n = int(qsl[b]), int(qsl[b + 1] - qsl[b])  # (a padded step's rows all hold `width` tokens)
             if row.parents is not None:
-                if len(row.parents) != n:
-                    raise ValueError(f"Row.parents: {len(row.parents)} parents for {n} tokens")
-                depths, tree[lo: lo + n] = tree_depths_and_masks(row.parents)
-                positions[lo: lo + n] = row.start + depths
+                real = len(row.tokens)
+                if len(row.parents) != real:
+                    raise ValueError(f"Row.parents: {len(row.parents)} parents for {real} tokens")
+                depths, tree[lo: lo + real] = tree_depths_and_masks(row.parents)
+                positions[lo: lo + real] = row.start + depths
+                # a padded step's tokens past the tree's: each sees the context and itself alone,
+                # at the tree's deepest position (their K/V goes to slots the round reserved, their
+                # outputs are dropped)
+                positions[lo + real: lo + n] = row.start + int(depths.max())
+                tree[lo + real: lo + n] = (np.uint64(1) << np.arange(real, n, dtype=np.uint64)).view(np.int64)
             else:
                 if n > MAX_TREE_TOKENS:
                     raise ValueError(f"a step with token trees takes rows of at most {MAX_TREE_TOKENS} tokens, "
                                      f"got {n}")
-                tree[lo: lo + n] = ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)
+                tree[lo: lo + n] = _chain_masks(n)
 
     def _check_padding(self, rows: list[Row], pad_to: int, width: int) -> None:
         if self.pad_block < 0:
             raise RuntimeError("InputBuilder: padding needs the KV cache's pad block")
-        if pad_to < len(rows) or any(not 1 <= len(r.tokens) <= width or r.parents is not None for r in rows):
+        if pad_to < len(rows) or any(not 1 <= len(r.tokens) <= width for r in rows) or \
+                (width > MAX_TREE_TOKENS and any(r.parents is not None for r in rows)):
             raise ValueError(f"InputBuilder: padding to {pad_to} rows of {width} tokens takes at most that many "
-                             f"rows of 1 to {width} tokens each (no token trees), got {len(rows)} rows")
+                             f"rows of 1 to {width} tokens each (token trees: rows of at most {MAX_TREE_TOKENS}), "
+                             f"got {len(rows)} rows")
 
     def _check_token_padding(self, rows: list[Row], pad_to: Optional[int], pad_tokens_to: int, T: int) -> None:
         if self.pad_block < 0:
@@ -271,3 +281,8 @@ class InputBuilder(StepPrediction):
             tables = self._cross_device["tables"][: B * width].view(B, width).copy_(tables, non_blocking=True)
             lens = self._cross_device["lens"][:B].copy_(lens, non_blocking=True)
         return dict(cross_tables=tables, cross_lens=lens)
+
+
+def _chain_masks(n: int) -> np.ndarray:
+    """The tree masks of a chain of `n` tokens: each sees every one before it and itself."""
+    return ((np.uint64(2) << np.arange(n, dtype=np.uint64)) - np.uint64(1)).view(np.int64)

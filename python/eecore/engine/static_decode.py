@@ -141,9 +141,10 @@ class StaticDecode(StaticPass):
 
 
 class StaticVerify(StaticPass):
-    """A self-speculation round's verify pass through every layer (lookup drafts and a draft copy's)
-    on static buffers: each sequence's pending token and drafts padded to the round's verify width W,
-    so one graph per padded batch holds the pass. `run(rows)`: the logits of every real token, in
+    """A self-speculation round's verify pass through every layer (lookup drafts, a draft copy's, a
+    feature head's) on static buffers: each sequence's pending token and drafts (a chain, or with
+    `takes_trees` a token tree) padded to the round's verify width W, so one graph per padded batch
+    holds the pass (and one more for passes with trees). `run(rows)`: the logits of every real token, in
     the rows' order (fp32 `[sum of row lengths, V]`). A padded token writes K/V into a slot the
     round reserved past its sequence's drafts, which a later step overwrites before any query
     reads it; its own output is dropped."""
@@ -151,16 +152,20 @@ class StaticVerify(StaticPass):
     def __init__(self, runner, max_batch: int, capture: bool, width: int):
         super().__init__(runner, max_batch, capture)
         self.width = self.tap_width = width
+        # token trees too (each row's tree masks in the step's buffers; a graph of their own):
+        # EECORE_TREE_GRAPHS, until a GPU has timed them
+        self.takes_trees = envs.flag("EECORE_TREE_GRAPHS")
 
     def takes(self, rows: list[Row]) -> bool:
         return (0 < len(rows) <= self.max_batch and not self.runner.model.is_encoder_decoder
-                and all(1 <= len(r.tokens) <= self.width and r.parents is None for r in rows))
+                and all(1 <= len(r.tokens) <= self.width and (r.parents is None or self.takes_trees) for r in rows))
 
     def run(self, rows: list[Row], tap=None) -> torch.Tensor:
         """`tap` (where `takes_taps`): as ModelRunner.forward's, its `out` filled one row a real
         token, in the order of the logits."""
         W = self.width
-        _, logits = self._run_padded(rows, W, tap_points=None if tap is None else _points(tap))
+        _, logits = self._run_padded(rows, W, tap_points=None if tap is None else _points(tap),
+                                     tree=any(r.parents is not None for r in rows))
         self._count(rows, W)
         tapped = None if tap is None else self.tapped(_points(tap))
         if all(len(r.tokens) == W for r in rows):

@@ -69,14 +69,16 @@ class StaticPass:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def _run_padded(self, rows: list[Row], width: int, continues: bool = False,
-                    tap_points: Optional[tuple[int, ...]] = None) -> tuple[StepInputs, torch.Tensor]:
+                    tap_points: Optional[tuple[int, ...]] = None, tree: bool = False) -> tuple[StepInputs, torch.Tensor]:
         """The pass over `rows` padded to `width` tokens each; with `tap_points`, a pass of its own
-        (a graph of its own) that also copies the streams after those layers into `tapped(points)`."""
+        (a graph of its own) that also copies the streams after those layers into `tapped(points)`;
+        `tree`: some rows are token trees (their masks are in other buffers: a graph of its own)."""
         inputs, key = self._build(rows, width, continues)
+        key += (width,) + (("tree",) if tree else ())
         if tap_points is None:
-            return inputs, self._launch(key + (width,), inputs, self.step)
+            return inputs, self._launch(key, inputs, self.step)
         buffer = self.tapped(tap_points)  # (allocated here, never inside a recording)
-        return inputs, self._launch(key + (width, tap_points), inputs,
+        return inputs, self._launch(key + (tap_points,), inputs,
                                     lambda i: self.runner.logits(self._all_layers(i, (tap_points, buffer))))
 
     def tapped(self, points: tuple[int, ...]) -> torch.Tensor:
