@@ -97,6 +97,17 @@ def test_chat_instructions_are_answered_in_the_chat_template(llm, tmp_path):
                                heldout_prompts=0)
 
 
+def test_an_empty_split_is_refused_before_the_model_writes_anything(llm, tmp_path, monkeypatch):
+    """The split counts are checked first: asking the model for requests (asked_per_topic) took a
+    quarter of an hour on 2 cores before an empty held-out split was refused."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model ran before the arguments were checked")
+    monkeypatch.setattr(llm, "generate", no_model)
+    with pytest.raises(ValueError, match="the heldout split needs at least one prompt"):
+        write_generated_corpus(llm, str(tmp_path), train_files=[], heldout_files=[], train_prompts=0,
+                               heldout_prompts=0, general_train_prompts=5, asked_per_topic=2)
+
+
 def test_chat_instructions_need_a_chat_template(llm, tmp_path, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     files = [CorpusFile("pkg_a", "a.py", CODE.format(name="list_reports"), "0")]

@@ -118,12 +118,13 @@ def write_generated_corpus(llm, out_dir: str, *, train_files: list[CorpusFile], 
     temperatures = tuple(temperatures)
     if not temperatures or any(not t >= 0 for t in temperatures):
         raise ValueError(f"write_generated_corpus: temperatures must be one or more numbers >= 0, got {temperatures!r}")
-    splits = {}
-    for split, files, code, chat, general in (
-            ("train", train_files, train_prompts, chat_train_prompts, general_train_prompts),
-            ("heldout", heldout_files, heldout_prompts, chat_heldout_prompts, general_heldout_prompts)):
+    counts = {"train": (train_files, train_prompts, chat_train_prompts, general_train_prompts),
+              "heldout": (heldout_files, heldout_prompts, chat_heldout_prompts, general_heldout_prompts)}
+    for split, (_, code, chat, general) in counts.items():  # (before the model writes any request)
         if code + chat + general < 1:
             raise ValueError(f"write_generated_corpus: the {split} split needs at least one prompt, code or chat")
+    splits = {}
+    for split, (files, code, chat, general) in counts.items():
         prompts = _split_prompts(llm, split, files, code, chat, general, asked_per_topic)
         if not prompts:
             raise ValueError(f"write_generated_corpus: the {split} files hold no usable code prompt or instruction")
