@@ -144,8 +144,8 @@ class StaticVerify(StaticPass):
     """A self-speculation round's verify pass through every layer (lookup drafts, a draft copy's, a
     feature head's) on static buffers: each sequence's pending token and drafts (a chain, or with
     `takes_trees` a token tree) padded to the round's verify width W, so one graph per padded batch
-    holds the pass (and one more for passes with trees). `run(rows)`: the logits of every real token, in
-    the rows' order (fp32 `[sum of row lengths, V]`). A padded token writes K/V into a slot the
+    holds the pass (and one more for passes with trees). `run(rows)`: the logits of every real
+    token, in the rows' order (fp32 `[sum of row lengths, V]`). A padded token writes K/V into a slot the
     round reserved past its sequence's drafts, which a later step overwrites before any query
     reads it; its own output is dropped."""
 

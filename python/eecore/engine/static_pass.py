@@ -69,7 +69,8 @@ class StaticPass:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def _run_padded(self, rows: list[Row], width: int, continues: bool = False,
-                    tap_points: Optional[tuple[int, ...]] = None, tree: bool = False) -> tuple[StepInputs, torch.Tensor]:
+                    tap_points: Optional[tuple[int, ...]] = None,
+                    tree: bool = False) -> tuple[StepInputs, torch.Tensor]:
         """The pass over `rows` padded to `width` tokens each; with `tap_points`, a pass of its own
         (a graph of its own) that also copies the streams after those layers into `tapped(points)`;
         `tree`: some rows are token trees (their masks are in other buffers: a graph of its own)."""

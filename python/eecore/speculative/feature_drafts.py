@@ -131,10 +131,7 @@ class FeatureProposer(Proposer):
         for step in range(max(budgets[b] for b in live)):
             state, logits, window = head.step(state, tokens, window)
             self.passes += 1
-            kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
-                                           opening=live if step == 0 else ())
-            going = set(b for b in kept if len(drafts[b]) < budgets[b] and b not in ended)
-            rows = [i for i, b in enumerate(live) if b in going]
+            rows = self._pick(logits, step, live, seqs, drafts, budgets)
             if not rows:
                 return
             if len(rows) < len(live):
@@ -158,15 +155,21 @@ class FeatureProposer(Proposer):
             self.passes += 1
             if len(rows) < n:
                 logits = logits.index_select(0, torch.tensor(rows, device=device))
-            kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
-                                           opening=live if step == 0 else ())
-            going = set(b for b in kept if len(drafts[b]) < budgets[b] and b not in ended)
-            still = [i for i, b in enumerate(live) if b in going]
+            still = self._pick(logits, step, live, seqs, drafts, budgets)
             if not still:
                 return
             rows, live = [rows[i] for i in still], [live[i] for i in still]
             static.tokens[step + 1].index_copy_(0, torch.tensor(rows, device=device),
                                                 torch.tensor([drafts[b].tokens[-1] for b in live], device=device))
+
+    def _pick(self, logits: torch.Tensor, step: int, live: list[int], seqs: list[Sequence], drafts: list[Draft],
+              budgets: list[int]) -> list[int]:
+        """The drafts of step `step` picked from `logits` (a row for each of `live`) into `drafts`;
+        returns the places in `live` of the sequences whose chains go on."""
+        kept, ended = self.picker.take(logits, live, seqs, drafts, with_alternatives=True,
+                                       opening=live if step == 0 else ())
+        going = set(b for b in kept if len(drafts[b]) < budgets[b] and b not in ended)
+        return [i for i, b in enumerate(live) if b in going]
 
     def release(self, seq: Sequence) -> None:
         self.states.clear_slot(seq, "features")
