@@ -356,16 +356,23 @@ def test_padding_errors():
         no_pad.build([Row(seq, 3, [7])], pad_to=2)
 
 
-def test_rows_padded_to_a_width():
-    """A verify pass's rows padded to W tokens: the extra tokens write K/V into the sequence's own
-    next slots (reserved by the round) at its last position for RoPE; padding sequences hold W
-    tokens in the pad block, wrapping around it."""
+def _builder_and_two_sequences():
+    """A padding InputBuilder (3 rows of 16 tokens, blocks of 4, pad block 9) and two sequences in
+    its cache: 5 tokens in blocks 2, 5, 6, and 2 tokens in blocks 3, 4."""
     builder = InputBuilder(max_tokens=16, max_seqs=3, max_blocks_per_seq=3, block_size=4,
                            device=torch.device("cpu"), pad_block=9)
     seq = Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=4))
     seq.block_table = [2, 5, 6]
-    full = Sequence([1, 2], eecore.SamplingParams(max_tokens=4))
-    full.block_table = [3, 4]
+    other = Sequence([1, 2], eecore.SamplingParams(max_tokens=4))
+    other.block_table = [3, 4]
+    return builder, seq, other
+
+
+def test_rows_padded_to_a_width():
+    """A verify pass's rows padded to W tokens: the extra tokens write K/V into the sequence's own
+    next slots (reserved by the round) at its last position for RoPE; padding sequences hold W
+    tokens in the pad block, wrapping around it."""
+    builder, seq, full = _builder_and_two_sequences()
     inputs = builder.build([Row(seq, 4, [7, 8]), Row(full, 1, [6, 1, 2, 3, 4])], pad_to=3, width=5)
     assert inputs.token_ids.tolist() == [7, 8, 8, 8, 8, 6, 1, 2, 3, 4, 0, 0, 0, 0, 0]
     assert inputs.attn.positions.tolist() == [4, 5, 5, 5, 5, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]
@@ -380,12 +387,7 @@ def test_token_trees_padded_to_a_width():
     """A tree row of a padded step: its tokens at their depths, seeing their ancestors; the padding
     after them at the tree's deepest position, each seeing itself alone (its K/V in the round's
     reserved slots); a chain row beside it and the padding rows see every token before them."""
-    builder = InputBuilder(max_tokens=16, max_seqs=3, max_blocks_per_seq=3, block_size=4,
-                           device=torch.device("cpu"), pad_block=9)
-    seq = Sequence([1, 2, 3, 4, 5], eecore.SamplingParams(max_tokens=4))
-    seq.block_table = [2, 5, 6]
-    chain = Sequence([1, 2], eecore.SamplingParams(max_tokens=4))
-    chain.block_table = [3, 4]
+    builder, seq, chain = _builder_and_two_sequences()
     # the pending token 7, its draft 8 and runner-up 9 (both children of 7), then 10 after 8
     inputs = builder.build([Row(seq, 4, [7, 8, 9, 10], parents=[-1, 0, 0, 1]), Row(chain, 1, [6, 1])],
                            pad_to=3, width=5)
