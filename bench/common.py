@@ -90,6 +90,13 @@ def timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
+def rotated(items: list, k: int) -> list:
+    """`items` starting from its (k mod n)-th: the order of a run's configurations, turned from run to
+    run so that none always follows the same one."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def call_seconds(fn, repeats: int) -> list[float]:
     """The seconds of each of `repeats` calls of fn(), after one call to warm it up (callers take the
     median, or the minimum where the best case is the figure)."""

@@ -9,7 +9,7 @@ For each kind of prompt (bench/common.py's held-out sets) and batch size: full d
 each `--drafts` length and `--top-k` tree width (d = 1, k = 1: the head's first draft alone, whose
 acceptance is the first-draft acceptance), the exit-ready layer preset's copy alone, the preset
 without its prompt lookup (the copy and the head, the planner picking) and as it drafts (lookup
-first), alternating run by run. Rows: tokens per second,
+first), each group of prompts run by every engine in an order that rotates. Rows: tokens per second,
 the ratio to full depth, drafts accepted / drafted, tokens a round, and whether every output equals
 full depth's. Over dequantized fp32 weights by default (`--quantized`: the embedded file's own
 blocks, eecore's default). Writes bench/results/<machine>/cpu-feature-head-<date>.json.
@@ -23,7 +23,7 @@ import statistics
 import torch
 
 import eecore
-from common import bench_prompt_ids, cpu_model, save_results, timed
+from common import bench_prompt_ids, cpu_model, rotated, save_results, timed
 
 
 def main() -> None:
@@ -79,16 +79,21 @@ def main() -> None:
         for batch in args.batch_sizes:
             groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
             reference = [o.token_ids for g in groups for o in full.generate(g, params)]
-            # every engine right after full depth on each group of prompts in turn: the machine's
-            # drift (a neighbour, the clock) falls on all of them alike
+            # every engine, full depth among them, on each group of prompts in turn, in an order
+            # that rotates from group to group: the machine's drift (a neighbour, the clock) falls
+            # on all of them alike, and so does the place in the order (an engine run right after
+            # full depth ran 3-5% slower than the same engine elsewhere in the order)
             t_full = [0.0] * args.repeats
             t_this = {label: [0.0] * args.repeats for label in engines}
             outs: dict = {label: [] for label in engines}
+            names = [None, *engines]  # None: full depth
             for r in range(args.repeats):
-                for g in groups:
-                    t_full[r] += timed(full.generate, g, params)[1]
-                    for label, llm in engines.items():
-                        out, t = timed(llm.generate, g, params)
+                for i, g in enumerate(groups):
+                    for label in rotated(names, r + i):
+                        if label is None:
+                            t_full[r] += timed(full.generate, g, params)[1]
+                            continue
+                        out, t = timed(engines[label].generate, g, params)
                         t_this[label][r] += t
                         if r == args.repeats - 1:
                             outs[label] += out

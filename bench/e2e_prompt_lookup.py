@@ -41,7 +41,7 @@ import statistics
 import torch
 
 import eecore
-from common import cpu_model, hf_model_from_gguf, save_results, timed
+from common import cpu_model, hf_model_from_gguf, rotated, save_results, timed
 from eecore.evaluation.prompts import heldout_code_prompts
 
 def _version(package: str):
@@ -223,8 +223,7 @@ def main():
     times = {name: [] for name in names}
     outputs = {}
     for r in range(args.repeats):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate who goes first
-        for name in order:
+        for name in rotated(names, r):  # who goes first turns from repeat to repeat
             for s in stats.get(name, {}).values():
                 s.clear()
             outputs[name], t = timed(runners[name], prompts)
