@@ -22,6 +22,7 @@ from eecore.engine.inputs import InputBuilder, Row, StepInputs
 from eecore.engine.kv_cache import KVCache
 from eecore.engine.piecewise import PiecewiseForward
 from eecore.engine.static_decode import StaticDecode, StaticVerify
+from eecore.engine.step_buffers import tap_points
 from eecore.models.llama import AttentionInputs, LlamaModel
 
 
@@ -174,8 +175,7 @@ class ModelRunner:
         says (into the first rows of its `out`: one a row of `hidden`); `count` as in run_layers."""
         if tap is None:
             return self.run_layers(hidden, attn, 0, self.num_layers, count=count)
-        points, out = tap
-        points = (points,) if isinstance(points, int) else points
+        points, out = tap_points(tap), tap[1]
         d, n, start = hidden.shape[1], hidden.shape[0], 0
         for k, E in enumerate(points):
             self.run_layers(hidden, attn, start, E, count=count)

@@ -24,6 +24,7 @@ from eecore import envs
 from eecore.engine.inputs import Row, StepInputs
 from eecore.engine.sequence import Sequence
 from eecore.engine.static_pass import StaticPass
+from eecore.engine.step_buffers import tap_points
 from eecore.engine.transfer import device_tensor
 
 
@@ -81,9 +82,9 @@ class StaticDecode(StaticPass):
 
     def run(self, rows: list[Row], tap=None) -> tuple[StepInputs, torch.Tensor]:
         """`tap` (where `takes_taps`): as ModelRunner.forward's, its `out` filled one row a sequence."""
-        inputs, logits = self._run_padded(rows, 1, tap_points=None if tap is None else _points(tap))
+        inputs, logits = self._run_padded(rows, 1, tap_points=None if tap is None else tap_points(tap))
         if tap is not None:
-            tap[1][: len(rows)].copy_(self.tapped(_points(tap))[: len(rows)])
+            tap[1][: len(rows)].copy_(self.tapped(tap_points(tap))[: len(rows)])
         self._count(rows, 1)
         self.runner.mark_computed(rows)
         return inputs, logits[: len(rows)]
@@ -164,10 +165,10 @@ class StaticVerify(StaticPass):
         """`tap` (where `takes_taps`): as ModelRunner.forward's, its `out` filled one row a real
         token, in the order of the logits."""
         W = self.width
-        _, logits = self._run_padded(rows, W, tap_points=None if tap is None else _points(tap),
+        _, logits = self._run_padded(rows, W, tap_points=None if tap is None else tap_points(tap),
                                      tree=any(r.parents is not None for r in rows))
         self._count(rows, W)
-        tapped = None if tap is None else self.tapped(_points(tap))
+        tapped = None if tap is None else self.tapped(tap_points(tap))
         if all(len(r.tokens) == W for r in rows):
             if tapped is not None:
                 tap[1][: len(rows) * W].copy_(tapped[: len(rows) * W])
@@ -190,11 +191,6 @@ class StaticVerify(StaticPass):
         logits = self._launch(key + (W,), inputs, self.step)
         self._count(rows, W)
         return logits[: len(rows) * W]
-
-
-def _points(tap) -> tuple[int, ...]:
-    """A tap's layers as a tuple (ModelRunner.forward also takes one layer as an int)."""
-    return (tap[0],) if isinstance(tap[0], int) else tuple(tap[0])
 
 
 def maybe_static_decode(runner, max_batch: int, enforce_eager: bool) -> Optional[StaticDecode]:

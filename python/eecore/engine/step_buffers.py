@@ -125,3 +125,9 @@ class StepBuffers:
 
 
 _TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
+def tap_points(tap) -> tuple[int, ...]:
+    """A tap's layers (ModelRunner.forward's `tap` is (layers, out), the layers one int or several)
+    as a tuple."""
+    return (tap[0],) if isinstance(tap[0], int) else tuple(tap[0])
