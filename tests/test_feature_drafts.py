@@ -124,6 +124,51 @@ def test_feature_drafts_emit_full_depths_greedy_tokens(tiny, llm, head_file, ada
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
+def test_greedy_trees_verify_the_heads_most_likely_nodes(tiny, llm, head_file, monkeypatch):
+    """Each greedy tree the engine verifies holds d x top_k nodes whose path probabilities under the
+    head, recomputed here from each step's logits, are the highest among the chain and top_k
+    runners-up a position; some are not the fixed shape; the tokens stay full depth's."""
+    from eecore.speculative import decoder
+
+    path, hf = tiny
+    top_k = 2
+    spec = _spec(path, head_file[0], drafts=3, top_k=top_k)
+    head, steps, trees = spec.engine.strategy.features.head, [], []
+    column = (lambda t: t) if head.vocab is None else {int(t): c for c, t in enumerate(head.vocab.tolist())}.get
+    step, tree_row = head.step, decoder.tree_row
+
+    def logged_step(state, tokens, window):
+        out = step(state, tokens, window)
+        steps.append(torch.softmax(out[1][0].float(), dim=-1))  # (batch 1: one row)
+        return out
+
+    def logged_row(seq, chain, alternatives):
+        trees.append((list(chain), [list(a) for a in alternatives], steps[:]))
+        steps.clear()
+        return tree_row(seq, chain, alternatives)
+    monkeypatch.setattr(head, "step", logged_step)
+    monkeypatch.setattr(decoder, "tree_row", logged_row)
+    for prompt in random_prompts(hf.config.vocab_size, [4, 11, 7], seed=5):
+        assert spec.generate([prompt], greedy(12))[0].token_ids == llm.generate([prompt], greedy(12))[0].token_ids
+    reshaped = 0
+    for chain, alternatives, probs in [t for t in trees if t[2]]:  # (rounds the head drafted)
+        assert len(alternatives) == len(chain) <= len(probs)
+        kept, reach = [], 1.0
+        for j, token in enumerate(chain):
+            kept += [reach * float(probs[j][column(a)]) for a in alternatives[j]]
+            reach *= float(probs[j][column(token)])
+            kept.append(reach)
+        candidates, reach = [], 1.0
+        for p in probs:
+            top = p.topk(top_k + 1).values.tolist()
+            candidates += [reach * v for v in top]
+            reach *= top[0]
+        assert len(kept) == len(probs) * top_k
+        assert sorted(kept, reverse=True) == pytest.approx(sorted(candidates, reverse=True)[: len(kept)], rel=1e-5)
+        reshaped += len(chain) < len(probs) or any(len(a) != top_k - 1 for a in alternatives)
+    assert reshaped > 0
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_prompt_lookup_drafts_first_and_the_head_where_it_finds_nothing(tiny, llm, head_file, adaptive):
     """Lookup beside the head: a sequence whose text ends in a match drafts it, the others draft

@@ -10,7 +10,7 @@ import torch
 import eecore
 from eecore.engine.block_table import BlockTable
 from eecore.engine.inputs import MAX_TREE_TOKENS, InputBuilder, Row, tree_depths_and_masks
-from eecore.speculative.token_tree import accept_greedy, tree_row
+from eecore.speculative.token_tree import accept_greedy, most_likely_nodes, tree_row
 from engine_utils import greedy, random_prompts
 from model_factory import make_peaked_tiny_model, make_tiny_hf_model
 
@@ -97,6 +97,87 @@ def test_accept_greedy():
     target = [11, 12, 99, 0, 0, 0, 0]  # chain[2] wrong, no alternative for it
     v = accept_greedy(chain, alts, target)
     assert (v.tokens, v.rows, v.leaf_row, v.chain_accepted) == ([11, 12, 99], [0, 1, 2], -1, 2)
+
+
+def test_most_likely_nodes_follow_the_draft_probabilities():
+    chain, alts = [11, 12], [[21, 22], [31, 32]]
+    # a doubtful first position: its runners-up beat the second position's
+    assert most_likely_nodes(chain, alts, [[0.4, 0.3, 0.2], [0.9, 0.05, 0.01]], 4) == (2, [[21, 22], []])
+    # a sure first position: the rows go to the second
+    assert most_likely_nodes(chain, alts, [[0.95, 0.03, 0.01], [0.5, 0.3, 0.1]], 4) == (2, [[], [31, 32]])
+    # the chain ends where its next token is less likely than a runner-up before it
+    assert most_likely_nodes(chain, alts, [[0.3, 0.3, 0.2], [0.5, 0.1, 0.1]], 3) == (1, [[21, 22]])
+    # a budget as large as the candidates keeps them all
+    assert most_likely_nodes(chain, alts, [[0.5, 0.2, 0.1], [0.5, 0.2, 0.1]], 6) == (2, alts)
+
+
+def test_the_picker_keeps_a_greedy_trees_probabilities():
+    """With keeps_tree_probs, a greedy row's draft carries its chain token's and its top_k runners-up'
+    probabilities (one runner-up more than the tree verifies a position: most_likely_nodes ranks
+    them); a sampled row's alternatives stay top_k - 1 draws, without probabilities."""
+    from eecore.engine.sampler import Sampler
+    from eecore.models.draft_columns import DraftColumns
+    from eecore.speculative.draft import Draft, DraftPicker
+    from eecore.speculative.options import FeatureDrafts
+
+    vocab = torch.tensor([5, 7, 9, 11, 13, 15])
+    columns = DraftColumns(vocab, 20, 4, torch.device("cpu"))
+    picker = DraftPicker(FeatureDrafts(head="h"), 3, columns, Sampler(torch.device("cpu")))
+    picker.keeps_tree_probs = True
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(3))
+
+    class Seq:
+        def __init__(self, greedy):
+            self.params = eecore.SamplingParams(temperature=0.0 if greedy else 1.0)
+            self.stats = __import__("collections").Counter()
+            self.seq_id = id(self)
+
+    seqs, drafts = [Seq(True), Seq(False)], [Draft(), Draft()]
+    picker.take(logits, [0, 1], seqs, drafts, with_alternatives=True)
+    p = torch.softmax(logits[0], dim=-1)
+    order = p.argsort(descending=True)[:4]
+    assert drafts[0].tokens == [int(vocab[order[0]])]
+    assert drafts[0].alternatives == [[int(vocab[c]) for c in order[1:]]]
+    assert drafts[0].tree_probs[0] == pytest.approx(p[order].tolist(), rel=1e-5)
+    assert len(drafts[1].alternatives[0]) == 2 and drafts[1].tree_probs == []
+
+
+def _subtrees(d, k):
+    """Every node set of a chain of d and k runners-up a position that is a tree (each node's
+    parents in it): (chain tokens kept, the runners-up kept a position as ranks)."""
+    import itertools
+
+    for keep in range(1, d + 1):
+        for picks in itertools.product(*[list(itertools.chain.from_iterable(
+                itertools.combinations(range(k), n) for n in range(k + 1)))] * keep):
+            yield keep, picks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_most_likely_nodes_are_the_best_tree_of_their_size(seed):
+    """Against every tree of the same size: the most total path probability (what a greedy tree
+    expects to cover of the model's path, drafts taken as right at their probabilities)."""
+    rng = np.random.default_rng(seed)
+    d, k = 3, 2
+    probs = []
+    for _ in range(d):
+        p = np.sort(rng.dirichlet(np.ones(6) * 0.5))[::-1][: k + 1]
+        probs.append([float(x) for x in p])
+    chain, alts = [10, 20, 30], [[11, 12], [21, 22], [31, 32]]
+
+    def mass(keep, ranks):
+        total, reach = 0.0, 1.0
+        for j in range(keep):
+            total += reach * (probs[j][0] + sum(probs[j][1 + r] for r in ranks[j]))
+            reach *= probs[j][0]
+        return total
+
+    for budget in range(1, d * (k + 1) + 1):
+        keep, kept = most_likely_nodes(chain, alts, probs, budget)
+        assert keep + sum(map(len, kept)) == budget and len(kept) == keep
+        ranks = [[alts[j].index(t) for t in kept[j]] for j in range(keep)]
+        best = max(mass(c, r) for c, r in _subtrees(d, k) if c + sum(map(len, r)) == budget)
+        assert mass(keep, ranks) == pytest.approx(best, rel=1e-12)
 
 
 # ---- end to end ----------------------------------------------------------------------------------

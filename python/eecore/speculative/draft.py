@@ -3,6 +3,7 @@ tokens (`DraftPicker`): the argmax or a draw from the draft distribution, the th
 chain, exits that skip verification (LayerDrafts.exit_threshold), token-tree alternatives."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +24,9 @@ class Draft:
     source: str = "layer"     # what drafted its other tokens: "layer" (layer E or the copy) or "feature" (a head)
     # per drafted position (token trees, DraftCopy.top_k or FeatureDrafts.top_k > 1): the runners-up verified beside it
     alternatives: list[list[int]] = field(default_factory=list)
+    # per drafted position of a greedy tree whose nodes follow the draft probabilities
+    # (token_tree.most_likely_nodes): the probabilities of its chain token and of its alternatives
+    tree_probs: list[list[float]] = field(default_factory=list)
     # the logprobs (None unless asked) of the leading tokens emitted as exits (LayerDrafts.exit_threshold)
     exits: list = field(default_factory=list)
     layer_turn: bool = False  # a layer draft was allowed this round: the rounds the guard judges
@@ -78,6 +82,8 @@ class DraftPicker:
         self.top_k = top_k
         self.draft_length = draft_length
         self.measure = measure
+        # whether `take` keeps each greedy tree position's probabilities (Draft.tree_probs)
+        self.keeps_tree_probs = False
 
     def top1(self, logits: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
         """(the probabilities `[n, K]`, the top-1 probability `[n]`, the top-1 column `[n]`) of draft
@@ -121,20 +127,30 @@ class DraftPicker:
              if exiting[i] and s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         return Proposal(tokens, draws, confident, exiting, logprobs, confidence)
 
-    def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> list[list[int]]:
+    def alternatives(self, logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal,
+                     probabilities: Optional[list] = None) -> list[list[int]]:
         """Up to DraftCopy.top_k - 1 token-tree alternatives for each row's chain token: for a greedy
         sequence the draft's next most likely tokens (none outside the draft vocabulary); for a
         sampled one, more draws from the distribution q the chain token was drawn from, independent
-        of it (multi-step speculative sampling needs independent draws, so they may repeat it)."""
+        of it (multi-step speculative sampling needs independent draws, so they may repeat it).
+        `probabilities`: a list with a place per row, where greedy rows get the draft probabilities
+        of their chain token and of its alternatives, of which they then get one more (top_k: the
+        candidates token_tree.most_likely_nodes ranks, so that rows can move between positions)."""
         out: list[list[int]] = [[] for _ in seqs]
         greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
         if greedy:
             rows = logits if len(greedy) == len(seqs) else logits[greedy]
-            values, columns = rows.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+            wanted = self.top_k + (probabilities is not None)
+            values, columns = rows.topk(min(wanted, logits.shape[-1]), dim=-1)
+            if probabilities is not None:  # (log-probabilities of the top tokens, in the same read back)
+                values = values - rows.logsumexp(dim=-1, keepdim=True)
             values, indices = values.tolist(), self.head.token_ids(columns).tolist()
             for i, ids, vals in zip(greedy, indices, values):
                 token = proposal.tokens[i]
-                out[i] = [t for t, v in zip(ids, vals) if t != token and v != float("-inf")][: self.top_k - 1]
+                kept = [(t, v) for t, v in zip(ids, vals) if t != token and v != float("-inf")][: wanted - 1]
+                out[i] = [t for t, _ in kept]
+                if probabilities is not None:  # (the chain token is the argmax: the first value)
+                    probabilities[i] = [math.exp(v) for v in [vals[0]] + [v for _, v in kept]]
         sampled = [i for i, q in enumerate(proposal.probs) if q is not None]
         if sampled:
             q = torch.stack([proposal.probs[i] for i in sampled])
@@ -158,7 +174,8 @@ class DraftPicker:
             seq.stats["layer_proposals"] += 1
         proposal = self.propose(logits, live_seqs, [drafts[b].tokens for b in rows])
         with_alternatives = with_alternatives and self.top_k > 1  # (no tree: Draft.alternatives stays empty)
-        alts = self.alternatives(logits, live_seqs, proposal) if with_alternatives else None
+        probs = [None] * len(rows) if with_alternatives and self.keeps_tree_probs else None
+        alts = self.alternatives(logits, live_seqs, proposal, probs) if with_alternatives else None
         kept, ended = [], set()
         opening = set(opening) if self.draft_length is not None else ()
         for i, b in enumerate(rows):
@@ -175,5 +192,7 @@ class DraftPicker:
             draft.from_lookup.append(False)
             if with_alternatives:
                 draft.alternatives.append(alts[i])
+                if probs is not None and probs[i] is not None:
+                    draft.tree_probs.append(probs[i])
             kept.append(b)
         return kept, ended

@@ -25,6 +25,7 @@ from eecore.speculative.draft import Budgets, Draft, DraftPicker
 from eecore.speculative.proposers import Proposer
 from eecore.speculative.state import SequenceStates
 from eecore.speculative.static_passes import StaticFeatureSteps
+from eecore.speculative.token_tree import most_likely_nodes
 
 
 class FeatureDraftHead(DraftColumns):
@@ -78,7 +79,10 @@ class FeatureProposer(Proposer):
     """Each drafting sequence's chain from the feature head: the first draft from its kept target
     states and pending token, each later one from the head's own state and the draft before; the
     draft picker turns each step's logits into tokens (greedy, or drawn, for rejection sampling),
-    and with FeatureDrafts.top_k > 1 each position's runners-up too (a token tree)."""
+    and with FeatureDrafts.top_k > 1 each position's runners-up too (a token tree). A greedy tree
+    of d positions then keeps the d x top_k nodes most likely under the head among its chain and
+    top_k runners-up a position (token_tree.most_likely_nodes): the head's probabilities say where
+    a row is worth more, beside a doubtful position or deeper along a sure chain."""
 
     kind = "feature"
 
@@ -123,7 +127,25 @@ class FeatureProposer(Proposer):
         static = self.static
         if static is not None and len(live) <= static.max_batch and max(budgets[b] for b in live) <= static.max_steps:
             self._propose_static(seqs, drafts, budgets, live, features)
+        else:
+            self._propose_eager(seqs, drafts, budgets, live, features)
+        if self.picker.keeps_tree_probs:
+            for b in live:
+                self._keep_most_likely(drafts[b])
+
+    def _keep_most_likely(self, draft: Draft) -> None:
+        """A greedy tree's d x top_k most likely nodes (token_tree.most_likely_nodes) among its chain
+        and top_k runners-up a position: its chain may end sooner, its rows shift between positions."""
+        if len(draft.tree_probs) != len(draft.tokens):  # (a sampled draft: independent draws, top_k - 1 each)
             return
+        keep, draft.alternatives = most_likely_nodes(draft.tokens, draft.alternatives, draft.tree_probs,
+                                                     len(draft.tokens) * self.picker.top_k)
+        del draft.tokens[keep:], draft.probs[keep:], draft.from_lookup[keep:]
+        draft.tree_probs = []
+
+    def _propose_eager(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
+                       features: list[Optional[torch.Tensor]]) -> None:
+        """`propose` op by op: each step runs the rows whose chains go on."""
         head = self.head
         state = head.start(torch.stack([features[b] for b in live]))
         tokens = torch.tensor([seqs[b].last_token_id for b in live], device=state.device)
@@ -183,6 +205,8 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
                             eight_bits=(config.feature.dtype or ("int8" if model.device.type == "cpu" else
                                                                  "float32")) == "int8")
     picker = DraftPicker(config.feature, config.feature_top_k, head, sampler)
+    # a greedy tree's rows go to its most likely nodes (token_tree.most_likely_nodes)
+    picker.keeps_tree_probs = config.feature_top_k > 1
     static = None
     if runner.graph_capture is not None and envs.flag("EECORE_FEATURE_GRAPHS"):
         static = StaticFeatureSteps(runner, head, runner.max_seqs, config.feature_draft_length,

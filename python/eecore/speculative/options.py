@@ -204,8 +204,10 @@ class FeatureDrafts:
                                        "the most tokens a feature draft holds (default: --num-speculations)")
     stop_below: Optional[float] = option(None, "--feature-stop-below",
                                          "end a feature draft at a token whose top-1 probability is below this")
-    top_k: int = option(1, "--feature-top-k", "verify K tokens at each drafted position at once (the chain "
-                        "and the head's K-1 runners-up, a token tree), as DraftCopy.top_k")
+    top_k: int = option(1, "--feature-top-k", "a token tree of K tokens a drafted position (d positions "
+                        "verify d x K): for a greedy request the d x K most likely of the chain and each "
+                        "position's K runners-up by the head's probabilities, for a sampled one the chain and "
+                        "K-1 more draws a position, as DraftCopy.top_k")
     dtype: Optional[str] = option(None, "--feature-dtype", "the head's weights and LM head rows as it drafts: "
                                   "int8 (8-bit, a quarter of fp32's bytes: eecore.models.int8_weights.eight_bit) or "
                                   "float32 (as trained); default: int8 on a CPU, float32 on a GPU (where int8 weights "

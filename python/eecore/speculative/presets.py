@@ -6,7 +6,8 @@ Both draft with the copy of layers 0..7 that the shipped file makes (its LoRA pa
 - "layer": d = 4, a chain stopped below top-1 probability 0.15, and past its first draft only when
   that draft is at least 0.5 sure while the sequence's first drafts are accepted less than half the
   time; on a CPU, beside the copy, the shipped feature head (eecore.speculative.feature_drafts:
-  token trees of 3 tokens a position, at most 2 positions), and each round the planner gives each
+  token trees of 3 tokens a position, at most 2 positions, their nodes the most likely of the
+  chain and its runners-up), and each round the planner gives each
   sequence the copy's chain or the head's tree, whichever emits more tokens a second at the
   measured costs and that sequence's acceptance: the copy on code, the head on chat and everyday
   requests (docs/feature-heads.md); and before either, prompt lookup: a sequence whose text ends in

@@ -16,6 +16,13 @@ model's token may be one of that position's alternatives: it is accepted, and it
 gives one more token. Its K/V then sits in a leaf's slot and moves to the position it now holds.
 A sampled sequence's alternatives are more draws from the draft's distribution, accepted by
 rejection sampling over the same layout (eecore.speculative.rejection).
+
+Which nodes a greedy tree verifies can follow the drafter's own probabilities (`most_likely_nodes`,
+as EAGLE-2's dynamic trees rank their nodes): a node's chance of being on the model's path is about
+the product of the draft probabilities along it, so where the first position is doubtful its
+runners-up are worth more rows than the chain's next token, and where it is sure the reverse. A
+tree of d positions and k tokens each verifies d x k nodes; the same number, taken as the most
+likely among the chain and k runners-up at each position, yields more.
 """
 from __future__ import annotations
 
@@ -36,6 +43,32 @@ def tree_row(seq: Sequence, chain: list[int], alternatives: list[list[int]]) -> 
         tokens += alts
         parents += [depth] * len(alts)  # children of chain token `depth` (0: the pending token)
     return Row(seq, seq.num_computed_tokens, tokens, parents)
+
+
+def most_likely_nodes(chain: list[int], alternatives: list[list[int]], probs: list[list[float]],
+                      budget: int) -> tuple[int, list[list[int]]]:
+    """The `budget` nodes of a greedy tree with the highest path probability: `probs[j]` are the draft
+    probabilities of chain[j] and then of alternatives[j] (its runners-up, most likely first). A
+    node's score is its own probability times its parents' (the chain tokens before it); a chain
+    token scores at least each of its siblings and each of its descendants, so the best nodes form
+    a tree: a prefix of the chain and some runners-up at each of its positions. Returns (how many
+    chain tokens stay, the runners-up kept at each of those positions)."""
+    nodes, reach = [], 1.0  # reach: the path probability up to the position's parent
+    for j, p in enumerate(probs[: len(chain)]):
+        for r, q in enumerate(p[: 1 + len(alternatives[j])]):
+            # ties go to the chain token, then to the shallower, then to the likelier runner-up
+            nodes.append((reach * q, r == 0, -j, -r))
+        reach *= p[0]
+    chosen = sorted(nodes, reverse=True)[:budget]
+    chain_kept = {-j for _, is_chain, j, _ in chosen if is_chain}
+    keep = 0
+    while keep in chain_kept:
+        keep += 1
+    kept = [[] for _ in range(keep)]
+    for _, is_chain, j, r in sorted(chosen, key=lambda n: (-n[2], -n[3])):
+        if not is_chain and -j < keep:
+            kept[-j].append(alternatives[-j][-r - 1])
+    return keep, kept
 
 
 @dataclass
