@@ -80,6 +80,64 @@ def test_training_goes_on_from_a_head_file(llm, tiny, head_file):
               init=FeatureHead.load(path))
 
 
+def test_an_eight_bit_file_holds_the_weights_to_half_a_step(llm, tmp_path, head_file):
+    """FeatureHead.save(dtype=torch.int8): matrices as 8-bit integers with a scale a row, norms in
+    bf16; loading widens them back, each weight within half a step of its row's scale."""
+    from safetensors import safe_open
+
+    path, _ = head_file
+    head = FeatureHead.load(path, llm.model)
+    small = str(tmp_path / "head-int8.safetensors")
+    head.save(small, torch.int8)
+    with safe_open(small, framework="pt") as f:
+        assert f.get_tensor("gate_up").dtype == torch.int8 and f.get_tensor("norm_mlp").dtype == torch.bfloat16
+    assert os.path.getsize(small) < 0.6 * os.path.getsize(path)
+    loaded = FeatureHead.load(small, llm.model)
+    for name, w in head.weights.items():
+        if w.dim() == 2:
+            step = w.abs().amax(dim=1, keepdim=True) / 127
+            assert ((loaded.weights[name] - w).abs() <= step / 2 + 1e-7).all(), name
+        else:
+            assert torch.allclose(loaded.weights[name], w.bfloat16().float()), name
+    assert loaded.taps == head.taps and loaded.base == head.base
+
+
+def test_a_wider_head_starts_as_the_head_it_widens(llm, tiny, head_file):
+    """`--init` with a larger intermediate_size: the MLP's new neurons read the input but write
+    nothing yet, so the wider head's steps give the head's own outputs; then they train."""
+    path, _ = head_file
+    head = FeatureHead.load(path, llm.model)
+    width = head.weights["down"].shape[1]
+    wider = head.widened(width + 24, seed=3)
+    assert wider.weights["down"].shape[1] == width + 24 and wider.weights["gate_up"].shape[0] == 2 * (width + 24)
+    d = head.weights["down"].shape[0]
+    g = torch.Generator().manual_seed(0)
+    state, embedding, rows = torch.randn(5, d, generator=g), torch.randn(5, d, generator=g), torch.randn(9, d, generator=g)
+    a, b = head.step(state, embedding, rows), wider.step(state, embedding, rows)
+    assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-4)
+    with pytest.raises(ValueError, match="'intermediate_size' must be at least"):
+        head.widened(width - 1)
+    config = FeatureHeadConfig(steps=3, batch_size=2, seq_len=16, drafts=2, lr=1e-2, intermediate_size=width + 24)
+    trainer = train(llm, _stream(tiny[1].config.vocab_size), config, init=FeatureHead.load(path, llm.model))
+    assert trainer.params["down"].shape[1] == width + 24
+    assert trainer.params["down"][:, width:].abs().sum() > 0  # the new neurons learned
+
+
+def test_the_cosine_schedule_warms_up_then_decays_to_zero(llm):
+    from eecore.train.feature_head import WARMUP, FeatureHeadTrainer
+
+    trainer = FeatureHeadTrainer(llm, FeatureHeadConfig(steps=120, lr=1e-3, lr_schedule="cosine"))
+    rates = []
+    for step in range(120):
+        trainer.step = step
+        rates.append(trainer.learning_rate())
+    assert rates[0] == pytest.approx(1e-3 / WARMUP) and rates[WARMUP - 1] == pytest.approx(1e-3)
+    assert rates[WARMUP] == pytest.approx(1e-3) and rates[-1] < 1e-6
+    assert all(x >= y for x, y in zip(rates[WARMUP:], rates[WARMUP + 1:]))
+    with pytest.raises(ValueError, match="'lr_schedule'"):
+        FeatureHeadConfig(lr_schedule="linear")
+
+
 def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file):
     path, trainer = head_file
     head = FeatureHead.load(path, llm.model)

@@ -22,6 +22,7 @@ the fingerprint of the target it was trained on, which loading checks.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -31,12 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from eecore.models.exit_adapter import _DATA, check_fingerprint, model_fingerprint
+from eecore.models.int8_weights import Int8Weight
 from eecore.models.rope import cos_sin_cache
 
 FORMAT = "eecore-feature-head-1"
 # the head trained by eecore for the default model, shipped inside the package (its card beside it)
 SHIPPED_FILE = os.path.join(_DATA, "smollm2-135m-instruct-feature-head.safetensors")
 WEIGHTS = ("fuse", "merge", "norm_attn", "qkv", "o", "norm_mlp", "gate_up", "down", "norm_out")
+SCALE = ".scale"  # a matrix stored as 8-bit integers: its scale a row (FeatureHead.save(dtype=torch.int8))
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
@@ -87,6 +90,25 @@ class FeatureHead:
             "down": rand(d, inter) / 4, "norm_out": torch.ones(d)}
         return cls(weights, taps, c.num_heads, c.num_kv_heads, hd, c.rms_norm_eps, c.rope_theta,
                    None if vocab is None else vocab.to(torch.int64), model_fingerprint(model))
+
+    def widened(self, intermediate_size: int, seed: int = 0) -> "FeatureHead":
+        """This head with an MLP of `intermediate_size` neurons: the new ones read the input as the old
+        ones do (random rows at their scale) and write nothing yet (zero columns of `down`), so the
+        wider head drafts exactly what this one does until training moves them."""
+        w = self.weights
+        d, old = w["down"].shape
+        if intermediate_size < old:
+            raise ValueError(f"FeatureHead.widened: 'intermediate_size' must be at least the MLP's {old}, "
+                             f"got {intermediate_size}")
+        g = torch.Generator().manual_seed(seed)
+        gate, up = w["gate_up"].float().chunk(2, dim=0)
+        extra = intermediate_size - old
+
+        def more_rows(rows):
+            return torch.cat([rows, torch.randn(extra, d, generator=g) * float(rows.std())])
+        weights = dict(w, gate_up=torch.cat([more_rows(gate), more_rows(up)]),
+                       down=torch.cat([w["down"].float(), torch.zeros(d, extra)], dim=1))
+        return dataclasses.replace(self, weights=weights)
 
     # ---- the head's step -------------------------------------------------------------------------
     def start_state(self, features: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
@@ -139,9 +161,19 @@ class FeatureHead:
 
     # ---- files -----------------------------------------------------------------------------------
     def save(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        """The file: its weights in `dtype` (a float type), or with torch.int8 its matrices as per-row
+        symmetric 8-bit integers with a scale a row (`NAME` and `NAME.scale`, half a bf16 file's
+        bytes; its norms in bf16), which loading widens back to floats."""
         from safetensors.torch import save_file
 
-        tensors = {name: t.detach().to(dtype).contiguous().cpu() for name, t in self.weights.items()}
+        tensors = {}
+        for name, t in self.weights.items():
+            t = t.detach().cpu()
+            if dtype == torch.int8 and t.dim() == 2:
+                quantized = Int8Weight.quantize(t)
+                tensors[name], tensors[name + SCALE] = quantized.data, quantized.scale
+            else:
+                tensors[name] = t.to(torch.bfloat16 if dtype == torch.int8 else dtype).contiguous()
         if self.vocab is not None:
             tensors["draft_vocab"] = self.vocab.to(torch.int32).contiguous().cpu()
         config = dict(taps=list(self.taps), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -165,7 +197,9 @@ class FeatureHead:
             raise ValueError(f"{path}: a feature head file without {', '.join(missing)}")
         config, base = json.loads(meta["config"]), json.loads(meta.get("base", "{}"))
         vocab = tensors.pop("draft_vocab", None)
-        head = cls({name: tensors[name].float() for name in WEIGHTS}, tuple(config["taps"]), config["num_heads"],
+        weights = {name: Int8Weight(tensors[name], tensors[name + SCALE]).dequantize(torch.float32)
+                   if name + SCALE in tensors else tensors[name].float() for name in WEIGHTS}
+        head = cls(weights, tuple(config["taps"]), config["num_heads"],
                    config["num_kv_heads"], config["head_dim"], config["eps"], config["rope_theta"],
                    None if vocab is None else vocab.to(torch.int64), base, json.loads(meta.get("info", "{}")))
         if model is not None:

@@ -3,6 +3,7 @@
     python -m eecore.train.generated_corpus --out gen/ ...          # the target's continuations
     python -m eecore.train.feature_head --corpus gen/ --checkpoint-dir ckpt/ --out head.safetensors \\
         [--steps 3000] [--drafts 4] [--draft-vocab shipped] [--stop-after-minutes 110] [--init head.safetensors]
+        [--intermediate-size 2048] [--lr-schedule cosine] [--file-dtype int8]
 
 Each step takes `batch_size` windows of `seq_len` tokens of the corpus, runs the target over them
 (its Hugging Face twin in fp32, no gradients) for its tapped streams and its next-token
@@ -13,7 +14,10 @@ probabilities over the draft vocabulary). The unroll is the drafting procedure i
 is trained on its own states as it will run (EAGLE-3's "training-time test").
 
 `--init FILE` starts from a head file's weights (its taps and shapes) instead of a new head: a
-trained head goes on learning on another corpus, with an optimizer of its own.
+trained head goes on learning on another corpus, with an optimizer of its own; with a larger
+`--intermediate-size` its MLP is widened first, the new neurons silent until trained
+(FeatureHead.widened). `--lr-schedule cosine` warms up over 20 steps, then decays the rate to 0 at
+`--steps` (the default keeps it constant).
 
 Resumable (the same command again: eecore.train.loop), seeded, and the file records its data,
 steps and held-out agreement by depth (the share of windows whose first k drafts all equal the
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Optional
@@ -38,6 +43,10 @@ from eecore.train.exit_ready_trainer import hf_twin
 from eecore.train.loop import heldout_windows, run
 
 
+LR_SCHEDULES = ("constant", "cosine")
+WARMUP = 20  # steps of the cosine schedule's linear warmup
+
+
 @dataclasses.dataclass
 class FeatureHeadConfig:
     steps: int = 3000
@@ -47,13 +56,17 @@ class FeatureHeadConfig:
     lr: float = 5e-4
     weight_decay: float = 0.0
     seed: int = 0
-    intermediate_size: Optional[int] = None  # the head's MLP (default: the target's)
+    intermediate_size: Optional[int] = None  # the head's MLP (default: the target's; with --init, wider widens it)
+    lr_schedule: str = "constant"  # or "cosine": WARMUP steps up to lr, then down to 0 at `steps`
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "drafts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"FeatureHeadConfig: '{name}' must be an int >= 1, got {value!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"FeatureHeadConfig: 'lr_schedule' must be one of {', '.join(LR_SCHEDULES)}, "
+                             f"got {self.lr_schedule!r}")
         if not isinstance(self.seq_len, int) or self.seq_len < self.drafts + 2:
             raise ValueError(f"FeatureHeadConfig: 'seq_len' must be an int >= drafts + 2 ({self.drafts + 2}), "
                              f"got {self.seq_len!r}")
@@ -111,7 +124,19 @@ class FeatureHeadTrainer:
             agreed.append(all_right)
         return loss / d, agreed
 
+    def learning_rate(self) -> float:
+        """This step's learning rate: config.lr, or on the cosine schedule a warmup to it and a
+        half cosine down to 0 at config.steps (a function of the step, so a resumed run goes on)."""
+        c = self.config
+        if c.lr_schedule == "constant":
+            return c.lr
+        if self.step < WARMUP:
+            return c.lr * (self.step + 1) / WARMUP
+        return c.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (self.step - WARMUP) / max(1, c.steps - WARMUP))))
+
     def train_step(self, windows: torch.Tensor) -> dict:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate()
         self.optimizer.zero_grad(set_to_none=True)
         loss, agreed = self.unroll(windows)
         loss.backward()
@@ -169,9 +194,12 @@ def train(llm, tokens: np.ndarray, config: FeatureHeadConfig, *, vocab: Optional
             raise ValueError("init: the head scores another draft vocabulary than the one given")
         if taps is not None and tuple(taps) != init.taps:
             raise ValueError(f"init: the head reads layers {init.taps}, not the taps given ({tuple(taps)})")
-        if config.intermediate_size is not None and config.intermediate_size != init.weights["down"].shape[1]:
-            raise ValueError(f"init: the head's MLP is {init.weights['down'].shape[1]} wide, not "
-                             f"intermediate_size={config.intermediate_size}")
+        width = init.weights["down"].shape[1]
+        if config.intermediate_size is not None and config.intermediate_size < width:
+            raise ValueError(f"init: the head's MLP is {width} wide, more than intermediate_size="
+                             f"{config.intermediate_size}")
+        if config.intermediate_size is not None and config.intermediate_size > width:
+            init = init.widened(config.intermediate_size, config.seed)  # (new neurons silent at first)
     return run(FeatureHeadTrainer(llm, config, vocab, head=init, taps=taps), tokens, config, desc="feature head",
                checkpoint_dir=checkpoint_dir, checkpoint_every=25, heldout=heldout, eval_every=eval_every,
                log=log, progress=progress, stop_after=stop_after, deadline=deadline)
@@ -191,8 +219,13 @@ def main(argv=None) -> int:
                     "a low, a middle and a high one)")
     ap.add_argument("--stop-after-minutes", type=float, default=None)
     ap.add_argument("--init", default=None, help="start from this head file's weights (default: a new head)")
+    ap.add_argument("--file-dtype", default="bfloat16", choices=("bfloat16", "int8"),
+                    help="how the file stores the head's matrices: bf16, or 8-bit integers with a scale a row "
+                         "(half the bytes; FeatureHead.save)")
     for f in dataclasses.fields(FeatureHeadConfig):
-        ap.add_argument("--" + f.name.replace("_", "-"), type=float if f.type == "float" else int, default=f.default)
+        kind = {"float": float, "str": str}.get(f.type, int)
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                        **({"choices": LR_SCHEDULES} if f.name == "lr_schedule" else {}))
     args = ap.parse_args(argv)
     import eecore
 
@@ -222,7 +255,7 @@ def main(argv=None) -> int:
     figures = trainer.evaluate(heldout_windows(heldout, config))
     trainer.trained_head({"corpus": os.path.abspath(args.corpus), "config": dataclasses.asdict(config),
                           "steps": trainer.step, "heldout": figures}
-                         | ({} if init is None else {"init": init.info})).save(args.out)
+                         | ({} if init is None else {"init": init.info})).save(args.out, getattr(torch, args.file_dtype))
     print(json.dumps({"steps": trainer.step, "heldout": figures}))
     return 0
 
