@@ -136,6 +136,13 @@ def test_the_cosine_schedule_warms_up_then_decays_to_zero(llm):
     assert all(x >= y for x, y in zip(rates[WARMUP:], rates[WARMUP + 1:]))
     with pytest.raises(ValueError, match="'lr_schedule'"):
         FeatureHeadConfig(lr_schedule="linear")
+    # a checkpoint from before the schedule existed resumes as a constant-rate run
+    constant = FeatureHeadTrainer(llm, FeatureHeadConfig(steps=120, lr=1e-3))
+    state = constant.state_dict()
+    del state["config"]["lr_schedule"]
+    FeatureHeadTrainer(llm, FeatureHeadConfig(steps=120, lr=1e-3)).load_state_dict(state)
+    with pytest.raises(ValueError, match="another run"):
+        trainer.load_state_dict(state)
 
 
 def test_the_file_round_trips_and_refuses_another_model(llm, tmp_path, head_file):

@@ -163,7 +163,8 @@ class FeatureHeadTrainer:
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        theirs = (state["config"], state["taps"], state["vocab"], state["model"])
+        # (a checkpoint from before lr_schedule existed ran at a constant rate)
+        theirs = ({"lr_schedule": "constant", **state["config"]}, state["taps"], state["vocab"], state["model"])
         ours = (dataclasses.asdict(self.config), list(self.head.taps),
                 None if self.vocab is None else self.vocab.tolist(), model_fingerprint(self.llm.model))
         if theirs != ours:
