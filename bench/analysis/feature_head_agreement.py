@@ -48,21 +48,28 @@ def documents_by_kind(tokenizer, folders: list[str], per_kind: int) -> dict[str,
     return {kind: docs[:per_kind] for kind, docs in kinds.items()}
 
 
+def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
+    """For each document with answer positions that have `depth` tokens after them: (those positions,
+    the head's start state there, the token at each position + 1, the model's greedy token after
+    every position of the document). Run it under torch.no_grad()."""
+    head = trainer.head
+    for ids, start in docs:
+        positions = torch.arange(max(start - 1, 0), len(ids) - depth - 1)
+        if len(positions) == 0:
+            continue
+        window = torch.tensor([ids])
+        out = trainer.hf(input_ids=window, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[t] for t in head.taps], dim=-1)[0]
+        yield positions, head.start_state(features[positions]), window[0, positions + 1], out.logits[0].argmax(-1)
+
+
 def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
     """Share of answer positions whose first k drafts are all right, k = 1..drafts."""
     head = trainer.head
     right = [[] for _ in range(drafts)]
     with torch.no_grad():
-        for ids, start in docs:
-            positions = torch.arange(max(start - 1, 0), len(ids) - drafts - 1)
-            if len(positions) == 0:
-                continue
-            window = torch.tensor([ids])
-            out = trainer.hf(input_ids=window, output_hidden_states=True)
-            features = torch.cat([out.hidden_states[t] for t in head.taps], dim=-1)[0]
-            greedy = out.logits[0].argmax(-1)
-            state, keys, all_right = head.start_state(features[positions]), None, None
-            token = window[0, positions + 1]
+        for positions, state, token, greedy in unrolls(trainer, docs, drafts):
+            keys, all_right = None, None
             for j in range(drafts):
                 state, logits, keys = head.step(state, trainer.embed[token], trainer.head_rows, keys)
                 token = logits.argmax(-1) if head.vocab is None else head.vocab[logits.argmax(-1)]

@@ -4,7 +4,7 @@ number of nodes taken as the most likely ones (token_tree.most_likely_nodes: amo
 k runners-up a position, the nodes whose path probability under the head is highest).
 
     PYTHONPATH=python python bench/analysis/feature_tree_shapes.py --corpus gen/ [gen2/ ...] \
-        [--head FILE] [--documents 12] [--depth 4]
+        [--head FILE] [--documents 12] [--depth 3]
 
 From every position of each held-out answer (bench/analysis/feature_head_agreement.py's documents
 and kinds) the head drafts its chain `--depth` deep as it does in the engine, keeping each
@@ -26,7 +26,7 @@ import eecore  # noqa: E402
 from eecore.models.feature_head import SHIPPED_FILE, FeatureHead  # noqa: E402
 from eecore.speculative.token_tree import most_likely_nodes  # noqa: E402
 from eecore.train.feature_head import FeatureHeadConfig, FeatureHeadTrainer  # noqa: E402
-from feature_head_agreement import documents_by_kind  # noqa: E402
+from feature_head_agreement import documents_by_kind, unrolls  # noqa: E402
 
 CANDIDATES = 4  # tokens kept a position: the chain's and 3 runners-up
 
@@ -66,16 +66,8 @@ def main() -> None:
         shapes = [s for s in shapes if s[1] <= D]
         emitted, nodes, positions = [0] * len(shapes), [0] * len(shapes), 0
         with torch.no_grad():
-            for ids, start in docs:
-                pos = torch.arange(max(start - 1, 0), len(ids) - D - 1)
-                if len(pos) == 0:
-                    continue
-                window = torch.tensor([ids])
-                out = trainer.hf(input_ids=window, output_hidden_states=True)
-                features = torch.cat([out.hidden_states[t] for t in head.taps], dim=-1)[0]
-                greedy = out.logits[0].argmax(-1)
-                state, token, keys = head.start_state(features[pos]), window[0, pos + 1], None
-                probs, tokens = [], []
+            for pos, state, token, greedy in unrolls(trainer, docs, D):
+                keys, probs, tokens = None, [], []
                 for _ in range(D):
                     state, logits, keys = head.step(state, trainer.embed[token], trainer.head_rows, keys)
                     p, columns = logits.softmax(-1).topk(CANDIDATES, dim=-1)
