@@ -672,3 +672,17 @@ def test_a_fused_rounds_record_learns_what_record_does():
         mine, theirs = one.states.slot(seq, "odds")["layer"], two.states.slot(seq, "odds")["layer"]
         assert (mine.idle, mine.wait) == (theirs.idle, theirs.wait)
     assert one._prior("layer") == pytest.approx(two._prior("layer"), abs=1e-12)
+
+
+def test_a_feature_trees_rows_are_priced_up_to_its_node_budget():
+    """FeatureDrafts.tree_nodes: a tree of d positions verifies min(d x top_k, tree_nodes) rows, so
+    a deeper chain on the same rows costs only its head step."""
+    def verify(rows):
+        return 1.0 + 0.1 * (rows - 1)
+    planner = DraftPlanner(max_layer=0, max_lookup=0, max_feature=3, feature_width=3, feature_nodes=6)
+    planner.clock = StubClock(verify, 0.0, 0.0)
+    plain, rounds, _ = planner._prices(1, 3, "feature")
+    assert plain == 1.0 and rounds == pytest.approx((1.3, 1.6, 1.6))
+    unbudgeted = DraftPlanner(max_layer=0, max_lookup=0, max_feature=3, feature_width=3)
+    unbudgeted.clock = StubClock(verify, 0.0, 0.0)
+    assert unbudgeted._prices(1, 3, "feature")[1] == pytest.approx((1.3, 1.6, 1.9))

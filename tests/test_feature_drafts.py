@@ -102,6 +102,31 @@ def test_an_eight_bit_file_holds_the_weights_to_half_a_step(llm, tmp_path, head_
     assert loaded.taps == head.taps and loaded.base == head.base
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_node_budget_caps_every_tree_and_lets_sure_chains_go_deeper(tiny, llm, head_file, monkeypatch,
+                                                                      temperature):
+    """FeatureDrafts.tree_nodes: no tree verifies more tokens (greedy: the most likely ones; sampled:
+    its deepest draws dropped first), and greedy tokens stay full depth's (a sure chain going past
+    tree_nodes / top_k positions: tests/test_token_tree.py)."""
+    from eecore.speculative import decoder
+
+    path, hf = tiny
+    spec = eecore.LLM(path, dtype="float32", device="cpu", max_num_seqs=4, speculative=eecore.SelfSpeculativeConfig(
+        num_speculations=4, feature=eecore.FeatureDrafts(head=head_file[0], top_k=2, tree_nodes=4)))
+    sizes, tree_row = [], decoder.tree_row
+
+    def logged_row(seq, chain, alternatives):
+        sizes.append(len(chain) + sum(map(len, alternatives)))
+        return tree_row(seq, chain, alternatives)
+    monkeypatch.setattr(decoder, "tree_row", logged_row)
+    prompts = random_prompts(hf.config.vocab_size, [5, 9, 13, 6], seed=8)
+    params = eecore.SamplingParams(max_tokens=16, temperature=temperature, seed=1, ignore_eos=True)
+    outs = spec.generate(prompts, params)
+    assert max(sizes) == 4 and all(len(o.token_ids) == 16 for o in outs)
+    if temperature == 0.0:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+
+
 def test_a_wider_head_starts_as_the_head_it_widens(llm, tiny, head_file):
     """`--init` with a larger intermediate_size: the MLP's new neurons read the input but write
     nothing yet, so the wider head's steps give the head's own outputs; then they train."""
@@ -309,6 +334,13 @@ def test_config_errors_name_the_option(head_file):
         eecore.FeatureDrafts(head="h", dtype="bfloat16")
     with pytest.raises(ValueError, match="fit a token tree"):
         eecore.SelfSpeculativeConfig(num_speculations=8, feature=eecore.FeatureDrafts(head="h", top_k=8))
+    # a node budget: at least top_k, only for trees, and what a round's verify width counts
+    for bad in (dict(top_k=1, tree_nodes=4), dict(top_k=3, tree_nodes=2), dict(top_k=2, tree_nodes=2.5)):
+        with pytest.raises(ValueError, match="'tree_nodes'"):
+            eecore.FeatureDrafts(head="h", **bad)
+    capped = eecore.SelfSpeculativeConfig(num_speculations=8, feature=eecore.FeatureDrafts(head="h", top_k=8,
+                                                                                          tree_nodes=8))
+    assert capped.verify_width == 9
     from eecore.cli.speculative_flags import from_flat
 
     config = from_flat(eecore.SelfSpeculativeConfig, {"draft": "feature", "feature_head": head_file[0]})

@@ -229,9 +229,10 @@ FLAG_CONFIGS = {
     "feature": (
         ["--draft", "feature", "--feature-head", "head.safetensors", "--num-speculations", "3",
          "--feature-max-length", "2", "--feature-stop-below", "0.1", "--feature-top-k", "2",
-         "--feature-dtype", "float32"],
+         "--feature-tree-nodes", "3", "--feature-dtype", "float32"],
         SelfSpeculativeConfig(num_speculations=3, feature=FeatureDrafts(head="head.safetensors", max_length=2,
-                                                                         stop_below=0.1, top_k=2, dtype="float32"))),
+                                                                         stop_below=0.1, top_k=2, tree_nodes=3,
+                                                                         dtype="float32"))),
 }
 
 
@@ -262,7 +263,7 @@ def test_each_flag_lands_on_its_field():
               "--lookup-max-ngram": "6", "--hybrid-switch": "token", "--adaptive-drafts": "on",
               # feature drafts run alone, not beside `base`'s: FLAG_CONFIGS["feature"] sets these
               "--feature-head": None, "--feature-max-length": None, "--feature-stop-below": None,
-              "--feature-top-k": None, "--feature-dtype": None}
+              "--feature-top-k": None, "--feature-tree-nodes": None, "--feature-dtype": None}
     before = tree_of(_parsed_config(*base))
     for path, f in walk(SelfSpeculativeConfig):
         flag = f.metadata["flag"]

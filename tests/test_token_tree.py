@@ -107,6 +107,9 @@ def test_most_likely_nodes_follow_the_draft_probabilities():
     assert most_likely_nodes(chain, alts, [[0.95, 0.03, 0.01], [0.5, 0.3, 0.1]], 4) == (2, [[], [31, 32]])
     # the chain ends where its next token is less likely than a runner-up before it
     assert most_likely_nodes(chain, alts, [[0.3, 0.3, 0.2], [0.5, 0.1, 0.1]], 3) == (1, [[21, 22]])
+    # a budget under positions x tokens a position (FeatureDrafts.tree_nodes): a sure chain goes deep
+    sure = [[0.9, 0.05, 0.03]] * 3
+    assert most_likely_nodes([11, 12, 13], [[21, 22], [31, 32], [41, 42]], sure, 4) == (3, [[21], [], []])
     # a budget as large as the candidates keeps them all
     assert most_likely_nodes(chain, alts, [[0.5, 0.2, 0.1], [0.5, 0.2, 0.1]], 6) == (2, alts)
 

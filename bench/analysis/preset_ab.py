@@ -4,12 +4,13 @@ elsewhere in the order): a comparison that a run of its own per variant, whose r
 to 0.2 between processes, cannot make.
 
     PYTHONPATH=python python bench/analysis/preset_ab.py [--kinds chat everyday code] [--repeats 3]
-        [--quantized] [--heads OLD.safetensors NEW.safetensors] [--copy-alone] [--no-plans]
+        [--quantized] [--heads OLD.safetensors NEW.safetensors] [--copy-alone] [--no-plans] [--tree DEPTH NODES]
 
 Engines: full depth, the preset as it ships, and with --heads the preset with each head file in
-its place; --copy-alone the preset without its head and lookup; --no-plans the preset whose
-planner plans as usual but whose rounds all draft nothing (what a plain round costs it beyond full
-depth's step). Batch 1, 64 greedy tokens, 8 held-out prompts a kind (bench/common.py). Prints the
+its place; --tree the preset whose head's trees reach DEPTH positions and verify at most NODES
+tokens (FeatureDrafts.max_length, tree_nodes); --copy-alone the preset without its head and
+lookup; --no-plans the preset whose planner plans as usual but whose rounds all draft nothing
+(what a plain round costs it beyond full depth's step). Batch 1, 64 greedy tokens, 8 held-out prompts a kind (bench/common.py). Prints the
 median ratio to full depth and each repeat's, and the head's drafted / accepted tokens; writes
 nothing.
 """
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--heads", nargs="*", default=[], help="feature head files, each in the preset in turn")
     ap.add_argument("--copy-alone", action="store_true", help="also the preset without its head and lookup")
     ap.add_argument("--no-plans", action="store_true", help="also the preset with every round drafting nothing")
+    ap.add_argument("--tree", nargs=2, type=int, metavar=("DEPTH", "NODES"),
+                    help="also the preset with its head's trees DEPTH positions deep, at most NODES tokens")
     args = ap.parse_args()
     torch.set_num_threads(2)
     quant = None if args.quantized else "none"
@@ -57,6 +60,10 @@ def main() -> None:
     for path in args.heads:
         configs[f"preset, {os.path.basename(path)}"] = dataclasses.replace(
             preset, feature=dataclasses.replace(preset.feature, head=path))
+    if args.tree:
+        depth, nodes = args.tree
+        configs[f"preset, trees {depth} deep, {nodes} nodes"] = dataclasses.replace(
+            preset, feature=dataclasses.replace(preset.feature, max_length=depth, tree_nodes=nodes))
     if args.copy_alone:
         configs["copy alone"] = dataclasses.replace(preset, feature=None, lookup=None)
     if args.no_plans:

@@ -248,7 +248,14 @@ class SelfSpeculativeConfig:
         """The most tokens a sequence's verify pass holds: its pending token and the drafts (with
         draft trees, the alternatives of each drafted position too)."""
         return 1 + max(self.num_speculations if self.lookup else 0, self.layer_draft_length * self.top_k,
-                       self.feature_draft_length * self.feature_top_k)
+                       self.feature_tree_nodes(self.feature_draft_length))
+
+    def feature_tree_nodes(self, positions: int) -> int:
+        """The most tokens a feature draft of `positions` positions verifies: positions x
+        FeatureDrafts.top_k, at most FeatureDrafts.tree_nodes."""
+        nodes = positions * self.feature_top_k
+        cap = self.feature.tree_nodes if self.feature is not None else None
+        return nodes if cap is None else min(nodes, cap)
 
     def validate_for(self, num_layers: int, adapters: Optional[ExitAdapters] = None) -> None:
         if self.layer is None:

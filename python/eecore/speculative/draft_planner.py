@@ -139,14 +139,17 @@ class DraftPlanner(BatchRounds):
     RELAX = 0.998            # per round: the released sequences' rates are back near hopeful after ~1,000 rounds
 
     def __init__(self, max_layer: int, max_lookup: int, states: Optional[SequenceStates] = None,
-                 shared_rounds: bool = False, max_feature: int = 0, feature_width: int = 1):
+                 shared_rounds: bool = False, max_feature: int = 0, feature_width: int = 1,
+                 feature_nodes: Optional[int] = None):
         """`shared_rounds`: the batch's rounds are fused (eecore.speculative.fused_round), so every
         sequence verifies the round's length and the round's passes serve all of them: a length is
         priced as if every sequence of the batch drafted it at the sequence's rates. `max_feature`:
         the longest feature-head draft, `feature_width` the rows each of its positions verifies
-        (FeatureDrafts.top_k)."""
+        (FeatureDrafts.top_k), `feature_nodes` the most rows a feature draft verifies
+        (FeatureDrafts.tree_nodes)."""
         self.max_length = {"layer": max_layer, "lookup": max_lookup, "feature": max_feature}
         self._rows_per_draft = {"layer": 1, "lookup": 1, "feature": feature_width}
+        self._most_rows = {"layer": None, "lookup": None, "feature": feature_nodes}
         self.shared_rounds = shared_rounds
         self._kinds = [kind for kind in KINDS if self.max_length[kind] > 0]  # the kinds it plans
         self.clock = PassClock()
@@ -292,8 +295,9 @@ class DraftPlanner(BatchRounds):
                 # the sequences drafting: this one beside one row each, or everyone (shared rounds);
                 # each drafted position verifies its tree's rows, and emits at most one token
                 width = batch if self.shared_rounds else 1
-                rows = width * self._rows_per_draft[kind]
-                rounds = tuple(self.clock.verify(batch + rows * d) + d * copy for d in range(1, most + 1))
+                per, cap = self._rows_per_draft[kind], self._most_rows[kind]
+                rounds = tuple(self.clock.verify(batch + width * (per * d if cap is None else min(per * d, cap)))
+                               + d * copy for d in range(1, most + 1))
                 floor = min(batch * (cost - plain) / (width * d * plain) for d, cost in enumerate(rounds, 1))
                 prices = (plain, rounds, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
             self._price_list[key] = prices

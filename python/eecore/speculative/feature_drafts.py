@@ -87,9 +87,10 @@ class FeatureProposer(Proposer):
     kind = "feature"
 
     def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates, max_tokens: int,
-                 static: Optional[StaticFeatureSteps] = None):
+                 static: Optional[StaticFeatureSteps] = None, tree_nodes: Optional[int] = None):
         self.head = head
         self.picker = picker
+        self.tree_nodes = tree_nodes  # FeatureDrafts.tree_nodes: the most tokens a tree verifies
         self.states = states
         self.static = static  # the head's steps as CUDA graphs (EECORE_FEATURE_GRAPHS), else op by op
         self.passes = 0  # head steps run (the draft planner's clock)
@@ -135,13 +136,23 @@ class FeatureProposer(Proposer):
 
     def _keep_most_likely(self, draft: Draft) -> None:
         """A greedy tree's d x top_k most likely nodes (token_tree.most_likely_nodes) among its chain
-        and top_k runners-up a position: its chain may end sooner, its rows shift between positions."""
-        if len(draft.tree_probs) != len(draft.tokens):  # (a sampled draft: independent draws, top_k - 1 each)
+        and top_k runners-up a position, at most tree_nodes: its chain may end sooner, its rows shift
+        between positions. A sampled tree (independent draws, top_k - 1 a position) over tree_nodes
+        drops its deepest draws first."""
+        budget = len(draft.tokens) * self.picker.top_k
+        if self.tree_nodes is not None:
+            budget = min(budget, self.tree_nodes)
+        if len(draft.tree_probs) == len(draft.tokens):
+            keep, draft.alternatives = most_likely_nodes(draft.tokens, draft.alternatives, draft.tree_probs, budget)
+            del draft.tokens[keep:], draft.probs[keep:], draft.from_lookup[keep:]
+            draft.tree_probs = []
             return
-        keep, draft.alternatives = most_likely_nodes(draft.tokens, draft.alternatives, draft.tree_probs,
-                                                     len(draft.tokens) * self.picker.top_k)
-        del draft.tokens[keep:], draft.probs[keep:], draft.from_lookup[keep:]
-        draft.tree_probs = []
+        while len(draft.tokens) + sum(map(len, draft.alternatives)) > budget:
+            deepest = max((j for j, alts in enumerate(draft.alternatives) if alts), default=None)
+            if deepest is None:  # (budget >= top_k >= 2 keeps the first draft)
+                del draft.tokens[budget:], draft.probs[budget:], draft.from_lookup[budget:], draft.alternatives[budget:]
+                break
+            draft.alternatives[deepest].pop()
 
     def _propose_eager(self, seqs: list[Sequence], drafts: list[Draft], budgets: list[int], live: list[int],
                        features: list[Optional[torch.Tensor]]) -> None:
@@ -211,7 +222,7 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
     if runner.graph_capture is not None and envs.flag("EECORE_FEATURE_GRAPHS"):
         static = StaticFeatureSteps(runner, head, runner.max_seqs, config.feature_draft_length,
                                     capture=runner.graph_capture)
-    return head, FeatureProposer(head, picker, states, runner.max_tokens, static)
+    return head, FeatureProposer(head, picker, states, runner.max_tokens, static, config.feature.tree_nodes)
 
 
 def without_unfit_shipped_head(config, model):

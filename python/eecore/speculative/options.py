@@ -208,6 +208,10 @@ class FeatureDrafts:
                         "verify d x K): for a greedy request the d x K most likely of the chain and each "
                         "position's K runners-up by the head's probabilities, for a sampled one the chain and "
                         "K-1 more draws a position, as DraftCopy.top_k")
+    tree_nodes: Optional[int] = option(None, "--feature-tree-nodes",
+                                       "with top_k > 1, the most tokens a tree verifies (default: drafted "
+                                       "positions x top_k); below max_length x top_k, a sure chain drafts "
+                                       "deeper on the same rows")
     dtype: Optional[str] = option(None, "--feature-dtype", "the head's weights and LM head rows as it drafts: "
                                   "int8 (8-bit, a quarter of fp32's bytes: eecore.models.int8_weights.eight_bit) or "
                                   "float32 (as trained); default: int8 on a CPU, float32 on a GPU (where int8 weights "
@@ -225,5 +229,8 @@ class FeatureDrafts:
             raise invalid(FeatureDrafts, "stop_below", "a probability in [0, 1] or None", self.stop_below)
         if not is_int(self.top_k) or self.top_k < 1:
             raise invalid(FeatureDrafts, "top_k", "an int >= 1", self.top_k)
+        if self.tree_nodes is not None and (not is_int(self.tree_nodes) or self.tree_nodes < self.top_k or
+                                            self.top_k == 1):
+            raise invalid(FeatureDrafts, "tree_nodes", "None, or with 'top_k' > 1 an int >= top_k", self.tree_nodes)
         if self.dtype is not None and self.dtype not in FEATURE_DTYPES:
             raise invalid(FeatureDrafts, "dtype", f"one of {', '.join(FEATURE_DTYPES)} or None", self.dtype)
