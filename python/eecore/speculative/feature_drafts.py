@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -87,10 +87,12 @@ class FeatureProposer(Proposer):
     kind = "feature"
 
     def __init__(self, head: FeatureDraftHead, picker: DraftPicker, states: SequenceStates, max_tokens: int,
-                 static: Optional[StaticFeatureSteps] = None, tree_nodes: Optional[int] = None):
+                 static: Optional[StaticFeatureSteps] = None,
+                 tree_nodes: Optional[Callable[[int], int]] = None):
         self.head = head
         self.picker = picker
-        self.tree_nodes = tree_nodes  # FeatureDrafts.tree_nodes: the most tokens a tree verifies
+        # the most tokens a tree of d positions verifies (SelfSpeculativeConfig.feature_tree_nodes)
+        self.tree_nodes = tree_nodes or (lambda positions: positions * picker.top_k)
         self.states = states
         self.static = static  # the head's steps as CUDA graphs (EECORE_FEATURE_GRAPHS), else op by op
         self.passes = 0  # head steps run (the draft planner's clock)
@@ -139,9 +141,7 @@ class FeatureProposer(Proposer):
         and top_k runners-up a position, at most tree_nodes: its chain may end sooner, its rows shift
         between positions. A sampled tree (independent draws, top_k - 1 a position) over tree_nodes
         drops its deepest draws first."""
-        budget = len(draft.tokens) * self.picker.top_k
-        if self.tree_nodes is not None:
-            budget = min(budget, self.tree_nodes)
+        budget = self.tree_nodes(len(draft.tokens))
         if len(draft.tree_probs) == len(draft.tokens):
             keep, draft.alternatives = most_likely_nodes(draft.tokens, draft.alternatives, draft.tree_probs, budget)
             del draft.tokens[keep:], draft.probs[keep:], draft.from_lookup[keep:]
@@ -222,7 +222,7 @@ def build_feature_drafts(config, runner, sampler, states: SequenceStates) -> tup
     if runner.graph_capture is not None and envs.flag("EECORE_FEATURE_GRAPHS"):
         static = StaticFeatureSteps(runner, head, runner.max_seqs, config.feature_draft_length,
                                     capture=runner.graph_capture)
-    return head, FeatureProposer(head, picker, states, runner.max_tokens, static, config.feature.tree_nodes)
+    return head, FeatureProposer(head, picker, states, runner.max_tokens, static, config.feature_tree_nodes)
 
 
 def without_unfit_shipped_head(config, model):
