@@ -52,8 +52,10 @@ async def _finish_events(engine: AsyncEngine, long_prompts: list[list[int]]) -> 
 def test_a_short_request_is_not_held_behind_a_long_multi_prompt_one(llm):
     long_prompts = [[(7 * i + j) % 300 + 3 for j in range(300)] for i in range(12)]
     events = _finish_events_sync(AsyncEngine(llm), long_prompts)
-    # next to the long request's prompt in prefill when it came (at most one more may finish first)
-    assert len(events) == 14 and events.index("short") - events.index("short added") <= 2
+    # next to the long request's prompt in prefill when it came: the one in prefill and the one queued
+    # behind it may finish first (and, on a busy machine, one more while the event loop queues the short
+    # request); held behind all twelve it would be 8 or more
+    assert len(events) == 14 and events.index("short") - events.index("short added") <= 4
     # all of the long request's prompts in the engine's queue at once (the earlier admission) put the
     # short request behind every one of them
     events = _finish_events_sync(AsyncEngine(llm, max_prefill_tokens_per_request=10 ** 9), long_prompts)
