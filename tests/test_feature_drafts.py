@@ -73,11 +73,26 @@ def test_training_goes_on_from_a_head_file(llm, tiny, head_file):
         assert torch.equal(trainer.params[name].detach(), w), name
     with pytest.raises(ValueError, match="init: the head reads layers"):
         train(llm, tokens, config, init=FeatureHead.load(path), taps=(1,))
-    with pytest.raises(ValueError, match="init: the head scores another draft vocabulary"):
-        train(llm, tokens, config, init=FeatureHead.load(path), vocab=torch.arange(10))
+    # a head goes on over another draft vocabulary: the same weights, the given vocabulary's rows
+    moved = train(llm, tokens, config, init=FeatureHead.load(path), vocab=torch.arange(10))
+    assert moved.head.vocab.tolist() == list(range(10)) and moved.head_rows.shape[0] == 10
+    for name, w in FeatureHead.load(path).weights.items():
+        assert torch.equal(moved.params[name].detach(), w), name
     with pytest.raises(ValueError, match="intermediate_size"):
         train(llm, tokens, FeatureHeadConfig(steps=1, batch_size=2, seq_len=16, drafts=2, intermediate_size=7),
               init=FeatureHead.load(path))
+
+
+def test_the_draft_vocabulary_of_a_corpus_holds_its_most_frequent_tokens(llm):
+    from eecore.train.feature_head import draft_vocabulary
+
+    eos = [t for t in llm.model.config.eos_token_ids if t not in (5, 7, 9)]
+    tokens = np.array([9, 5, 5, 5, 7, 7, 1, 2, 3, 9, 9, 9])
+    assert draft_vocabulary(str(len(eos) + 2), llm, tokens).tolist() == sorted(eos + [5, 9])
+    assert draft_vocabulary("none", llm, tokens) is None
+    for bad in ("0", "many", str(llm.model.config.vocab_size + 1)):
+        with pytest.raises(ValueError, match="--draft-vocab must be 'shipped', 'none' or a count"):
+            draft_vocabulary(bad, llm, tokens)
 
 
 def test_an_eight_bit_file_holds_the_weights_to_half_a_step(llm, tmp_path, head_file):

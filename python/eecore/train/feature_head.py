@@ -2,7 +2,7 @@
 
     python -m eecore.train.generated_corpus --out gen/ ...          # the target's continuations
     python -m eecore.train.feature_head --corpus gen/ --checkpoint-dir ckpt/ --out head.safetensors \\
-        [--steps 3000] [--drafts 4] [--draft-vocab shipped] [--stop-after-minutes 110] [--init head.safetensors]
+        [--steps 3000] [--drafts 4] [--draft-vocab shipped|none|N] [--stop-after-minutes 110] [--init head.safetensors]
         [--intermediate-size 2048] [--lr-schedule cosine] [--file-dtype int8]
 
 Each step takes `batch_size` windows of `seq_len` tokens of the corpus, runs the target over them
@@ -13,8 +13,13 @@ against the target's distribution of the token it drafts (cross-entropy with the
 probabilities over the draft vocabulary). The unroll is the drafting procedure itself, so the head
 is trained on its own states as it will run (EAGLE-3's "training-time test").
 
+The head drafts over a draft vocabulary (`--draft-vocab`): the shipped draft copy's (chosen on
+code, it misses about a quarter of the model's tokens on chat), the whole vocabulary, or the N most
+frequent tokens of the corpus, which for a corpus of every kind of text holds nearly all of them.
+
 `--init FILE` starts from a head file's weights (its taps and shapes) instead of a new head: a
-trained head goes on learning on another corpus, with an optimizer of its own; with a larger
+trained head goes on learning on another corpus or over another draft vocabulary, with an optimizer
+of its own; with a larger
 `--intermediate-size` its MLP is widened first, the new neurons silent until trained
 (FeatureHead.widened). `--lr-schedule cosine` warms up over 20 steps, then decays the rate to 0 at
 `--steps` (the default keeps it constant).
@@ -187,12 +192,11 @@ def train(llm, tokens: np.ndarray, config: FeatureHeadConfig, *, vocab: Optional
           checkpoint_dir: Optional[str] = None, heldout=None, eval_every: int = 0, log=None, progress: bool = False,
           stop_after: Optional[int] = None, deadline: Optional[float] = None) -> FeatureHeadTrainer:
     """Trains (or resumes) to `config.steps` (eecore.train.loop.run), from `init`'s weights where
-    given (a head made for this model, with the draft vocabulary `vocab`)."""
+    given (a head made for this model). The head drafts over `vocab` whatever vocabulary `init` had:
+    its weights do not depend on one (its logits are the target's LM head rows of the vocabulary),
+    so a trained head can move to a vocabulary that holds more of the model's tokens."""
     if init is not None:
         init.check_fits(llm.model, "init")
-        theirs = None if init.vocab is None else init.vocab.tolist()
-        if theirs != (None if vocab is None else vocab.tolist()):
-            raise ValueError("init: the head scores another draft vocabulary than the one given")
         if taps is not None and tuple(taps) != init.taps:
             raise ValueError(f"init: the head reads layers {init.taps}, not the taps given ({tuple(taps)})")
         width = init.weights["down"].shape[1]
@@ -206,6 +210,26 @@ def train(llm, tokens: np.ndarray, config: FeatureHeadConfig, *, vocab: Optional
                log=log, progress=progress, stop_after=stop_after, deadline=deadline)
 
 
+def draft_vocabulary(choice: str, llm, tokens: np.ndarray) -> Optional[torch.Tensor]:
+    """The token ids a head drafts over, as `--draft-vocab` names them: "shipped", "none" (None: the
+    whole vocabulary) or a count N (the N most frequent tokens of `tokens`, the model's end-of-sequence
+    tokens always among them)."""
+    if choice == "shipped":
+        from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE, ExitAdapters
+
+        return ExitAdapters.load(SHIPPED_DRAFT_FILE).vocab
+    if choice == "none":
+        return None
+    vocab_size = llm.model.config.vocab_size
+    if not choice.isdigit() or not 1 <= int(choice) <= vocab_size:
+        raise ValueError(f"--draft-vocab must be 'shipped', 'none' or a count of tokens in 1..{vocab_size}, "
+                         f"got {choice!r}")
+    from eecore.train.exit_adapter import frequent_tokens
+
+    return frequent_tokens(np.asarray(tokens, dtype=np.int64), vocab_size, int(choice),
+                           tuple(llm.model.config.eos_token_ids))
+
+
 def main(argv=None) -> int:
     from eecore.train.exit_ready import corpus_tokens
 
@@ -215,7 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint-dir", default=None, help="resumable checkpoints, the log and the token cache")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--draft-vocab", default="shipped",
-                    help="'shipped': the shipped exit adapters' draft vocabulary; 'none': the whole vocabulary")
+                    help="'shipped': the shipped exit adapters' draft vocabulary (chosen on code); N: the N most "
+                         "frequent tokens of the corpus (its end-of-sequence tokens always in); 'none': the whole "
+                         "vocabulary")
     ap.add_argument("--taps", type=int, nargs="+", default=None, help="the target's layers it reads (default: "
                     "a low, a middle and a high one)")
     ap.add_argument("--stop-after-minutes", type=float, default=None)
@@ -233,14 +259,10 @@ def main(argv=None) -> int:
     config = FeatureHeadConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FeatureHeadConfig)})
     dense = args.model is None or args.model.endswith(".gguf")  # (training needs dense fp32 weights)
     llm = eecore.LLM(args.model, dtype="float32", device="cpu", quantization="none" if dense else None)
-    vocab = None
-    if args.draft_vocab == "shipped":
-        from eecore.models.exit_adapter import SHIPPED_DRAFT_FILE, ExitAdapters
-
-        vocab = ExitAdapters.load(SHIPPED_DRAFT_FILE).vocab
     cache = args.checkpoint_dir
     tokens = corpus_tokens(llm.tokenizer, args.corpus, "train", cache)
     heldout = corpus_tokens(llm.tokenizer, args.corpus, "heldout", cache)
+    vocab = draft_vocabulary(args.draft_vocab, llm, tokens)
     log_file = None if cache is None else open(os.path.join(cache, "log.jsonl"), "a")
 
     def log(record):
