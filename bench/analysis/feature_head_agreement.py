@@ -2,7 +2,7 @@
 k drafts all right (k = 1..--drafts), on the held-out answers of generated corpora.
 
     PYTHONPATH=python python bench/analysis/feature_head_agreement.py --heads A.safetensors B.safetensors \
-        --corpus gen/ [gen2/ ...] [--documents 32] [--drafts 3]
+        [--corpus gen/ gen2/ ...] [--bench-kinds chat everyday code] [--documents 32] [--drafts 3]
 
 Each held-out document of each corpus (`python -m eecore.train.generated_corpus`: a prompt and the
 model's continuation) runs through the model (its Hugging Face twin, fp32) once; from every
@@ -11,13 +11,18 @@ p and the token at p + 1, then its own states and drafts), and a draft is right 
 model's greedy token over the whole vocabulary (so the draft vocabulary's misses count as misses).
 Kinds: "code" (completions: the continuation's last 128 tokens), "everyday" (requests naming a
 held-out everyday topic, eecore.sources.general_chat_prompts) and "technical chat" (the other
-requests). Prints one line a head and kind; writes nothing.
+requests). `--bench-kinds` adds the benches' own held-out prompts (bench/common.py: "chat" is the
+CLI's chat prompts, general questions and a poem) continued greedily by the model for 64 tokens,
+as bench/e2e_feature_head.py runs them. Prints one line a head and kind, with the share of the
+model's greedy tokens there that the head's draft vocabulary holds (a draft it lacks is a miss);
+writes nothing.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import sys
 
 import torch
 
@@ -46,6 +51,34 @@ def documents_by_kind(tokenizer, folders: list[str], per_kind: int) -> dict[str,
                     kind, start = "code", max(0, len(ids) - 128)
                 kinds[kind].append((ids, start))
     return {kind: docs[:per_kind] for kind, docs in kinds.items()}
+
+
+def bench_documents(llm, kinds: list[str], per_kind: int, max_tokens: int = 64) -> dict:
+    """kind -> [(token ids, where the answer starts)]: the benches' prompts of each kind and the
+    model's greedy continuation of each."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from common import bench_prompt_ids
+
+    params = eecore.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    documents = {}
+    for kind in kinds:
+        prompts = bench_prompt_ids(llm.tokenizer, kind, per_kind)
+        documents[f"bench {kind}"] = [(list(p) + list(o.token_ids), len(p))
+                                      for p, o in zip(prompts, llm.generate(prompts, params))]
+    return documents
+
+
+def vocabulary_share(trainer: FeatureHeadTrainer, docs) -> float:
+    """Share of the model's greedy tokens after the documents' answer positions that the head's
+    draft vocabulary holds."""
+    vocab = trainer.head.vocab
+    if vocab is None:
+        return 1.0
+    held = torch.zeros(trainer.embed.shape[0], dtype=torch.bool)
+    held[vocab] = True
+    with torch.no_grad():
+        shares = [held[greedy[positions + 1]].float() for positions, _, _, greedy in unrolls(trainer, docs, 1)]
+    return round(float(torch.cat(shares).mean()), 3)
 
 
 def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
@@ -82,18 +115,24 @@ def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", nargs="+", required=True, help="feature head files")
-    ap.add_argument("--corpus", nargs="+", required=True, help="generated corpus folders (their heldout.txt)")
+    ap.add_argument("--corpus", nargs="+", default=[], help="generated corpus folders (their heldout.txt)")
+    ap.add_argument("--bench-kinds", nargs="+", default=[], choices=("chat", "everyday", "code"),
+                    help="also the benches' prompts of these kinds, continued greedily by the model")
     ap.add_argument("--documents", type=int, default=32, help="held-out documents of each kind")
     ap.add_argument("--drafts", type=int, default=3)
     args = ap.parse_args()
     llm = eecore.LLM(dtype="float32", device="cpu", quantization="none")
+    if not args.corpus and not args.bench_kinds:
+        ap.error("give --corpus, --bench-kinds or both")
     kinds = documents_by_kind(llm.tokenizer, args.corpus, args.documents)
+    kinds.update(bench_documents(llm, args.bench_kinds, args.documents))
     for path in args.heads:
         head = FeatureHead.load(path, llm.model)
         trainer = FeatureHeadTrainer(llm, FeatureHeadConfig(drafts=args.drafts), head.vocab, head=head)
         for kind, docs in sorted(kinds.items()):
             print(f"{os.path.basename(path):50s} {kind:15s} {len(docs):3d} documents  first k right, k = 1..: "
-                  f"{agreement(trainer, docs, args.drafts)}", flush=True)
+                  f"{agreement(trainer, docs, args.drafts)}  greedy tokens in its vocabulary "
+                  f"{vocabulary_share(trainer, docs)}", flush=True)
 
 
 if __name__ == "__main__":

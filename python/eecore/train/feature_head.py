@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                     progress=True, deadline=deadline)
     figures = trainer.evaluate(heldout_windows(heldout, config))
     trainer.trained_head({"corpus": os.path.abspath(args.corpus), "config": dataclasses.asdict(config),
-                          "steps": trainer.step, "heldout": figures}
+                          "draft_vocab": args.draft_vocab, "steps": trainer.step, "heldout": figures}
                          | ({} if init is None else {"init": init.info})).save(args.out, getattr(torch, args.file_dtype))
     print(json.dumps({"steps": trainer.step, "heldout": figures}))
     return 0
