@@ -2,7 +2,7 @@
 k drafts all right (k = 1..--drafts), on the held-out answers of generated corpora.
 
     PYTHONPATH=python python bench/analysis/feature_head_agreement.py --heads A.safetensors B.safetensors \
-        [--corpus gen/ gen2/ ...] [--bench-kinds chat everyday code] [--documents 32] [--drafts 3]
+        [--corpus gen/ gen2/ ...] [--bench-kinds chat everyday code] [--documents 32] [--drafts 3] [--by-confidence]
 
 Each held-out document of each corpus (`python -m eecore.train.generated_corpus`: a prompt and the
 model's continuation) runs through the model (its Hugging Face twin, fp32) once; from every
@@ -93,7 +93,10 @@ def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
         window = torch.tensor([ids])
         out = trainer.hf(input_ids=window, output_hidden_states=True)
         features = torch.cat([out.hidden_states[t] for t in head.taps], dim=-1)[0]
-        yield positions, head.start_state(features[positions]), window[0, positions + 1], out.logits[0].argmax(-1)
+        probs = out.logits[0].float().softmax(-1)
+        greedy = probs.argmax(-1)
+        greedy.probs = probs.max(-1).values  # (the model's probability of its greedy token, for the bands)
+        yield positions, head.start_state(features[positions]), window[0, positions + 1], greedy
 
 
 def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
@@ -112,6 +115,29 @@ def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
     return [round(float(torch.cat(r).mean()), 3) for r in right]
 
 
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def agreement_by_confidence(trainer: FeatureHeadTrainer, docs) -> list[tuple[float, float]]:
+    """Per band of the model's probability of its own greedy token (CONFIDENCE_EDGES): (the share of
+    answer positions in it, how often the head's first draft is right there)."""
+    head = trainer.head
+    right, sure = [], []
+    with torch.no_grad():
+        for positions, state, token, greedy in unrolls(trainer, docs, 1):
+            _, logits, _ = head.step(state, trainer.embed[token], trainer.head_rows, None)
+            drafted = logits.argmax(-1) if head.vocab is None else head.vocab[logits.argmax(-1)]
+            right.append((drafted == greedy[positions + 1]).float())
+            sure.append(greedy.probs[positions + 1])
+    right, sure = torch.cat(right), torch.cat(sure)
+    bands = []
+    for low, high in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):
+        inside = (sure >= low) & ((sure < high) if high < 1.0 else (sure <= high))
+        bands.append((round(float(inside.float().mean()), 2),
+                      round(float(right[inside].mean()), 2) if inside.any() else float("nan")))
+    return bands
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", nargs="+", required=True, help="feature head files")
@@ -120,6 +146,8 @@ def main() -> None:
                     help="also the benches' prompts of these kinds, continued greedily by the model")
     ap.add_argument("--documents", type=int, default=32, help="held-out documents of each kind")
     ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--by-confidence", action="store_true", help="also the first draft's agreement by how sure "
+                    "the model is of its own token (bands of its probability)")
     args = ap.parse_args()
     llm = eecore.LLM(dtype="float32", device="cpu", quantization="none")
     if not args.corpus and not args.bench_kinds:
@@ -133,6 +161,12 @@ def main() -> None:
             print(f"{os.path.basename(path):50s} {kind:15s} {len(docs):3d} documents  first k right, k = 1..: "
                   f"{agreement(trainer, docs, args.drafts)}  greedy tokens in its vocabulary "
                   f"{vocabulary_share(trainer, docs)}", flush=True)
+            if args.by_confidence:
+                bands = agreement_by_confidence(trainer, docs)
+                print("    model's probability of its token: " + ", ".join(
+                    f"[{low}, {high}) {share:.2f} of positions, first draft right {hit:.2f}"
+                    for (low, high), (share, hit) in zip(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]), bands)),
+                      flush=True)
 
 
 if __name__ == "__main__":
