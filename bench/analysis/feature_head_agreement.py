@@ -77,14 +77,14 @@ def vocabulary_share(trainer: FeatureHeadTrainer, docs) -> float:
     held = torch.zeros(trainer.embed.shape[0], dtype=torch.bool)
     held[vocab] = True
     with torch.no_grad():
-        shares = [held[greedy[positions + 1]].float() for positions, _, _, greedy in unrolls(trainer, docs, 1)]
+        shares = [held[greedy[positions + 1]].float() for positions, _, _, greedy, _ in unrolls(trainer, docs, 1)]
     return round(float(torch.cat(shares).mean()), 3)
 
 
 def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
     """For each document with answer positions that have `depth` tokens after them: (those positions,
     the head's start state there, the token at each position + 1, the model's greedy token after
-    every position of the document). Run it under torch.no_grad()."""
+    every position of the document and its probability). Run it under torch.no_grad()."""
     head = trainer.head
     for ids, start in docs:
         positions = torch.arange(max(start - 1, 0), len(ids) - depth - 1)
@@ -93,10 +93,8 @@ def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
         window = torch.tensor([ids])
         out = trainer.hf(input_ids=window, output_hidden_states=True)
         features = torch.cat([out.hidden_states[t] for t in head.taps], dim=-1)[0]
-        probs = out.logits[0].float().softmax(-1)
-        greedy = probs.argmax(-1)
-        greedy.probs = probs.max(-1).values  # (the model's probability of its greedy token, for the bands)
-        yield positions, head.start_state(features[positions]), window[0, positions + 1], greedy
+        sure, greedy = out.logits[0].float().softmax(-1).max(-1)
+        yield positions, head.start_state(features[positions]), window[0, positions + 1], greedy, sure
 
 
 def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
@@ -104,7 +102,7 @@ def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
     head = trainer.head
     right = [[] for _ in range(drafts)]
     with torch.no_grad():
-        for positions, state, token, greedy in unrolls(trainer, docs, drafts):
+        for positions, state, token, greedy, _ in unrolls(trainer, docs, drafts):
             keys, all_right = None, None
             for j in range(drafts):
                 state, logits, keys = head.step(state, trainer.embed[token], trainer.head_rows, keys)
@@ -124,11 +122,11 @@ def agreement_by_confidence(trainer: FeatureHeadTrainer, docs) -> list[tuple[flo
     head = trainer.head
     right, sure = [], []
     with torch.no_grad():
-        for positions, state, token, greedy in unrolls(trainer, docs, 1):
+        for positions, state, token, greedy, probability in unrolls(trainer, docs, 1):
             _, logits, _ = head.step(state, trainer.embed[token], trainer.head_rows, None)
             drafted = logits.argmax(-1) if head.vocab is None else head.vocab[logits.argmax(-1)]
             right.append((drafted == greedy[positions + 1]).float())
-            sure.append(greedy.probs[positions + 1])
+            sure.append(probability[positions + 1])
     right, sure = torch.cat(right), torch.cat(sure)
     bands = []
     for low, high in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):

@@ -66,7 +66,7 @@ def main() -> None:
         shapes = [s for s in shapes if s[1] <= D]
         emitted, nodes, positions = [0] * len(shapes), [0] * len(shapes), 0
         with torch.no_grad():
-            for pos, state, token, greedy in unrolls(trainer, docs, D):
+            for pos, state, token, greedy, _ in unrolls(trainer, docs, D):
                 keys, probs, tokens = None, [], []
                 for _ in range(D):
                     state, logits, keys = head.step(state, trainer.embed[token], trainer.head_rows, keys)
