@@ -163,6 +163,19 @@ def test_a_wider_head_starts_as_the_head_it_widens(llm, tiny, head_file):
     assert trainer.params["down"][:, width:].abs().sum() > 0  # the new neurons learned
 
 
+def test_a_target_temperature_sharpens_what_the_head_is_scored_against(llm):
+    from eecore.train.feature_head import FeatureHeadTrainer
+
+    windows = torch.from_numpy(_stream(llm.model.config.vocab_size, 64)).long().view(2, 32)
+    _, plain = FeatureHeadTrainer(llm, FeatureHeadConfig())._target(windows)
+    _, sharp = FeatureHeadTrainer(llm, FeatureHeadConfig(target_temperature=0.5))._target(windows)
+    assert torch.allclose(sharp, (plain.log() * 2).softmax(dim=-1), atol=1e-5)  # p^2, renormalized
+    assert torch.equal(sharp.argmax(-1), plain.argmax(-1))
+    for bad in (0, -1.0, True, "0.5"):
+        with pytest.raises(ValueError, match="'target_temperature' must be a number > 0"):
+            FeatureHeadConfig(target_temperature=bad)
+
+
 def test_the_cosine_schedule_warms_up_then_decays_to_zero(llm):
     from eecore.train.feature_head import WARMUP, FeatureHeadTrainer
 

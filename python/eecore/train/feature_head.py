@@ -3,14 +3,15 @@
     python -m eecore.train.generated_corpus --out gen/ ...          # the target's continuations
     python -m eecore.train.feature_head --corpus gen/ --checkpoint-dir ckpt/ --out head.safetensors \\
         [--steps 3000] [--drafts 4] [--draft-vocab shipped|none|N] [--stop-after-minutes 110] [--init head.safetensors]
-        [--intermediate-size 2048] [--lr-schedule cosine] [--file-dtype int8]
+        [--intermediate-size 2048] [--lr-schedule cosine] [--file-dtype int8] [--target-temperature 1.0]
 
 Each step takes `batch_size` windows of `seq_len` tokens of the corpus, runs the target over them
 (its Hugging Face twin in fp32, no gradients) for its tapped streams and its next-token
 distributions, and unrolls the head from every position t of every window as it drafts: from the
 target's state at t and the token at t + 1, then from its own states, `drafts` steps, each scored
 against the target's distribution of the token it drafts (cross-entropy with the target's
-probabilities over the draft vocabulary). The unroll is the drafting procedure itself, so the head
+probabilities over the draft vocabulary; `--target-temperature` below 1 sharpens them toward the
+model's own top tokens). The unroll is the drafting procedure itself, so the head
 is trained on its own states as it will run (EAGLE-3's "training-time test").
 
 The head drafts over a draft vocabulary (`--draft-vocab`): the shipped draft copy's (chosen on
@@ -63,6 +64,9 @@ class FeatureHeadConfig:
     seed: int = 0
     intermediate_size: Optional[int] = None  # the head's MLP (default: the target's; with --init, wider widens it)
     lr_schedule: str = "constant"  # or "cosine": WARMUP steps up to lr, then down to 0 at `steps`
+    # the target's distribution is sharpened by this temperature before the head is scored against
+    # it (below 1: more weight on the model's own top tokens, which greedy acceptance asks for)
+    target_temperature: float = 1.0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "drafts"):
@@ -72,6 +76,10 @@ class FeatureHeadConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"FeatureHeadConfig: 'lr_schedule' must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if not isinstance(self.target_temperature, (int, float)) or isinstance(self.target_temperature, bool) \
+                or not self.target_temperature > 0:
+            raise ValueError(f"FeatureHeadConfig: 'target_temperature' must be a number > 0, "
+                             f"got {self.target_temperature!r}")
         if not isinstance(self.seq_len, int) or self.seq_len < self.drafts + 2:
             raise ValueError(f"FeatureHeadConfig: 'seq_len' must be an int >= drafts + 2 ({self.drafts + 2}), "
                              f"got {self.seq_len!r}")
@@ -108,7 +116,7 @@ class FeatureHeadTrainer:
             # hidden_states[E] is the stream after E layers (E < L: before the final norm)
             features = torch.cat([out.hidden_states[t] for t in self.head.taps], dim=-1)
             logits = out.logits if self.vocab is None else out.logits.index_select(-1, self.vocab)
-            return features, logits.float().softmax(dim=-1)
+            return features, (logits.float() / self.config.target_temperature).softmax(dim=-1)
 
     def unroll(self, windows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The mean loss over the unroll and, per depth k, whether each window's first k drafts all
@@ -168,8 +176,9 @@ class FeatureHeadTrainer:
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        # (a checkpoint from before lr_schedule existed ran at a constant rate)
-        theirs = ({"lr_schedule": "constant", **state["config"]}, state["taps"], state["vocab"], state["model"])
+        # (a checkpoint from before lr_schedule or target_temperature existed ran without them)
+        theirs = ({"lr_schedule": "constant", "target_temperature": 1.0, **state["config"]}, state["taps"],
+                  state["vocab"], state["model"])
         ours = (dataclasses.asdict(self.config), list(self.head.taps),
                 None if self.vocab is None else self.vocab.tolist(), model_fingerprint(self.llm.model))
         if theirs != ours:
