@@ -679,10 +679,11 @@ def test_a_feature_trees_rows_are_priced_up_to_its_node_budget():
     a deeper chain on the same rows costs only its head step."""
     def verify(rows):
         return 1.0 + 0.1 * (rows - 1)
-    planner = DraftPlanner(max_layer=0, max_lookup=0, max_feature=3, feature_width=3, feature_nodes=6)
+    config = eecore.SelfSpeculativeConfig(num_speculations=3, feature=eecore.FeatureDrafts(top_k=3, tree_nodes=6))
+    planner = DraftPlanner(max_layer=0, max_lookup=0, max_feature=3, feature_rows=config.feature_tree_nodes)
     planner.clock = StubClock(verify, 0.0, 0.0)
     plain, rounds, _ = planner._prices(1, 3, "feature")
     assert plain == 1.0 and rounds == pytest.approx((1.3, 1.6, 1.6))
-    unbudgeted = DraftPlanner(max_layer=0, max_lookup=0, max_feature=3, feature_width=3)
+    unbudgeted = DraftPlanner(max_layer=0, max_lookup=0, max_feature=3, feature_rows=lambda d: 3 * d)
     unbudgeted.clock = StubClock(verify, 0.0, 0.0)
     assert unbudgeted._prices(1, 3, "feature")[1] == pytest.approx((1.3, 1.6, 1.9))

@@ -20,7 +20,7 @@ from test_separate_draft_layers import lora_file, tiny  # noqa: F401 (fixtures)
 
 
 def _planner(verify, copy: float, feature: float, width: int = 1) -> DraftPlanner:
-    planner = DraftPlanner(max_layer=4, max_lookup=0, max_feature=4, feature_width=width)
+    planner = DraftPlanner(max_layer=4, max_lookup=0, max_feature=4, feature_rows=lambda d: width * d)
     planner.clock = StubClock(verify, copy)
     planner.clock.feature_pass = feature
     return planner

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 
 import torch
 
-import eecore
-from eecore.models.feature_head import FeatureHead
-from eecore.sources.corpus import FILE_SEPARATOR
-from eecore.sources.general_chat_prompts import HELDOUT_TOPICS
-from eecore.train.feature_head import FeatureHeadConfig, FeatureHeadTrainer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common.py
+import eecore  # noqa: E402
+from common import bench_prompt_ids  # noqa: E402
+from eecore.models.feature_head import FeatureHead  # noqa: E402
+from eecore.sources.corpus import FILE_SEPARATOR  # noqa: E402
+from eecore.sources.general_chat_prompts import HELDOUT_TOPICS  # noqa: E402
+from eecore.train.feature_head import FeatureHeadConfig, FeatureHeadTrainer  # noqa: E402
 
 ANSWER = "<|im_start|>assistant\n"
 USER = "<|im_start|>user\n"
@@ -56,9 +59,6 @@ def documents_by_kind(tokenizer, folders: list[str], per_kind: int) -> dict[str,
 def bench_documents(llm, kinds: list[str], per_kind: int, max_tokens: int = 64) -> dict:
     """kind -> [(token ids, where the answer starts)]: the benches' prompts of each kind and the
     model's greedy continuation of each."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from common import bench_prompt_ids
-
     params = eecore.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     documents = {}
     for kind in kinds:
@@ -66,19 +66,6 @@ def bench_documents(llm, kinds: list[str], per_kind: int, max_tokens: int = 64) 
         documents[f"bench {kind}"] = [(list(p) + list(o.token_ids), len(p))
                                       for p, o in zip(prompts, llm.generate(prompts, params))]
     return documents
-
-
-def vocabulary_share(trainer: FeatureHeadTrainer, docs) -> float:
-    """Share of the model's greedy tokens after the documents' answer positions that the head's
-    draft vocabulary holds."""
-    vocab = trainer.head.vocab
-    if vocab is None:
-        return 1.0
-    held = torch.zeros(trainer.embed.shape[0], dtype=torch.bool)
-    held[vocab] = True
-    with torch.no_grad():
-        shares = [held[greedy[positions + 1]].float() for positions, _, _, greedy, _ in unrolls(trainer, docs, 1)]
-    return round(float(torch.cat(shares).mean()), 3)
 
 
 def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
@@ -97,12 +84,30 @@ def unrolls(trainer: FeatureHeadTrainer, docs, depth: int):
         yield positions, head.start_state(features[positions]), window[0, positions + 1], greedy, sure
 
 
-def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
-    """Share of answer positions whose first k drafts are all right, k = 1..drafts."""
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+@dataclasses.dataclass
+class Agreement:
+    right: list[float]   # share of answer positions whose first k drafts are all right, k = 1..drafts
+    held: float          # share of the model's greedy tokens there that the head's draft vocabulary holds
+    # per band of the model's probability of its own token (CONFIDENCE_EDGES): (share of the
+    # positions in it, how often the first draft is right there)
+    bands: list[tuple[float, float]]
+
+
+def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> Agreement:
+    """The head unrolled `drafts` deep from every answer position of `docs`, against the model's
+    greedy tokens (one pass of the model a document)."""
     head = trainer.head
     right = [[] for _ in range(drafts)]
+    held_ids = torch.zeros(trainer.embed.shape[0], dtype=torch.bool)
+    held_ids[head.vocab if head.vocab is not None else slice(None)] = True
+    held, sure = [], []
     with torch.no_grad():
-        for positions, state, token, greedy, _ in unrolls(trainer, docs, drafts):
+        for positions, state, token, greedy, probability in unrolls(trainer, docs, drafts):
+            held.append(held_ids[greedy[positions + 1]].float())
+            sure.append(probability[positions + 1])
             keys, all_right = None, None
             for j in range(drafts):
                 state, logits, keys = head.step(state, trainer.embed[token], trainer.head_rows, keys)
@@ -110,30 +115,14 @@ def agreement(trainer: FeatureHeadTrainer, docs, drafts: int) -> list[float]:
                 hit = token == greedy[positions + 1 + j]
                 all_right = hit if all_right is None else all_right & hit
                 right[j].append(all_right.float())
-    return [round(float(torch.cat(r).mean()), 3) for r in right]
-
-
-CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
-
-
-def agreement_by_confidence(trainer: FeatureHeadTrainer, docs) -> list[tuple[float, float]]:
-    """Per band of the model's probability of its own greedy token (CONFIDENCE_EDGES): (the share of
-    answer positions in it, how often the head's first draft is right there)."""
-    head = trainer.head
-    right, sure = [], []
-    with torch.no_grad():
-        for positions, state, token, greedy, probability in unrolls(trainer, docs, 1):
-            _, logits, _ = head.step(state, trainer.embed[token], trainer.head_rows, None)
-            drafted = logits.argmax(-1) if head.vocab is None else head.vocab[logits.argmax(-1)]
-            right.append((drafted == greedy[positions + 1]).float())
-            sure.append(probability[positions + 1])
-    right, sure = torch.cat(right), torch.cat(sure)
+    first, sure = torch.cat(right[0]), torch.cat(sure)
     bands = []
     for low, high in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):
         inside = (sure >= low) & ((sure < high) if high < 1.0 else (sure <= high))
         bands.append((round(float(inside.float().mean()), 2),
-                      round(float(right[inside].mean()), 2) if inside.any() else float("nan")))
-    return bands
+                      round(float(first[inside].mean()), 2) if inside.any() else float("nan")))
+    return Agreement([round(float(torch.cat(r).mean()), 3) for r in right], round(float(torch.cat(held).mean()), 3),
+                     bands)
 
 
 def main() -> None:
@@ -147,25 +136,23 @@ def main() -> None:
     ap.add_argument("--by-confidence", action="store_true", help="also the first draft's agreement by how sure "
                     "the model is of its own token (bands of its probability)")
     args = ap.parse_args()
-    llm = eecore.LLM(dtype="float32", device="cpu", quantization="none")
     if not args.corpus and not args.bench_kinds:
         ap.error("give --corpus, --bench-kinds or both")
+    llm = eecore.LLM(dtype="float32", device="cpu", quantization="none")
     kinds = documents_by_kind(llm.tokenizer, args.corpus, args.documents)
     kinds.update(bench_documents(llm, args.bench_kinds, args.documents))
     for path in args.heads:
         head = FeatureHead.load(path, llm.model)
         trainer = FeatureHeadTrainer(llm, FeatureHeadConfig(drafts=args.drafts), head.vocab, head=head)
         for kind, docs in sorted(kinds.items()):
+            found = agreement(trainer, docs, args.drafts)
             print(f"{os.path.basename(path):50s} {kind:15s} {len(docs):3d} documents  first k right, k = 1..: "
-                  f"{agreement(trainer, docs, args.drafts)}  greedy tokens in its vocabulary "
-                  f"{vocabulary_share(trainer, docs)}", flush=True)
+                  f"{found.right}  greedy tokens in its vocabulary {found.held}", flush=True)
             if args.by_confidence:
-                bands = agreement_by_confidence(trainer, docs)
                 print("    model's probability of its token: " + ", ".join(
-                    f"[{low}, {high}) {share:.2f} of positions, first draft right {hit:.2f}"
-                    for (low, high), (share, hit) in zip(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]), bands)),
+                    f"[{low}, {high}{']' if high == 1.0 else ')'} {share:.2f} of positions, first draft right {hit:.2f}"
+                    for (low, high), (share, hit) in zip(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]), found.bands)),
                       flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -47,7 +47,7 @@ outputs keep its law.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from eecore.engine.sequence import Sequence
 from eecore.speculative.draft import Draft
@@ -139,17 +139,16 @@ class DraftPlanner(BatchRounds):
     RELAX = 0.998            # per round: the released sequences' rates are back near hopeful after ~1,000 rounds
 
     def __init__(self, max_layer: int, max_lookup: int, states: Optional[SequenceStates] = None,
-                 shared_rounds: bool = False, max_feature: int = 0, feature_width: int = 1,
-                 feature_nodes: Optional[int] = None):
+                 shared_rounds: bool = False, max_feature: int = 0,
+                 feature_rows: Optional[Callable[[int], int]] = None):
         """`shared_rounds`: the batch's rounds are fused (eecore.speculative.fused_round), so every
         sequence verifies the round's length and the round's passes serve all of them: a length is
         priced as if every sequence of the batch drafted it at the sequence's rates. `max_feature`:
-        the longest feature-head draft, `feature_width` the rows each of its positions verifies
-        (FeatureDrafts.top_k), `feature_nodes` the most rows a feature draft verifies
-        (FeatureDrafts.tree_nodes)."""
+        the longest feature-head draft, `feature_rows(d)` the rows a feature draft of d positions
+        verifies (SelfSpeculativeConfig.feature_tree_nodes: its token tree's; default d)."""
         self.max_length = {"layer": max_layer, "lookup": max_lookup, "feature": max_feature}
-        self._rows_per_draft = {"layer": 1, "lookup": 1, "feature": feature_width}
-        self._most_rows = {"layer": None, "lookup": None, "feature": feature_nodes}
+        chain = (lambda d: d)
+        self._rows = {"layer": chain, "lookup": chain, "feature": feature_rows or chain}
         self.shared_rounds = shared_rounds
         self._kinds = [kind for kind in KINDS if self.max_length[kind] > 0]  # the kinds it plans
         self.clock = PassClock()
@@ -295,9 +294,8 @@ class DraftPlanner(BatchRounds):
                 # the sequences drafting: this one beside one row each, or everyone (shared rounds);
                 # each drafted position verifies its tree's rows, and emits at most one token
                 width = batch if self.shared_rounds else 1
-                per, cap = self._rows_per_draft[kind], self._most_rows[kind]
-                rounds = tuple(self.clock.verify(batch + width * (per * d if cap is None else min(per * d, cap)))
-                               + d * copy for d in range(1, most + 1))
+                rows = self._rows[kind]
+                rounds = tuple(self.clock.verify(batch + width * rows(d)) + d * copy for d in range(1, most + 1))
                 floor = min(batch * (cost - plain) / (width * d * plain) for d, cost in enumerate(rounds, 1))
                 prices = (plain, rounds, floor - abs(floor) * 1e-9 - 1e-12)  # below it for sure, whatever the rounding
             self._price_list[key] = prices

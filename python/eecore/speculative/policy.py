@@ -46,9 +46,7 @@ class DraftPolicy:
         self.shadow_checks = shadow_checks
         self.planner = DraftPlanner(self.layer_drafts, self.num_drafts if config.uses_lookup else 0, states,
                                     shared_rounds=fused_rounds, max_feature=self.feature_drafts,
-                                    feature_width=config.feature_top_k,
-                                    feature_nodes=config.feature.tree_nodes if config.feature else None
-                                    ) if config.adaptive else None
+                                    feature_rows=config.feature_tree_nodes) if config.adaptive else None
         self.recorder = RoundRecorder(guard, draft_length, lookup=config.uses_lookup, layers=config.uses_layers,
                                       trees=max(config.top_k, config.feature_top_k) > 1, features=config.uses_feature)
         self._room_budgets: list[int] = []
