@@ -141,7 +141,7 @@ class FeatureHead:
             attended = values.expand(N, groups, Hkv, hd).transpose(1, 2)                   # [N, Hkv, groups, hd]
         else:
             cos, sin = self._rope(window[0].shape[1], state.device)
-            q, k = _rotate(q.view(N, H, hd), cos, sin), _rotate(k.view(N, Hkv, hd), cos, sin)
+            q, k = rotate_half(q.view(N, H, hd), cos, sin), rotate_half(k.view(N, Hkv, hd), cos, sin)
             keys = torch.cat([window[0], k[:, None]], dim=1)                                 # [N, j+1, Hkv, hd]
             values = torch.cat([window[1], v.view(N, 1, Hkv, hd)], dim=1)
             scores = torch.einsum("nhd,njhd->nhj", q, keys.repeat_interleave(groups, dim=2)) / hd ** 0.5
@@ -225,8 +225,9 @@ class FeatureHead:
         return self
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on `[N, heads, hd]` (rotate-half pairs, as the Llama family)."""
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on `[..., heads, hd]`, `cos` and `sin` `[hd / 2]` or broadcasting to it (rotate-half pairs, as
+    the Llama family)."""
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
