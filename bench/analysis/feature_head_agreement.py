@@ -154,5 +154,6 @@ def main() -> None:
                     for (low, high), (share, hit) in zip(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]), found.bands)),
                       flush=True)
 
+
 if __name__ == "__main__":
     main()
